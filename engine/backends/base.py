@@ -1,0 +1,46 @@
+"""What the engine needs from an array library, beyond its array-API namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from engine.dtypes import DTYPES
+
+Array = Any  # an array of the backend's namespace
+
+
+def namespace_with(xp: Any, **extras: Any) -> SimpleNamespace:
+    """The array namespace plus the calls the array API standard lacks (einsum,
+    scatter_add), so ops see one `xp` whatever the backend."""
+    names = {k: v for k, v in vars(xp).items() if not k.startswith("__")}
+    return SimpleNamespace(**{**names, **extras})
+
+
+@dataclass(eq=False)
+class Backend:
+    """One device: its namespace `xp` and the transfers to and from the host."""
+
+    device: str
+    xp: Any
+    to_host: Callable[[Array], np.ndarray]
+    from_host: Callable[[np.ndarray], Array]
+    synchronize: Callable[[], None] = lambda: None
+    _dtypes: dict[str, Any] = field(init=False, repr=False)
+    _names: dict[Any, str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._dtypes = {name: getattr(self.xp, name) for name in DTYPES}
+        # Keyed by what `array.dtype` gives (NumPy's dtype objects, not its scalar types).
+        self._names = {self.xp.empty((0,), dtype=v).dtype: k for k, v in self._dtypes.items()}
+        self._dtypes = {k: self.xp.empty((0,), dtype=v).dtype for k, v in self._dtypes.items()}
+
+    def dtype(self, name: str) -> Any:
+        return self._dtypes[name]
+
+    def dtype_name(self, array: Array) -> str:
+        return self._names[array.dtype]

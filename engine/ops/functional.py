@@ -1,0 +1,142 @@
+"""The callable faces of the registry: `engine.<op>(...)`, Tensor methods and operators,
+and the two namespaces `F` that VJPs are written against."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from engine.backends import Backend
+from engine.errors import ArityError, AttributeError_
+from engine.ops.dispatch import apply
+from engine.ops.registry import OPS, OpDef
+from engine.tensor import Tensor
+
+
+def _bind_call(op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Map a PyTorch-style call onto (tensors, attributes)."""
+    order = op.call_order or (*op.args, *op.positional_attrs)
+    named: dict[str, Any] = {}
+    tensors: list[Any] = []
+    rest = list(args)
+    for name in order:
+        if not rest:
+            break
+        if name.startswith("*"):  # the operands of einsum: all remaining positionals
+            tensors.extend(rest)
+            rest = []
+            break
+        named[name] = rest.pop(0)
+    if rest:
+        raise ArityError(f"takes at most {len(order)} positional arguments", op=op.name)
+    for key, value in kwargs.items():
+        if key in named:
+            raise ArityError(f"got multiple values for argument {key!r}", op=op.name)
+        named[key] = value
+    if op.variadic:
+        seq_name = next((n for n in order if not n.startswith("*") and n not in op.attrs), None)
+        if seq_name is not None and seq_name in named:
+            tensors = list(named.pop(seq_name))
+    else:
+        for name in op.args:
+            if name not in named:
+                raise ArityError(f"missing tensor argument {name!r}", op=op.name)
+            tensors.append(named.pop(name))
+    unknown = [k for k in named if k not in op.attrs]
+    if unknown:
+        raise AttributeError_(f"unexpected argument {unknown[0]!r}", op=op.name)
+    return tensors, named
+
+
+def make_function(op: OpDef) -> Callable[..., Tensor]:
+    """The public `engine.<name>` function of an op."""
+
+    def fn(*args: Any, **kwargs: Any) -> Tensor:
+        tensors, attrs = _bind_call(op, args, kwargs)
+        op.check_arity(len(tensors))
+        return apply(op, tensors, op.bind_attrs(attrs))
+
+    fn.__name__ = fn.__qualname__ = op.name
+    fn.__doc__ = op.doc
+    return fn
+
+
+FUNCTIONS: dict[str, Callable[..., Tensor]] = {}
+
+
+def _tensor_namespace() -> SimpleNamespace:
+    """F for create_graph: every op on Tensors, recorded, so VJPs are differentiable."""
+
+    def op_fn(op: OpDef) -> Callable[..., Tensor]:
+        return lambda *xs, **attrs: apply(op, xs, op.bind_attrs(attrs))
+
+    ns = SimpleNamespace(**{name: op_fn(op) for name, op in OPS.items()})
+    ns.zeros_like = lambda x: Tensor(x._backend.xp.zeros_like(x.data), x._backend)
+    ns.ones_like = lambda x: Tensor(x._backend.xp.ones_like(x.data), x._backend)
+    ns.dtype_of = lambda x: x.dtype
+    return ns
+
+
+@functools.cache
+def raw_namespace(backend: Backend) -> SimpleNamespace:
+    """F for a plain backward: every op's forward on raw arrays, recording nothing."""
+    xp = backend.xp
+
+    def op_fn(op: OpDef) -> Callable[..., Any]:
+        forward, defaults = op.forward, op.defaults
+        if not op.attrs:
+            return lambda *xs: forward(xp, *xs)
+        return lambda *xs, **attrs: forward(xp, *xs, **{**defaults, **attrs})
+
+    ns = SimpleNamespace(**{name: op_fn(op) for name, op in OPS.items()})
+    ns.zeros_like = xp.zeros_like
+    ns.ones_like = xp.ones_like
+    ns.dtype_of = backend.dtype_name
+    return ns
+
+
+F_TENSOR = SimpleNamespace()
+
+_OPERATORS = {
+    "__add__": ("add", False), "__radd__": ("add", True),
+    "__sub__": ("sub", False), "__rsub__": ("sub", True),
+    "__mul__": ("mul", False), "__rmul__": ("mul", True),
+    "__truediv__": ("div", False), "__rtruediv__": ("div", True),
+    "__pow__": ("pow", False), "__rpow__": ("pow", True),
+    "__matmul__": ("matmul", False), "__rmatmul__": ("matmul", True),
+    "__lt__": ("lt", False), "__le__": ("le", False),
+    "__gt__": ("gt", False), "__ge__": ("ge", False),
+    "__eq__": ("eq", False), "__ne__": ("ne", False),
+}
+
+
+def _operator(op: OpDef, reflected: bool) -> Callable[[Tensor, Any], Tensor]:
+    def method(self: Tensor, other: Any) -> Tensor:
+        if not isinstance(other, (Tensor, int, float, bool)):
+            return NotImplemented  # type: ignore[no-any-return]
+        args = (other, self) if reflected else (self, other)
+        return apply(op, args, op.defaults)
+
+    return method
+
+
+def _method(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    return lambda self, *args, **kwargs: fn(self, *args, **kwargs)
+
+
+def install() -> None:
+    """Build the functions and attach operators and methods to Tensor (once, at import)."""
+    for name, op in OPS.items():
+        FUNCTIONS[name] = make_function(op)
+    F_TENSOR.__dict__.update(vars(_tensor_namespace()))
+    for dunder, (name, reflected) in _OPERATORS.items():
+        if name in OPS:
+            setattr(Tensor, dunder, _operator(OPS[name], reflected))
+    Tensor.__neg__ = lambda self: apply(OPS["neg"], (self,), {})  # type: ignore[method-assign]
+    Tensor.__pos__ = lambda self: self  # type: ignore[attr-defined]
+    Tensor.__abs__ = lambda self: apply(OPS["abs"], (self,), {})  # type: ignore[attr-defined]
+    for name, op in OPS.items():
+        if op.args and not op.variadic and not hasattr(Tensor, name):
+            setattr(Tensor, name, _method(FUNCTIONS[name]))

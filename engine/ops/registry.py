@@ -1,0 +1,237 @@
+"""The op registry: every op is declared once, as one `OpDef`.
+
+An OpDef holds everything about an op: its name and group, its tensor
+arguments, its attributes (PyTorch names, types, defaults), a one-line doc,
+the shape-and-dtype rule (`infer`), the forward on a backend namespace `xp`,
+the vector-Jacobian product per argument, and which values that VJP reads
+(`save`). `GET /ops`, the `expr` whitelist, graph validation and `grad_fn`
+names all read this registry.
+
+VJPs are written once against a namespace `F` that they are handed: on a
+plain backward `F` runs the ops' forwards on raw arrays (cheap, records
+nothing); with `create_graph=True` it is the engine's own op functions on
+Tensors, so the same rule is itself differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from engine.dtypes import DEFAULT_FLOAT, FLOATS, Scalar, check_dtype, result_type
+from engine.errors import ArityError, AttributeError_, DTypeError
+
+Array = Any
+VJP = Callable[..., Any]
+
+
+class Meta(NamedTuple):
+    """What shape inference knows of a value: its shape, dtype, and whether it is a
+    Python number literal (weak in type promotion)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    literal: bool = False
+
+
+_MISSING: Any = object()
+
+
+@dataclass(frozen=True)
+class Attr:
+    """An attribute: its wire type, default, and an optional extra check."""
+
+    type: str  # "int", "float", "bool", "number", "str", "dtype", "ints", "int|ints", "shape"
+    default: Any = _MISSING
+    doc: str = ""
+    choices: tuple[Any, ...] | None = None
+    nullable: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is _MISSING
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": self.type + ("|null" if self.nullable else ""),
+            "default": None if self.required else self.default,
+            "required": self.required,
+        }
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_ints(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
+
+
+_TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "dtype": lambda v: isinstance(v, str),
+    "ints": _is_ints,
+    "int|ints": lambda v: _is_int(v) or _is_ints(v),
+    "shape": lambda v: _is_ints(v) or _is_int(v),
+}
+
+
+@dataclass(eq=False)
+class OpDef:
+    """One op, declared once. See the module docstring."""
+
+    name: str
+    group: str
+    doc: str
+    args: tuple[str, ...]
+    forward: Callable[..., Array]
+    infer: Callable[..., Meta]
+    # One VJP per argument (None: not differentiable in that argument), each
+    # `(F, grad, *saved, **attrs) -> grad of that argument`. Variadic ops give one
+    # function returning the list of all operands' gradients.
+    vjp: tuple[VJP | None, ...] | VJP | None = None
+    save: tuple[str, ...] = ()
+    attrs: dict[str, Attr] = field(default_factory=dict)
+    variadic: bool = False
+    # Type promotion: the tensor arguments promoted to one dtype before the forward
+    # (indices into args, or "all"), and whether integer inputs compute in the default float.
+    promote: tuple[int, ...] | str = ()
+    float_result: bool = False
+    # Attributes a Python caller may also pass positionally after the tensors,
+    # in PyTorch's order (`sum(x, 1)`, `transpose(x, 0, 1)`).
+    positional_attrs: tuple[str, ...] = ()
+    # Where the Python call order puts attributes before some tensors, as in
+    # `gather(input, dim, index)`: the full positional order by name.
+    call_order: tuple[str, ...] | None = None
+
+    # Derived once at registration.
+    grad_fn_name: str = field(init=False)
+    defaults: dict[str, Any] = field(init=False)
+    save_index: tuple[int, ...] = field(init=False)  # -1 = the result
+
+    def __post_init__(self) -> None:
+        self.grad_fn_name = "".join(p.capitalize() for p in self.name.split("_")) + "Backward"
+        self.defaults = {k: a.default for k, a in self.attrs.items() if not a.required}
+        self.save_index = tuple(-1 if s == "result" else self.args.index(s) for s in self.save)
+
+    @property
+    def differentiable(self) -> bool:
+        if self.vjp is None:
+            return False
+        return self.variadic or any(f is not None for f in self.vjp)  # type: ignore[union-attr]
+
+    def arg_differentiable(self, i: int) -> bool:
+        if self.vjp is None:
+            return False
+        if self.variadic:
+            return True
+        return self.vjp[i] is not None  # type: ignore[index]
+
+    def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Validate attributes against the declaration and fill in defaults."""
+        if not given:
+            if len(self.defaults) == len(self.attrs):
+                return self.defaults
+        for key in given:
+            if key not in self.attrs:
+                known = ", ".join(self.attrs) or "none"
+                raise AttributeError_(
+                    f"unknown attribute {key!r}; {self.name} takes: {known}",
+                    op=self.name,
+                    loc=("attrs", key),
+                )
+        out = dict(self.defaults)
+        for key, spec in self.attrs.items():
+            if key not in given:
+                if spec.required:
+                    raise AttributeError_(
+                        f"missing required attribute {key!r}", op=self.name, loc=("attrs", key)
+                    )
+                continue
+            value = given[key]
+            if value is None and (spec.nullable or spec.default is None):
+                out[key] = None
+                continue
+            if not _TYPE_CHECKS[spec.type](value):
+                raise AttributeError_(
+                    f"attribute {key!r} must be {spec.type}, got {value!r}",
+                    op=self.name,
+                    loc=("attrs", key),
+                )
+            if spec.type == "dtype":
+                value = check_dtype(value)
+            if isinstance(value, tuple):
+                value = list(value)
+            if spec.choices is not None and value not in spec.choices:
+                raise AttributeError_(
+                    f"attribute {key!r} must be one of {list(spec.choices)}, got {value!r}",
+                    op=self.name,
+                    loc=("attrs", key),
+                )
+            out[key] = value
+        return out
+
+    def check_arity(self, n: int) -> None:
+        if self.variadic:
+            if n < 1:
+                raise ArityError(f"takes at least 1 tensor argument, got {n}", op=self.name)
+        elif n != len(self.args):
+            names = ", ".join(self.args) or "none"
+            raise ArityError(
+                f"takes {len(self.args)} tensor argument(s) ({names}), got {n}", op=self.name
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "group": self.group,
+            "args": list(self.args),
+            "variadic": self.variadic,
+            "attrs": {k: a.describe() for k, a in self.attrs.items()},
+            "differentiable": self.differentiable,
+            "doc": self.doc,
+        }
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(*ops: OpDef) -> None:
+    for op in ops:
+        if op.name in OPS:
+            raise ValueError(f"op {op.name!r} declared twice")
+        OPS[op.name] = op
+
+
+# ---------------------------------------------------------------- promotion
+
+
+def promoted_dtype(metas: Sequence[Meta], float_result: bool = False) -> str:
+    """The dtype an op computes in: `torch.result_type` of its operands, lifted to the
+    default float for ops that only compute in floating point."""
+    dims = [m.dtype for m in metas if not m.literal and m.shape]
+    zero = [m.dtype for m in metas if not m.literal and not m.shape]
+    lits: list[Scalar] = [_LITERAL_OF[m.dtype] for m in metas if m.literal]
+    out = result_type(dims, zero, lits)
+    if float_result and out not in FLOATS:
+        return DEFAULT_FLOAT
+    return out
+
+
+_LITERAL_OF: dict[str, Scalar] = {"bool": True, "int64": 1, "float32": 1.0}
+
+
+def literal_meta(value: Scalar) -> Meta:
+    from engine.dtypes import scalar_dtype
+
+    return Meta((), scalar_dtype(value), literal=True)
+
+
+def require_float(op: str, meta: Meta, what: str = "input") -> None:
+    if meta.dtype not in FLOATS:
+        raise DTypeError(f"{what} must be floating point, got {meta.dtype}", op=op)
