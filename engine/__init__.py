@@ -18,8 +18,8 @@ from engine.autograd import backward, grad
 from engine.backends import available_devices, parse_device
 from engine.dtypes import bool_, float16, float32, float64, int32, int64
 from engine.errors import GradserveError
-from engine.gradcheck import gradcheck
 from engine.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from engine.gradcheck import gradcheck
 from engine.memory import MemoryTracker
 from engine.ops import FUNCTIONS, OPS
 from engine.tensor import Tensor, tensor

@@ -56,7 +56,7 @@ class ArityError(GraphError):
     """Wrong number of tensor arguments for an op."""
 
 
-class AttributeError_(GraphError):  # noqa: N801 - avoid shadowing the builtin
+class AttributeError_(GraphError):
     """A missing, unknown or ill-typed attribute."""
 
 

@@ -51,21 +51,21 @@ class _GradMode:
         return wrapper  # type: ignore[return-value]
 
 
-class no_grad(_GradMode):  # noqa: N801 - PyTorch's name
+class no_grad(_GradMode):
     """Nothing computed inside records a graph: results have no grad_fn."""
 
     def __init__(self) -> None:
         super().__init__(False)
 
 
-class enable_grad(_GradMode):  # noqa: N801 - PyTorch's name
+class enable_grad(_GradMode):
     """Re-enable recording inside a no_grad block."""
 
     def __init__(self) -> None:
         super().__init__(True)
 
 
-class set_grad_enabled(_GradMode):  # noqa: N801 - PyTorch's name
+class set_grad_enabled(_GradMode):
     """As in PyTorch, the mode is set on construction, so a bare call switches it for the
     current context; used with `with`, the previous mode comes back on exit."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import cupy  # noqa: F401 - ImportError here means "no CUDA backend"
+import cupy
 import cupyx
 import numpy as np
 from array_api_compat import cupy as xp_cupy

@@ -26,6 +26,8 @@ def _where_infer(metas: list[Meta]) -> Meta:
 def _where(xp: Any, cond: Any, a: Any, b: Any) -> Any:
     if isinstance(cond, bool):
         cond = xp.asarray(cond)
+    if cond.dtype != xp.bool:
+        raise DTypeError(f"condition must be bool, got {cond.dtype}")
     return xp.where(cond, a, b)
 
 

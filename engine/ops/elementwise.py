@@ -27,7 +27,7 @@ def _clamp_bounds(x: Any, lo: Any, hi: Any) -> None:
         raise AttributeError_("at least one of 'min' or 'max' must be given", loc=("attrs",))
 
 
-def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:  # noqa: A002 - PyTorch's names
+def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
     _clamp_bounds(x, min, max)
     if isinstance(min, float) or isinstance(max, float):
         if xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool:
@@ -40,7 +40,7 @@ def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:  # noqa: A002 - PyTor
     return out
 
 
-def _clamp_infer(metas: list[Meta], *, min: Any, max: Any) -> Meta:  # noqa: A002
+def _clamp_infer(metas: list[Meta], *, min: Any, max: Any) -> Meta:
     (m,) = metas
     _clamp_bounds(None, min, max)
     lits = [Meta((), "float32" if isinstance(v, float) else "int64", True)
@@ -48,7 +48,7 @@ def _clamp_infer(metas: list[Meta], *, min: Any, max: Any) -> Meta:  # noqa: A00
     return Meta(m.shape, promoted_dtype([m, *lits]))
 
 
-def _clamp_vjp(F: Any, g: Any, x: Any, *, min: Any, max: Any) -> Any:  # noqa: A002
+def _clamp_vjp(F: Any, g: Any, x: Any, *, min: Any, max: Any) -> Any:
     inside = None
     if min is not None:
         inside = x >= min

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from engine.backends import Backend
-from engine.errors import ArityError, AttributeError_
+from engine.errors import ArityError
 from engine.ops.dispatch import apply
 from engine.ops.registry import OPS, OpDef
 from engine.tensor import Tensor
@@ -30,7 +30,10 @@ def _bind_call(op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             break
         named[name] = rest.pop(0)
     if rest:
-        raise ArityError(f"takes at most {len(order)} positional arguments", op=op.name)
+        if not op.variadic and not op.positional_attrs and not op.call_order:
+            op.check_arity(len(args))
+        raise ArityError(f"takes at most {len(order)} positional arguments ({', '.join(order)}), "
+                         f"got {len(args)}", op=op.name)
     for key, value in kwargs.items():
         if key in named:
             raise ArityError(f"got multiple values for argument {key!r}", op=op.name)
@@ -44,10 +47,7 @@ def _bind_call(op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             if name not in named:
                 raise ArityError(f"missing tensor argument {name!r}", op=op.name)
             tensors.append(named.pop(name))
-    unknown = [k for k in named if k not in op.attrs]
-    if unknown:
-        raise AttributeError_(f"unexpected argument {unknown[0]!r}", op=op.name)
-    return tensors, named
+    return tensors, named  # bind_attrs reports any unknown name
 
 
 def make_function(op: OpDef) -> Callable[..., Tensor]:

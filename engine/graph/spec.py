@@ -1,0 +1,56 @@
+"""The plain data types at the boundary between the service and the graph engine."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tensor import Tensor
+
+Literal = bool | int | float
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node: either an op with args and attrs, or an infix `expr` string."""
+
+    id: str
+    op: str | None = None
+    args: Sequence[str | Literal] = ()
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    expr: str | None = None
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    nodes: Sequence[NodeSpec]
+    outputs: Sequence[str]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What validation and planning need to know of an input (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool = False
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_nodes: int = 100_000
+    expr_max_chars: int = 10_000
+    expr_max_depth: int = 100
+    max_errors: int = 20  # errors reported from one validation pass
+    memory_budget_bytes: int | None = None  # for the planned peak of the path that will run
+
+
+@dataclass
+class RunResult:
+    outputs: dict[str, Tensor]
+    gradients: dict[str, Tensor] | None  # None for a forward-only run
+    peak_bytes: int  # measured by the engine's accounting
+    planned_peak_bytes: int
+    nodes: int  # op nodes executed, after `expr` expansion
+    timings_ms: dict[str, float]  # "plan", "forward", and "backward" when it ran

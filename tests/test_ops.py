@@ -1,0 +1,158 @@
+"""Registry-driven checks of every op: forward against PyTorch, gradients against
+central differences (float64) and against torch.autograd, error samples, and the
+same forward and gradients again on array-api-strict."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+
+import engine
+from engine.ops import OPS
+from engine.ops.dispatch import apply
+from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
+
+torch = pytest.importorskip("torch")
+
+CATALOG = ["add", "sub", "mul", "div", "pow", "neg", "maximum", "minimum", "abs", "sign", "exp", "log", "log1p", "expm1", "sqrt", "square", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "softplus", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "where", "sum", "mean", "prod", "max", "min", "logsumexp", "var", "softmax", "log_softmax", "matmul", "einsum", "transpose", "permute", "det", "inv", "solve", "cross", "reshape", "expand", "squeeze", "unsqueeze", "flatten", "cat", "stack", "slice", "index_select", "gather", "scatter_add", "cast", "detach", "zeros", "ones", "full", "eye", "arange"]
+
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
+                "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
+
+
+def _cases(only_grad: bool = False, finite_differences: bool = False) -> list[Any]:
+    out = []
+    for name, samples in sorted(SAMPLES.items()):
+        for k, s in enumerate(samples):
+            if only_grad and not (s.grad and OPS[name].differentiable):
+                continue
+            if finite_differences and not s.fd:
+                continue
+            out.append(pytest.param(name, s, id=f"{name}-{s.id or k}"))
+    return out
+
+
+def _is_float_array(a: Any) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype.kind == "f"
+
+
+def engine_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
+    op = OPS[name]
+    return [
+        engine.tensor(a, dtype=dtype if _is_float_array(a) else None,
+                      requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i))
+        if isinstance(a, np.ndarray) else a
+        for i, a in enumerate(s.args)
+    ]
+
+
+def torch_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
+    op = OPS[name]
+    return [
+        torch.tensor(a, dtype=TORCH_DTYPES[dtype] if _is_float_array(a) else None,
+                     requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i))
+        if isinstance(a, np.ndarray) else a
+        for i, a in enumerate(s.args)
+    ]
+
+
+def run(name: str, args: list[Any], attrs: dict[str, Any]) -> engine.Tensor:
+    op = OPS[name]
+    return apply(op, args, op.bind_attrs(attrs))
+
+
+def assert_close(ours: engine.Tensor, ref: Any) -> None:
+    expected = ref.detach().numpy()
+    assert ours.shape == tuple(ref.shape), (ours.shape, tuple(ref.shape))
+    assert ours.dtype == str(ref.dtype).removeprefix("torch."), (ours.dtype, ref.dtype)
+    tol = {"float16": 1e-2, "float32": 1e-5, "float64": 1e-10}.get(ours.dtype, 0)
+    np.testing.assert_allclose(ours.numpy(), expected, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_catalog_is_complete() -> None:
+    missing = [n for n in CATALOG if n not in OPS]
+    assert not missing, f"ops missing from the registry: {missing}"
+    for name in OPS:
+        assert SAMPLES.get(name), f"{name} has no samples"
+        assert name in TORCH, f"{name} has no PyTorch reference"
+        assert ERRORS.get(name), f"{name} has no error samples"
+        assert callable(getattr(engine, name)), f"engine.{name} is missing"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_forward_matches_torch(name: str, sample: Sample, dtype: str) -> None:
+    ours = run(name, engine_args(name, sample, dtype, False), sample.attrs)
+    ref = TORCH[name](torch, *torch_args(name, sample, dtype, False), **sample.attrs)
+    assert_close(ours, ref)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True, finite_differences=True))
+def test_gradcheck(name: str, sample: Sample) -> None:
+    args = engine_args(name, sample, "float64", True)
+    if not any(isinstance(a, engine.Tensor) and a.requires_grad for a in args):
+        pytest.skip("no differentiable float input in this sample")
+    tensors = [i for i, a in enumerate(args) if isinstance(a, engine.Tensor)]
+
+    def fn(*ts: engine.Tensor) -> engine.Tensor:
+        full = list(args)
+        for i, t in zip(tensors, ts, strict=True):
+            full[i] = t
+        return run(name, full, sample.attrs)
+
+    assert engine.gradcheck(fn, [args[i] for i in tensors])
+
+
+def _grads_vs_torch(name: str, sample: Sample) -> None:
+    ours_in = engine_args(name, sample, "float64", True)
+    ref_in = torch_args(name, sample, "float64", True)
+    if not any(isinstance(a, engine.Tensor) and a.requires_grad for a in ours_in):
+        pytest.skip("no differentiable float input in this sample")
+    ours = run(name, ours_in, sample.attrs)
+    ref = TORCH[name](torch, *ref_in, **sample.attrs)
+    assert_close(ours, ref)
+    assert ours.grad_fn is not None and ours.grad_fn.name() == OPS[name].grad_fn_name
+    v = np.random.default_rng(7).standard_normal(ours.shape)
+    ours.backward(engine.tensor(v, dtype="float64"))
+    ref.backward(torch.tensor(v))
+    for a, b in zip(ours_in, ref_in, strict=True):
+        if isinstance(a, engine.Tensor) and a.requires_grad:
+            assert a.grad is not None, "no gradient reached an input"
+            assert a.grad.shape == a.shape and a.grad.dtype == a.dtype
+            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-7, atol=1e-9,
+                                       equal_nan=True)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_gradients_match_torch(name: str, sample: Sample) -> None:
+    _grads_vs_torch(name, sample)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_array_api_strict(name: str, sample: Sample, backend_name: str) -> None:
+    """Forward (and gradients where differentiable) on NumPy and on array-api-strict."""
+    if sample.grad and OPS[name].differentiable:
+        _grads_vs_torch(name, sample)
+    else:
+        ours = run(name, engine_args(name, sample, "float64", False), sample.attrs)
+        ref = TORCH[name](torch, *torch_args(name, sample, "float64", False), **sample.attrs)
+        assert_close(ours, ref)
+
+
+@pytest.mark.parametrize(
+    ("name", "k"), [(n, k) for n, errs in sorted(ERRORS.items()) for k in range(len(errs))]
+)
+def test_error_samples(name: str, k: int) -> None:
+    err = ERRORS[name][k]
+    op = OPS[name]
+    args = [engine.tensor(a) if isinstance(a, np.ndarray) else a for a in err.args]
+    with pytest.raises(err.error) as info:
+        fn = getattr(engine, name)
+        if op.variadic:
+            apply(op, args, op.bind_attrs(err.attrs)) if len(args) else op.check_arity(0)
+        else:
+            fn(*args, **err.attrs)
+    assert re.search(err.match, str(info.value)), f"{info.value!s} !~ {err.match}"
