@@ -4,19 +4,24 @@ The pass never recurses (a 100,000-node chain works): it counts each node's
 consumers, runs a node once all of them have sent their gradient, drops each
 gradient as soon as it is consumed, and frees saved values unless asked to
 retain the graph.
+
+As in PyTorch, a node's edges point at the *nodes* that made its inputs (or at
+leaf tensors), never at intermediate tensors: an intermediate stays alive only
+while something saved it for backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad, no_grad
-from engine.memory import current_tracker
+from engine.memory import MemoryTracker, current_tracker
 from engine.shapes import fmt, sum_to_shape
 
 if TYPE_CHECKING:
+    from engine.backends import Backend
     from engine.ops.registry import OpDef
     from engine.tensor import Tensor
 
@@ -27,20 +32,35 @@ _FREED_MESSAGE = (
     "backward through the graph a second time."
 )
 
+Edge = Any  # a Node, a leaf Tensor that requires grad, or None
+
 
 class Node:
     """`grad_fn` of a tensor: the op that made it, its input edges and what its VJP reads."""
 
-    __slots__ = ("__weakref__", "attrs", "inputs", "needs", "op", "saved", "tracker")
+    __slots__ = ("__weakref__", "attrs", "backend", "edges", "in_meta", "op", "saved", "tracker")
 
     def __init__(
-        self, op: OpDef, args: Sequence[Any], needs: list[bool], attrs: dict[str, Any], out: Any
+        self,
+        op: OpDef,
+        args: Sequence[Any],
+        needs: list[bool],
+        attrs: dict[str, Any],
+        out: Any,
+        backend: Backend,
     ) -> None:
         self.op = op
         self.attrs = attrs
-        self.needs = needs
-        # Each input edge: the input Tensor (its own grad_fn is the next node) or None.
-        self.inputs = tuple(a if n else None for a, n in zip(args, needs, strict=True))
+        self.backend = backend
+        self.edges: tuple[Edge, ...] = tuple(
+            (a.grad_fn if a.grad_fn is not None else a) if need else None
+            for a, need in zip(args, needs, strict=True)
+        )
+        # The shape and dtype each gradient is summed and cast back to.
+        self.in_meta = tuple(
+            (tuple(a.data.shape), a.data.dtype) if need else None
+            for a, need in zip(args, needs, strict=True)
+        )
         # What the VJP reads: input Tensors or numbers, and the raw result (not the result
         # Tensor, which would be a reference cycle through its own grad_fn).
         self.saved: tuple[Any, ...] | None = tuple(
@@ -55,7 +75,7 @@ class Node:
 
     @property
     def next_functions(self) -> tuple[tuple[Any, int], ...]:
-        return tuple((t.grad_fn if t is not None else None, 0) for t in self.inputs)
+        return tuple((e, 0) for e in self.edges)
 
     def __repr__(self) -> str:
         return f"<{self.name()}>"
@@ -77,27 +97,27 @@ class Node:
         elif create_graph:
             saved = tuple(self._saved_tensor(v, j) for j, v in enumerate(self.saved))
         else:
-            saved = tuple(v.data if _is_tensor(v) else v for v in self.saved)
+            saved = tuple(v.data if hasattr(v, "_backend") else v for v in self.saved)
         if op.variadic:
             grads = list(op.vjp(F, grad, *saved, **self.attrs))  # type: ignore[operator]
         else:
             vjps = op.vjp
             grads = [
-                vjps[i](F, grad, *saved, **self.attrs) if need else None  # type: ignore[index]
-                for i, need in enumerate(self.needs)
+                vjps[i](F, grad, *saved, **self.attrs) if meta is not None else None  # type: ignore[index]
+                for i, meta in enumerate(self.in_meta)
             ]
-        for i, (g, t) in enumerate(zip(grads, self.inputs, strict=True)):
-            if t is None or g is None:
+        for i, (g, meta) in enumerate(zip(grads, self.in_meta, strict=True)):
+            if meta is None or g is None:
                 grads[i] = None
                 continue
-            shape = t.shape
+            shape, dtype = meta
             if tuple(g.shape) != shape:
                 g = sum_to_shape(F, g, shape)
             if create_graph:
-                if g.dtype != t.dtype:
-                    g = F.cast(g, dtype=t.dtype)
-            elif g.dtype != t.data.dtype:
-                g = t._backend.xp.astype(t._backend.xp.asarray(g), t.data.dtype)
+                if g.data.dtype != dtype:
+                    g = F.cast(g, dtype=self.backend.name_of(dtype))
+            elif g.dtype != dtype:
+                g = self.backend.xp.astype(self.backend.xp.asarray(g), dtype)
             grads[i] = g
         return grads
 
@@ -106,13 +126,8 @@ class Node:
 
         if self.op.save_index[j] < 0:
             # The result of this very node: PyTorch rebuilds it with this node as grad_fn.
-            backend = next(t for t in self.inputs if t is not None)._backend
-            return Tensor(value, backend, requires_grad=True, grad_fn=self)
+            return Tensor(value, self.backend, requires_grad=True, grad_fn=self)
         return value
-
-
-def _is_tensor(v: Any) -> bool:
-    return hasattr(v, "_backend")
 
 
 def _as_grad(value: Any, like: Tensor, create_graph: bool) -> Any:
@@ -125,22 +140,42 @@ def _as_grad(value: Any, like: Tensor, create_graph: bool) -> Any:
             f"gradient has shape {fmt(t.shape)} but the output has shape {fmt(like.shape)}"
         )
     if t.dtype != like.dtype:
-        t = t.to(dtype=like.dtype) if create_graph else Tensor(
-            like._backend.xp.astype(t.data, like.data.dtype), like._backend
-        )
+        t = t.to(dtype=like.dtype)
     return t if create_graph else t.data
 
 
 def _implicit_grad(output: Tensor, create_graph: bool) -> Any:
     if output.numel() != 1:
         raise BackwardError("grad can be implicitly created only for scalar outputs")
-    xp = output._backend.xp
-    ones = xp.ones(output.data.shape, dtype=output.data.dtype)
+    ones = output._backend.xp.ones(output.data.shape, dtype=output.data.dtype)
     if create_graph:
         from engine.tensor import Tensor
 
         return Tensor(ones, output._backend)
     return ones
+
+
+class _Pending:
+    """Gradients waiting at nodes and leaves, counted by the memory tracker (if any)."""
+
+    def __init__(self, tracker: MemoryTracker | None) -> None:
+        self.grads: dict[Any, Any] = {}
+        self.tracker = tracker
+
+    def add(self, key: Any, g: Any) -> None:
+        old = self.grads.get(key)
+        new = g if old is None else old + g
+        self.grads[key] = new
+        if self.tracker is not None:
+            if old is not None:
+                self.tracker.release(old)
+            self.tracker.retain(new)
+
+    def pop(self, key: Any) -> Any:
+        g = self.grads.pop(key)
+        if self.tracker is not None:
+            self.tracker.release(g)
+        return g
 
 
 def run_backward(
@@ -149,17 +184,16 @@ def run_backward(
     retain_graph: bool,
     create_graph: bool,
     capture: Sequence[Tensor] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> dict[int, Any]:
     """The core pass. With `capture`, the gradients of those tensors are returned (by id)
-    instead of accumulated into leaves' `.grad`."""
+    instead of accumulated into leaves' `.grad`. `check` runs before each node (a deadline)."""
     from engine.ops.functional import F_TENSOR, raw_namespace
 
     if grad_outputs is not None and len(grad_outputs) != len(outputs):
-        raise BackwardError(
-            f"got {len(grad_outputs)} gradients for {len(outputs)} outputs"
-        )
-    # Seed: the gradient arriving at each output tensor.
-    pending: dict[Any, Any] = {}  # Node or leaf Tensor -> gradient so far
+        raise BackwardError(f"got {len(grad_outputs)} gradients for {len(outputs)} outputs")
+    tracker = None if create_graph else current_tracker()
+    pending = _Pending(tracker)
     roots: list[Any] = []
     for k, out in enumerate(outputs):
         if not out.requires_grad:
@@ -167,78 +201,68 @@ def run_backward(
                 f"element {k} of tensors does not require grad and does not have a grad_fn"
             )
         given = None if grad_outputs is None else grad_outputs[k]
-        g = _implicit_grad(out, create_graph) if given is None else _as_grad(
-            given, out, create_graph
-        )
+        g = (_implicit_grad(out, create_graph) if given is None
+             else _as_grad(given, out, create_graph))
         key = out.grad_fn if out.grad_fn is not None else out
-        pending[key] = pending[key] + g if key in pending else g
+        pending.add(key, g)
         roots.append(key)
+    roots = list(dict.fromkeys(roots))
 
     F = F_TENSOR if create_graph else raw_namespace(outputs[0]._backend)
-    captured = {id(t): (t.grad_fn if t.grad_fn is not None else t) for t in capture or ()}
-    wanted = {id(k): tid for tid, k in captured.items()}
+    # For grad(): the node (or leaf) whose incoming gradient is each captured tensor's.
+    wanted = {id(t.grad_fn if t.grad_fn is not None else t): id(t) for t in capture or ()}
     results: dict[int, Any] = {}
 
-    # Count, for each node, how many edges from reachable nodes point at it.
+    # Count, for each node, the edges pointing at it from nodes reachable from the roots.
     deps: dict[Node, int] = {}
     stack = [r for r in roots if isinstance(r, Node)]
     seen = set(stack)
     while stack:
-        node = stack.pop()
-        for t in node.inputs:
-            if t is None or t.grad_fn is None:
-                continue
-            nxt = t.grad_fn
-            deps[nxt] = deps.get(nxt, 0) + 1
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
+        for nxt in stack.pop().edges:
+            if isinstance(nxt, Node):
+                deps[nxt] = deps.get(nxt, 0) + 1
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
 
-    tracker = current_tracker()
-    mode = enable_grad() if create_graph else no_grad()
-    with mode:
-        for g in pending.values():
-            if tracker is not None and not create_graph:
-                tracker.retain(g)
-        ready = [r for r in dict.fromkeys(roots) if isinstance(r, Node) and deps.get(r, 0) == 0]
-        for leaf in [r for r in dict.fromkeys(roots) if not isinstance(r, Node)]:
-            _deliver(leaf, pending.pop(leaf), wanted, results, create_graph, tracker)
+    def deliver(leaf: Tensor, g: Any) -> None:
+        if capture is not None:
+            if id(leaf) in wanted:
+                key = wanted[id(leaf)]
+                results[key] = results[key] + g if key in results else g
+            return
+        _accumulate_leaf(leaf, g, create_graph)
+
+    with enable_grad() if create_graph else no_grad():
+        for leaf in [r for r in roots if not isinstance(r, Node)]:
+            deliver(leaf, pending.pop(leaf))
+        ready = [r for r in roots if isinstance(r, Node) and deps.get(r, 0) == 0]
         while ready:
+            if check is not None:
+                check()
             node = ready.pop()
             grad = pending.pop(node)
-            in_grads = node.apply(grad, F, create_graph)
-            if tracker is not None and not create_graph:
-                tracker.release(grad)
             if id(node) in wanted:
                 results[wanted[id(node)]] = grad
+            in_grads = node.apply(grad, F, create_graph)
             del grad
             if not retain_graph:
                 node.release()
-            for t, g in zip(node.inputs, in_grads, strict=True):
-                if t is None:
+            for nxt, g in zip(node.edges, in_grads, strict=True):
+                if nxt is None:
                     continue
-                nxt = t.grad_fn
-                if nxt is None:  # a leaf: accumulate now
+                if not isinstance(nxt, Node):
                     if g is not None:
-                        _deliver(t, g, wanted, results, create_graph, tracker)
+                        deliver(nxt, g)
                     continue
                 if g is not None:
-                    if nxt in pending:
-                        old = pending[nxt]
-                        pending[nxt] = old + g
-                        if tracker is not None and not create_graph:
-                            tracker.release(old)
-                            tracker.retain(pending[nxt])
-                    else:
-                        pending[nxt] = g
-                        if tracker is not None and not create_graph:
-                            tracker.retain(g)
+                    pending.add(nxt, g)
                 deps[nxt] -= 1
                 if deps[nxt] == 0:
-                    if nxt in pending:
+                    if nxt in pending.grads:
                         ready.append(nxt)
-                    else:  # nothing flowed in (all None): skip, but keep walking its inputs
-                        _skip(nxt, deps, pending, ready, retain_graph)
+                    else:
+                        _skip(nxt, deps, pending.grads, ready, retain_graph)
     return results
 
 
@@ -250,50 +274,39 @@ def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: lis
         n = stack.pop()
         if not retain_graph:
             n.release()
-        for t in n.inputs:
-            if t is None or t.grad_fn is None:
-                continue
-            nxt = t.grad_fn
-            deps[nxt] -= 1
-            if deps[nxt] == 0:
-                if nxt in pending:
-                    ready.append(nxt)
-                else:
-                    stack.append(nxt)
+        for nxt in n.edges:
+            if isinstance(nxt, Node):
+                deps[nxt] -= 1
+                if deps[nxt] == 0:
+                    (ready if nxt in pending else stack).append(nxt)
 
 
-def _deliver(leaf: Tensor, g: Any, wanted: dict[int, int], results: dict[int, Any],
-             create_graph: bool, tracker: Any) -> None:
-    """A gradient reaching a leaf: captured for `grad()`, else accumulated into `.grad`."""
+def _accumulate_leaf(leaf: Tensor, g: Any, create_graph: bool) -> None:
+    """Leaf `.grad` accumulates across backward calls, as in PyTorch."""
     from engine.tensor import Tensor
 
-    if wanted:
-        if id(leaf) in wanted:
-            key = wanted[id(leaf)]
-            results[key] = results[key] + g if key in results else g
-        return
     if not create_graph:
-        g = Tensor(g, leaf._backend)
-    leaf.grad = g if leaf.grad is None else _accumulate(leaf.grad, g, create_graph)
-
-
-def _accumulate(old: Tensor, new: Tensor, create_graph: bool) -> Tensor:
-    from engine.tensor import Tensor
-
-    if create_graph:
-        return old + new
-    return Tensor(old.data + new.data, old._backend)
+        g = Tensor(g if leaf.grad is None else leaf.grad.data + g, leaf._backend)
+    elif leaf.grad is not None:
+        g = leaf.grad + g
+    leaf.grad = g
 
 
 def backward(
-    tensors: Sequence[Tensor],
-    grad_tensors: Sequence[Any] | None = None,
+    tensors: Tensor | Sequence[Tensor],
+    grad_tensors: Any = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    check: Callable[[], None] | None = None,
 ) -> None:
-    """`torch.autograd.backward`: accumulate d(sum of outputs·grads)/d(leaf) into `.grad`."""
-    run_backward(tensors, grad_tensors, bool(create_graph if retain_graph is None else
-                                             retain_graph), create_graph)
+    """`torch.autograd.backward`: accumulate d(Σ outputs·grads)/d(leaf) into each leaf's `.grad`."""
+    from engine.tensor import Tensor
+
+    outs = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    if grad_tensors is not None and not isinstance(grad_tensors, (list, tuple)):
+        grad_tensors = [grad_tensors]
+    retain = create_graph if retain_graph is None else retain_graph
+    run_backward(outs, grad_tensors, bool(retain), create_graph, check=check)
 
 
 def grad(
@@ -313,7 +326,8 @@ def grad(
         grad_outputs = [grad_outputs]
     for i, t in enumerate(ins):
         if not t.requires_grad:
-            raise BackwardError(f"input {i} of grad() does not require grad")
+            raise BackwardError(f"One of the differentiated Tensors (input {i}) does not "
+                                "require grad")
     retain = create_graph if retain_graph is None else retain_graph
     found = run_backward(outs, grad_outputs, bool(retain), create_graph, capture=ins)
     result: list[Tensor | None] = []
@@ -322,8 +336,8 @@ def grad(
         if g is None:
             if not allow_unused:
                 raise BackwardError(
-                    f"one of the differentiated tensors (input {i}) appears to not have been "
-                    "used in the graph; set allow_unused=True if this is the desired behavior"
+                    f"One of the differentiated Tensors (input {i}) appears to not have been "
+                    "used in the graph. Set allow_unused=True if this is the desired behavior."
                 )
             result.append(None)
         else:

@@ -7,13 +7,23 @@ themselves. CuPy is imported on the first CUDA request only.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 
 from engine.backends.base import Backend
 from engine.errors import DeviceUnavailableError
 
-__all__ = ["Backend", "available_devices", "get_backend", "parse_device", "set_cpu_namespace"]
+__all__ = [
+    "Backend",
+    "available_devices",
+    "default_backend",
+    "get_backend",
+    "parse_device",
+    "set_cpu_namespace",
+    "use_device",
+]
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|auto)(?::(\d+))?$")
 
@@ -90,3 +100,21 @@ def get_backend(device: str = "cpu") -> Backend:
     if name == "cpu":
         return _cpu_backend()
     return _cuda_backend(int(name.split(":")[1]))
+
+
+# Where tensors are made when an op has no tensor argument (constants, literal-only
+# expressions): a graph run sets it to the request's device.
+_default_device: ContextVar[str] = ContextVar("gradserve_default_device", default="cpu")
+
+
+def default_backend() -> Backend:
+    return get_backend(_default_device.get())
+
+
+@contextmanager
+def use_device(device: str) -> Iterator[None]:
+    token = _default_device.set(parse_device(device))
+    try:
+        yield
+    finally:
+        _default_device.reset(token)

@@ -45,3 +45,7 @@ class Backend:
 
     def dtype_name(self, array: Array) -> str:
         return self._names[array.dtype]
+
+    def name_of(self, dtype: Any) -> str:
+        """The dtype name of one of this backend's dtype objects."""
+        return self._names[dtype]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.autograd import Node
-from engine.backends import Backend, get_backend
+from engine.backends import Backend, default_backend
 from engine.dtypes import FLOATS, scalar_dtype
 from engine.errors import DTypeError, GradserveError, ShapeError
 from engine.grad_mode import _grad_enabled
@@ -41,7 +41,7 @@ def _backend_of(op: OpDef, args: Sequence[Any]) -> Backend:
             raise DTypeError(
                 f"arguments must be tensors or numbers, got {type(a).__name__}", op=op.name
             )
-    return backend if backend is not None else get_backend("cpu")
+    return backend if backend is not None else default_backend()
 
 
 def _compute_dtype(op: OpDef, args: Sequence[Any], promoted: Sequence[int]) -> str | None:
@@ -106,6 +106,6 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
             for i, a in enumerate(args)
         ]
         if any(needs) and backend.dtype_name(out) in FLOATS:
-            node = Node(op, args, needs, attrs, out)
+            node = Node(op, args, needs, attrs, out, backend)
             return Tensor(out, backend, requires_grad=True, grad_fn=node)
     return Tensor(out, backend)
