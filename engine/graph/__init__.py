@@ -2,7 +2,8 @@
 
 The service maps its wire schemas onto these types and calls two functions:
 
-    program = compile_graph(spec, input_specs, limits=..., no_grad=..., grad_outputs=...)
+    program = compile_graph(spec, input_specs, limits=..., no_grad=..., backward=...,
+                            grad_outputs=...)
     result = execute(program, input_tensors, grad_outputs=..., deadline=...)
 
 `compile_graph` validates everything and plans memory before anything is
@@ -11,6 +12,18 @@ node and field) or `MemoryBudgetError`. `execute` runs the planned program on
 engine tensors and returns outputs, gradients, measured peak bytes and timings.
 """
 
+from engine.graph.compiler import compile_graph
+from engine.graph.executor import execute
+from engine.graph.program import Program
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
 
-__all__ = ["GraphSpec", "Limits", "NodeSpec", "RunResult", "TensorSpec"]
+__all__ = [
+    "GraphSpec",
+    "Limits",
+    "NodeSpec",
+    "Program",
+    "RunResult",
+    "TensorSpec",
+    "compile_graph",
+    "execute",
+]

@@ -108,6 +108,8 @@ class OpDef:
     # Where the Python call order puts attributes before some tensors, as in
     # `gather(input, dim, index)`: the full positional order by name.
     call_order: tuple[str, ...] | None = None
+    # The forward returns its input array itself (detach): the memory plan counts it once.
+    returns_input: bool = False
 
     # Derived once at registration.
     grad_fn_name: str = field(init=False)

@@ -1,0 +1,259 @@
+"""The whitelisting `expr` parser: Python's expression grammar, catalog ops only.
+
+The text is parsed with `ast` (never eval, exec or compile) and every AST node
+is checked against a short whitelist; anything else is refused with the piece
+that offended. The result is the same op-form nodes a client could have
+written, with generated ids for the intermediate values.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import ExprError
+from engine.graph.spec import NodeSpec
+from engine.ops import OPS
+
+_BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
+           ast.MatMult: "matmul"}
+_COMPARE = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq",
+            ast.NotEq: "ne"}
+_DESCRIBE = {
+    ast.Attribute: "attribute access", ast.Subscript: "a subscript", ast.Lambda: "a lambda",
+    ast.ListComp: "a comprehension", ast.SetComp: "a comprehension",
+    ast.DictComp: "a comprehension", ast.GeneratorExp: "a comprehension",
+    ast.Starred: "a starred argument", ast.BoolOp: "'and'/'or'", ast.IfExp: "a conditional",
+    ast.Dict: "a dict", ast.Set: "a set", ast.JoinedStr: "an f-string", ast.NamedExpr: "':='",
+    ast.Await: "await", ast.Yield: "yield", ast.YieldFrom: "yield",
+}
+
+Value = str | bool | int | float  # a reference (input or node id) or a number literal
+
+
+@dataclass
+class Expansion:
+    """What an `expr` node becomes: op-form nodes (the last carries the node's id), or an
+    alias when the expression is just the name of another value."""
+
+    nodes: list[NodeSpec]
+    alias: str | None = None
+
+
+def _bracket_depth(text: str) -> int:
+    depth = deepest = 0
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.OP and tok.string in "([{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif tok.type == tokenize.OP and tok.string in ")]}":
+                depth -= 1
+    except (tokenize.TokenError, SyntaxError):
+        pass  # ast.parse reports the syntax error itself
+    return deepest
+
+
+def _ast_depth(root: ast.AST) -> int:
+    deepest = 0
+    stack = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+class _Compiler:
+    def __init__(self, node_id: str, text: str, new_id: Callable[[], str]) -> None:
+        self.node_id = node_id
+        self.text = text
+        self.new_id = new_id
+        self.nodes: list[NodeSpec] = []
+
+    def fail(self, message: str, piece: ast.AST | None = None) -> ExprError:
+        if piece is not None:
+            segment = ast.get_source_segment(self.text, piece) or ""
+            if len(segment) > 40:
+                segment = segment[:37] + "..."
+            message = f"{message}: {segment!r}" if segment else message
+        return ExprError(message, node=self.node_id, loc=("expr",))
+
+    def refuse(self, piece: ast.AST) -> ExprError:
+        what = _DESCRIBE.get(type(piece), f"a {type(piece).__name__} expression")
+        return self.fail(f"{what} is not allowed in expr", piece)
+
+    def emit(self, op: str, args: list[Value], attrs: dict[str, Any] | None = None) -> str:
+        node = NodeSpec(id=self.new_id(), op=op, args=args, attrs=attrs or {})
+        self.nodes.append(node)
+        return node.id
+
+    def name(self, piece: ast.Name) -> str:
+        # Python NFKC-normalises identifiers ('ｘ' reads as 'x'): refuse rather than
+        # silently reference another value.
+        raw = ast.get_source_segment(self.text, piece)
+        if raw != piece.id:
+            raise self.fail(f"identifier {raw!r} is not in normal form", piece)
+        return piece.id
+
+    def number(self, piece: ast.AST) -> bool | int | float | None:
+        """A number literal (with unary signs folded in), or None if `piece` is not one."""
+        sign = 1
+        while isinstance(piece, ast.UnaryOp) and isinstance(piece.op, (ast.USub, ast.UAdd)):
+            sign = -sign if isinstance(piece.op, ast.USub) else sign
+            piece = piece.operand
+        if isinstance(piece, ast.Constant) and isinstance(piece.value, (bool, int, float)):
+            value = piece.value
+            if sign < 0:
+                if isinstance(value, bool):
+                    return None
+                return -value
+            return value
+        return None
+
+    def attribute(self, piece: ast.AST) -> Any:
+        """A keyword value: a number, bool, string, None, or a list/tuple of ints."""
+        number = self.number(piece)
+        if number is not None:
+            return number
+        if isinstance(piece, ast.Constant) and (piece.value is None or isinstance(piece.value, str)):
+            return piece.value
+        if isinstance(piece, (ast.List, ast.Tuple)):
+            items = [self.number(e) for e in piece.elts]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+                return items
+            raise self.fail("attribute lists may hold integers only", piece)
+        raise self.fail("attribute values must be literals (numbers, strings, lists of ints)",
+                        piece)
+
+    def compile(self, root: ast.AST) -> Value:
+        """Post-order over the AST with an explicit stack (no recursion on depth)."""
+        done: dict[int, Value] = {}
+        stack: list[tuple[ast.AST, bool]] = [(root, False)]
+        while stack:
+            piece, expanded = stack.pop()
+            if expanded:
+                done[id(piece)] = self.build(piece, done)
+                continue
+            number = self.number(piece)
+            if number is not None:
+                done[id(piece)] = number
+                continue
+            stack.append((piece, True))
+            stack.extend((child, False) for child in reversed(self.operands(piece)))
+        return done[id(root)]
+
+    def operands(self, piece: ast.AST) -> list[ast.AST]:
+        """The tensor-valued children of a piece (checked against the whitelist)."""
+        if isinstance(piece, ast.Name):
+            return []
+        if isinstance(piece, ast.BinOp):
+            if type(piece.op) not in _BINARY:
+                raise self.fail("operator not allowed (use + - * / ** @)", piece)
+            return [piece.left, piece.right]
+        if isinstance(piece, ast.UnaryOp):
+            if not isinstance(piece.op, (ast.USub, ast.UAdd)):
+                raise self.fail("only unary + and - are allowed", piece)
+            return [piece.operand]
+        if isinstance(piece, ast.Compare):
+            if len(piece.ops) != 1 or type(piece.ops[0]) not in _COMPARE:
+                raise self.fail("only single comparisons (< <= > >= == !=) are allowed", piece)
+            return [piece.left, piece.comparators[0]]
+        if isinstance(piece, ast.Call):
+            self.callee(piece)
+            if any(isinstance(a, ast.Starred) for a in piece.args):
+                raise self.refuse(next(a for a in piece.args if isinstance(a, ast.Starred)))
+            return [a for a in piece.args if not _is_string(a)]
+        if isinstance(piece, ast.Constant):
+            if isinstance(piece.value, str):
+                raise self.fail("strings are only allowed as attribute values", piece)
+            raise self.fail("unsupported literal", piece)
+        if isinstance(piece, (ast.List, ast.Tuple)):
+            raise self.fail("lists are only allowed as attribute values", piece)
+        raise self.refuse(piece)
+
+    def callee(self, call: ast.Call) -> str:
+        if not isinstance(call.func, ast.Name):
+            raise self.fail("only catalog ops can be called", call.func)
+        name = self.name(call.func)
+        if name not in OPS:
+            raise self.fail(f"unknown op {name!r} (see GET /ops)", call.func)
+        return name
+
+    def build(self, piece: ast.AST, done: dict[int, Value]) -> Value:
+        if isinstance(piece, ast.Name):
+            return self.name(piece)
+        if isinstance(piece, ast.BinOp):
+            return self.emit(_BINARY[type(piece.op)], [done[id(piece.left)], done[id(piece.right)]])
+        if isinstance(piece, ast.UnaryOp):
+            operand = done[id(piece.operand)]
+            return operand if isinstance(piece.op, ast.UAdd) else self.emit("neg", [operand])
+        if isinstance(piece, ast.Compare):
+            return self.emit(_COMPARE[type(piece.ops[0])],
+                             [done[id(piece.left)], done[id(piece.comparators[0])]])
+        assert isinstance(piece, ast.Call)
+        return self.call(piece, done)
+
+    def call(self, piece: ast.Call, done: dict[int, Value]) -> Value:
+        name = self.callee(piece)
+        op = OPS[name]
+        attrs: dict[str, Any] = {}
+        strings = [a for a in piece.args if _is_string(a)]
+        if strings:
+            # A leading string is the op's string attribute, as in einsum("ij,jk->ik", a, b).
+            first = (op.call_order or ("",))[0]
+            if len(strings) > 1 or piece.args[0] is not strings[0] or first not in op.attrs:
+                raise self.fail("strings are only allowed as attribute values", strings[0])
+            attrs[first] = strings[0].value  # type: ignore[attr-defined]
+        for kw in piece.keywords:
+            if kw.arg is None:
+                raise self.fail("'**' arguments are not allowed", kw.value)
+            if kw.arg in attrs:
+                raise self.fail(f"attribute {kw.arg!r} given twice", kw.value)
+            attrs[kw.arg] = self.attribute(kw.value)
+        args = [done[id(a)] for a in piece.args if not _is_string(a)]
+        return self.emit(name, args, attrs)
+
+
+def _is_string(piece: ast.AST) -> bool:
+    return isinstance(piece, ast.Constant) and isinstance(piece.value, str)
+
+
+def expand_expr(
+    node_id: str, text: str, *, new_id: Callable[[], str], max_chars: int, max_depth: int
+) -> Expansion:
+    """Compile one `expr` node into op-form nodes; raises ExprError naming the node."""
+    if not isinstance(text, str) or not text.strip():
+        raise ExprError("expr must be a non-empty string", node=node_id, loc=("expr",))
+    if len(text) > max_chars:
+        raise ExprError(f"expr is {len(text)} characters long; the limit is {max_chars}",
+                        node=node_id, loc=("expr",))
+    too_deep = ExprError(f"expr is nested more than {max_depth} levels deep",
+                         node=node_id, loc=("expr",))
+    if _bracket_depth(text) > max_depth:
+        raise too_deep
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ExprError(f"invalid expression: {exc.msg} (column {exc.offset})",
+                        node=node_id, loc=("expr",)) from None
+    except (RecursionError, MemoryError, ValueError):
+        raise too_deep from None
+    if _ast_depth(tree.body) > max_depth:
+        raise too_deep
+    compiler = _Compiler(node_id, text.strip(), new_id)
+    value = compiler.compile(tree.body)
+    if isinstance(value, str) and (not compiler.nodes or value != compiler.nodes[-1].id):
+        return Expansion([], alias=value)  # the whole expression is a name: an alias
+    if not isinstance(value, str):
+        # A literal-only expression is a constant.
+        compiler.nodes.append(NodeSpec(id=node_id, op="full",
+                                       attrs={"shape": [], "value": value}))
+        return Expansion(compiler.nodes)
+    last = compiler.nodes[-1]
+    compiler.nodes[-1] = NodeSpec(id=node_id, op=last.op, args=last.args, attrs=last.attrs)
+    return Expansion(compiler.nodes)
