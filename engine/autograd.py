@@ -62,9 +62,10 @@ class Node:
             for a, need in zip(args, needs, strict=True)
         )
         # What the VJP reads: input Tensors or numbers, and the raw result (not the result
-        # Tensor, which would be a reference cycle through its own grad_fn).
+        # Tensor, which would be a reference cycle through its own grad_fn). A variadic op's
+        # one argument name stands for the tuple of all its operands.
         self.saved: tuple[Any, ...] | None = tuple(
-            out if i < 0 else args[i] for i in op.save_index
+            out if i < 0 else tuple(args) if op.variadic else args[i] for i in op.save_index
         )
         self.tracker = current_tracker()
         if self.tracker is not None and -1 in op.save_index:
@@ -97,7 +98,7 @@ class Node:
         elif create_graph:
             saved = tuple(self._saved_tensor(v, j) for j, v in enumerate(self.saved))
         else:
-            saved = tuple(v.data if hasattr(v, "_backend") else v for v in self.saved)
+            saved = tuple(_raw(v) for v in self.saved)
         if op.variadic:
             grads = list(op.vjp(F, grad, *saved, **self.attrs))  # type: ignore[operator]
         else:
@@ -128,6 +129,13 @@ class Node:
             # The result of this very node: PyTorch rebuilds it with this node as grad_fn.
             return Tensor(value, self.backend, requires_grad=True, grad_fn=self)
         return value
+
+
+def _raw(value: Any) -> Any:
+    """A saved value as a plain backward reads it: arrays, not Tensors."""
+    if isinstance(value, tuple):
+        return tuple(_raw(v) for v in value)
+    return value.data if hasattr(value, "_backend") else value
 
 
 def _as_grad(value: Any, like: Tensor, create_graph: bool) -> Any:
