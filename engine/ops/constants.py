@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from engine.dtypes import FLOATS
+from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, Scalar, scalar_dtype
+from engine.errors import AttributeError_, DTypeError, ShapeError
 from engine.ops.registry import Attr, Meta, OpDef, register
 
 
@@ -31,4 +33,135 @@ register(
     ),
 )
 
-__all__ = ["FLOATS"]
+
+# ---------------------------------------------------------------- constants
+
+
+def _shape(shape: int | list[int]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    for n in dims:
+        if n < 0:
+            raise ShapeError(f"shape {list(dims)} has a negative size {n}")
+    return dims
+
+
+def _size(name: str, n: int) -> int:
+    if n < 0:
+        raise ShapeError(f"{name} must be >= 0, got {n}")
+    return n
+
+
+def _fill(value: Scalar, dtype: str) -> Scalar:
+    """The fill value as the Python type of `dtype`, truncated as torch.full casts it."""
+    if dtype in FLOATS:
+        return float(value)
+    return int(value) if dtype in INTS else bool(value)
+
+
+def _full_dtype(value: Scalar, dtype: str | None) -> str:
+    return dtype or scalar_dtype(value)
+
+
+def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
+                dtype: str | None) -> tuple[Scalar, Scalar, int, str]:
+    """(start, step, length, dtype) of torch.arange: `arange(n)` is `arange(0, n)`."""
+    if end is None:
+        if start is None:
+            raise AttributeError_("missing required attribute 'end'", loc=("attrs", "end"))
+        start, end = 0, start
+    start = 0 if start is None else start
+    if step == 0:
+        raise AttributeError_("step must be nonzero", loc=("attrs", "step"))
+    if (step > 0 and end < start) or (step < 0 and end > start):
+        raise AttributeError_(
+            f"upper bound {end} and lower bound {start} inconsistent with step sign {step}",
+            loc=("attrs", "step"),
+        )
+    if dtype is None:
+        floating = any(isinstance(v, float) for v in (start, end, step))
+        dtype = DEFAULT_FLOAT if floating else DEFAULT_INT
+    if dtype == "bool":
+        raise DTypeError("arange does not produce bool tensors")
+    return start, step, math.ceil((end - start) / step), dtype
+
+
+def _arange(xp: Any, *, start: Scalar | None, end: Scalar | None, step: Scalar,
+            dtype: str | None) -> Any:
+    start, step, length, dtype = arange_spec(start, end, step, dtype)
+    if dtype in INTS and all(isinstance(v, int) for v in (start, step)):
+        return xp.arange(start, start + length * step, step, dtype=getattr(xp, dtype))
+    # Values start + i * step computed in float64 and then cast, as torch's CPU kernel does.
+    values = xp.arange(length, dtype=xp.float64) * step + start
+    return xp.astype(values, getattr(xp, dtype))
+
+
+def _arange_infer(metas: list[Meta], *, start: Scalar | None, end: Scalar | None,
+                  step: Scalar, dtype: str | None) -> Meta:
+    _, _, length, dtype = arange_spec(start, end, step, dtype)
+    return Meta((length,), dtype)
+
+
+_SHAPE = Attr("shape", doc="the shape (an int for 1-d)")
+
+register(
+    OpDef(
+        name="zeros", group="constants", doc="A tensor of zeros (default dtype float32).",
+        args=(),
+        forward=lambda xp, *, shape, dtype: xp.zeros(_shape(shape), dtype=getattr(xp, dtype)),
+        infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
+        attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
+        positional_attrs=("shape",),
+    ),
+    OpDef(
+        name="ones", group="constants", doc="A tensor of ones (default dtype float32).",
+        args=(),
+        forward=lambda xp, *, shape, dtype: xp.ones(_shape(shape), dtype=getattr(xp, dtype)),
+        infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
+        attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
+        positional_attrs=("shape",),
+    ),
+    OpDef(
+        name="full", group="constants",
+        doc="A tensor filled with `value`; dtype inferred from it as torch.full does "
+            "(float → float32, int → int64, bool → bool).",
+        args=(),
+        forward=lambda xp, *, shape, value, dtype: xp.full(
+            _shape(shape), _fill(value, _full_dtype(value, dtype)),
+            dtype=getattr(xp, _full_dtype(value, dtype)),
+        ),
+        infer=lambda metas, *, shape, value, dtype: Meta(_shape(shape), _full_dtype(value, dtype)),
+        attrs={"shape": _SHAPE, "value": Attr("number", doc="the fill value"),
+               "dtype": Attr("dtype", None, doc="element type (null: from value)",
+                             nullable=True)},
+        positional_attrs=("shape", "value"),
+    ),
+    OpDef(
+        name="eye", group="constants",
+        doc="The n x m identity matrix (m defaults to n; default dtype float32).",
+        args=(),
+        forward=lambda xp, *, n, m, dtype: xp.eye(
+            _size("n", n), _size("m", n if m is None else m), dtype=getattr(xp, dtype)
+        ),
+        infer=lambda metas, *, n, m, dtype: Meta(
+            (_size("n", n), _size("m", n if m is None else m)), dtype
+        ),
+        attrs={"n": Attr("int", doc="rows"),
+               "m": Attr("int", None, doc="columns (null: n)", nullable=True),
+               "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
+        positional_attrs=("n", "m"),
+    ),
+    OpDef(
+        name="arange", group="constants",
+        doc="Values from start (default 0) to end, exclusive, by step, as torch.arange: "
+            "arange(n) counts from 0; dtype float32 if any bound is a float, else int64.",
+        args=(),
+        forward=_arange, infer=_arange_infer,
+        attrs={"start": Attr("number", None, doc="first value (null: 0)", nullable=True),
+               "end": Attr("number", None, doc="end, exclusive (with start alone, start is "
+                           "the end, as in arange(5))", nullable=True),
+               "step": Attr("number", 1, doc="increment, nonzero"),
+               "dtype": Attr("dtype", None, doc="element type (null: inferred)",
+                             nullable=True)},
+        positional_attrs=("start", "end", "step"),
+    ),
+)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import ShapeError
-from engine.ops.registry import Attr, Meta, OpDef, register
-from engine.shapes import fmt, numel, sum_to_shape
+from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
+from engine.shapes import fmt, normalize_dim, normalize_dims, numel, sum_to_shape
 
 
 def reshape_target(shape: tuple[int, ...], target: Any) -> tuple[int, ...]:
@@ -73,5 +73,179 @@ register(
         vjp=(lambda F, g, x, *, shape: sum_to_shape(F, g, tuple(x.shape)),),
         save=("input",), attrs={"shape": Attr("shape", doc="the target shape")},
         positional_attrs=("shape",),
+    ),
+)
+
+
+# ---------------------------------------------------------------- squeeze, unsqueeze, flatten
+
+
+def squeeze_dims(shape: tuple[int, ...], dim: int | list[int] | None) -> tuple[int, ...]:
+    """The dims squeeze removes: the named ones (all when None) that have size 1, as in
+    PyTorch, where squeezing a dim of another size is a no-op and `dim=[]` squeezes none."""
+    if isinstance(dim, list) and not dim:
+        return ()
+    return tuple(d for d in normalize_dims(dim, len(shape)) if shape[d] == 1)
+
+
+def _squeeze_shape(shape: tuple[int, ...], dim: int | list[int] | None) -> tuple[int, ...]:
+    dims = squeeze_dims(shape, dim)
+    return tuple(n for i, n in enumerate(shape) if i not in dims)
+
+
+def _squeeze(xp: Any, x: Any, *, dim: int | list[int] | None) -> Any:
+    dims = squeeze_dims(tuple(x.shape), dim)
+    return xp.squeeze(x, axis=dims) if dims else x
+
+
+def unsqueeze_dim(ndim: int, dim: int) -> int:
+    """The new dim's index in the result: PyTorch accepts [-ndim - 1, ndim]."""
+    if not -ndim - 1 <= dim <= ndim:
+        raise ShapeError(
+            f"dim {dim} is out of range for unsqueeze of a tensor of {ndim} dimension(s) "
+            f"(expected in [{-ndim - 1}, {ndim}])"
+        )
+    return dim % (ndim + 1)
+
+
+def _unsqueeze_shape(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    d = unsqueeze_dim(len(shape), dim)
+    return (*shape[:d], 1, *shape[d:])
+
+
+def flatten_shape(shape: tuple[int, ...], start_dim: int, end_dim: int) -> tuple[int, ...]:
+    """PyTorch's flatten: dims start_dim..end_dim merged into one; a 0-d tensor becomes (1,)."""
+    start, end = normalize_dim(start_dim, len(shape)), normalize_dim(end_dim, len(shape))
+    if start > end:
+        raise ShapeError(
+            f"start_dim {start_dim} comes after end_dim {end_dim} for shape {fmt(shape)}"
+        )
+    if not shape:
+        return (1,)
+    return (*shape[:start], numel(shape[start : end + 1]), *shape[end + 1 :])
+
+
+# ---------------------------------------------------------------- cat, stack
+
+
+def _operand_shapes(op: str, metas: list[Meta]) -> list[tuple[int, ...]]:
+    for k, m in enumerate(metas):
+        if m.literal:
+            raise ShapeError(f"{op}: operand {k} is a number, expected a tensor")
+    return [m.shape for m in metas]
+
+
+def _cat_infer(metas: list[Meta], *, dim: int) -> Meta:
+    shapes = _operand_shapes("cat", metas)
+    for k, s in enumerate(shapes):
+        if not s:
+            raise ShapeError(f"zero-dimensional tensor (at position {k}) cannot be concatenated")
+    first = shapes[0]
+    d = normalize_dim(dim, len(first))
+    for s in shapes[1:]:
+        if len(s) != len(first) or any(s[i] != n for i, n in enumerate(first) if i != d):
+            raise ShapeError(
+                f"tensors must have the same shape except in dim {dim}, "
+                f"got {fmt(first)} and {fmt(s)}"
+            )
+    out = list(first)
+    out[d] = sum(s[d] for s in shapes)
+    return Meta(tuple(out), promoted_dtype(metas))
+
+
+def _cat_vjp(F: Any, g: Any, tensors: tuple[Any, ...], *, dim: int) -> list[Any]:
+    d = normalize_dim(dim, len(g.shape))
+    grads, start = [], 0
+    for t in tensors:
+        stop = start + t.shape[d]
+        grads.append(F.slice(g, dim=d, start=start, stop=stop, step=1))
+        start = stop
+    return grads
+
+
+def _stack_infer(metas: list[Meta], *, dim: int) -> Meta:
+    shapes = _operand_shapes("stack", metas)
+    first = shapes[0]
+    for k, s in enumerate(shapes[1:], start=1):
+        if s != first:
+            raise ShapeError(
+                f"stack expects each tensor to be equal size, but got {fmt(first)} at entry 0 "
+                f"and {fmt(s)} at entry {k}"
+            )
+    return Meta(_unsqueeze_shape(first, dim), promoted_dtype(metas))
+
+
+def _stack_vjp(F: Any, g: Any, *, dim: int) -> list[Any]:
+    d = normalize_dim(dim, len(g.shape))
+    # One slice per operand: the stacked dim's size is the operand count.
+    return [
+        F.squeeze(F.slice(g, dim=d, start=i, stop=i + 1, step=1), dim=d)
+        for i in range(g.shape[d])
+    ]
+
+
+def _to_shape_vjp(F: Any, g: Any, x: Any, **attrs: Any) -> Any:
+    return F.reshape(g, shape=list(x.shape))
+
+
+_DIM = Attr("int", 0, doc="the dim to join along")
+
+register(
+    OpDef(
+        name="squeeze", group="shape",
+        doc="Remove size-1 dims: the named ones (int or list; dims of another size are kept), "
+            "or all when dim is absent.",
+        args=("input",),
+        forward=_squeeze,
+        infer=lambda metas, *, dim: Meta(_squeeze_shape(metas[0].shape, dim), metas[0].dtype),
+        vjp=(_to_shape_vjp,), save=("input",),
+        attrs={"dim": Attr("int|ints", None, doc="dim(s) to squeeze; all when absent",
+                           nullable=True)},
+        positional_attrs=("dim",),
+    ),
+    OpDef(
+        name="unsqueeze", group="shape", doc="Insert a size-1 dim at `dim` (in [-ndim-1, ndim]).",
+        args=("input",),
+        forward=lambda xp, x, *, dim: xp.expand_dims(x, axis=unsqueeze_dim(x.ndim, dim)),
+        infer=lambda metas, *, dim: Meta(_unsqueeze_shape(metas[0].shape, dim), metas[0].dtype),
+        # `dim` indexes the result, so the same dim squeezes the gradient back.
+        vjp=(lambda F, g, *, dim: F.squeeze(g, dim=dim),),
+        attrs={"dim": Attr("int", doc="where the new dim goes")},
+        positional_attrs=("dim",),
+    ),
+    OpDef(
+        name="flatten", group="shape",
+        doc="Merge dims start_dim..end_dim into one (a 0-d tensor becomes shape (1,)).",
+        args=("input",),
+        forward=lambda xp, x, *, start_dim, end_dim: xp.reshape(
+            x, flatten_shape(tuple(x.shape), start_dim, end_dim)
+        ),
+        infer=lambda metas, *, start_dim, end_dim: Meta(
+            flatten_shape(metas[0].shape, start_dim, end_dim), metas[0].dtype
+        ),
+        vjp=(_to_shape_vjp,), save=("input",),
+        attrs={"start_dim": Attr("int", 0, doc="first dim to merge"),
+               "end_dim": Attr("int", -1, doc="last dim to merge")},
+        positional_attrs=("start_dim", "end_dim"),
+    ),
+    OpDef(
+        name="cat", group="shape",
+        doc="Concatenate tensors along an existing dim (dtypes promoted; no 0-d operands).",
+        args=("tensors",), variadic=True, promote="all",
+        forward=lambda xp, *xs, dim: xp.concat(xs, axis=dim),
+        infer=_cat_infer,
+        vjp=_cat_vjp, save=("tensors",),
+        attrs={"dim": _DIM},
+        call_order=("tensors", "dim"),
+    ),
+    OpDef(
+        name="stack", group="shape",
+        doc="Join equal-shaped tensors along a new dim (dtypes promoted).",
+        args=("tensors",), variadic=True, promote="all",
+        forward=lambda xp, *xs, dim: xp.stack(xs, axis=unsqueeze_dim(xs[0].ndim, dim)),
+        infer=_stack_infer,
+        vjp=_stack_vjp,
+        attrs={"dim": Attr("int", 0, doc="where the new dim goes")},
+        call_order=("tensors", "dim"),
     ),
 )
