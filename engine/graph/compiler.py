@@ -198,14 +198,20 @@ def _resolve_aliases(
 ) -> dict[str, int]:
     """Each alias's final slot, following chains of aliases; reports unknowns and cycles."""
     resolved: dict[str, int] = {}
+    broken: set[str] = set()  # on a reported cycle: reported once, not once per member
     for start, (_, index) in aliases.items():
+        if start in broken:
+            continue
         chain = [start]
         name = start
         while name in aliases and name not in resolved:
             name = aliases[name][0]
-            if name in chain:
-                cycle = " -> ".join([*chain[chain.index(name):], name])
-                errors.add(GraphError(f"cycle: {cycle}", node=start, loc=_node_loc(index, "expr")))
+            if name in chain or name in broken:
+                if name in chain:
+                    cycle = " -> ".join([*chain[chain.index(name):], name])
+                    errors.add(GraphError(f"cycle: {cycle}", node=start,
+                                          loc=_node_loc(index, "expr")))
+                broken.update(chain)
                 break
             chain.append(name)
         else:
