@@ -57,7 +57,10 @@ class _Ledger:
 
 
 def _saved_slots(step: Step) -> set[int]:
-    """The value slots whose Tensors a recorded step keeps for its backward."""
+    """The value slots whose Tensors a recorded step keeps for its backward (a variadic op's
+    one argument name stands for all its operands)."""
+    if step.op.variadic and any(i >= 0 for i in step.op.save_index):
+        return {v for is_ref, v in step.args if is_ref}
     return {step.args[i][1] for i in step.op.save_index if i >= 0 and step.args[i][0]}
 
 
