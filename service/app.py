@@ -1,0 +1,116 @@
+"""The FastAPI application: `create_app(settings)`; nothing is built at import."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from fastapi_offline import FastAPIOffline
+from pydantic.json_schema import models_json_schema
+
+from engine.backends import parse_device
+from service.errors import install_handlers
+from service.metrics import Metrics
+from service.middleware import Gateway
+from service.routes import catalog, compute, health
+from service.runner import Runner
+from service.schemas import BackwardRequest, ForwardRequest, Problem
+from service.settings import Settings, get_settings
+
+log = logging.getLogger("gradserve")
+
+DESCRIPTION = (
+    "Gradient computation over JSON expression graphs, with PyTorch's autograd semantics. "
+    "Errors are application/problem+json (RFC 9457)."
+)
+# The seed example of DESIGN.md, run once at startup so the first request pays for no
+# lazy import or first call.
+_WARMUP = (
+    b'{"graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},'
+    b' "inputs": {"x": {"data": 2.0, "requires_grad": true},'
+    b' "y": {"data": 3.0, "requires_grad": true}}}'
+)
+
+
+def _version() -> str:
+    try:
+        return version("gradserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def _operation_id(route: APIRoute) -> str:
+    # The handler's name: stable across FastAPI versions, so openapi.json does not drift.
+    return route.name
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    parse_device(settings.default_device)  # fail at startup, not on the first request
+    runner: Runner = app.state.runner
+    await anyio.to_thread.run_sync(runner.warm_up, _WARMUP)
+    app.state.ready = True
+    log.info("gradserve ready (default device %s)", parse_device(settings.default_device))
+    try:
+        yield
+    finally:
+        app.state.ready = False
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    metrics = Metrics()
+    app = FastAPIOffline(
+        title="gradserve",
+        version=_version(),
+        description=DESCRIPTION,
+        docs_url="/docs",
+        redoc_url=None,
+        lifespan=_lifespan,
+        generate_unique_id_function=_operation_id,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.runner = Runner(settings, metrics)
+    app.state.ready = False
+    install_handlers(app)
+    app.include_router(compute.router)
+    app.include_router(catalog.router)
+    app.include_router(health.router)
+    app.add_middleware(
+        Gateway,
+        metrics=metrics,
+        max_body_bytes=settings.max_body_bytes,
+        api_keys=[k.get_secret_value() for k in settings.api_keys],
+    )
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the request bodies the compute routes parse themselves."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        _, defs = models_json_schema(
+            [(ForwardRequest, "validation"), (BackwardRequest, "validation"),
+             (Problem, "serialization")],
+            ref_template="#/components/schemas/{model}",
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def app_from_env() -> FastAPI:
+    """The factory `gradserve serve` gives uvicorn (each worker builds its own app)."""
+    return create_app(Settings())

@@ -1,0 +1,103 @@
+"""`gradserve serve` and `gradserve openapi`.
+
+Every `serve` flag also reads its GRADSERVE_* variable; a flag given on the command line
+wins. Flags are handed to the workers through the environment, so one worker or many
+build the same `Settings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.settings import Settings
+
+OPENAPI_PATH = Path("openapi") / "openapi.json"
+# Under `docker stop`'s 10 s: requests still running then are cut off rather than killed.
+GRACEFUL_SHUTDOWN_S = 8
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP service")
+    serve.add_argument("--host", help="bind address (GRADSERVE_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (GRADSERVE_PORT, default 8000)")
+    serve.add_argument(
+        "--workers", type=int, help="worker processes (GRADSERVE_WORKERS, default 1)"
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="log level (GRADSERVE_LOG_LEVEL, default info)",
+    )
+
+    spec = commands.add_parser("openapi", help="write the OpenAPI document")
+    spec.add_argument("--output", type=Path, default=OPENAPI_PATH, help=f"default {OPENAPI_PATH}")
+
+    args = parser.parse_args(argv)
+    if args.command == "openapi":
+        return write_openapi(args.output)
+    flags = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    return serve_forever(flags)
+
+
+def serve_forever(flags: dict[str, Any]) -> int:
+    import uvicorn
+
+    for name, value in flags.items():
+        os.environ[f"GRADSERVE_{name.upper()}"] = str(value)
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"gradserve: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        "service.app:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        log_level=settings.log_level,
+        log_config=log_config(settings.log_level),
+        access_log=False,  # gradserve.access writes the line, with the request id
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return 0
+
+
+def log_config(level: str) -> dict[str, Any]:
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    python_level = "DEBUG" if level == "trace" else level.upper()
+    config["loggers"]["gradserve"] = {
+        "handlers": ["default"], "level": python_level, "propagate": False,
+    }
+    return config
+
+
+def write_openapi(path: Path) -> int:
+    from service.app import create_app
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(openapi_text(create_app(Settings())))
+    print(f"wrote {path}")
+    return 0
+
+
+def openapi_text(app: Any) -> str:
+    return json.dumps(app.openapi(), indent=2, ensure_ascii=False) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

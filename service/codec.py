@@ -1,0 +1,209 @@
+"""Tensors on the wire: JSON numbers and lists, or base64 of raw little-endian bytes.
+
+Decoding checks data against the declared dtype and shape and raises `TensorDataError`
+with `loc` naming the input. Encoding writes strict JSON (RFC 8259): NumPy arrays go
+through orjson, and only arrays that hold NaN or infinities take the slower path that
+writes those as the strings "NaN", "Infinity" and "-Infinity".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+
+from engine.errors import TensorDataError
+
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
+INT_DTYPES = frozenset({"int32", "int64"})
+NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)
+_LE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
+
+Loc = tuple[str | int, ...]
+
+
+def _error(loc: Loc, field: str, message: str) -> TensorDataError:
+    what = "input" if loc[0] == "inputs" else str(loc[0])
+    return TensorDataError(f"{what} '{loc[-1]}': {message}", loc=(*loc, field))
+
+
+def decode_tensor(
+    loc: Loc,
+    *,
+    data: Any = None,
+    b64: str | None = None,
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> np.ndarray:
+    """A host array from one wire tensor; `loc` is e.g. ("inputs", "x")."""
+    if b64 is not None:
+        return _decode_b64(loc, b64, dtype, shape)
+    array = _from_json(loc, data, dtype)
+    if shape is not None:
+        shape = tuple(shape)
+        if array.ndim == 0 and shape:
+            raise _error(loc, "shape", f"a scalar cannot have shape {list(shape)}")
+        if array.shape != shape:
+            if array.ndim == 1 and math.prod(shape) == array.size:
+                array = array.reshape(shape)  # a flat list with a shape
+            else:
+                raise _error(
+                    loc, "shape",
+                    f"data has shape {list(array.shape)} ({array.size} elements), "
+                    f"which does not match shape {list(shape)}",
+                )
+    return array
+
+
+def _decode_b64(loc: Loc, text: str, dtype: str | None, shape: Sequence[int] | None) -> np.ndarray:
+    if dtype is None:
+        raise _error(loc, "dtype", "base64 data needs a dtype")
+    if shape is None:
+        raise _error(loc, "shape", "base64 data needs a shape")
+    try:
+        # validate=True: a character outside the alphabet is an error, never skipped.
+        raw = pybase64.b64decode(text, validate=True)
+    except ValueError as exc:
+        raise _error(loc, "b64", f"invalid base64: {exc}") from None
+    itemsize = _LE[dtype].itemsize
+    count = math.prod(shape)
+    if len(raw) != count * itemsize:
+        raise _error(
+            loc, "b64",
+            f"{len(raw)} bytes do not hold shape {list(shape)} of {dtype} "
+            f"({count * itemsize} bytes expected)",
+        )
+    if dtype == "bool":
+        octets = np.frombuffer(raw, dtype=np.uint8)
+        if octets.size and octets.max() > 1:
+            raise _error(loc, "b64", "bool data must be bytes 0 or 1")
+    array = np.frombuffer(raw, dtype=_LE[dtype]).reshape(tuple(shape))
+    return array.astype(dtype, copy=False)  # to native byte order (a no-op on little-endian)
+
+
+def _from_json(loc: Loc, data: Any, dtype: str | None) -> np.ndarray:
+    if isinstance(data, list):
+        return _from_list(loc, data, dtype)
+    if isinstance(data, str):
+        if data not in NONFINITE:
+            raise _error(loc, "data", f"expected a number, got the string {data!r}")
+        data = NONFINITE[data]
+    if data is None or not isinstance(data, bool | int | float):
+        raise _error(loc, "data", f"expected a number or a list, got {type(data).__name__}")
+    return _convert(loc, np.asarray(data), _kind(data), dtype)
+
+
+def _kind(value: bool | int | float) -> str:
+    return "b" if isinstance(value, bool) else "i" if isinstance(value, int) else "f"
+
+
+def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
+    # numpy finds the nesting (and a ragged list) in C; one C-level pass over the leaves'
+    # types then says what they are, so a boolean mixed with numbers is never coerced.
+    if data and not isinstance(data[0], list):
+        nested = np.empty(len(data), dtype=object)
+        nested[:] = data
+    else:
+        try:
+            nested = np.array(data, dtype=object)
+        except ValueError as exc:
+            raise _error(loc, "data", f"ragged or malformed nested list: {exc}") from None
+    leaves = nested.ravel().tolist()
+    types = set(map(type, leaves))
+    if not types <= {float, int, bool, str}:
+        bad = sorted(t.__name__ for t in types - {float, int, bool, str})
+        what = "a ragged nested list" if "list" in bad else f"values of type {', '.join(bad)}"
+        raise _error(loc, "data", f"tensor data must be numbers, got {what}")
+    if str in types:
+        leaves = _replace_nonfinite(loc, leaves)
+        types = (types - {str}) | {float}
+    if bool in types and types != {bool}:
+        raise _error(loc, "data", "a JSON boolean is mixed with numbers")
+    kind = "b" if types == {bool} else "f" if float in types or not types else "i"
+    try:
+        flat = np.array(leaves, dtype=np.float64 if kind == "f" else None)
+    except OverflowError:
+        raise _error(loc, "data", "an integer is out of the int64 range") from None
+    if flat.dtype == object:
+        raise _error(loc, "data", "an integer is out of the int64 range")
+    return _convert(loc, flat.reshape(nested.shape), kind, dtype)
+
+
+def _replace_nonfinite(loc: Loc, leaves: list[Any]) -> list[Any]:
+    out = []
+    for v in leaves:  # only lists that contain strings take this path
+        if isinstance(v, str):
+            if v not in NONFINITE:
+                raise _error(loc, "data", f"expected a number, got the string {v!r}")
+            v = NONFINITE[v]
+        out.append(v)
+    return out
+
+
+def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.ndarray:
+    """Cast JSON data (kind b, i or f) to the declared dtype, or to PyTorch's default."""
+    if dtype is None:
+        dtype = {"b": "bool", "i": "int64", "f": "float32"}[kind]
+    if dtype == "bool":
+        if kind != "b":
+            raise _error(loc, "data", "dtype bool needs JSON booleans (true, false)")
+        return array.astype(np.bool_, copy=False)
+    if kind == "b":
+        raise _error(loc, "data", f"a JSON boolean is not valid data for dtype {dtype}")
+    if dtype in INT_DTYPES:
+        if kind == "f":
+            if not np.isfinite(array).all():
+                raise _error(loc, "data", f"NaN or infinity is not valid data for dtype {dtype}")
+            if (np.floor(array) != array).any():
+                raise _error(loc, "data", f"a non-integral number is not valid for dtype {dtype}")
+        info = np.iinfo(dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise _error(loc, "data", f"a value is out of the range of {dtype}")
+        return array.astype(dtype)
+    with np.errstate(over="ignore"):  # float16 overflow gives inf, as torch.tensor does
+        return array.astype(dtype)
+
+
+# ------------------------------------------------------------------------ encoding
+def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
+    """`dtype`, `shape` and `data` or `b64` for a response; values are orjson-ready."""
+    out: dict[str, Any] = {"dtype": array.dtype.name, "shape": list(array.shape)}
+    if encoding == "base64":
+        le = np.ascontiguousarray(array, dtype=_LE[array.dtype.name])
+        out["b64"] = pybase64.b64encode(le.tobytes()).decode("ascii")
+    else:
+        out["data"] = json_data(array)
+    return out
+
+
+def json_data(array: np.ndarray) -> Any:
+    """Data orjson writes as strict JSON, with the shortest digits that round-trip."""
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        return _nonfinite_fragment(array)
+    if array.ndim == 0:
+        return array[()]  # a NumPy scalar: orjson writes it with its own dtype's digits
+    return np.ascontiguousarray(array)
+
+
+def _nonfinite_fragment(array: np.ndarray) -> orjson.Fragment:
+    """orjson writes every non-finite value as `null`, and nothing else as `null` in a
+    numeric array: put the right string in each `null`, in row-major order."""
+    flat = np.ascontiguousarray(array.reshape(-1) if array.ndim == 0 else array)
+    parts = dumps(flat).split(b"null")
+    bad = flat[~np.isfinite(flat)]
+    names = np.where(np.isnan(bad), b'"NaN"', np.where(bad > 0, b'"Infinity"', b'"-Infinity"'))
+    pieces: list[bytes] = [b""] * (2 * len(parts) - 1)
+    pieces[0::2] = parts
+    pieces[1::2] = names.tolist()
+    text = b"".join(pieces)
+    return orjson.Fragment(text[1:-1] if array.ndim == 0 else text)
+
+
+def dumps(content: Any) -> bytes:
+    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)

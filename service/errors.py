@@ -1,0 +1,248 @@
+"""Every error as `application/problem+json` (RFC 9457), from one table.
+
+Engine errors map by class (the most specific entry in `ENGINE_PROBLEMS` wins); the
+service's own refusals (bad JSON, size, auth, admission) are `ProblemError`s; the
+framework's 404/405/422 go through the same `problem_response`. Anything else is a 500
+with no traceback, logged with the request id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from engine.errors import (
+    ArityError,
+    AttributeError_,
+    BackwardError,
+    DeadlineExceeded,
+    DeviceUnavailableError,
+    DTypeError,
+    ExprError,
+    GradserveError,
+    GraphError,
+    MemoryBudgetError,
+    ShapeError,
+    TensorDataError,
+    UnknownOpError,
+    ValidationErrors,
+)
+
+PROBLEM_JSON = "application/problem+json"
+TYPE_PREFIX = "urn:gradserve:problem:"
+
+# engine error class -> (status, problem type slug, title). Looked up along the MRO.
+ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
+    UnknownOpError: (422, "unknown-op", "Unknown op"),
+    ArityError: (422, "arity", "Wrong number of arguments"),
+    AttributeError_: (422, "attribute", "Invalid attribute"),
+    ExprError: (422, "expr", "Invalid expression"),
+    GraphError: (422, "graph", "Invalid graph"),
+    ShapeError: (422, "shape-mismatch", "Shape mismatch"),
+    DTypeError: (422, "dtype-mismatch", "Dtype mismatch"),
+    TensorDataError: (422, "tensor-data", "Invalid tensor data"),
+    DeviceUnavailableError: (422, "device-unavailable", "Device unavailable"),
+    BackwardError: (422, "backward", "Invalid backward request"),
+    MemoryBudgetError: (422, "memory-budget", "Planned memory over budget"),
+    DeadlineExceeded: (504, "timeout", "Request timed out"),
+    GradserveError: (422, "invalid-request", "Invalid request"),
+}
+
+# The service's own problem types: slug -> (status, title).
+SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
+    "malformed-json": (400, "Malformed JSON"),
+    "bad-request": (400, "Bad request"),
+    "unauthorized": (401, "Unauthorized"),
+    "not-found": (404, "Not found"),
+    "method-not-allowed": (405, "Method not allowed"),
+    "body-too-large": (413, "Request body too large"),
+    "unsupported-media-type": (415, "Unsupported media type"),
+    "invalid-request": (422, "Invalid request"),
+    "overloaded": (503, "Server busy"),
+    "not-ready": (503, "Not ready"),
+    "internal": (500, "Internal server error"),
+}
+
+# Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status.
+_STATUS_SLUGS = {status: slug for slug, (status, _) in SERVICE_PROBLEMS.items()
+                 if slug not in ("malformed-json", "invalid-request", "not-ready")}
+
+
+class ProblemError(Exception):
+    """A refusal by the service itself; rendered by `problem_response`."""
+
+    def __init__(
+        self,
+        slug: str,
+        detail: str,
+        *,
+        errors: Sequence[Mapping[str, Any]] | None = None,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.slug = slug
+        self.status, self.title = SERVICE_PROBLEMS[slug]
+        self.detail = detail
+        self.errors = errors
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+
+def problem_body(
+    status: int,
+    slug: str,
+    title: str,
+    detail: str,
+    *,
+    request_id: str | None = None,
+    node: str | None = None,
+    errors: Iterable[Mapping[str, Any]] | None = None,
+    **extra: Any,
+) -> bytes:
+    body: dict[str, Any] = {
+        "type": TYPE_PREFIX + slug,
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    if node is not None:
+        body["node"] = node
+    if errors is not None:
+        body["errors"] = list(errors)
+    body.update(extra)
+    if request_id is not None:
+        body["request_id"] = request_id
+    return orjson.dumps(body)
+
+
+def problem_response(
+    status: int,
+    slug: str,
+    title: str,
+    detail: str,
+    *,
+    request_id: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    **fields: Any,
+) -> Response:
+    return Response(
+        problem_body(status, slug, title, detail, request_id=request_id, **fields),
+        status_code=status,
+        media_type=PROBLEM_JSON,
+        headers=dict(headers or {}),
+    )
+
+
+def internal_error_body(request_id: str | None) -> bytes:
+    detail = f"an internal error occurred; quote request id {request_id} when reporting it"
+    return problem_body(500, "internal", "Internal server error", detail, request_id=request_id)
+
+
+def request_id_of(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
+
+
+def _error_loc(err: GradserveError) -> list[str | int]:
+    if err.loc:
+        return list(err.loc)
+    if err.node is not None:
+        return ["graph", "nodes", err.node]
+    return []
+
+
+def engine_problem(err: GradserveError) -> tuple[int, str, str, dict[str, Any]]:
+    """(status, slug, title, fields) for an engine error: the one mapping table."""
+    first = err.errors[0] if isinstance(err, ValidationErrors) and err.errors else err
+    status, slug, title = next(
+        ENGINE_PROBLEMS[cls] for cls in type(first).__mro__ if cls in ENGINE_PROBLEMS
+    )
+    fields: dict[str, Any] = {"node": first.node}
+    members = err.errors if isinstance(err, ValidationErrors) else [err]
+    if any(e.loc or e.node for e in members) or len(members) > 1:
+        fields["errors"] = [{"loc": _error_loc(e), "msg": str(e)} for e in members]
+    if isinstance(first, MemoryBudgetError):
+        fields["planned_bytes"] = first.planned_bytes
+        fields["budget_bytes"] = first.budget_bytes
+    return status, slug, title, fields
+
+
+def engine_error_response(err: GradserveError, request_id: str | None) -> Response:
+    status, slug, title, fields = engine_problem(err)
+    # ValidationErrors' message already names the first error's node; str() would repeat it.
+    detail = err.message if isinstance(err, ValidationErrors) else str(err)
+    return problem_response(status, slug, title, detail, request_id=request_id, **fields)
+
+
+def pydantic_errors(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:
+    """`{loc, msg}` pairs, without the union tags our schemas use to tell tensor forms apart."""
+    out = []
+    for e in exc.errors():
+        loc = [part for part in e["loc"] if part not in _UNION_TAGS]
+        out.append({"loc": loc, "msg": e["msg"]})
+    return out
+
+
+# Tags of the tagged unions in schemas.py; they are not part of the user's document.
+_UNION_TAGS = frozenset({"tensor", "value"})
+
+
+def schema_problem(errors: list[dict[str, Any]]) -> ProblemError:
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return ProblemError("invalid-request", f"{where}: {first['msg']}{more}", errors=errors)
+
+
+def _service_problem_response(exc: ProblemError, request_id: str | None) -> Response:
+    fields: dict[str, Any] = dict(exc.extra)
+    if exc.errors is not None:
+        fields["errors"] = exc.errors
+    return problem_response(
+        exc.status, exc.slug, exc.title, exc.detail,
+        request_id=request_id, headers=exc.headers, **fields,
+    )
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def on_problem(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProblemError)
+        return _service_problem_response(exc, request_id_of(request))
+
+    async def on_engine(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, GradserveError)
+        return engine_error_response(exc, request_id_of(request))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        slug = _STATUS_SLUGS.get(exc.status_code)
+        title = SERVICE_PROBLEMS[slug][1] if slug else HTTPStatus(exc.status_code).phrase
+        slug = slug or "http"
+        detail = exc.detail if isinstance(exc.detail, str) else title
+        if exc.status_code == 404:
+            detail = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            detail = f"method {request.method} is not allowed on {request.url.path}"
+        return problem_response(
+            exc.status_code, slug, title, detail,
+            request_id=request_id_of(request), headers=exc.headers,
+        )
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return _service_problem_response(
+            schema_problem(pydantic_errors(exc)), request_id_of(request)
+        )
+
+    app.add_exception_handler(ProblemError, on_problem)
+    app.add_exception_handler(GradserveError, on_engine)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(RequestValidationError, on_validation)

@@ -1,0 +1,1 @@
+"""Routers, split by concern: compute, catalog (ops, devices), health (and metrics)."""

@@ -1,0 +1,45 @@
+"""GET /ops and GET /devices: what a client can ask for."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+import engine
+from engine.backends import available_devices, parse_device
+from service.codec import dumps
+from service.deps import SettingsDep
+from service.schemas import DevicesResponse, OpsResponse
+
+router = APIRouter(tags=["catalog"])
+
+
+@router.get("/ops", summary="The op catalog", response_model=OpsResponse)
+async def ops() -> Response:
+    return Response(_ops_body(), media_type="application/json")
+
+
+@cache  # the registry is fixed once the engine is imported: encode it once
+def _ops_body() -> bytes:
+    return dumps({"ops": [op.describe() for op in engine.OPS.values()]})
+
+
+@router.get(
+    "/devices",
+    summary="The devices this host can run on",
+    response_model=DevicesResponse,
+    response_model_exclude_none=True,
+)
+async def devices(settings: SettingsDep) -> dict[str, Any]:
+    listed: list[dict[str, Any]] = []
+    for name in available_devices():
+        if name == "cpu":
+            listed.append({"name": "cpu", "kind": "cpu"})
+        else:
+            from engine.backends.cupy_backend import device_info  # CuPy is there: cuda:N listed
+
+            listed.append({"name": name, "kind": "cuda", **device_info(int(name.split(":")[1]))})
+    return {"default": parse_device(settings.default_device), "devices": listed}

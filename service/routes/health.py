@@ -1,0 +1,40 @@
+"""Liveness, readiness and metrics: cheap, on the event loop, never behind the compute slots."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from service.deps import MetricsDep
+from service.errors import ProblemError
+from service.metrics import CONTENT_TYPE
+from service.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", summary="Liveness: the process serves HTTP", response_model=Health)
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: started and not shutting down",
+    response_model=Health,
+    responses={503: {"description": "Starting or shutting down"}},
+)
+async def readyz(request: Request) -> dict[str, str]:
+    if not getattr(request.app.state, "ready", False):
+        raise ProblemError("not-ready", "the service is starting or shutting down")
+    return {"status": "ready"}
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE: {}}}},
+)
+async def metrics(metrics: MetricsDep) -> Response:
+    return Response(metrics.render(), media_type=CONTENT_TYPE)

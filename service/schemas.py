@@ -1,0 +1,184 @@
+"""Wire models (DESIGN.md's JSON shapes). Unknown fields are refused at every level, and
+booleans are strict (`"true"` or `1` is not `true`): typos must not pass silently."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic.json_schema import WithJsonSchema
+
+DType = Literal["float16", "float32", "float64", "int32", "int64", "bool"]
+Encoding = Literal["json", "base64"]
+
+_NUMBER_OR_NONFINITE = {
+    "anyOf": [
+        {"type": "number"},
+        {"type": "boolean"},
+        {"enum": ["NaN", "Infinity", "-Infinity"]},
+    ]
+}
+# Tensor data: a number, a non-finite string, or (nested) lists of them. Kept as plain
+# JSON values here: the codec turns them into an array in one pass.
+TensorData = Annotated[
+    Any,
+    WithJsonSchema(
+        {"anyOf": [_NUMBER_OR_NONFINITE, {"type": "array", "items": {}}],
+         "description": "a number, \"NaN\"/\"Infinity\"/\"-Infinity\", or nested lists of them"}
+    ),
+]
+
+
+class Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TensorIn(Wire):
+    """A tensor as an object: `data` (JSON) or `b64` (raw little-endian bytes)."""
+
+    data: TensorData = None
+    b64: str | None = None
+    dtype: DType | None = None
+    shape: list[Annotated[int, Field(ge=0)]] | None = None
+    requires_grad: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TensorIn:
+        if (self.data is None) == (self.b64 is None):
+            raise ValueError("a tensor needs exactly one of 'data' and 'b64'")
+        return self
+
+
+def _tensor_form(value: Any) -> str:
+    return "tensor" if isinstance(value, dict | TensorIn) else "value"
+
+
+# A tensor is an object, or bare data (a number or a nested list). The tag is picked by
+# the JSON type, so a misspelt field of an object is reported as such, not as bad data.
+Tensor = Annotated[
+    Annotated[TensorIn, Tag("tensor")] | Annotated[TensorData, Tag("value")],
+    Discriminator(_tensor_form),
+]
+
+Arg = Annotated[
+    str | bool | int | float,
+    Field(description="a node id, an input name, or a number literal"),
+]
+
+
+class Node(Wire):
+    """One graph node: `op` with `args` and `attrs`, or an infix `expr`."""
+
+    id: str = Field(min_length=1)
+    op: str | None = None
+    args: list[Arg] | None = None
+    attrs: dict[str, Any] | None = None
+    expr: str | None = None
+
+    @model_validator(mode="after")
+    def _op_or_expr(self) -> Node:
+        if (self.op is None) == (self.expr is None):
+            raise ValueError("a node needs exactly one of 'op' and 'expr'")
+        if self.expr is not None and (self.args is not None or self.attrs is not None):
+            raise ValueError("an 'expr' node takes no 'args' or 'attrs'")
+        return self
+
+
+class Graph(Wire):
+    nodes: list[Node] = []
+    outputs: list[str] = Field(min_length=1)
+
+
+class _ComputeRequest(Wire):
+    graph: Graph
+    inputs: dict[str, Tensor] = {}
+    device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
+    encoding: Encoding = "json"
+
+
+class ForwardRequest(_ComputeRequest):
+    no_grad: bool = False
+
+
+class BackwardRequest(_ComputeRequest):
+    grad_outputs: dict[str, Tensor] | None = None
+
+
+# ------------------------------------------------------------------ responses (OpenAPI)
+class TensorOut(BaseModel):
+    dtype: DType
+    shape: list[int]
+    data: TensorData | None = Field(None, description="with encoding json")
+    b64: str | None = Field(None, description="with encoding base64")
+
+
+class OutputTensor(TensorOut):
+    requires_grad: bool
+    grad_fn: str | None
+
+
+class Meta(BaseModel):
+    device: str
+    no_grad: bool
+    nodes: int
+    peak_bytes: int
+    planned_peak_bytes: int
+    timings_ms: dict[str, float]
+
+
+class ForwardResponse(BaseModel):
+    outputs: dict[str, OutputTensor]
+    meta: Meta
+
+
+class BackwardResponse(ForwardResponse):
+    gradients: dict[str, TensorOut]
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    node: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    request_id: str | None = None
+
+
+class AttrInfo(BaseModel):
+    type: str
+    default: Any = None
+    required: bool
+
+
+class OpInfo(BaseModel):
+    name: str
+    group: str
+    args: list[str]
+    variadic: bool
+    attrs: dict[str, AttrInfo]
+    differentiable: bool
+    doc: str
+
+
+class OpsResponse(BaseModel):
+    ops: list[OpInfo]
+
+
+class DeviceInfo(BaseModel):
+    name: str
+    kind: Literal["cpu", "cuda"]
+    model: str | None = None
+    memory_bytes: int | None = None
+    uuid: str | None = None
+
+
+class DevicesResponse(BaseModel):
+    default: str
+    devices: list[DeviceInfo]
+
+
+class Health(BaseModel):
+    status: str

@@ -1,0 +1,62 @@
+"""Service settings, read from `GRADSERVE_*` environment variables (DESIGN.md fixes the names)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GRADSERVE_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1)
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+
+    max_body_bytes: int = Field(64 * MiB, ge=1)
+    max_nodes: int = Field(100_000, ge=1)
+    memory_budget_bytes: int = Field(4 * GiB, ge=1)
+    no_grad_memory_budget_bytes: int = Field(1 * GiB, ge=1)
+    inflight_memory_bytes: int = Field(8 * GiB, ge=1)
+    max_concurrency: int = Field(8, ge=1)
+    request_timeout_s: float = Field(60.0, gt=0)
+    # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
+    api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
+    default_device: str = "cpu"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(SecretStr(k.strip()) for k in value.split(",") if k.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _budgets_fit(self) -> Settings:
+        # A request within its own budget must be able to run once the server is idle;
+        # otherwise it would get 503 forever instead of a clear 422.
+        largest = max(self.memory_budget_bytes, self.no_grad_memory_budget_bytes)
+        if self.inflight_memory_bytes < largest:
+            raise ValueError(
+                f"GRADSERVE_INFLIGHT_MEMORY_BYTES ({self.inflight_memory_bytes}) must be at least "
+                f"the largest per-request budget ({largest})"
+            )
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
+
