@@ -1,1 +1,439 @@
-"""(filled in by its issue work)"""
+"""Linear algebra: matmul, einsum, transpose, permute, det, inv, solve, cross (torch.linalg)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.dtypes import FLOATS
+from engine.errors import DTypeError, ShapeError
+from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
+from engine.shapes import broadcast_shapes, fmt, normalize_dim
+
+Shape = tuple[int, ...]
+
+
+_NUMBER = (int, float, bool)
+
+
+def _same_dtype(*metas: Meta) -> str:
+    """PyTorch's matmul, solve and cross refuse mixed dtypes instead of promoting."""
+    if len({m.dtype for m in metas}) > 1:
+        listed = " and ".join(m.dtype for m in metas)
+        raise DTypeError(f"expected both arguments to have the same dtype, got {listed}")
+    return metas[0].dtype
+
+
+def _tensors_only(*args: Any) -> None:
+    """Refuse number literals (arrays in a forward, Metas in a shape rule)."""
+    if any(a.literal if isinstance(a, Meta) else isinstance(a, _NUMBER) for a in args):
+        raise ShapeError("arguments must be tensors, not numbers")
+
+
+def _check_arrays(*arrays: Any) -> None:
+    """The forward's share of the checks: tensors only, of one dtype (the backend would
+    promote silently)."""
+    _tensors_only(*arrays)
+    _same_dtype(*(Meta((), str(a.dtype)) for a in arrays))
+
+
+# ------------------------------------------------------------------ matmul
+
+
+def _matmul_shape(a: Shape, b: Shape) -> Shape:
+    """torch.matmul's result shape: 1-D operands are promoted to matrices and dropped again."""
+    if not a or not b:
+        raise ShapeError("both arguments to matmul need to be at least 1D")
+    a2 = (1, *a) if len(a) == 1 else a
+    b2 = (*b, 1) if len(b) == 1 else b
+    if a2[-1] != b2[-2]:
+        raise ShapeError(f"shapes {fmt(a)} and {fmt(b)} do not match")
+    try:
+        batch = broadcast_shapes(a2[:-2], b2[:-2])
+    except ShapeError:
+        raise ShapeError(f"shapes {fmt(a)} and {fmt(b)} do not match (batch dims)") from None
+    rows = a2[-2:-1] if len(a) > 1 else ()
+    cols = b2[-1:] if len(b) > 1 else ()
+    return batch + rows + cols
+
+
+def _matmul_infer(metas: list[Meta]) -> Meta:
+    a, b = metas
+    shape = _matmul_shape(a.shape, b.shape)  # also refuses numbers: they are 0-d
+    return Meta(shape, _same_dtype(a, b))
+
+
+def _matmul(xp: Any, a: Any, b: Any) -> Any:
+    _check_arrays(a, b)
+    return xp.matmul(a, b)
+
+
+def _as_matrices(F: Any, g: Any, a: Any, b: Any) -> tuple[Any, Any, Any]:
+    """The operands and the gradient with 1-D operands promoted to matrices, as matmul does."""
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    a2 = F.reshape(a, shape=[1, sa[0]]) if len(sa) == 1 else a
+    b2 = F.reshape(b, shape=[sb[0], 1]) if len(sb) == 1 else b
+    batch = broadcast_shapes(sa[:-2], sb[:-2])
+    rows = 1 if len(sa) == 1 else sa[-2]
+    cols = 1 if len(sb) == 1 else sb[-1]
+    return F.reshape(g, shape=[*batch, rows, cols]), a2, b2
+
+
+def _vector_grad(F: Any, g: Any, n: int) -> Any:
+    """A promoted vector's gradient (..., 1, n) or (..., n, 1), summed over the batch to (n,)."""
+    return F.sum(F.reshape(g, shape=[-1, n]), dim=0)
+
+
+def _matmul_vjp_a(F: Any, g: Any, a: Any, b: Any) -> Any:
+    g2, _, b2 = _as_matrices(F, g, a, b)
+    grad = F.matmul(g2, F.transpose(b2, dim0=-1, dim1=-2))
+    return _vector_grad(F, grad, a.shape[0]) if len(a.shape) == 1 else grad
+
+
+def _matmul_vjp_b(F: Any, g: Any, a: Any, b: Any) -> Any:
+    g2, a2, _ = _as_matrices(F, g, a, b)
+    grad = F.matmul(F.transpose(a2, dim0=-1, dim1=-2), g2)
+    return _vector_grad(F, grad, b.shape[0]) if len(b.shape) == 1 else grad
+
+
+# ------------------------------------------------------------------ einsum
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, dict[str, int]]:
+    """Each operand's subscripts and the output's, one letter per dim ('...' spelt out in
+    letters the equation does not use), and each letter's size after broadcasting."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise ShapeError(
+            f"equation {equation!r} has {len(terms)} operand(s) but {len(shapes)} were given"
+        )
+    for term in [*terms, out]:
+        if not all(c in _LETTERS for c in term.replace("...", "", 1)):
+            raise ShapeError(
+                f"invalid equation {equation!r}: use letters, ',', '->' and '...'"
+            )
+    ell = max((len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t),
+              default=0)
+    spare = "".join(c for c in _LETTERS if c not in eq)[:ell]
+    subs: list[str] = []
+    sizes: dict[str, int] = {}
+    for k, (term, shape) in enumerate(zip(terms, shapes, strict=True)):
+        if "..." in term:
+            n = len(shape) - len(term) + 3
+            if n < 0:
+                raise ShapeError(f"operand {k} has {len(shape)} dims, too few for {term!r}")
+            term = term.replace("...", spare[ell - n:])  # '...' dims align on the right
+        if len(term) != len(shape):
+            raise ShapeError(
+                f"operand {k} has shape {fmt(shape)} but subscripts {term!r} name "
+                f"{len(term)} dims"
+            )
+        for c, size in zip(term, shape, strict=True):
+            have = sizes.setdefault(c, size)
+            if have != size and 1 not in (have, size):
+                raise ShapeError(
+                    f"subscript {c!r} has size {size} in operand {k} but {have} elsewhere"
+                )
+            sizes[c] = have if size == 1 else size  # size-1 dims broadcast, as in PyTorch
+        subs.append(term)
+    if arrow:
+        out = out.replace("...", spare)
+        if len(set(out)) != len(out):
+            raise ShapeError(f"output subscripts {out!r} repeat a letter")
+        unknown = [c for c in out if c not in sizes]
+        if unknown:
+            raise ShapeError(f"output subscript {unknown[0]!r} appears in no operand")
+    else:  # implicit output: '...' first, then the letters used once, alphabetically
+        once = [c for c in sizes if c not in spare and "".join(subs).count(c) == 1]
+        out = spare + "".join(sorted(once))
+    return subs, out, sizes
+
+
+def _einsum_infer(metas: list[Meta], *, equation: str) -> Meta:
+    _tensors_only(*metas)
+    _, out, sizes = _parse_einsum(equation, [m.shape for m in metas])
+    return Meta(tuple(sizes[c] for c in out), promoted_dtype(metas))
+
+
+def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
+    _tensors_only(*operands)
+    subs, out, _ = _parse_einsum(equation, [tuple(o.shape) for o in operands])
+    return xp.einsum(",".join(subs) + "->" + out, *operands)
+
+
+def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> list[Any]:
+    subs, out, sizes = _parse_einsum(equation, [tuple(o.shape) for o in operands])
+    grads = []
+    for i, term in enumerate(subs):
+        others = [s for j, s in enumerate(subs) if j != i]
+        known = set(out).union(*others)
+        # The letters this operand's gradient can be computed over; the rest (summed only
+        # here) are broadcast back, and repeated letters (a diagonal) are masked.
+        first = "".join(c for k, c in enumerate(term) if term.index(c) == k and c in known)
+        grad = F.einsum(g, *(o for j, o in enumerate(operands) if j != i),
+                        equation=",".join([out, *others]) + "->" + first)
+        grad = F.reshape(grad, shape=[sizes[c] if term.index(c) == k and c in known else 1
+                                      for k, c in enumerate(term)])
+        grad = F.expand(grad, shape=[sizes[c] for c in term])
+        for k, c in enumerate(term):
+            j = term.index(c)
+            if j != k:  # a repeated letter: only its diagonal gets the gradient
+                grad = F.where(_positions(F, grad, j) == _positions(F, grad, k), grad, 0.0)
+        grads.append(grad)
+    return grads
+
+
+def _positions(F: Any, like: Any, dim: int) -> Any:
+    """Each element's index along `dim`, from a cumulative count of ones."""
+    return F.cumsum(F.ones_like(like), dim=dim)
+
+
+# ---------------------------------------------------------- transpose, permute
+
+
+def _transpose_dims(ndim: int, dim0: int, dim1: int) -> list[int]:
+    perm = list(range(ndim))
+    d0, d1 = normalize_dim(dim0, ndim), normalize_dim(dim1, ndim)
+    if ndim:  # a 0-d tensor accepts dims 0 and -1 and stays as it is
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return perm
+
+
+def _transpose(xp: Any, x: Any, *, dim0: int, dim1: int) -> Any:
+    return xp.permute_dims(x, tuple(_transpose_dims(len(x.shape), dim0, dim1)))
+
+
+def _transpose_infer(metas: list[Meta], *, dim0: int, dim1: int) -> Meta:
+    (m,) = metas
+    perm = _transpose_dims(len(m.shape), dim0, dim1)
+    return Meta(tuple(m.shape[p] for p in perm), m.dtype)
+
+
+def _permutation(ndim: int, dims: list[int]) -> list[int]:
+    if len(dims) != ndim:
+        raise ShapeError(
+            f"dims {list(dims)} must name each of the tensor's {ndim} dimension(s) once"
+        )
+    perm = [normalize_dim(d, ndim) for d in dims]
+    if len(set(perm)) != len(perm):
+        raise ShapeError(f"dims {list(dims)} repeat a dimension")
+    return perm
+
+
+def _permute_infer(metas: list[Meta], *, dims: list[int]) -> Meta:
+    (m,) = metas
+    return Meta(tuple(m.shape[p] for p in _permutation(len(m.shape), dims)), m.dtype)
+
+
+def _permute_vjp(F: Any, g: Any, *, dims: list[int]) -> Any:
+    perm = _permutation(len(dims), dims)
+    inverse = [perm.index(k) for k in range(len(perm))]
+    return F.permute(g, dims=inverse)
+
+
+# ---------------------------------------------------------- det, inv, solve
+
+
+def _square(shape: Shape) -> None:
+    if len(shape) < 2:
+        raise ShapeError(f"A must have at least 2 dimensions, got shape {fmt(shape)}")
+    if shape[-1] != shape[-2]:
+        raise ShapeError(
+            "A must be batches of square matrices, but they are "
+            f"{shape[-2]} by {shape[-1]} matrices"
+        )
+
+
+def _float(dtype: str) -> None:
+    if dtype not in FLOATS:
+        raise DTypeError(f"expected a floating point input, got {dtype}")
+
+
+def _float_array(xp: Any, a: Any) -> None:
+    if not xp.isdtype(a.dtype, "real floating"):
+        raise DTypeError(f"expected a floating point input, got {a.dtype}")
+
+
+def _det(xp: Any, a: Any) -> Any:
+    _float_array(xp, a)
+    return xp.linalg.det(a)
+
+
+def _inv(xp: Any, a: Any) -> Any:
+    _float_array(xp, a)
+    return xp.linalg.inv(a)
+
+
+def _det_infer(metas: list[Meta]) -> Meta:
+    (m,) = metas
+    _square(m.shape)
+    _float(m.dtype)
+    return Meta(m.shape[:-2], m.dtype)
+
+
+def _inv_infer(metas: list[Meta]) -> Meta:
+    (m,) = metas
+    _square(m.shape)
+    _float(m.dtype)
+    return Meta(m.shape, m.dtype)
+
+
+def _mT(F: Any, x: Any) -> Any:
+    return F.transpose(x, dim0=-1, dim1=-2)
+
+
+def _det_vjp(F: Any, g: Any, a: Any, result: Any) -> Any:
+    # Jacobi's formula d det(A) = det(A) tr(A^-1 dA); needs an invertible A.
+    scale = F.reshape(g * result, shape=[*result.shape, 1, 1])
+    return scale * _mT(F, F.inv(a))
+
+
+def _inv_vjp(F: Any, g: Any, result: Any) -> Any:
+    r_t = _mT(F, result)
+    return -F.matmul(F.matmul(r_t, g), r_t)
+
+
+def _solve_vector_case(a: Shape, b: Shape) -> bool:
+    """torch.linalg.solve reads B as (batched) vectors when it is 1-D or has A's shape
+    without its last dim."""
+    return len(b) == 1 or b == a[:-1]
+
+
+def _solve_shape(a: Shape, b: Shape) -> Shape:
+    _square(a)
+    n = a[-1]
+    if _solve_vector_case(a, b):
+        if b[-1] != n:
+            raise ShapeError(f"shapes {fmt(a)} and {fmt(b)} do not match (A is {n} by {n})")
+        return (*broadcast_shapes(a[:-2], b[:-1]), n)
+    if len(b) < 2 or b[-2] != n:
+        raise ShapeError(f"shapes {fmt(a)} and {fmt(b)} do not match (A is {n} by {n})")
+    return broadcast_shapes(a[:-2], b[:-2]) + b[-2:]
+
+
+def _solve_infer(metas: list[Meta]) -> Meta:
+    a, b = metas
+    _tensors_only(a, b)
+    _float(a.dtype)
+    dtype = _same_dtype(a, b)
+    return Meta(_solve_shape(a.shape, b.shape), dtype)
+
+
+def _solve(xp: Any, a: Any, b: Any) -> Any:
+    _check_arrays(a, b)
+    _float_array(xp, a)
+    _solve_shape(tuple(a.shape), tuple(b.shape))
+    if _solve_vector_case(tuple(a.shape), tuple(b.shape)):
+        # The array API reads only a 1-D B as a vector: solve a column, then drop it.
+        return xp.linalg.solve(a, xp.expand_dims(b, axis=-1))[..., 0]
+    return xp.linalg.solve(a, b)
+
+
+def _solve_vjp_b(F: Any, g: Any, a: Any, result: Any) -> Any:
+    return F.solve(_mT(F, a), g)  # B's gradient is A^-T g
+
+
+def _solve_vjp_a(F: Any, g: Any, a: Any, result: Any) -> Any:
+    gb = F.solve(_mT(F, a), g)
+    if len(result.shape) < len(a.shape):  # vectors: the outer product gb x^T
+        col = F.reshape(gb, shape=[*gb.shape, 1])
+        row = F.reshape(result, shape=[*result.shape[:-1], 1, result.shape[-1]])
+        return -(col * row)
+    return -F.matmul(gb, _mT(F, result))
+
+
+# ------------------------------------------------------------------ cross
+
+
+def _cross_dim(a: Shape, b: Shape, dim: int) -> tuple[Shape, int]:
+    if len(a) != len(b):
+        raise ShapeError(
+            f"shapes {fmt(a)} and {fmt(b)}: inputs must have the same number of dimensions"
+        )
+    shape = broadcast_shapes(a, b)
+    d = normalize_dim(dim, len(shape))
+    if not shape or shape[d] != 3:
+        raise ShapeError(
+            f"dim {dim} of shapes {fmt(a)} and {fmt(b)} must have size 3 for a cross product"
+        )
+    return shape, d
+
+
+def _cross_infer(metas: list[Meta], *, dim: int) -> Meta:
+    a, b = metas
+    _tensors_only(a, b)
+    dtype = _same_dtype(a, b)
+    return Meta(_cross_dim(a.shape, b.shape, dim)[0], dtype)
+
+
+def _cross(xp: Any, a: Any, b: Any, *, dim: int) -> Any:
+    _check_arrays(a, b)
+    shape, d = _cross_dim(tuple(a.shape), tuple(b.shape), dim)
+    # The array API takes the axis after broadcasting, counted from the end.
+    return xp.linalg.cross(xp.broadcast_to(a, shape), xp.broadcast_to(b, shape),
+                           axis=d - len(shape))
+
+
+register(
+    OpDef(
+        name="matmul", group="linear algebra",
+        doc="Matrix product as torch.matmul: 1-D operands are vectors, batch dims broadcast; "
+            "both operands must have one dtype.",
+        args=("input", "other"), forward=_matmul, infer=_matmul_infer,
+        vjp=(_matmul_vjp_a, _matmul_vjp_b), save=("input", "other"),
+    ),
+    OpDef(
+        name="einsum", group="linear algebra",
+        doc="Einstein summation over the operands (letters, '...', explicit or implicit "
+            "output), as torch.einsum.",
+        args=("operands",), forward=_einsum, infer=_einsum_infer, vjp=_einsum_vjp,
+        save=("operands",), attrs={"equation": Attr("str", doc="e.g. 'ij,jk->ik'")},
+        variadic=True, promote="all", call_order=("equation", "*operands"),
+    ),
+    OpDef(
+        name="transpose", group="linear algebra", doc="Swap two dims.",
+        args=("input",), forward=_transpose, infer=_transpose_infer,
+        vjp=(lambda F, g, *, dim0, dim1: F.transpose(g, dim0=dim0, dim1=dim1),),
+        attrs={"dim0": Attr("int", doc="a dim"), "dim1": Attr("int", doc="the other dim")},
+        positional_attrs=("dim0", "dim1"),
+    ),
+    OpDef(
+        name="permute", group="linear algebra", doc="Reorder all dims.",
+        args=("input",),
+        forward=lambda xp, x, *, dims: xp.permute_dims(x, tuple(_permutation(x.ndim, dims))),
+        infer=_permute_infer, vjp=(_permute_vjp,),
+        attrs={"dims": Attr("ints", doc="the new order of the dims")},
+        positional_attrs=("dims",),
+    ),
+    OpDef(
+        name="det", group="linear algebra",
+        doc="Determinant of (batches of) square matrices; the gradient needs A invertible.",
+        args=("A",), forward=_det, infer=_det_infer,
+        vjp=(_det_vjp,), save=("A", "result"),
+    ),
+    OpDef(
+        name="inv", group="linear algebra", doc="Inverse of (batches of) square matrices.",
+        args=("A",), forward=_inv, infer=_inv_infer,
+        vjp=(_inv_vjp,), save=("result",),
+    ),
+    OpDef(
+        name="solve", group="linear algebra",
+        doc="X with A X = B, as torch.linalg.solve (B: matrices, or vectors shaped like A "
+            "without its last dim, or 1-D).",
+        args=("A", "B"), forward=_solve, infer=_solve_infer,
+        vjp=(_solve_vjp_a, _solve_vjp_b), save=("A", "result"),
+    ),
+    OpDef(
+        name="cross", group="linear algebra",
+        doc="Cross product of 3-vectors along `dim`, as torch.linalg.cross (batch dims "
+            "broadcast).",
+        args=("input", "other"), forward=_cross, infer=_cross_infer,
+        vjp=(lambda F, g, a, b, *, dim: F.cross(b, g, dim=dim),
+             lambda F, g, a, b, *, dim: F.cross(g, a, dim=dim)),
+        save=("input", "other"), attrs={"dim": Attr("int", -1, "the dim of size 3")},
+        positional_attrs=("dim",),
+    ),
+)

@@ -1,13 +1,13 @@
-"""Reductions (`dim`: int, list, or None for all; `keepdim`) and normalisation."""
+"""Reductions (`dim`: int, list, or None for all; `keepdim`), `cumsum`, and normalisation."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import DEFAULT_INT, FLOATS, INTS, bool_
+from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, bool_
 from engine.errors import DTypeError
 from engine.ops.registry import Attr, Meta, OpDef, register
-from engine.shapes import expand_reduced, normalize_dims, numel, reduced_shape
+from engine.shapes import expand_reduced, normalize_dim, normalize_dims, numel, reduced_shape
 
 DIM = Attr("int|ints", None, "dim or dims to reduce; all when absent", nullable=True)
 KEEPDIM = Attr("bool", False, "keep reduced dims as size 1")
@@ -40,11 +40,21 @@ def _float_only(name: str) -> Any:
     return rule
 
 
+def _to_float(dtype: str) -> str:
+    return dtype if dtype in FLOATS else DEFAULT_FLOAT
+
+
+def _check_float(xp: Any, name: str, x: Any) -> None:
+    """The forward's dtype check (shape rules run only to explain a failure)."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        _float_only(name)(str(x.dtype))
+
+
 def _sum(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     axes = _axes(x, dim)
-    out_dtype = None
-    if xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool:
-        out_dtype = xp.int64
+    if x.dtype == xp.bool:
+        x = xp.astype(x, xp.int64)  # the array API sums numbers only
+    out_dtype = xp.int64 if xp.isdtype(x.dtype, "integral") else None
     return xp.sum(x, axis=axes, keepdims=keepdim, dtype=out_dtype)
 
 
@@ -54,6 +64,7 @@ def _sum_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
 
 
 def _mean(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+    _check_float(xp, "mean", x)
     return xp.mean(x, axis=_axes(x, dim), keepdims=keepdim)
 
 
@@ -62,6 +73,152 @@ def _mean_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     dims = normalize_dims(dim, len(shape))
     count = numel([shape[d] for d in dims])
     return expand_reduced(F, g / count, shape, dims, keepdim)
+
+
+
+def _keep(F: Any, t: Any, shape: tuple[int, ...], dims: tuple[int, ...], keepdim: bool) -> Any:
+    """A reduction's output (or its gradient) with the reduced dims kept as size 1."""
+    return t if keepdim else F.reshape(t, shape=list(reduced_shape(shape, dims, True)))
+
+
+def _prod(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+    axes = _axes(x, dim)
+    if x.dtype == xp.bool:
+        x = xp.astype(x, xp.int64)
+    out_dtype = xp.int64 if xp.isdtype(x.dtype, "integral") else None
+    return xp.prod(x, axis=axes, keepdims=keepdim, dtype=out_dtype)
+
+
+def _prod_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+    shape = tuple(x.shape)
+    dims = normalize_dims(dim, len(shape))
+    g = _keep(F, g, shape, dims, keepdim)
+    zero = x == 0
+    safe = F.where(zero, 1.0, x)
+    # prod(x) = nonzero * zeros, each factor differentiable; no division by a zero input.
+    nonzero = F.prod(safe, dim=list(dims), keepdim=True)
+    zeros = F.prod(F.where(zero, x, 1.0), dim=list(dims), keepdim=True)
+    count = F.sum(zero, dim=list(dims), keepdim=True)
+    at_zero = F.where(count == 1, nonzero, 0.0)  # a lone zero gets the product of the rest
+    return g * F.where(zero, at_zero, nonzero * zeros / safe)
+
+
+def _extreme(name: str) -> Any:
+    def forward(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+        return getattr(xp, name)(x, axis=_axes(x, dim), keepdims=keepdim)
+
+    return forward
+
+
+def _extreme_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -> Any:
+    shape = tuple(x.shape)
+    dims = normalize_dims(dim, len(shape))
+    g = _keep(F, g, shape, dims, keepdim)
+    hit = x == _keep(F, result, shape, dims, keepdim)
+    if isinstance(dim, int):
+        # PyTorch: max(x, dim) sends the gradient to the index it returns, the first hit.
+        first = F.where(hit, F.cumsum(hit, dim=dim), 0) == 1
+        return F.where(first, g, 0.0)
+    # PyTorch (amax/amin, full max/min): ties share the gradient evenly.
+    count = F.sum(F.cast(hit, dtype=F.dtype_of(g)), dim=list(dims), keepdim=True)
+    return F.where(hit, g / count, 0.0)
+
+
+def _cumsum(xp: Any, x: Any, *, dim: int) -> Any:
+    axis = normalize_dim(dim, len(x.shape))
+    if xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool:
+        x = xp.astype(x, xp.int64)  # PyTorch accumulates integers as int64
+    if len(x.shape) == 0:
+        return x
+    return xp.cumulative_sum(x, axis=axis)
+
+
+def _cumsum_vjp(F: Any, g: Any, *, dim: int) -> Any:
+    # The reversed cumulative sum: total - (inclusive prefix sum) + the element itself.
+    return F.sum(g, dim=dim, keepdim=True) - F.cumsum(g, dim=dim) + g
+
+
+def _cumsum_infer(metas: list[Meta], *, dim: int) -> Meta:
+    (m,) = metas
+    normalize_dim(dim, len(m.shape))
+    return Meta(m.shape, _sum_dtype(m.dtype))
+
+
+def _logsumexp(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+    axes = _axes(x, dim)
+    top = xp.max(x, axis=axes, keepdims=True)
+    top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))  # all -inf stays -inf, not NaN
+    out = xp.log(xp.sum(xp.exp(x - top), axis=axes, keepdims=True)) + top
+    return out if keepdim else xp.reshape(out, reduced_shape(tuple(x.shape), axes, False))
+
+
+def _logsumexp_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -> Any:
+    shape = tuple(x.shape)
+    dims = normalize_dims(dim, len(shape))
+    # softmax(x) as exp(x - logsumexp): never overflows, since x <= logsumexp.
+    return _keep(F, g, shape, dims, keepdim) * F.exp(x - _keep(F, result, shape, dims, keepdim))
+
+
+def _var(xp: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
+    _check_float(xp, "var", x)
+    return xp.var(x, axis=_axes(x, dim), correction=correction, keepdims=keepdim)
+
+
+def _var_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
+    shape = tuple(x.shape)
+    dims = normalize_dims(dim, len(shape))
+    count = numel([shape[d] for d in dims])
+    centred = x - F.mean(x, dim=list(dims), keepdim=True)
+    return _keep(F, g, shape, dims, keepdim) * centred * (2.0 / (count - correction))
+
+
+def _softmax(xp: Any, x: Any, *, dim: int) -> Any:
+    _check_float(xp, "softmax", x)
+    axes = _axes(x, dim)
+    e = xp.exp(x - xp.max(x, axis=axes, keepdims=True))  # shifted by the max: no overflow
+    return e / xp.sum(e, axis=axes, keepdims=True)
+
+
+def _log_softmax(xp: Any, x: Any, *, dim: int) -> Any:
+    _check_float(xp, "log_softmax", x)
+    axes = _axes(x, dim)
+    shifted = x - xp.max(x, axis=axes, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axes, keepdims=True))
+
+
+def _softmax_vjp(F: Any, g: Any, result: Any, *, dim: int) -> Any:
+    return result * (g - F.sum(g * result, dim=dim, keepdim=True))
+
+
+def _log_softmax_vjp(F: Any, g: Any, result: Any, *, dim: int) -> Any:
+    return g - F.exp(result) * F.sum(g, dim=dim, keepdim=True)
+
+
+def _normalisation_infer(name: str) -> Any:
+    def infer(metas: list[Meta], *, dim: int) -> Meta:
+        (m,) = metas
+        normalize_dim(dim, len(m.shape))
+        return Meta(m.shape, _float_only(name)(m.dtype))
+
+    return infer
+
+
+def _reduction(name: str, doc: str, forward: Any, vjp: Any, save: tuple[str, ...],
+               infer: Any, **extra: Any) -> OpDef:
+    attrs = {"dim": DIM, "keepdim": KEEPDIM, **extra.pop("attrs", {})}
+    return OpDef(
+        name=name, group="reductions", doc=doc, args=("input",), forward=forward,
+        infer=infer, vjp=(vjp,), save=save, attrs=attrs,
+        positional_attrs=("dim", "keepdim"), **extra,
+    )
+
+
+def _normalisation(name: str, doc: str, forward: Any, vjp: Any) -> OpDef:
+    return OpDef(
+        name=name, group="normalisation", doc=doc, args=("input",), forward=forward,
+        infer=_normalisation_infer(name), vjp=(vjp,), save=("result",),
+        attrs={"dim": Attr("int", doc="the dim to normalise over")}, positional_attrs=("dim",),
+    )
 
 
 register(
@@ -77,4 +234,38 @@ register(
         vjp=(_mean_vjp,), save=("input",), attrs={"dim": DIM, "keepdim": KEEPDIM},
         positional_attrs=("dim", "keepdim"),
     ),
+    _reduction(
+        "prod", "Product over dims (integers as int64); exact gradient at zeros, no result / x.",
+        _prod, _prod_vjp, ("input",), reduction_infer(_sum_dtype),
+    ),
+    _reduction(
+        "max", "Max over dims (values only). max(x, dim=int) sends the gradient to the first "
+        "max, as PyTorch's indices; over a list or all dims ties share it evenly.",
+        _extreme("max"), _extreme_vjp, ("input", "result"), reduction_infer(),
+    ),
+    _reduction(
+        "min", "Min over dims (values only). min(x, dim=int) sends the gradient to the first "
+        "min, as PyTorch's indices; over a list or all dims ties share it evenly.",
+        _extreme("min"), _extreme_vjp, ("input", "result"), reduction_infer(),
+    ),
+    _reduction(
+        "logsumexp", "log(sum(exp(x))) over dims, stable (shifted by the max); ints give float32.",
+        _logsumexp, _logsumexp_vjp, ("input", "result"), reduction_infer(_to_float),
+        float_result=True,
+    ),
+    _reduction(
+        "var", "Variance over dims with `correction` (1: unbiased), floating point inputs only.",
+        _var, _var_vjp, ("input",), reduction_infer(_float_only("var")),
+        attrs={"correction": Attr("number", 1, "subtracted from the count (Bessel's 1)")},
+    ),
+    OpDef(
+        name="cumsum", group="reductions",
+        doc="Inclusive cumulative sum along `dim` (integers as int64).",
+        args=("input",), forward=_cumsum, infer=_cumsum_infer, vjp=(_cumsum_vjp,),
+        attrs={"dim": Attr("int", doc="the dim to accumulate along")}, positional_attrs=("dim",),
+    ),
+    _normalisation("softmax", "exp(x) / sum(exp(x)) along `dim`, stable (shifted by the max).",
+                   _softmax, _softmax_vjp),
+    _normalisation("log_softmax", "x - logsumexp(x) along `dim`, stable (shifted by the max).",
+                   _log_softmax, _log_softmax_vjp),
 )
