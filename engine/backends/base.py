@@ -18,6 +18,8 @@ def namespace_with(xp: Any, **extras: Any) -> SimpleNamespace:
     """The array namespace plus the calls the array API standard lacks (einsum,
     scatter_add), so ops see one `xp` whatever the backend."""
     names = {k: v for k, v in vars(xp).items() if not k.startswith("__")}
+    # The standard's extensions may be served by a module __getattr__ (array-api-strict).
+    names.update({ext: getattr(xp, ext) for ext in ("linalg",) if hasattr(xp, ext)})
     return SimpleNamespace(**{**names, **extras})
 
 
