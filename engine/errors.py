@@ -103,5 +103,5 @@ class ValidationErrors(GradserveError):
     def __init__(self, errors: Sequence[GradserveError]) -> None:
         first = errors[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        super().__init__(str(first) + more, node=first.node, op=first.op, loc=first.loc)
+        super().__init__(first.message + more, node=first.node, op=first.op, loc=first.loc)
         self.errors = list(errors)
