@@ -177,9 +177,7 @@ def engine_problem(err: GradserveError) -> tuple[int, str, str, dict[str, Any]]:
 
 def engine_error_response(err: GradserveError, request_id: str | None) -> Response:
     status, slug, title, fields = engine_problem(err)
-    # ValidationErrors' message already names the first error's node; str() would repeat it.
-    detail = err.message if isinstance(err, ValidationErrors) else str(err)
-    return problem_response(status, slug, title, detail, request_id=request_id, **fields)
+    return problem_response(status, slug, title, str(err), request_id=request_id, **fields)
 
 
 def pydantic_errors(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:

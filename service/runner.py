@@ -57,8 +57,13 @@ class Runner:
             self.admission.leave()
 
     def warm_up(self, body: bytes) -> None:
-        """Run one request end to end, off the books (a throwaway Metrics)."""
-        Runner(self.settings, Metrics())._job(body, BackwardRequest, time.monotonic() + 60)
+        """Run one small request end to end, off the books: a throwaway Metrics, and
+        limits that a tiny configured one (in a test) cannot trip."""
+        roomy = self.settings.model_copy(update={
+            "max_nodes": 100_000, "memory_budget_bytes": 1 << 20,
+            "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
+        })
+        Runner(roomy, Metrics())._job(body, BackwardRequest, time.monotonic() + 60)
 
     # ------------------------------------------------------------------ in the worker
     def _job(

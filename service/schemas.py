@@ -36,7 +36,7 @@ class Wire(BaseModel):
 class TensorIn(Wire):
     """A tensor as an object: `data` (JSON) or `b64` (raw little-endian bytes)."""
 
-    data: TensorData = None
+    data: TensorData | None = None
     b64: str | None = None
     dtype: DType | None = None
     shape: list[Annotated[int, Field(ge=0)]] | None = None
