@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad, no_grad
+from engine.memory import _current as _current_tracker
 from engine.memory import MemoryTracker, current_tracker
 from engine.shapes import fmt, sum_to_shape
+from engine.tensor import Tensor
 
 if TYPE_CHECKING:
     from engine.backends import Backend
     from engine.ops.registry import OpDef
-    from engine.tensor import Tensor
 
 _FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved tensors "
@@ -41,35 +42,38 @@ class Node:
     __slots__ = ("__weakref__", "attrs", "backend", "edges", "in_meta", "op", "saved", "tracker")
 
     def __init__(
-        self,
-        op: OpDef,
-        args: Sequence[Any],
-        needs: list[bool],
-        attrs: dict[str, Any],
-        out: Any,
-        backend: Backend,
+        self, op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend
     ) -> None:
         self.op = op
         self.attrs = attrs
         self.backend = backend
-        self.edges: tuple[Edge, ...] = tuple(
-            (a.grad_fn if a.grad_fn is not None else a) if need else None
-            for a, need in zip(args, needs, strict=True)
-        )
-        # The shape and dtype each gradient is summed and cast back to.
-        self.in_meta = tuple(
-            (tuple(a.data.shape), a.data.dtype) if need else None
-            for a, need in zip(args, needs, strict=True)
-        )
+        mask = op.diff_mask
+        edges: list[Edge] = []
+        in_meta: list[tuple[tuple[int, ...], Any] | None] = []
+        for i, a in enumerate(args):
+            if type(a) is Tensor and a.requires_grad and (mask is None or mask[i]):
+                edges.append(a.grad_fn or a)
+                # The shape and dtype its gradient is summed and cast back to.
+                in_meta.append((a.data.shape, a.data.dtype))
+            else:
+                edges.append(None)
+                in_meta.append(None)
+        self.edges: tuple[Edge, ...] = tuple(edges)
+        self.in_meta = tuple(in_meta)
         # What the VJP reads: input Tensors or numbers, and the raw result (not the result
         # Tensor, which would be a reference cycle through its own grad_fn). A variadic op's
         # one argument name stands for the tuple of all its operands.
         self.saved: tuple[Any, ...] | None = tuple(
             out if i < 0 else tuple(args) if op.variadic else args[i] for i in op.save_index
         )
-        self.tracker = current_tracker()
-        if self.tracker is not None and -1 in op.save_index:
-            self.tracker.retain(out)
+        tracker = self.tracker = _current_tracker.get()
+        if tracker is not None and -1 in op.save_index:
+            tracker.retain(out)
+
+    @property
+    def recorded(self) -> bool:
+        """False when no differentiable argument requires grad: nothing to record."""
+        return any(e is not None for e in self.edges)
 
     def name(self) -> str:
         return self.op.grad_fn_name
@@ -91,40 +95,49 @@ class Node:
     def apply(self, grad: Any, F: Any, create_graph: bool) -> list[Any]:
         """The input gradients for `grad`, each summed to its input's shape and dtype."""
         op = self.op
-        if self.saved is None:
+        saved: Sequence[Any] | None = self.saved
+        if saved is None:
             if op.save:
                 raise BackwardError(_FREED_MESSAGE, op=op.name)
-            saved: tuple[Any, ...] = ()
+            saved = ()
         elif create_graph:
-            saved = tuple(self._saved_tensor(v, j) for j, v in enumerate(self.saved))
+            saved = [self._saved_tensor(v, j) for j, v in enumerate(saved)]
+        elif op.variadic:
+            saved = [_raw(v) for v in saved]
         else:
-            saved = tuple(_raw(v) for v in self.saved)
+            saved = [v.data if type(v) is Tensor else v for v in saved]
+        attrs = self.attrs
         if op.variadic:
-            grads = list(op.vjp(F, grad, *saved, **self.attrs))  # type: ignore[operator]
-        else:
-            vjps = op.vjp
-            grads = [
-                vjps[i](F, grad, *saved, **self.attrs) if meta is not None else None  # type: ignore[index]
-                for i, meta in enumerate(self.in_meta)
-            ]
-        for i, (g, meta) in enumerate(zip(grads, self.in_meta, strict=True)):
-            if meta is None or g is None:
-                grads[i] = None
+            raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator]
+            return [None if meta is None or g is None else self._conform(g, meta, F, create_graph)
+                    for g, meta in zip(raw_grads, self.in_meta, strict=True)]
+        vjps = op.vjp
+        grads: list[Any] = []
+        for i, meta in enumerate(self.in_meta):
+            if meta is None:
+                grads.append(None)
                 continue
-            shape, dtype = meta
-            if tuple(g.shape) != shape:
-                g = sum_to_shape(F, g, shape)
-            if create_graph:
-                if g.data.dtype != dtype:
-                    g = F.cast(g, dtype=self.backend.name_of(dtype))
-            elif g.dtype != dtype:
-                g = self.backend.xp.astype(self.backend.xp.asarray(g), dtype)
-            grads[i] = g
+            g = vjps[i](F, grad, *saved, **attrs)  # type: ignore[index]
+            if g is not None and (g.shape != meta[0] or g.dtype is not meta[1]):
+                g = self._conform(g, meta, F, create_graph)
+            grads.append(g)
         return grads
 
-    def _saved_tensor(self, value: Any, j: int) -> Any:
-        from engine.tensor import Tensor
+    def _conform(self, g: Any, meta: tuple[tuple[int, ...], Any], F: Any,
+                 create_graph: bool) -> Any:
+        """Sum a gradient back to its input's shape and cast it to the input's dtype."""
+        shape, dtype = meta
+        if g.shape != shape:
+            g = sum_to_shape(F, g, shape)
+        if create_graph:
+            if g.data.dtype != dtype:
+                g = F.cast(g, dtype=self.backend.name_of(dtype))
+        elif g.dtype != dtype:
+            xp = self.backend.xp
+            g = xp.astype(xp.asarray(g), dtype)
+        return g
 
+    def _saved_tensor(self, value: Any, j: int) -> Any:
         if self.op.save_index[j] < 0:
             # The result of this very node: PyTorch rebuilds it with this node as grad_fn.
             return Tensor(value, self.backend, requires_grad=True, grad_fn=self)
@@ -140,7 +153,7 @@ def _raw(value: Any) -> Any:
 
 def _as_grad(value: Any, like: Tensor, create_graph: bool) -> Any:
     """An upstream gradient given by the caller, checked and in the output's dtype."""
-    from engine.tensor import Tensor, tensor
+    from engine.tensor import tensor
 
     t = value if isinstance(value, Tensor) else tensor(value, device=like.device)
     if t.shape != like.shape:
@@ -157,7 +170,6 @@ def _implicit_grad(output: Tensor, create_graph: bool) -> Any:
         raise BackwardError("grad can be implicitly created only for scalar outputs")
     ones = output._backend.xp.ones(output.data.shape, dtype=output.data.dtype)
     if create_graph:
-        from engine.tensor import Tensor
 
         return Tensor(ones, output._backend)
     return ones
@@ -227,7 +239,7 @@ def run_backward(
     seen = set(stack)
     while stack:
         for nxt in stack.pop().edges:
-            if isinstance(nxt, Node):
+            if type(nxt) is Node:
                 deps[nxt] = deps.get(nxt, 0) + 1
                 if nxt not in seen:
                     seen.add(nxt)
@@ -241,16 +253,17 @@ def run_backward(
             return
         _accumulate_leaf(leaf, g, create_graph)
 
+    grads = pending.grads
     with enable_grad() if create_graph else no_grad():
-        for leaf in [r for r in roots if not isinstance(r, Node)]:
+        for leaf in [r for r in roots if type(r) is not Node]:
             deliver(leaf, pending.pop(leaf))
-        ready = [r for r in roots if isinstance(r, Node) and deps.get(r, 0) == 0]
+        ready = [r for r in roots if type(r) is Node and deps.get(r, 0) == 0]
         while ready:
             if check is not None:
                 check()
             node = ready.pop()
             grad = pending.pop(node)
-            if id(node) in wanted:
+            if wanted and id(node) in wanted:
                 results[wanted[id(node)]] = grad
             in_grads = node.apply(grad, F, create_graph)
             del grad
@@ -259,18 +272,22 @@ def run_backward(
             for nxt, g in zip(node.edges, in_grads, strict=True):
                 if nxt is None:
                     continue
-                if not isinstance(nxt, Node):
+                if type(nxt) is not Node:
                     if g is not None:
                         deliver(nxt, g)
                     continue
                 if g is not None:
-                    pending.add(nxt, g)
-                deps[nxt] -= 1
-                if deps[nxt] == 0:
-                    if nxt in pending.grads:
+                    if tracker is None and nxt not in grads:
+                        grads[nxt] = g  # the common case, without the tracker's bookkeeping
+                    else:
+                        pending.add(nxt, g)
+                left = deps[nxt] - 1
+                deps[nxt] = left
+                if left == 0:
+                    if nxt in grads:
                         ready.append(nxt)
                     else:
-                        _skip(nxt, deps, pending.grads, ready, retain_graph)
+                        _skip(nxt, deps, grads, ready, retain_graph)
     return results
 
 
@@ -291,7 +308,6 @@ def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: lis
 
 def _accumulate_leaf(leaf: Tensor, g: Any, create_graph: bool) -> None:
     """Leaf `.grad` accumulates across backward calls, as in PyTorch."""
-    from engine.tensor import Tensor
 
     if not create_graph:
         g = Tensor(g if leaf.grad is None else leaf.grad.data + g, leaf._backend)
@@ -308,7 +324,6 @@ def backward(
     check: Callable[[], None] | None = None,
 ) -> None:
     """`torch.autograd.backward`: accumulate d(Σ outputs·grads)/d(leaf) into each leaf's `.grad`."""
-    from engine.tensor import Tensor
 
     outs = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     if grad_tensors is not None and not isinstance(grad_tensors, (list, tuple)):
@@ -326,7 +341,6 @@ def grad(
     allow_unused: bool = False,
 ) -> tuple[Tensor | None, ...]:
     """`torch.autograd.grad`: the gradients of `outputs` with respect to `inputs`."""
-    from engine.tensor import Tensor
 
     outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)

@@ -9,7 +9,8 @@ import numpy as np
 from engine.backends import Backend, get_backend
 from engine.dtypes import DTYPES, FLOATS, check_dtype
 from engine.errors import DTypeError, TensorDataError
-from engine.memory import MemoryTracker, current_tracker
+from engine.memory import MemoryTracker
+from engine.memory import _current as _current_tracker
 
 if TYPE_CHECKING:
     from engine.autograd import Node
@@ -39,7 +40,7 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad_fn = grad_fn
         self.grad = None
-        tracker = current_tracker()
+        tracker = _current_tracker.get()
         self._tracker: MemoryTracker | None = tracker
         if tracker is not None:
             tracker.retain(data)

@@ -34,6 +34,7 @@ class Backend:
     synchronize: Callable[[], None] = lambda: None
     _dtypes: dict[str, Any] = field(init=False, repr=False)
     _names: dict[Any, str] = field(init=False, repr=False)
+    float_dtypes: frozenset[Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # array-api-strict has no float16: a backend offers the dtypes its namespace has.
@@ -41,6 +42,8 @@ class Backend:
         # Keyed by what `array.dtype` gives (NumPy's dtype objects, not its scalar types).
         self._names = {self.xp.empty((0,), dtype=v).dtype: k for k, v in self._dtypes.items()}
         self._dtypes = {k: self.xp.empty((0,), dtype=v).dtype for k, v in self._dtypes.items()}
+        self.float_dtypes = frozenset(
+            self._dtypes[k] for k in ("float16", "float32", "float64") if k in self._dtypes)
 
     def dtype(self, name: str) -> Any:
         return self._dtypes[name]

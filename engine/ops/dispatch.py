@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.autograd import Node
 from engine.backends import Backend, default_backend
-from engine.dtypes import FLOATS, scalar_dtype
+from engine.dtypes import scalar_dtype
 from engine.errors import DTypeError, GradserveError, ShapeError
 from engine.grad_mode import _grad_enabled
 from engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype
@@ -26,36 +26,37 @@ def meta_of(value: Tensor | float | int | bool) -> Meta:
     return literal_meta(value)
 
 
-def _backend_of(op: OpDef, args: Sequence[Any]) -> Backend:
-    backend: Backend | None = None
-    for a in args:
-        if type(a) is Tensor:
-            if backend is None:
-                backend = a._backend
-            elif a._backend is not backend:
-                raise ShapeError(
-                    f"expected all tensors on one device, got {backend.device} and {a.device}",
-                    op=op.name,
-                )
-        elif not isinstance(a, _NUMBER):
-            raise DTypeError(
-                f"arguments must be tensors or numbers, got {type(a).__name__}", op=op.name
-            )
-    return backend if backend is not None else default_backend()
+def _device_mismatch(op: OpDef, a: Backend, b: Backend) -> ShapeError:
+    return ShapeError(f"expected all tensors on one device, got {a.device} and {b.device}",
+                      op=op.name)
 
 
-def _compute_dtype(op: OpDef, args: Sequence[Any], promoted: Sequence[int]) -> str | None:
-    """The dtype the promoted arguments compute in, or None if nothing needs casting."""
-    first = args[promoted[0]]
-    if type(first) is Tensor and len(promoted) == 2:
-        second = args[promoted[1]]
-        dt = first.dtype
-        # The common cases: equal dtypes, or a float tensor with a Python number.
-        if (type(second) is Tensor and second.dtype == dt) or (
-            dt in FLOATS and isinstance(second, _NUMBER)
+def _not_a_tensor(op: OpDef, value: Any) -> DTypeError:
+    return DTypeError(f"arguments must be tensors or numbers, got {type(value).__name__}",
+                      op=op.name)
+
+
+def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -> None:
+    """Cast the promoted arguments to their common dtype (PyTorch's rules), in place."""
+    promoted = range(len(args)) if op.promote == "all" else op.promote
+    if len(promoted) == 2:
+        a, b = raw[promoted[0]], raw[promoted[1]]
+        # The common cases: equal dtypes, or a float array with a Python number.
+        if not isinstance(a, _NUMBER) and (
+            (not isinstance(b, _NUMBER) and a.dtype is b.dtype)
+            or (isinstance(b, _NUMBER) and a.dtype in backend.float_dtypes)
         ):
-            return None if (dt in FLOATS or not op.float_result) else "float32"
-    return promoted_dtype([meta_of(args[i]) for i in promoted], op.float_result)
+            if not op.float_result or a.dtype in backend.float_dtypes:
+                return
+    target = backend.dtype(promoted_dtype([meta_of(args[i]) for i in promoted], op.float_result))
+    only_numbers = not any(type(x) is Tensor for x in args)
+    for i in promoted:
+        a = raw[i]
+        if isinstance(a, _NUMBER):
+            if only_numbers:
+                raw[i] = backend.xp.asarray(a, dtype=target)
+        elif a.dtype != target:
+            raw[i] = backend.xp.astype(a, target)
 
 
 def _explain(op: OpDef, args: Sequence[Any], attrs: dict[str, Any], exc: Exception) -> Exception:
@@ -72,27 +73,31 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
 
     `attrs` must already be bound (validated, defaults filled): see `OpDef.bind_attrs`.
     """
-    backend = _backend_of(op, args)
-    raw = [a.data if type(a) is Tensor else a for a in args]
+    backend: Backend | None = None
+    any_requires_grad = False
+    raw: list[Any] = []
+    for a in args:
+        if type(a) is Tensor:
+            if backend is None:
+                backend = a._backend
+            elif a._backend is not backend:
+                raise _device_mismatch(op, backend, a._backend)
+            raw.append(a.data)
+            any_requires_grad = any_requires_grad or a.requires_grad
+        elif isinstance(a, _NUMBER):
+            raw.append(a)
+        else:
+            raise _not_a_tensor(op, a)
+    if backend is None:
+        backend = default_backend()
+        if raw:  # only numbers: the first becomes a 0-d tensor of its default dtype
+            raw[0] = backend.xp.asarray(raw[0], dtype=backend.dtype(scalar_dtype(raw[0])))
     if op.promote:
-        promoted = range(len(args)) if op.promote == "all" else op.promote
-        dt = _compute_dtype(op, args, promoted)
-        if dt is not None:
-            target = backend.dtype(dt)
-            for i in promoted:
-                a = raw[i]
-                if isinstance(a, _NUMBER):
-                    if not args or all(not isinstance(x, Tensor) for x in args):
-                        raw[i] = backend.xp.asarray(a, dtype=target)
-                elif a.dtype != target:
-                    raw[i] = backend.xp.astype(a, target)
+        _promote(op, args, raw, backend)
     elif op.float_result:
         for i, a in enumerate(raw):
-            if not isinstance(a, _NUMBER) and backend.dtype_name(a) not in FLOATS:
+            if not isinstance(a, _NUMBER) and a.dtype not in backend.float_dtypes:
                 raw[i] = backend.xp.astype(a, backend.dtype("float32"))
-    if not any(type(a) is Tensor for a in args) and raw and isinstance(raw[0], _NUMBER):
-        # Only numbers: the first becomes a 0-d tensor of its default dtype.
-        raw[0] = backend.xp.asarray(raw[0], dtype=backend.dtype(scalar_dtype(raw[0])))
     try:
         out = op.forward(backend.xp, *raw, **attrs)
     except GradserveError as err:
@@ -100,12 +105,52 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
     except (ValueError, TypeError, IndexError, ArithmeticError, RuntimeError) as exc:
         raise _explain(op, args, attrs, exc) from None
 
-    if op.vjp is not None and _grad_enabled.get():
-        needs = [
-            type(a) is Tensor and a.requires_grad and op.arg_differentiable(i)
-            for i, a in enumerate(args)
-        ]
-        if any(needs) and backend.dtype_name(out) in FLOATS:
-            node = Node(op, args, needs, attrs, out, backend)
-            return Tensor(out, backend, requires_grad=True, grad_fn=node)
+    return wrap(op, args, attrs, out, backend, any_requires_grad)
+
+
+def wrap(op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend,
+         any_requires_grad: bool) -> Tensor:
+    """The result Tensor of an op, recording its Node when the graph needs it."""
+    if (any_requires_grad and op.vjp is not None and out.dtype in backend.float_dtypes
+            and _grad_enabled.get()):
+        node = Node(op, args, attrs, out, backend)
+        if op.diff_mask is None or node.recorded:
+            return Tensor(out, backend, True, node)
     return Tensor(out, backend)
+
+
+def binary_operator(op: OpDef, reflected: bool) -> Any:
+    """`Tensor.__mul__` and friends. The common cases (a tensor of the same dtype and
+    device, or a Python float with a float tensor) need no promotion: they skip `apply`'s
+    general path, which is most of the per-op cost on small tensors."""
+    forward = op.forward
+    float_result = op.float_result
+
+    def method(self: Tensor, other: Any) -> Tensor:
+        backend = self._backend
+        data = self.data
+        kind = type(other)
+        if kind is Tensor:
+            fast = (other._backend is backend and other.data.dtype is data.dtype
+                    and (not float_result or data.dtype in backend.float_dtypes))
+            other_raw = other.data
+        else:
+            if not isinstance(other, _NUMBER):
+                return NotImplemented  # type: ignore[no-any-return]
+            fast = kind is float and data.dtype in backend.float_dtypes
+            other_raw = other
+        args = (other, self) if reflected else (self, other)
+        if fast:
+            try:
+                out = (forward(backend.xp, other_raw, data) if reflected
+                       else forward(backend.xp, data, other_raw))
+            except (ValueError, TypeError, ArithmeticError):
+                return apply(op, args, _NO_ATTRS)  # raises the op's own error
+            return wrap(op, args, _NO_ATTRS, out, backend,
+                        self.requires_grad or (kind is Tensor and other.requires_grad))
+        return apply(op, args, _NO_ATTRS)
+
+    return method
+
+
+_NO_ATTRS: dict[str, Any] = {}

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.backends import Backend
 from engine.errors import ArityError
-from engine.ops.dispatch import apply
+from engine.ops.dispatch import apply, binary_operator
 from engine.ops.registry import OPS, OpDef
 from engine.tensor import Tensor
 
@@ -112,16 +112,6 @@ _OPERATORS = {
 }
 
 
-def _operator(op: OpDef, reflected: bool) -> Callable[[Tensor, Any], Tensor]:
-    def method(self: Tensor, other: Any) -> Tensor:
-        if not isinstance(other, (Tensor, int, float, bool)):
-            return NotImplemented  # type: ignore[no-any-return]
-        args = (other, self) if reflected else (self, other)
-        return apply(op, args, op.defaults)
-
-    return method
-
-
 def _method(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return lambda self, *args, **kwargs: fn(self, *args, **kwargs)
 
@@ -133,7 +123,7 @@ def install() -> None:
     F_TENSOR.__dict__.update(vars(_tensor_namespace()))
     for dunder, (name, reflected) in _OPERATORS.items():
         if name in OPS:
-            setattr(Tensor, dunder, _operator(OPS[name], reflected))
+            setattr(Tensor, dunder, binary_operator(OPS[name], reflected))
     Tensor.__neg__ = lambda self: apply(OPS["neg"], (self,), {})  # type: ignore[method-assign]
     Tensor.__pos__ = lambda self: self  # type: ignore[attr-defined]
     Tensor.__abs__ = lambda self: apply(OPS["abs"], (self,), {})  # type: ignore[attr-defined]

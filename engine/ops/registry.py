@@ -115,11 +115,17 @@ class OpDef:
     grad_fn_name: str = field(init=False)
     defaults: dict[str, Any] = field(init=False)
     save_index: tuple[int, ...] = field(init=False)  # -1 = the result
+    # Per argument: is it differentiable (None: all are, as for variadic ops).
+    diff_mask: tuple[bool, ...] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.grad_fn_name = "".join(p.capitalize() for p in self.name.split("_")) + "Backward"
         self.defaults = {k: a.default for k, a in self.attrs.items() if not a.required}
         self.save_index = tuple(-1 if s == "result" else self.args.index(s) for s in self.save)
+        mask = None
+        if self.vjp is not None and not self.variadic:
+            mask = tuple(f is not None for f in self.vjp)  # type: ignore[union-attr]
+        self.diff_mask = None if mask is None or all(mask) else mask
 
     @property
     def differentiable(self) -> bool:
