@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad, no_grad
-from engine.memory import _current as _current_tracker
 from engine.memory import MemoryTracker, current_tracker
+from engine.memory import _current as _current_tracker
 from engine.shapes import fmt, sum_to_shape
 from engine.tensor import Tensor
 
@@ -33,13 +33,14 @@ _FREED_MESSAGE = (
     "backward through the graph a second time."
 )
 
-Edge = Any  # a Node, a leaf Tensor that requires grad, or None
+Edge = Any  # a Node, or a leaf Tensor that requires grad
+Input = tuple[Edge, tuple[int, ...], Any]  # an edge, and the input's shape and dtype
 
 
 class Node:
     """`grad_fn` of a tensor: the op that made it, its input edges and what its VJP reads."""
 
-    __slots__ = ("__weakref__", "attrs", "backend", "edges", "in_meta", "op", "saved", "tracker")
+    __slots__ = ("__weakref__", "attrs", "backend", "inputs", "op", "saved", "tracker")
 
     def __init__(
         self, op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend
@@ -48,32 +49,35 @@ class Node:
         self.attrs = attrs
         self.backend = backend
         mask = op.diff_mask
-        edges: list[Edge] = []
-        in_meta: list[tuple[tuple[int, ...], Any] | None] = []
-        for i, a in enumerate(args):
-            if type(a) is Tensor and a.requires_grad and (mask is None or mask[i]):
-                edges.append(a.grad_fn or a)
-                # The shape and dtype its gradient is summed and cast back to.
-                in_meta.append((a.data.shape, a.data.dtype))
-            else:
-                edges.append(None)
-                in_meta.append(None)
-        self.edges: tuple[Edge, ...] = tuple(edges)
-        self.in_meta = tuple(in_meta)
+        # Per argument: (edge, shape, dtype) when its gradient is needed, else None. The
+        # shape and dtype are what that gradient is summed and cast back to.
+        if mask is None:
+            self.inputs: list[Input | None] = [
+                (a.grad_fn or a, a.data.shape, a.data.dtype)
+                if type(a) is Tensor and a.requires_grad else None
+                for a in args
+            ]
+        else:
+            self.inputs = [
+                (a.grad_fn or a, a.data.shape, a.data.dtype)
+                if type(a) is Tensor and a.requires_grad and mask[i] else None
+                for i, a in enumerate(args)
+            ]
         # What the VJP reads: input Tensors or numbers, and the raw result (not the result
-        # Tensor, which would be a reference cycle through its own grad_fn). A variadic op's
-        # one argument name stands for the tuple of all its operands.
-        self.saved: tuple[Any, ...] | None = tuple(
-            out if i < 0 else tuple(args) if op.variadic else args[i] for i in op.save_index
-        )
+        # Tensor, which would be a reference cycle through its own grad_fn).
+        self.saved: tuple[Any, ...] | None = op.pick_saved(args, out)
         tracker = self.tracker = _current_tracker.get()
         if tracker is not None and -1 in op.save_index:
             tracker.retain(out)
 
     @property
+    def edges(self) -> tuple[Edge, ...]:
+        return tuple(None if inp is None else inp[0] for inp in self.inputs)
+
+    @property
     def recorded(self) -> bool:
         """False when no differentiable argument requires grad: nothing to record."""
-        return any(e is not None for e in self.edges)
+        return any(inp is not None for inp in self.inputs)
 
     def name(self) -> str:
         return self.op.grad_fn_name
@@ -109,24 +113,23 @@ class Node:
         attrs = self.attrs
         if op.variadic:
             raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator]
-            return [None if meta is None or g is None else self._conform(g, meta, F, create_graph)
-                    for g, meta in zip(raw_grads, self.in_meta, strict=True)]
+            return [None if inp is None or g is None else self._conform(g, inp, F, create_graph)
+                    for g, inp in zip(raw_grads, self.inputs, strict=True)]
         vjps = op.vjp
         grads: list[Any] = []
-        for i, meta in enumerate(self.in_meta):
-            if meta is None:
+        for i, inp in enumerate(self.inputs):
+            if inp is None:
                 grads.append(None)
                 continue
             g = vjps[i](F, grad, *saved, **attrs)  # type: ignore[index]
-            if g is not None and (g.shape != meta[0] or g.dtype is not meta[1]):
-                g = self._conform(g, meta, F, create_graph)
+            if g is not None and (g.shape != inp[1] or g.dtype is not inp[2]):
+                g = self._conform(g, inp, F, create_graph)
             grads.append(g)
         return grads
 
-    def _conform(self, g: Any, meta: tuple[tuple[int, ...], Any], F: Any,
-                 create_graph: bool) -> Any:
+    def _conform(self, g: Any, inp: Input, F: Any, create_graph: bool) -> Any:
         """Sum a gradient back to its input's shape and cast it to the input's dtype."""
-        shape, dtype = meta
+        _, shape, dtype = inp
         if g.shape != shape:
             g = sum_to_shape(F, g, shape)
         if create_graph:
@@ -238,8 +241,8 @@ def run_backward(
     stack = [r for r in roots if isinstance(r, Node)]
     seen = set(stack)
     while stack:
-        for nxt in stack.pop().edges:
-            if type(nxt) is Node:
+        for inp in stack.pop().inputs:
+            if inp is not None and type(nxt := inp[0]) is Node:
                 deps[nxt] = deps.get(nxt, 0) + 1
                 if nxt not in seen:
                     seen.add(nxt)
@@ -262,16 +265,20 @@ def run_backward(
             if check is not None:
                 check()
             node = ready.pop()
-            grad = pending.pop(node)
+            grad = grads.pop(node) if tracker is None else pending.pop(node)
             if wanted and id(node) in wanted:
                 results[wanted[id(node)]] = grad
             in_grads = node.apply(grad, F, create_graph)
             del grad
             if not retain_graph:
-                node.release()
-            for nxt, g in zip(node.edges, in_grads, strict=True):
-                if nxt is None:
+                if node.tracker is None:
+                    node.saved = None
+                else:
+                    node.release()
+            for inp, g in zip(node.inputs, in_grads, strict=True):
+                if inp is None:
                     continue
+                nxt = inp[0]
                 if type(nxt) is not Node:
                     if g is not None:
                         deliver(nxt, g)
@@ -300,7 +307,7 @@ def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: lis
         if not retain_graph:
             n.release()
         for nxt in n.edges:
-            if isinstance(nxt, Node):
+            if type(nxt) is Node:
                 deps[nxt] -= 1
                 if deps[nxt] == 0:
                     (ready if nxt in pending else stack).append(nxt)

@@ -15,6 +15,7 @@ Tensors, so the same rule is itself differentiable.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -117,6 +118,7 @@ class OpDef:
     save_index: tuple[int, ...] = field(init=False)  # -1 = the result
     # Per argument: is it differentiable (None: all are, as for variadic ops).
     diff_mask: tuple[bool, ...] | None = field(init=False)
+    _pick: Callable[[Sequence[Any]], Any] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.grad_fn_name = "".join(p.capitalize() for p in self.name.split("_")) + "Backward"
@@ -126,6 +128,19 @@ class OpDef:
         if self.vjp is not None and not self.variadic:
             mask = tuple(f is not None for f in self.vjp)  # type: ignore[union-attr]
         self.diff_mask = None if mask is None or all(mask) else mask
+
+        # Picks the saved values from (*args, out): index -1 is `out`.
+        self._pick = operator.itemgetter(*self.save_index) if self.save_index else None
+
+    def pick_saved(self, args: Sequence[Any], out: Any) -> tuple[Any, ...]:
+        """The values named in `save`, in order (a variadic op's one argument name stands
+        for the tuple of all its operands)."""
+        if self.variadic:
+            return tuple(out if i < 0 else tuple(args) for i in self.save_index)
+        if self._pick is None:
+            return ()
+        picked = self._pick((*args, out))
+        return picked if len(self.save_index) > 1 else (picked,)
 
     @property
     def differentiable(self) -> bool:
