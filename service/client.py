@@ -110,7 +110,7 @@ class _Base:
     @staticmethod
     def _result(response: httpx.Response) -> Result:
         _raise_for_problem(response)
-        content = response.json()
+        content = orjson.loads(response.content)
         outputs = content["outputs"]
         gradients = content.get("gradients")
         return Result(
@@ -124,7 +124,7 @@ class _Base:
     @staticmethod
     def _json(response: httpx.Response) -> Any:
         _raise_for_problem(response)
-        return response.json()
+        return orjson.loads(response.content)
 
     def _retry_after(self, response: httpx.Response, attempt: int) -> float | None:
         if response.status_code != 503 or attempt >= self.retries:
@@ -298,15 +298,15 @@ def _json_data(array: np.ndarray) -> Any:
         # Small arrays only (large ones go as base64): a Python pass is fine.
         flat = ["NaN" if v != v else _NONFINITE.get(v, v) for v in array.ravel().tolist()]
         return np.array(flat, dtype=object).reshape(array.shape).tolist()
-    return array.tolist()
+    return np.ascontiguousarray(array)  # orjson writes NumPy arrays natively
 
 
 def _raise_for_problem(response: httpx.Response) -> None:
     if response.is_success:
         return
     try:
-        problem = response.json()
-    except ValueError:
+        problem = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
         problem = {}
     if not isinstance(problem, dict):
         problem = {}

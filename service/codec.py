@@ -24,6 +24,7 @@ INT_DTYPES = frozenset({"int32", "int64"})
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)
 _LE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
+_NAMES = {np.dtype(name): name for name in DTYPES}
 
 Loc = tuple[str | int, ...]
 
@@ -173,9 +174,10 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
 # ------------------------------------------------------------------------ encoding
 def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
     """`dtype`, `shape` and `data` or `b64` for a response; values are orjson-ready."""
-    out: dict[str, Any] = {"dtype": array.dtype.name, "shape": list(array.shape)}
+    name = _NAMES[array.dtype]  # `dtype.name` is computed in Python on every access
+    out: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
     if encoding == "base64":
-        le = np.ascontiguousarray(array, dtype=_LE[array.dtype.name])
+        le = np.ascontiguousarray(array, dtype=_LE[name])
         out["b64"] = pybase64.b64encode(le.tobytes()).decode("ascii")
     else:
         out["data"] = json_data(array)

@@ -1,15 +1,20 @@
 """The compute path: wire request -> engine graph -> wire response.
 
-The route hands over the raw body; everything else runs in one worker-thread job so the
-event loop stays free (health checks, small requests) however large the body or graph:
-parse (pydantic-core, once), decode tensors, `compile_graph` (validation and memory
-plan), admission of the planned bytes, `execute`, and encoding with orjson.
+The route hands over the raw body. The steps: parse (pydantic-core, once), decode
+tensors, `compile_graph` (validation and memory plan; cached per graph and input specs),
+admission of the planned bytes, `execute`, and encoding with orjson. They run in a worker
+thread, so the event loop stays free (health checks, small requests) however large the
+body or graph; only a small body whose program is cached and tiny runs on the loop,
+where a thread hop would cost more than the run.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -25,7 +30,16 @@ from engine.errors import (
     TensorDataError,
     ValidationErrors,
 )
-from engine.graph import GraphSpec, Limits, NodeSpec, RunResult, TensorSpec, compile_graph, execute
+from engine.graph import (
+    GraphSpec,
+    Limits,
+    NodeSpec,
+    Program,
+    RunResult,
+    TensorSpec,
+    compile_graph,
+    execute,
+)
 from service import codec
 from service.admission import Admission
 from service.errors import ProblemError, pydantic_errors, schema_problem
@@ -34,6 +48,11 @@ from service.schemas import BackwardRequest, ForwardRequest, Graph, TensorIn
 from service.settings import Settings
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
+
+# The fast path that runs on the event loop: a small body and a cached, tiny program.
+INLINE_MAX_BODY_BYTES = 16 * 1024
+INLINE_MAX_NODES = 64
+INLINE_MAX_BYTES = 256 * 1024
 
 
 class Runner:
@@ -45,16 +64,26 @@ class Runner:
         )
         # Our own thread budget: sized to the slots, shared with nothing else.
         self.limiter = anyio.CapacityLimiter(settings.max_concurrency)
+        self.programs = ProgramCache()
 
     async def run(self, body: bytes, model: type[ForwardRequest | BackwardRequest]) -> bytes:
         deadline = time.monotonic() + self.settings.request_timeout_s
         self.admission.enter()
         try:
-            return await anyio.to_thread.run_sync(
-                self._job, body, model, deadline, limiter=self.limiter
-            )
+            if len(body) > INLINE_MAX_BODY_BYTES:
+                return await self._in_thread(self._job, body, model, deadline)
+            # A small body parses in microseconds: do it here, and when its program is
+            # already compiled and tiny, run it here too. A thread hop costs more than such
+            # a run (about 0.1-0.2 ms), and the loop is held for well under a millisecond.
+            prepared = self._prepare(body, model)
+            if prepared.program is not None and _tiny(prepared.program):
+                return self._execute(prepared, deadline)
+            return await self._in_thread(self._finish, prepared, deadline)
         finally:
             self.admission.leave()
+
+    async def _in_thread(self, fn: Callable[..., bytes], *args: Any) -> bytes:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
     def warm_up(self, body: bytes) -> None:
         """Run one small request end to end, off the books: a throwaway Metrics, and
@@ -65,15 +94,16 @@ class Runner:
         })
         Runner(roomy, Metrics())._job(body, BackwardRequest, time.monotonic() + 60)
 
-    # ------------------------------------------------------------------ in the worker
+    # ------------------------------------------------------------------ the steps
     def _job(
         self, body: bytes, model: type[ForwardRequest | BackwardRequest], deadline: float
     ) -> bytes:
-        req = parse_body(body, model)
-        backward = isinstance(req, BackwardRequest)
-        no_grad = isinstance(req, ForwardRequest) and req.no_grad
-        device = parse_device(req.device, self.settings.default_device)
+        return self._finish(self._prepare(body, model), deadline)
 
+    def _prepare(self, body: bytes, model: type[ForwardRequest | BackwardRequest]) -> Prepared:
+        """Parse, decode, and look the program up in the cache (compiling nothing)."""
+        started = time.perf_counter()
+        req = parse_body(body, model)
         errors: list[GradserveError] = []
         inputs = _decode_all("inputs", req.inputs, errors)
         grad_outputs = (
@@ -83,37 +113,129 @@ class Runner:
         )
         if errors:
             raise ValidationErrors(errors)
+        p = Prepared(
+            req=req,
+            device=parse_device(req.device, self.settings.default_device),
+            inputs=inputs,
+            grad_outputs=grad_outputs,
+            no_grad=isinstance(req, ForwardRequest) and req.no_grad,
+            backward=isinstance(req, BackwardRequest),
+            started=started,
+        )
+        p.key = (req.graph.model_dump_json(), _spec_key(_specs(inputs)),
+                 _spec_key(None if grad_outputs is None else _specs(grad_outputs)),
+                 p.no_grad, p.backward)
+        p.program = self.programs.get(p.key)
+        return p
 
-        s = self.settings
-        budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
-        path = "no_grad" if no_grad else "grad"
-        try:
-            program = compile_graph(
-                graph_spec(req.graph),
-                _specs(inputs),
-                limits=Limits(max_nodes=s.max_nodes, memory_budget_bytes=budget),
-                no_grad=no_grad,
-                backward=backward,
-                grad_outputs=None if grad_outputs is None else _specs(grad_outputs),
+    def _finish(self, p: Prepared, deadline: float) -> bytes:
+        if p.program is None:
+            p.program = self._compile(
+                p.req.graph, _specs(p.inputs),
+                None if p.grad_outputs is None else _specs(p.grad_outputs),
+                p.no_grad, p.backward,
             )
-        except MemoryBudgetError:
-            self.metrics.rejections.labels("memory_budget").inc()
-            raise
+            self.programs.put(p.key, p.program)
+        return self._execute(p, deadline)
+
+    def _execute(self, p: Prepared, deadline: float) -> bytes:
+        program = p.program
+        assert program is not None
+        plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
+        path = "no_grad" if p.no_grad else "grad"
         with self.admission.reserve(program.planned_peak_bytes):
             self.metrics.planned_peak.labels(path).observe(program.planned_peak_bytes)
             try:
                 result = execute(
                     program,
-                    _tensors(inputs, device),
-                    grad_outputs=None if grad_outputs is None else _tensors(grad_outputs, device),
+                    _tensors(p.inputs, p.device),
+                    grad_outputs=None if p.grad_outputs is None
+                    else _tensors(p.grad_outputs, p.device),
                     deadline=deadline,
-                    device=device,
+                    device=p.device,
                 )
             except DeadlineExceeded:
                 self.metrics.rejections.labels("timeout").inc()
                 raise
             self.metrics.measured_peak.labels(path).observe(result.peak_bytes)
-            return encode_result(result, device=device, no_grad=no_grad, encoding=req.encoding)
+            result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
+            return encode_result(
+                result, device=p.device, no_grad=p.no_grad, encoding=p.req.encoding
+            )
+
+    def _compile(
+        self,
+        graph: Graph,
+        inputs: dict[str, TensorSpec],
+        grad_outputs: dict[str, TensorSpec] | None,
+        no_grad: bool,
+        backward: bool,
+    ) -> Program:
+        s = self.settings
+        budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
+        try:
+            return compile_graph(
+                graph_spec(graph),
+                inputs,
+                limits=Limits(max_nodes=s.max_nodes, memory_budget_bytes=budget),
+                no_grad=no_grad,
+                backward=backward,
+                grad_outputs=grad_outputs,
+            )
+        except MemoryBudgetError:
+            self.metrics.rejections.labels("memory_budget").inc()
+            raise
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A parsed, decoded request, with its program when the cache had it."""
+
+    req: ForwardRequest | BackwardRequest
+    device: str
+    inputs: Decoded
+    grad_outputs: Decoded | None
+    no_grad: bool
+    backward: bool
+    started: float  # perf_counter() when parsing began
+    key: Hashable = None
+    program: Program | None = None
+
+
+def _tiny(program: Program) -> bool:
+    return program.nodes <= INLINE_MAX_NODES and program.planned_peak_bytes <= INLINE_MAX_BYTES
+
+
+class ProgramCache:
+    """Compiled programs of small graphs, by graph, input specs and path.
+
+    Clients send the same graph again and again with new data; validation and planning
+    depend only on the graph and the inputs' shapes, dtypes and requires_grad, so a hit
+    skips them. A Program is read-only to `execute`, so one can serve many threads. Large
+    graphs are not kept: their compile cost is small next to their run.
+    """
+
+    MAX_NODES = 1024
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, Program] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Program | None:
+        with self._lock:
+            program = self._items.get(key)
+            if program is not None:
+                self._items.move_to_end(key)
+            return program
+
+    def put(self, key: Hashable, program: Program) -> None:
+        if program.nodes > self.MAX_NODES:
+            return
+        with self._lock:
+            self._items[key] = program
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
 
 
 def parse_body(body: bytes, model: type[ForwardRequest | BackwardRequest]) -> Any:
@@ -165,6 +287,10 @@ def _specs(decoded: Decoded) -> dict[str, TensorSpec]:
         name: TensorSpec(shape=a.shape, dtype=a.dtype.name, requires_grad=rg)
         for name, (a, rg) in decoded.items()
     }
+
+
+def _spec_key(specs: dict[str, TensorSpec] | None) -> Hashable:
+    return None if specs is None else tuple(specs.items())  # TensorSpec is frozen: hashable
 
 
 def _tensors(decoded: Decoded, device: str) -> dict[str, engine.Tensor]:

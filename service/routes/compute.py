@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.deps import RunnerDep
+from service.deps import runner_of
 from service.errors import ProblemError
 from service.schemas import BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse
 
@@ -55,9 +55,9 @@ def _check_content_type(request: Request) -> None:
     responses=PROBLEM_RESPONSES,
     openapi_extra=_body_schema(ForwardRequest),
 )
-async def forward(request: Request, runner: RunnerDep) -> Response:
+async def forward(request: Request) -> Response:
     _check_content_type(request)
-    content = await runner.run(await request.body(), ForwardRequest)
+    content = await runner_of(request).run(await request.body(), ForwardRequest)
     return Response(content, media_type="application/json")
 
 
@@ -68,7 +68,7 @@ async def forward(request: Request, runner: RunnerDep) -> Response:
     responses=PROBLEM_RESPONSES,
     openapi_extra=_body_schema(BackwardRequest),
 )
-async def backward(request: Request, runner: RunnerDep) -> Response:
+async def backward(request: Request) -> Response:
     _check_content_type(request)
-    content = await runner.run(await request.body(), BackwardRequest)
+    content = await runner_of(request).run(await request.body(), BackwardRequest)
     return Response(content, media_type="application/json")
