@@ -39,7 +39,9 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved(fns: dict[str, Callable[[], Any]], repeats: int, rounds: int = 5) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, rounds: int = 5
+) -> dict[str, float]:
     """Medians over rounds that alternate the contenders, so drift hits both alike."""
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):

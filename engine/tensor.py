@@ -173,10 +173,7 @@ def tensor(
 ) -> Tensor:
     """A new leaf tensor, as `torch.tensor`: floats default to float32, ints to int64."""
     backend = get_backend(device)
-    if isinstance(data, Tensor):
-        host = data.numpy()
-    else:
-        host = _host_array(data)
+    host = data.numpy() if isinstance(data, Tensor) else _host_array(data)
     name = check_dtype(dtype) if dtype is not None else _default_dtype(data, host)
     if requires_grad and name not in FLOATS:
         raise DTypeError(f"only floating point tensors can require gradients, got {name}")

@@ -4,6 +4,7 @@ measured memory, the no_grad path, deadlines, deep graphs."""
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 from typing import Any
 
@@ -86,7 +87,8 @@ def test_unknown_op_and_reference_name_the_referring_node() -> None:
                            outputs=["b"]), {"x": SCALAR})
     assert isinstance(errs[0], UnknownOpError) and errs[0].node == "a"
     assert errs[0].loc == ("graph", "nodes", 0, "op")
-    assert isinstance(errs[1], GraphError) and str(errs[1]) == "node 'b' (neg): unknown reference 'q'"
+    assert isinstance(errs[1], GraphError)
+    assert str(errs[1]) == "node 'b' (neg): unknown reference 'q'"
     assert errs[1].loc == ("graph", "nodes", 1, "args", 0)
 
 
@@ -98,7 +100,7 @@ def test_cycle_lists_the_whole_cycle() -> None:
     text = str(errs[0])
     cycle = text.split("cycle: ")[1].split(" -> ")
     assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == ["a", "b", "c"]
-    for u, v in zip(cycle, cycle[1:], strict=False):  # each arrow follows a real edge
+    for u, v in itertools.pairwise(cycle):  # each arrow follows a real edge
         assert (u, v) in {("a", "b"), ("b", "c"), ("c", "a")}
 
 

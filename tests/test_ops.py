@@ -17,7 +17,11 @@ from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
 
 torch = pytest.importorskip("torch")
 
-CATALOG = ["add", "sub", "mul", "div", "pow", "neg", "maximum", "minimum", "abs", "sign", "exp", "log", "log1p", "expm1", "sqrt", "square", "reciprocal", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "softplus", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "where", "sum", "mean", "prod", "max", "min", "logsumexp", "var", "softmax", "log_softmax", "matmul", "einsum", "transpose", "permute", "det", "inv", "solve", "cross", "reshape", "expand", "squeeze", "unsqueeze", "flatten", "cat", "stack", "slice", "index_select", "gather", "scatter_add", "cast", "detach", "zeros", "ones", "full", "eye", "arange"]
+CATALOG = """add sub mul div pow neg maximum minimum abs sign exp log log1p expm1 sqrt square
+reciprocal sin cos tan tanh sigmoid relu softplus clamp eq ne lt le gt ge where sum mean prod
+max min logsumexp var softmax log_softmax matmul einsum transpose permute det inv solve cross
+reshape expand squeeze unsqueeze flatten cat stack slice index_select gather scatter_add cast
+detach zeros ones full eye arange""".split()  # noqa: SIM905 - the catalog as DESIGN lists it
 
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
                 "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}

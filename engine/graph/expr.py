@@ -120,7 +120,7 @@ class _Compiler:
         number = self.number(piece)
         if number is not None:
             return number
-        if isinstance(piece, ast.Constant) and (piece.value is None or isinstance(piece.value, str)):
+        if isinstance(piece, ast.Constant) and (piece.value is None or _is_string(piece)):
             return piece.value
         if isinstance(piece, (ast.List, ast.Tuple)):
             items = [self.number(e) for e in piece.elts]

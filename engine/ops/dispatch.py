@@ -45,9 +45,8 @@ def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -
         if not isinstance(a, _NUMBER) and (
             (not isinstance(b, _NUMBER) and a.dtype is b.dtype)
             or (isinstance(b, _NUMBER) and a.dtype in backend.float_dtypes)
-        ):
-            if not op.float_result or a.dtype in backend.float_dtypes:
-                return
+        ) and (not op.float_result or a.dtype in backend.float_dtypes):
+            return
     target = backend.dtype(promoted_dtype([meta_of(args[i]) for i in promoted], op.float_result))
     only_numbers = not any(type(x) is Tensor for x in args)
     for i in promoted:

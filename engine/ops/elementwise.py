@@ -22,16 +22,16 @@ def _softplus(xp: Any, x: Any) -> Any:
     return xp.where(x > _SOFTPLUS_THRESHOLD, x, stable)
 
 
-def _clamp_bounds(x: Any, lo: Any, hi: Any) -> None:
+def _clamp_bounds(lo: Any, hi: Any) -> None:
     if lo is None and hi is None:
         raise AttributeError_("at least one of 'min' or 'max' must be given", loc=("attrs",))
 
 
 def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
-    _clamp_bounds(x, min, max)
-    if isinstance(min, float) or isinstance(max, float):
-        if xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool:
-            x = xp.astype(x, xp.float32)  # a float bound promotes an integer tensor
+    _clamp_bounds(min, max)
+    float_bound = isinstance(min, float) or isinstance(max, float)
+    if float_bound and (xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool):
+        x = xp.astype(x, xp.float32)  # a float bound promotes an integer tensor
     out = x
     if min is not None:
         out = xp.maximum(out, xp.asarray(min, dtype=x.dtype))
@@ -42,7 +42,7 @@ def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
 
 def _clamp_infer(metas: list[Meta], *, min: Any, max: Any) -> Meta:
     (m,) = metas
-    _clamp_bounds(None, min, max)
+    _clamp_bounds(min, max)
     lits = [Meta((), "float32" if isinstance(v, float) else "int64", True)
             for v in (min, max) if v is not None]
     return Meta(m.shape, promoted_dtype([m, *lits]))

@@ -15,7 +15,9 @@ from engine.ops.registry import OPS, OpDef
 from engine.tensor import Tensor
 
 
-def _bind_call(op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+def _bind_call(
+    op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
     """Map a PyTorch-style call onto (tensors, attributes)."""
     order = op.call_order or (*op.args, *op.positional_attrs)
     named: dict[str, Any] = {}

@@ -157,9 +157,8 @@ class OpDef:
 
     def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
         """Validate attributes against the declaration and fill in defaults."""
-        if not given:
-            if len(self.defaults) == len(self.attrs):
-                return self.defaults
+        if not given and len(self.defaults) == len(self.attrs):
+            return self.defaults
         for key in given:
             if key not in self.attrs:
                 known = ", ".join(self.attrs) or "none"

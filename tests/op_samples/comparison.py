@@ -22,8 +22,7 @@ SAMPLES["where"] = [
     Sample([randn(4) > 0, randn(4), 0.0], id="literal"),
 ]
 
-TORCH = {name: (lambda n: lambda torch, a, b: getattr(torch, n)(a, b) if isinstance(b, torch.Tensor)
-                else getattr(torch, n)(a, b))(name) for name in _CMP}
+TORCH = {name: (lambda n: lambda torch, a, b: getattr(torch, n)(a, b))(name) for name in _CMP}
 TORCH["where"] = lambda torch, c, a, b: torch.where(c, a, b)
 
 ERRORS = {name: [ErrorSample([randn(3), randn(2)], {}, ShapeError, r"cannot be broadcast")]
