@@ -86,6 +86,10 @@ def image() -> str:
         "-t", TAG, ".",
         timeout=BUILD_TIMEOUT_S,
     )
+    # Earlier builds of the tag are left untagged: drop them (only gradserve's, only
+    # untagged ones), so that a CI host does not fill up. The builder stages stay: cache.
+    _docker("image", "prune", "--force", "--filter",
+            "label=org.opencontainers.image.title=gradserve", check=False)
     return TAG
 
 
