@@ -17,6 +17,9 @@ def fmt(shape: Sequence[int]) -> str:
 
 def broadcast_shapes(*shapes: Shape) -> Shape:
     """NumPy/PyTorch broadcasting; a mismatch names all the shapes."""
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return first
     ndim = max((len(s) for s in shapes), default=0)
     out = [1] * ndim
     for shape in shapes:

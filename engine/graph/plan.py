@@ -14,17 +14,15 @@ from engine.graph.program import Program, Step
 from engine.shapes import numel
 
 
-def _bytes(program: Program, slot: int) -> int:
-    meta = program.metas[slot]
-    assert meta is not None
-    return numel(meta.shape) * ITEMSIZE[meta.dtype]
+def _slot_bytes(program: Program) -> list[int]:
+    return [0 if m is None else numel(m.shape) * ITEMSIZE[m.dtype] for m in program.metas]
 
 
 class _Ledger:
     """Live bytes per array; a slot's Tensor is one holder of its array while it lives."""
 
     def __init__(self, program: Program) -> None:
-        self.program = program
+        self.nbytes = _slot_bytes(program)
         self.array = list(range(len(program.metas)))  # slot -> array id (detach aliases)
         self.holders = [0] * len(program.metas)  # per array
         self.refs = [0] * len(program.metas)  # per slot: references to its Tensor
@@ -33,14 +31,14 @@ class _Ledger:
 
     def hold_array(self, array: int) -> None:
         if self.holders[array] == 0:
-            self.live += _bytes(self.program, array)
+            self.live += self.nbytes[array]
             self.peak = max(self.peak, self.live)
         self.holders[array] += 1
 
     def drop_array(self, array: int) -> None:
         self.holders[array] -= 1
         if self.holders[array] == 0:
-            self.live -= _bytes(self.program, array)
+            self.live -= self.nbytes[array]
 
     def ref(self, slot: int) -> None:
         if self.refs[slot] == 0:
@@ -98,19 +96,20 @@ def _plan_backward(program: Program, ledger: _Ledger, producer: dict[int, Step])
     grad_of: dict[int, int] = {}  # node slot or leaf slot -> pending gradient bytes
     leaf_grads: set[int] = set()
 
+    nbytes = ledger.nbytes
+
     def add_pending(key: int) -> None:
         if key not in grad_of:
-            grad_of[key] = _bytes(program, key)
+            grad_of[key] = nbytes[key]
             ledger.live += grad_of[key]
             ledger.peak = max(ledger.peak, ledger.live)
 
     def deliver(leaf: int) -> None:
-        nbytes = _bytes(program, leaf)
         if leaf in leaf_grads:
-            ledger.transient(nbytes)  # old .grad and new sum exist together for a moment
+            ledger.transient(nbytes[leaf])  # old .grad and new sum exist together a moment
         else:
             leaf_grads.add(leaf)
-            ledger.live += nbytes
+            ledger.live += nbytes[leaf]
             ledger.peak = max(ledger.peak, ledger.live)
 
     roots = [slots[name] for name in program.roots]
@@ -122,11 +121,18 @@ def _plan_backward(program: Program, ledger: _Ledger, producer: dict[int, Step])
             ledger.live -= grad_of.pop(slot)
             deliver(slot)
 
+    rg = program.requires_grad
+    edge_cache: dict[int, list[int]] = {}
+
     def edges(step: Step) -> list[int]:
-        return [
-            s for i, (is_ref, s) in enumerate(step.args)
-            if is_ref and program.requires_grad[s] and step.op.arg_differentiable(i)
-        ]
+        found = edge_cache.get(step.slot)
+        if found is None:
+            mask = step.op.diff_mask
+            found = edge_cache[step.slot] = [
+                s for i, (is_ref, s) in enumerate(step.args)
+                if is_ref and rg[s] and (mask is None or mask[i])
+            ]
+        return found
 
     deps: dict[int, int] = {}
     stack = [s for s in roots if s in producer]

@@ -236,6 +236,10 @@ def register(*ops: OpDef) -> None:
 def promoted_dtype(metas: Sequence[Meta], float_result: bool = False) -> str:
     """The dtype an op computes in: `torch.result_type` of its operands, lifted to the
     default float for ops that only compute in floating point."""
+    first = metas[0].dtype
+    if first in FLOATS and all(m.dtype == first or (m.literal and m.dtype != "float64")
+                               for m in metas):
+        return first  # one float dtype, or with weak literals: nothing to promote
     dims = [m.dtype for m in metas if not m.literal and m.shape]
     zero = [m.dtype for m in metas if not m.literal and not m.shape]
     lits: list[Scalar] = [_LITERAL_OF[m.dtype] for m in metas if m.literal]
@@ -248,10 +252,13 @@ def promoted_dtype(metas: Sequence[Meta], float_result: bool = False) -> str:
 _LITERAL_OF: dict[str, Scalar] = {"bool": True, "int64": 1, "float32": 1.0}
 
 
-def literal_meta(value: Scalar) -> Meta:
-    from engine.dtypes import scalar_dtype
+_LITERAL_METAS = {bool: Meta((), "bool", True), int: Meta((), "int64", True),
+                  float: Meta((), DEFAULT_FLOAT, True)}
 
-    return Meta((), scalar_dtype(value), literal=True)
+
+def literal_meta(value: Scalar) -> Meta:
+    """The Meta of a Python number literal (weak in type promotion)."""
+    return _LITERAL_METAS[type(value)]
 
 
 def require_float(op: str, meta: Meta, what: str = "input") -> None:
