@@ -113,8 +113,11 @@ def default_backend() -> Backend:
 
 @contextmanager
 def use_device(device: str) -> Iterator[None]:
-    token = _default_device.set(parse_device(device))
+    """Run a block on `device`: constants are made there, and it is the current device."""
+    name = parse_device(device)
+    token = _default_device.set(name)
     try:
-        yield
+        with get_backend(name).activate():
+            yield
     finally:
         _default_device.reset(token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +33,8 @@ class Backend:
     to_host: Callable[[Array], np.ndarray]
     from_host: Callable[[np.ndarray], Array]
     synchronize: Callable[[], None] = lambda: None
+    # Makes this device current for a block (CuPy launches kernels on the current device).
+    activate: Callable[[], AbstractContextManager[Any]] = nullcontext
     _dtypes: dict[str, Any] = field(init=False, repr=False)
     _names: dict[Any, str] = field(init=False, repr=False)
     float_dtypes: frozenset[Any] = field(init=False, repr=False)

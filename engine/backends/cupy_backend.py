@@ -53,4 +53,5 @@ def make_cupy_backend(index: int) -> Backend:
         to_host=cupy.asnumpy,
         from_host=from_host,
         synchronize=lambda: device.synchronize(),
+        activate=lambda: device,
     )
