@@ -1,0 +1,20 @@
+"""The README's Python examples run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_engine_example_runs() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    engine_blocks = [b for b in blocks if b.startswith("import engine")]
+    assert engine_blocks, "the README has no engine example"
+    for block in engine_blocks:
+        namespace: dict[str, object] = {}
+        exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        assert namespace["z"].item() == -5.0  # type: ignore[attr-defined]
+        assert namespace["x"].grad.item() == 4.0  # type: ignore[attr-defined]
+        assert namespace["b"].tolist() == [41.0]  # type: ignore[attr-defined]
