@@ -51,8 +51,9 @@ def decode_tensor(
         if array.ndim == 0 and shape:
             raise _error(loc, "shape", f"a scalar cannot have shape {list(shape)}")
         if array.shape != shape:
-            if array.ndim == 1 and math.prod(shape) == array.size:
-                array = array.reshape(shape)  # a flat list with a shape
+            # A flat list with a shape; or an empty one, whose nesting cannot show every dim.
+            if math.prod(shape) == array.size and (array.ndim == 1 or array.size == 0):
+                array = array.reshape(shape)
             else:
                 raise _error(
                     loc, "shape",

@@ -655,3 +655,50 @@ async def test_500_hides_the_traceback(
     assert p["request_id"] == "r-500"
     monkeypatch.undo()
     assert (await client.post("/backward", json=SEED_OP)).status_code == 200
+
+
+# ----------------------------------------------------------------------- program cache, client
+async def test_program_cache_reuses_plans_per_graph_and_specs(make_client: Maker) -> None:
+    async with make_client() as (c, app):
+        cache = app.state.runner.programs
+        before = len(cache._items)
+        for x in (1.0, 2.0, 3.0):
+            r = await c.post("/backward", json={**SEED_EXPR, "inputs": {
+                "x": {"data": x, "requires_grad": True}, "y": {"data": 1.0,
+                                                           "requires_grad": True}}})
+            assert strict_json(r)["gradients"]["x"]["data"] == 2 * x
+        assert len(cache._items) == before + 1
+        # Another shape is another plan; bad data for a cached graph is still refused.
+        vec = {"x": {"data": [1.0, 2.0], "requires_grad": True}, "y": [1.0, 1.0]}
+        r = await c.post("/forward", json={**SEED_EXPR, "inputs": vec})
+        assert strict_json(r)["outputs"]["z"]["data"] == [0.0, 3.0]
+        assert len(cache._items) == before + 2
+        bad = {"x": {"data": [1.0, True], "requires_grad": True}, "y": [1.0, 1.0]}
+        assert_problem(await c.post("/forward", json={**SEED_EXPR, "inputs": bad}), 422,
+                       "tensor-data")
+
+
+async def test_async_client(make_client: Maker) -> None:
+    from service.client import AsyncClient, GradserveHTTPError
+
+    async with make_client() as (_, app):
+        transport = httpx.ASGITransport(app)
+        graph_ = {"nodes": [{"id": "z", "expr": "sum(x * w)"}], "outputs": ["z"]}
+        w = np.arange(2000, dtype=np.float64)
+        async with AsyncClient("http://test", transport=transport, base64_threshold=1000) as gs:
+            r = await gs.backward(graph_, {"x": np.ones(2000, np.float64), "w": w},
+                                  requires_grad=["x"])
+            np.testing.assert_array_equal(r.gradients["x"], w)
+            assert r.gradients["x"].dtype == np.float64 and r.outputs["z"] == w.sum()
+            nan = await gs.forward({"nodes": [], "outputs": ["v"]},
+                                   {"v": np.array([np.nan, -np.inf], np.float32)})
+            assert np.isnan(nan.outputs["v"][0]) and nan.outputs["v"][1] == -np.inf
+            assert [op["name"] for op in await gs.ops()][:1]
+            assert (await gs.devices())["default"] == "cpu"
+            with pytest.raises(GradserveHTTPError) as info:
+                await gs.backward(graph_, {"x": [1, 2], "w": [1, 2]}, requires_grad=["x"])
+            assert info.value.status == 422 and info.value.errors
+        async with AsyncClient("http://test", transport=transport, encoding="json") as gs:
+            r = await gs.forward({"nodes": [], "outputs": ["v"]},
+                                 {"v": np.array([np.inf, 1.5], np.float32)})
+            np.testing.assert_array_equal(r.outputs["v"], [np.inf, 1.5])
