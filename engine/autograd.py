@@ -112,7 +112,7 @@ class Node:
             saved = [v.data if type(v) is Tensor else v for v in saved]
         attrs = self.attrs
         if op.variadic:
-            raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator]
+            raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator,misc]
             return [None if inp is None or g is None else self._conform(g, inp, F, create_graph)
                     for g, inp in zip(raw_grads, self.inputs, strict=True)]
         vjps = op.vjp
@@ -121,7 +121,7 @@ class Node:
             if inp is None:
                 grads.append(None)
                 continue
-            g = vjps[i](F, grad, *saved, **attrs)  # type: ignore[index]
+            g = vjps[i](F, grad, *saved, **attrs)  # type: ignore[index,misc]
             if g is not None and (g.shape != inp[1] or g.dtype is not inp[2]):
                 g = self._conform(g, inp, F, create_graph)
             grads.append(g)

@@ -8,7 +8,7 @@ from the outputs. A deadline is checked between nodes (forward and backward).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from engine.autograd import backward
 from engine.backends import use_device
@@ -21,7 +21,7 @@ from engine.ops.dispatch import apply
 from engine.tensor import Tensor
 
 
-def _deadline_check(deadline: float | None, started: float) -> object:
+def _deadline_check(deadline: float | None, started: float) -> Callable[[], None]:
     def check() -> None:
         if deadline is not None and time.monotonic() > deadline:
             elapsed = time.monotonic() - started
@@ -66,7 +66,9 @@ def execute(
                 del args
                 for slot in step.frees:
                     values[slot] = None
-            outputs = {name: values[slot] for name, slot in program.outputs}
+            outputs: dict[str, Tensor] = {
+                name: values[slot] for name, slot in program.outputs  # type: ignore[misc]
+            }
             timings["forward"] = round((time.perf_counter() - t0) * 1000, 3)
             del values
 
@@ -85,7 +87,7 @@ def execute(
             for name in program.input_slots:
                 memory.release(inputs[name].data)
     return RunResult(
-        outputs=outputs,  # type: ignore[arg-type]
+        outputs=outputs,
         gradients=gradients,
         peak_bytes=memory.peak,
         planned_peak_bytes=program.planned_peak_bytes,

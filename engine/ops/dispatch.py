@@ -38,7 +38,7 @@ def _not_a_tensor(op: OpDef, value: Any) -> DTypeError:
 
 def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -> None:
     """Cast the promoted arguments to their common dtype (PyTorch's rules), in place."""
-    promoted = range(len(args)) if op.promote == "all" else op.promote
+    promoted: Sequence[int] = range(len(args)) if isinstance(op.promote, str) else op.promote
     if len(promoted) == 2:
         a, b = raw[promoted[0]], raw[promoted[1]]
         # The common cases: equal dtypes, or a float array with a Python number.

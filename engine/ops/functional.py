@@ -126,9 +126,9 @@ def install() -> None:
     for dunder, (name, reflected) in _OPERATORS.items():
         if name in OPS:
             setattr(Tensor, dunder, binary_operator(OPS[name], reflected))
-    Tensor.__neg__ = lambda self: apply(OPS["neg"], (self,), {})  # type: ignore[method-assign]
-    Tensor.__pos__ = lambda self: self  # type: ignore[attr-defined]
-    Tensor.__abs__ = lambda self: apply(OPS["abs"], (self,), {})  # type: ignore[attr-defined]
+    setattr(Tensor, "__neg__", lambda self: apply(OPS["neg"], (self,), {}))  # noqa: B010
+    setattr(Tensor, "__pos__", lambda self: self)  # noqa: B010
+    setattr(Tensor, "__abs__", lambda self: apply(OPS["abs"], (self,), {}))  # noqa: B010
     for name, op in OPS.items():
         if op.args and not op.variadic and not hasattr(Tensor, name):
             setattr(Tensor, name, _method(FUNCTIONS[name]))
