@@ -43,6 +43,7 @@ def unary(
     group: str = "elementwise",
     attrs: dict[str, Attr] | None = None,
     infer: Any = None,
+    check_args: Any = None,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -55,6 +56,7 @@ def unary(
         save=save if vjp is not None else (),
         attrs=attrs or {},
         float_result=float_result,
+        check_args=check_args,
     )
 
 
@@ -80,6 +82,8 @@ def binary(
     group: str = "arithmetic",
     result_dtype: str | None = None,
     args: tuple[str, str] = ("input", "other"),
+    infer: Any = None,
+    check_args: Any = None,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -87,9 +91,10 @@ def binary(
         doc=doc,
         args=args,
         forward=forward,
-        infer=elementwise_infer(float_result, result_dtype),
+        infer=infer or elementwise_infer(float_result, result_dtype),
         vjp=vjps,
         save=save,
         promote=(0, 1),
         float_result=float_result,
+        check_args=check_args,
     )

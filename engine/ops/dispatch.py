@@ -91,6 +91,11 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
         backend = default_backend()
         if raw:  # only numbers: the first becomes a 0-d tensor of its default dtype
             raw[0] = backend.xp.asarray(raw[0], dtype=backend.dtype(scalar_dtype(raw[0])))
+    if op.check_args is not None:
+        try:
+            op.check_args(backend.xp, *raw)
+        except GradserveError as err:
+            raise err.at(op=op.name) from None
     if op.promote:
         _promote(op, args, raw, backend)
     elif op.float_result:

@@ -111,6 +111,8 @@ class OpDef:
     call_order: tuple[str, ...] | None = None
     # The forward returns its input array itself (detach): the memory plan counts it once.
     returns_input: bool = False
+    # A check of the arguments as given, before promotion casts them (`sub` refuses bool).
+    check_args: Callable[..., None] | None = None
 
     # Derived once at registration.
     grad_fn_name: str = field(init=False)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import ShapeError
+from engine.errors import DTypeError, ShapeError
 from tests.op_samples import ErrorSample, Sample, pos, randn
 
 _BROADCAST = [
@@ -60,4 +60,12 @@ TORCH = {
 
 ERRORS = {name: _BAD_BROADCAST for name in ("add", "sub", "mul", "div", "pow", "maximum",
                                              "minimum")}
-ERRORS["neg"] = [ErrorSample([randn(2), randn(2)], {}, Exception, r"takes 1 tensor argument")]
+ERRORS["neg"] = [
+    ErrorSample([randn(2), randn(2)], {}, Exception, r"takes 1 tensor argument"),
+    ErrorSample([np.array([True, False])], {}, DTypeError, r"`-` operator on a bool tensor"),
+]
+ERRORS["sub"] = [
+    *_BAD_BROADCAST,
+    ErrorSample([np.array([True]), randn(1)], {}, DTypeError, r"`-` operator on a bool tensor"),
+    ErrorSample([randn(2), True], {}, DTypeError, r"`-` operator on a bool tensor"),
+]
