@@ -15,7 +15,11 @@ from engine.ops import OPS
 from engine.ops.dispatch import apply
 from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
 
-torch = pytest.importorskip("torch")
+try:
+    import torch
+except ImportError:  # gradcheck and error samples still run; the comparisons skip
+    torch = None
+needs_torch = pytest.mark.skipif(torch is None, reason="PyTorch (the test extra) is absent")
 
 CATALOG = """add sub mul div pow neg maximum minimum abs sign exp log log1p expm1 sqrt square
 reciprocal sin cos tan tanh sigmoid relu softplus clamp eq ne lt le gt ge where sum mean prod
@@ -23,8 +27,6 @@ max min logsumexp var softmax log_softmax matmul einsum transpose permute det in
 reshape expand squeeze unsqueeze flatten cat stack slice index_select gather scatter_add cast
 detach zeros ones full eye arange""".split()  # noqa: SIM905 - the catalog as DESIGN lists it
 
-TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64,
-                "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 
 
 def _cases(only_grad: bool = False, finite_differences: bool = False) -> list[Any]:
@@ -56,7 +58,7 @@ def engine_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
 def torch_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
     op = OPS[name]
     return [
-        torch.tensor(a, dtype=TORCH_DTYPES[dtype] if _is_float_array(a) else None,
+        torch.tensor(a, dtype=getattr(torch, dtype) if _is_float_array(a) else None,
                      requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i))
         if isinstance(a, np.ndarray) else a
         for i, a in enumerate(s.args)
@@ -86,6 +88,7 @@ def test_catalog_is_complete() -> None:
         assert callable(getattr(engine, name)), f"engine.{name} is missing"
 
 
+@needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("name", "sample"), _cases())
 def test_forward_matches_torch(name: str, sample: Sample, dtype: str) -> None:
@@ -130,11 +133,13 @@ def _grads_vs_torch(name: str, sample: Sample) -> None:
                                        equal_nan=True)
 
 
+@needs_torch
 @pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
 def test_gradients_match_torch(name: str, sample: Sample) -> None:
     _grads_vs_torch(name, sample)
 
 
+@needs_torch
 @pytest.mark.parametrize(("name", "sample"), _cases())
 def test_array_api_strict(name: str, sample: Sample, backend_name: str) -> None:
     """Forward (and gradients where differentiable) on NumPy and on array-api-strict."""
