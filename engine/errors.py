@@ -97,6 +97,11 @@ class DeadlineExceeded(GradserveError):
     """The run went past its time limit; it was stopped between two nodes."""
 
 
+class Cancelled(GradserveError):
+    """The run was cancelled from outside (the server is shutting down); it stopped between
+    two nodes."""
+
+
 class ValidationErrors(GradserveError):
     """Several errors found in one pass; `errors` holds each with its location."""
 

@@ -23,6 +23,7 @@ from engine.errors import (
     ArityError,
     AttributeError_,
     BackwardError,
+    Cancelled,
     DeadlineExceeded,
     DeviceUnavailableError,
     DTypeError,
@@ -53,6 +54,7 @@ ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
     BackwardError: (422, "backward", "Invalid backward request"),
     MemoryBudgetError: (422, "memory-budget", "Planned memory over budget"),
     DeadlineExceeded: (504, "timeout", "Request timed out"),
+    Cancelled: (503, "cancelled", "Request cancelled"),
     GradserveError: (422, "invalid-request", "Invalid request"),
 }
 

@@ -68,22 +68,34 @@ class Runner:
 
     async def run(self, body: bytes, model: type[ForwardRequest | BackwardRequest]) -> bytes:
         deadline = time.monotonic() + self.settings.request_timeout_s
+        cancel = threading.Event()  # set when this request's task is cancelled (shutdown)
         self.admission.enter()
         try:
             if len(body) > INLINE_MAX_BODY_BYTES:
-                return await self._in_thread(self._job, body, model, deadline)
+                return await self._in_thread(cancel, self._job, body, model, deadline, cancel)
             # A small body parses in microseconds: do it here, and when its program is
             # already compiled and tiny, run it here too. A thread hop costs more than such
             # a run (about 0.1-0.2 ms), and the loop is held for well under a millisecond.
             prepared = self._prepare(body, model)
             if prepared.program is not None and _tiny(prepared.program):
-                return self._execute(prepared, deadline)
-            return await self._in_thread(self._finish, prepared, deadline)
+                return self._execute(prepared, deadline, None)
+            return await self._in_thread(cancel, self._finish, prepared, deadline, cancel)
         finally:
             self.admission.leave()
 
-    async def _in_thread(self, fn: Callable[..., bytes], *args: Any) -> bytes:
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    async def _in_thread(
+        self, cancel: threading.Event, fn: Callable[..., bytes], *args: Any
+    ) -> bytes:
+        """Run `fn` in a worker thread. If this task is cancelled (the server's graceful
+        shutdown ran out), the engine is told to stop at its next node, so the process
+        can exit instead of waiting for the computation to finish."""
+        try:
+            return await anyio.to_thread.run_sync(
+                fn, *args, limiter=self.limiter, abandon_on_cancel=True
+            )
+        except BaseException:
+            cancel.set()
+            raise
 
     def warm_up(self, body: bytes) -> None:
         """Run one small request end to end, off the books: a throwaway Metrics, and
@@ -92,13 +104,17 @@ class Runner:
             "max_nodes": 100_000, "memory_budget_bytes": 1 << 20,
             "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
         })
-        Runner(roomy, Metrics())._job(body, BackwardRequest, time.monotonic() + 60)
+        Runner(roomy, Metrics())._job(body, BackwardRequest, time.monotonic() + 60, None)
 
     # ------------------------------------------------------------------ the steps
     def _job(
-        self, body: bytes, model: type[ForwardRequest | BackwardRequest], deadline: float
+        self,
+        body: bytes,
+        model: type[ForwardRequest | BackwardRequest],
+        deadline: float,
+        cancel: threading.Event | None,
     ) -> bytes:
-        return self._finish(self._prepare(body, model), deadline)
+        return self._finish(self._prepare(body, model), deadline, cancel)
 
     def _prepare(self, body: bytes, model: type[ForwardRequest | BackwardRequest]) -> Prepared:
         """Parse, decode, and look the program up in the cache (compiling nothing)."""
@@ -128,7 +144,7 @@ class Runner:
         p.program = self.programs.get(p.key)
         return p
 
-    def _finish(self, p: Prepared, deadline: float) -> bytes:
+    def _finish(self, p: Prepared, deadline: float, cancel: threading.Event | None) -> bytes:
         if p.program is None:
             p.program = self._compile(
                 p.req.graph, _specs(p.inputs),
@@ -136,9 +152,9 @@ class Runner:
                 p.no_grad, p.backward,
             )
             self.programs.put(p.key, p.program)
-        return self._execute(p, deadline)
+        return self._execute(p, deadline, cancel)
 
-    def _execute(self, p: Prepared, deadline: float) -> bytes:
+    def _execute(self, p: Prepared, deadline: float, cancel: threading.Event | None) -> bytes:
         program = p.program
         assert program is not None
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
@@ -152,6 +168,7 @@ class Runner:
                     grad_outputs=None if p.grad_outputs is None
                     else _tensors(p.grad_outputs, p.device),
                     deadline=deadline,
+                    cancel=cancel,
                     device=p.device,
                 )
             except DeadlineExceeded:

@@ -289,12 +289,6 @@ def _long_request(n: int) -> dict[str, Any]:
     return {"graph": {"nodes": nodes, "outputs": ["out"]}, "inputs": {}, "no_grad": True}
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="service: work in a worker thread is not stopped at shutdown; uvicorn's graceful "
-    "timeout (8 s) cancels the handler but the interpreter then waits for the thread, so "
-    "Docker SIGKILLs it at 10 s (exit 137). Remove this marker once shutdown aborts it.",
-)
 def test_docker_stop_with_a_request_in_flight(image: str) -> None:
     c = _start(image, "-e", "GRADSERVE_REQUEST_TIMEOUT_S=600")
     outcome: list[str] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.errors import (
     ArityError,
     AttributeError_,
     BackwardError,
+    Cancelled,
     DeadlineExceeded,
     ExprError,
     GraphError,
@@ -446,6 +448,17 @@ def test_deadline_stops_a_run_and_frees_its_tensors() -> None:
     assert sum(type(o) is engine.Tensor for o in gc.get_objects()) <= before
     with pytest.raises(DeadlineExceeded):
         execute(program, {"x": x}, deadline=time.monotonic() - 1)
+
+
+def test_cancel_stops_a_run_between_nodes() -> None:
+    spec = _chain(8)
+    x = engine.tensor(np.ones(10), requires_grad=True)
+    program = compile_graph(spec, {"x": TensorSpec(x.shape, x.dtype, True)}, no_grad=True)
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled, match="cancelled"):
+        execute(program, {"x": x}, cancel=cancel)
+    assert execute(program, {"x": x}, cancel=threading.Event()).nodes == 8
 
 
 def test_runtime_op_errors_name_the_node() -> None:

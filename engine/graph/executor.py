@@ -7,12 +7,13 @@ from the outputs. A deadline is checked between nodes (forward and backward).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 
 from engine.autograd import backward
 from engine.backends import use_device
-from engine.errors import DeadlineExceeded, GradserveError
+from engine.errors import Cancelled, DeadlineExceeded, GradserveError
 from engine.grad_mode import set_grad_enabled
 from engine.graph.program import Program
 from engine.graph.spec import RunResult
@@ -21,8 +22,12 @@ from engine.ops.dispatch import apply
 from engine.tensor import Tensor
 
 
-def _deadline_check(deadline: float | None, started: float) -> Callable[[], None]:
+def _deadline_check(
+    deadline: float | None, cancel: threading.Event | None, started: float
+) -> Callable[[], None]:
     def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the request was cancelled: the server is shutting down")
         if deadline is not None and time.monotonic() > deadline:
             elapsed = time.monotonic() - started
             raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
@@ -36,11 +41,13 @@ def execute(
     *,
     grad_outputs: Mapping[str, Tensor] | None = None,
     deadline: float | None = None,
+    cancel: threading.Event | None = None,
     device: str | None = None,
 ) -> RunResult:
-    """Run `program`; `deadline` is a `time.monotonic()` value."""
+    """Run `program`; `deadline` is a `time.monotonic()` value, and setting `cancel` stops
+    the run at its next node."""
     started = time.monotonic()
-    check = _deadline_check(deadline, started)
+    check = _deadline_check(deadline, cancel, started)
     values: list[Tensor | None] = [None] * len(program.metas)
     grad_outputs = grad_outputs or {}
     if device is None:
