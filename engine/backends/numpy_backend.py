@@ -22,4 +22,7 @@ def make_numpy_backend() -> Backend:
         einsum=lambda eq, *ops: np.einsum(eq, *ops, optimize=len(ops) > 2),
         scatter_add=_scatter_add,
     )
-    return Backend(device="cpu", xp=xp, to_host=np.asarray, from_host=lambda a: a)
+    # A graph run on the CPU computes as PyTorch does: inf and NaN results without
+    # RuntimeWarnings (NumPy's error state is per context, so this touches no other code).
+    return Backend(device="cpu", xp=xp, to_host=np.asarray, from_host=lambda a: a,
+                   activate=lambda: np.errstate(all="ignore"))
