@@ -211,8 +211,6 @@ def run_backward(
 ) -> dict[int, Any]:
     """The core pass. With `capture`, the gradients of those tensors are returned (by id)
     instead of accumulated into leaves' `.grad`. `check` runs before each node (a deadline)."""
-    from engine.ops.functional import F_TENSOR, raw_namespace
-
     if grad_outputs is not None and len(grad_outputs) != len(outputs):
         raise BackwardError(f"got {len(grad_outputs)} gradients for {len(outputs)} outputs")
     tracker = None if create_graph else current_tracker()
@@ -231,7 +229,7 @@ def run_backward(
         roots.append(key)
     roots = list(dict.fromkeys(roots))
 
-    F = F_TENSOR if create_graph else raw_namespace(outputs[0]._backend)
+    F = _namespaces.tensor if create_graph else _namespaces.raw(outputs[0]._backend)
     # For grad(): the node (or leaf) whose incoming gradient is each captured tensor's.
     wanted = {id(t.grad_fn if t.grad_fn is not None else t): id(t) for t in capture or ()}
     results: dict[int, Any] = {}
@@ -296,6 +294,20 @@ def run_backward(
                     else:
                         _skip(nxt, deps, grads, ready, retain_graph)
     return results
+
+
+class _Namespaces:
+    """The two F namespaces, imported on first use (the op registry imports this module)."""
+
+    def __getattr__(self, name: str) -> Any:
+        from engine.ops.functional import F_TENSOR, raw_namespace
+
+        self.tensor = F_TENSOR
+        self.raw = raw_namespace
+        return getattr(self, name)
+
+
+_namespaces = _Namespaces()
 
 
 def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: list[Node],

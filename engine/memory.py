@@ -18,10 +18,6 @@ def current_tracker() -> MemoryTracker | None:
     return _current.get()
 
 
-def nbytes(array: Any) -> int:
-    return int(getattr(array, "nbytes", 0))
-
-
 class MemoryTracker:
     __slots__ = ("_holders", "_token", "live", "peak")
 
@@ -32,23 +28,25 @@ class MemoryTracker:
         self._token: Token[MemoryTracker | None] | None = None
 
     def retain(self, array: Any) -> None:
-        entry = self._holders.get(id(array))
+        key = id(array)
+        entry = self._holders.get(key)
         if entry is not None:
             entry[0] += 1
             return
-        size = nbytes(array)
-        self._holders[id(array)] = [1, size]
+        size = array.nbytes
+        self._holders[key] = [1, size]
         self.live += size
         if self.live > self.peak:
             self.peak = self.live
 
     def release(self, array: Any) -> None:
-        entry = self._holders.get(id(array))
+        key = id(array)
+        entry = self._holders.get(key)
         if entry is None:
             return
         entry[0] -= 1
         if entry[0] == 0:
-            del self._holders[id(array)]
+            del self._holders[key]
             self.live -= entry[1]
 
     def __enter__(self) -> MemoryTracker:

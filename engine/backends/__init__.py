@@ -7,9 +7,8 @@ themselves. CuPy is imported on the first CUDA request only.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from functools import cache
 
 from engine.backends.base import Backend
@@ -96,7 +95,7 @@ def parse_device(spec: str | None, default: str = "cpu") -> str:
 
 
 def get_backend(device: str = "cpu") -> Backend:
-    name = parse_device(device)
+    name = "cpu" if device == "cpu" else parse_device(device)
     if name == "cpu":
         return _cpu_backend()
     return _cuda_backend(int(name.split(":")[1]))
@@ -111,13 +110,19 @@ def default_backend() -> Backend:
     return get_backend(_default_device.get())
 
 
-@contextmanager
-def use_device(device: str) -> Iterator[None]:
+class use_device:
     """Run a block on `device`: constants are made there, and it is the current device."""
-    name = parse_device(device)
-    token = _default_device.set(name)
-    try:
-        with get_backend(name).activate():
-            yield
-    finally:
-        _default_device.reset(token)
+
+    def __init__(self, device: str) -> None:
+        self.name = "cpu" if device == "cpu" else parse_device(device)
+        self._active = get_backend(self.name).activate()
+        self._token: Token[str] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _default_device.set(self.name)
+        self._active.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._active.__exit__(*exc)
+        assert self._token is not None
+        _default_device.reset(self._token)
