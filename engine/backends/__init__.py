@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from functools import cache
+from types import TracebackType
 
 from engine.backends.base import Backend
 from engine.errors import DeviceUnavailableError
@@ -122,7 +123,12 @@ class use_device:
         self._token = _default_device.set(self.name)
         self._active.__enter__()
 
-    def __exit__(self, *exc: object) -> None:
-        self._active.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._active.__exit__(exc_type, exc, tb)
         assert self._token is not None
         _default_device.reset(self._token)
