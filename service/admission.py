@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from service.errors import ProblemError
 from service.metrics import Metrics
@@ -57,7 +58,7 @@ class Admission:
                 self.metrics.reserved_bytes.set(self.reserved)
 
 
-def _busy(detail: str, **extra: int) -> ProblemError:
+def _busy(detail: str, **extra: Any) -> ProblemError:
     return ProblemError(
         "overloaded", detail, headers={"Retry-After": str(RETRY_AFTER_S)}, **extra
     )

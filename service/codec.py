@@ -180,7 +180,8 @@ def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
     if encoding == "base64":
         le = np.ascontiguousarray(array, dtype=_LE[name])
         # Straight from the array's buffer into the document: no bytes or str copies.
-        out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(le.reshape(-1).view(np.uint8)))
+        raw = le.reshape(-1).view(np.uint8)  # a buffer (PEP 688 types it only from 3.12)
+        out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(raw))  # type: ignore[arg-type]
     else:
         out["data"] = json_data(array)
     return out
