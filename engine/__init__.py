@@ -22,7 +22,7 @@ from engine.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_ena
 from engine.gradcheck import gradcheck
 from engine.memory import MemoryTracker
 from engine.ops import FUNCTIONS, OPS
-from engine.tensor import Tensor, tensor
+from engine.tensor import Tensor, from_numpy, tensor
 
 globals().update(FUNCTIONS)
 
@@ -43,6 +43,7 @@ __all__ = [
     "float16",
     "float32",
     "float64",
+    "from_numpy",
     "grad",
     "gradcheck",
     "int32",

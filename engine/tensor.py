@@ -181,6 +181,23 @@ def tensor(
     return Tensor(backend.from_host(host), backend, requires_grad=requires_grad)
 
 
+def from_numpy(
+    array: np.ndarray, requires_grad: bool = False, device: str = "cpu"
+) -> Tensor:
+    """A leaf tensor over a NumPy array, as `torch.from_numpy`: on the CPU it shares the
+    array's memory (no copy); on a GPU it is uploaded."""
+    name = _NUMPY_NAMES.get(array.dtype)
+    if name is None:
+        raise DTypeError(f"unsupported dtype {array.dtype}; expected one of {', '.join(DTYPES)}")
+    if requires_grad and name not in FLOATS:
+        raise DTypeError(f"only floating point tensors can require gradients, got {name}")
+    backend = get_backend(device)
+    return Tensor(backend.from_host(array), backend, requires_grad=requires_grad)
+
+
+_NUMPY_NAMES = {np.dtype(name): name for name in DTYPES}
+
+
 def _host_array(data: Any) -> np.ndarray:
     if isinstance(data, np.ndarray):
         return data
@@ -196,8 +213,8 @@ def _host_array(data: Any) -> np.ndarray:
 def _default_dtype(data: Any, host: np.ndarray) -> str:
     """torch.tensor's rule: NumPy data keeps its dtype; Python numbers give bool, int64 or
     the default float32."""
-    if hasattr(data, "dtype") and host.dtype.name in DTYPES:
-        return str(host.dtype.name)
+    if hasattr(data, "dtype") and host.dtype in _NUMPY_NAMES:
+        return _NUMPY_NAMES[host.dtype]
     kind = host.dtype.kind
     if kind == "b":
         return "bool"

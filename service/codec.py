@@ -173,9 +173,13 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
 
 
 # ------------------------------------------------------------------------ encoding
+def dtype_name(array: np.ndarray) -> str:
+    return _NAMES[array.dtype]  # `dtype.name` is computed in Python on every access
+
+
 def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
     """`dtype`, `shape` and `data` or `b64` for a response; values are orjson-ready."""
-    name = _NAMES[array.dtype]  # `dtype.name` is computed in Python on every access
+    name = dtype_name(array)
     out: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
     if encoding == "base64":
         le = np.ascontiguousarray(array, dtype=_LE[name])

@@ -301,7 +301,7 @@ def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveEr
 
 def _specs(decoded: Decoded) -> dict[str, TensorSpec]:
     return {
-        name: TensorSpec(shape=a.shape, dtype=a.dtype.name, requires_grad=rg)
+        name: TensorSpec(shape=a.shape, dtype=codec.dtype_name(a), requires_grad=rg)
         for name, (a, rg) in decoded.items()
     }
 
@@ -312,7 +312,7 @@ def _spec_key(specs: dict[str, TensorSpec] | None) -> Hashable:
 
 def _tensors(decoded: Decoded, device: str) -> dict[str, engine.Tensor]:
     return {
-        name: engine.tensor(a, requires_grad=rg, device=device)
+        name: engine.from_numpy(a, requires_grad=rg, device=device)  # decoded: ours to share
         for name, (a, rg) in decoded.items()
     }
 
