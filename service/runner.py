@@ -194,7 +194,8 @@ class Runner:
             return compile_graph(
                 graph_spec(graph),
                 inputs,
-                limits=Limits(max_nodes=s.max_nodes, memory_budget_bytes=budget),
+                limits=Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
+                              expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget),
                 no_grad=no_grad,
                 backward=backward,
                 grad_outputs=grad_outputs,

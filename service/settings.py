@@ -22,6 +22,8 @@ class Settings(BaseSettings):
 
     max_body_bytes: int = Field(64 * MiB, ge=1)
     max_nodes: int = Field(100_000, ge=1)
+    expr_max_chars: int = Field(10_000, ge=1)
+    expr_max_depth: int = Field(100, ge=1)
     memory_budget_bytes: int = Field(4 * GiB, ge=1)
     no_grad_memory_budget_bytes: int = Field(1 * GiB, ge=1)
     inflight_memory_bytes: int = Field(8 * GiB, ge=1)

@@ -273,6 +273,10 @@ def test_expr_limits() -> None:
         assert "nested more than 100 levels deep" in str(err)
     ok = "(" * 100 + "x" + ")" * 100
     assert run(graph(NodeSpec("z", expr=ok), outputs=["z"]), {"x": 1.0}).outputs["z"].item() == 1
+    # Depth counts expressions within expressions: 99 unary minuses around a name is 100.
+    assert run(graph(NodeSpec("z", expr="-" * 99 + "x"), outputs=["z"]), {"x": 1.0}).nodes == 99
+    err = errors_of(graph(NodeSpec("z", expr="-" * 100 + "x"), outputs=["z"]), {"x": SCALAR})[0]
+    assert "nested more than 100 levels deep" in str(err)
 
 
 def test_nfkc_lookalike_identifiers_are_refused() -> None:

@@ -564,6 +564,16 @@ async def test_422_node_limit(make_client: Maker) -> None:
         assert p["errors"][0]["loc"] == ["graph", "nodes"]
 
 
+async def test_422_expr_limits_are_settings(make_client: Maker) -> None:
+    async with make_client(expr_max_chars=20, expr_max_depth=3) as (c, _):
+        long = {**SEED_EXPR, "graph": graph("x + y + x + y + x + y + x")}
+        p = assert_problem(await c.post("/backward", json=long), 422, "expr", "limit is 20")
+        assert p["node"] == "z" and p["errors"][0]["loc"] == ["graph", "nodes", 0, "expr"]
+        deep = {**SEED_EXPR, "graph": graph("((((x))))")}
+        assert_problem(await c.post("/backward", json=deep), 422, "expr", "more than 3 levels")
+        assert (await c.post("/backward", json=SEED_EXPR)).status_code == 200
+
+
 async def test_422_memory_budget_lower_for_no_grad(make_client: Maker) -> None:
     body = {"graph": graph("sum(exp(x) * 2)"),
             "inputs": {"x": {"data": [1.0] * 1000, "requires_grad": True}}}

@@ -59,12 +59,18 @@ def _bracket_depth(text: str) -> int:
 
 
 def _ast_depth(root: ast.AST) -> int:
+    """Expressions within expressions (`-(a + f(b))` is 4 deep); keyword values count as
+    their call's operands."""
     deepest = 0
     stack = [(root, 1)]
     while stack:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.keyword):
+                child = child.value
+            if isinstance(child, ast.expr):
+                stack.append((child, depth + 1))
     return deepest
 
 
