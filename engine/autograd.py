@@ -13,10 +13,11 @@ while something saved it for backward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import BackwardError
-from engine.grad_mode import enable_grad, no_grad
+from engine.grad_mode import enable_grad
 from engine.memory import MemoryTracker, current_tracker
 from engine.memory import _current as _current_tracker
 from engine.shapes import fmt, sum_to_shape
@@ -235,16 +236,17 @@ def run_backward(
     results: dict[int, Any] = {}
 
     # Count, for each node, the edges pointing at it from nodes reachable from the roots.
-    deps: dict[Node, int] = {}
-    stack = [r for r in roots if isinstance(r, Node)]
-    seen = set(stack)
+    deps: dict[Node, int] = {r: 0 for r in roots if type(r) is Node}
+    stack = list(deps)
     while stack:
         for inp in stack.pop().inputs:
             if inp is not None and type(nxt := inp[0]) is Node:
-                deps[nxt] = deps.get(nxt, 0) + 1
-                if nxt not in seen:
-                    seen.add(nxt)
+                count = deps.get(nxt)
+                if count is None:
+                    deps[nxt] = 1
                     stack.append(nxt)
+                else:
+                    deps[nxt] = count + 1
 
     def deliver(leaf: Tensor, g: Any) -> None:
         if capture is not None:
@@ -255,10 +257,12 @@ def run_backward(
         _accumulate_leaf(leaf, g, create_graph)
 
     grads = pending.grads
-    with enable_grad() if create_graph else no_grad():
+    # With create_graph the pass itself is recorded; otherwise it runs on raw arrays, which
+    # record nothing whatever the grad mode.
+    with enable_grad() if create_graph else nullcontext():
         for leaf in [r for r in roots if type(r) is not Node]:
             deliver(leaf, pending.pop(leaf))
-        ready = [r for r in roots if type(r) is Node and deps.get(r, 0) == 0]
+        ready = [r for r in roots if type(r) is Node and deps[r] == 0]
         while ready:
             if check is not None:
                 check()
