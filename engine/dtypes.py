@@ -33,8 +33,16 @@ _RANK: Final = {bool_: 0, int32: 1, int64: 2, float16: 3, float32: 4, float64: 5
 Scalar = bool | int | float
 
 
+_PYTHON_TYPES: Final = {float: float64, int: int64, bool: bool_}  # as torch reads them
+
+
 def check_dtype(name: object) -> str:
-    """Canonical dtype name, accepting names and anything whose str() is one (numpy dtypes)."""
+    """Canonical dtype name, from a name ("float32", "torch.float32"), a NumPy dtype or
+    scalar type, or a Python type (float, int, bool)."""
+    if isinstance(name, type):
+        if name in _PYTHON_TYPES:
+            return _PYTHON_TYPES[name]
+        name = getattr(name, "__name__", name)
     text = getattr(name, "name", None) or str(name)
     text = text.removeprefix("torch.").removeprefix("numpy.")
     if text in DTYPES:

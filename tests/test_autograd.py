@@ -286,3 +286,8 @@ def test_python_api_surface() -> None:
     assert {x: 1}[x] == 1  # hashable by identity, though == builds an op
     assert engine.tensor(np.arange(3.0)).dtype == "float64"  # NumPy data keeps its dtype
     assert engine.tensor([1, 2]).dtype == "int64" and engine.tensor([True]).dtype == "bool"
+    for spelling in ("float64", engine.float64, np.float64, np.dtype("float64"), float,
+                     "torch.float64"):
+        assert engine.tensor([1, 2], dtype=spelling).dtype == "float64"
+    with pytest.raises(DTypeError, match="unknown dtype 'complex64'"):
+        engine.tensor([1, 2], dtype="complex64")
