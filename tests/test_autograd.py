@@ -291,3 +291,25 @@ def test_python_api_surface() -> None:
         assert engine.tensor([1, 2], dtype=spelling).dtype == "float64"
     with pytest.raises(DTypeError, match="unknown dtype 'complex64'"):
         engine.tensor([1, 2], dtype="complex64")
+
+
+@needs_torch
+def test_pytorch_spellings_indexing_and_varargs_sizes() -> None:
+    a = np.arange(24.0).reshape(2, 3, 4)
+    x = engine.tensor(a, requires_grad=True)
+    t = torch.tensor(a, requires_grad=True)
+    keys = [0, -1, (1, 2), (slice(None), 1), (Ellipsis, 2), (0, slice(1, 3), slice(None, None, 2)),
+            slice(-1, None)]
+    for key in keys:
+        ours, ref = x[key], t[key]
+        assert ours.shape == tuple(ref.shape), key
+        np.testing.assert_array_equal(ours.numpy(), ref.detach().numpy())
+        (ours * ours).sum().backward()
+        (ref * ref).sum().backward()
+        np.testing.assert_array_equal(x.grad.numpy(), t.grad.numpy())
+    with pytest.raises(IndexError, match="out of bounds"):
+        x[5]
+    assert x.reshape(6, 4).shape == (6, 4) and x.view(4, 6).shape == (4, 6)
+    assert x.permute(2, 0, 1).shape == (4, 2, 3) and x.T.shape == (4, 3, 2)
+    assert engine.zeros(2, 3).shape == (2, 3) and engine.ones((4,)).shape == (4,)
+    assert x.double().dtype == "float64" and x.long().dtype == "int64" and x.float().dtype == "float32"

@@ -19,6 +19,7 @@ def _bind_call(
     op: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
     """Map a PyTorch-style call onto (tensors, attributes)."""
+    args = _pack_sizes(op, args)
     order = op.call_order or (*op.args, *op.positional_attrs)
     named: dict[str, Any] = {}
     tensors: list[Any] = []
@@ -50,6 +51,19 @@ def _bind_call(
                 raise ArityError(f"missing tensor argument {name!r}", op=op.name)
             tensors.append(named.pop(name))
     return tensors, named  # bind_attrs reports any unknown name
+
+
+def _pack_sizes(op: OpDef, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """PyTorch's varargs sizes: `x.reshape(2, 3)`, `x.permute(1, 0)`, `zeros(2, 3)`."""
+    if op.variadic or op.call_order or len(op.positional_attrs) != 1:
+        return args
+    if op.attrs[op.positional_attrs[0]].type not in ("shape", "ints"):
+        return args
+    k = len(op.args)
+    sizes = args[k:]
+    if len(sizes) > 1 and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return (*args[:k], list(sizes))
+    return args
 
 
 def make_function(op: OpDef) -> Callable[..., Tensor]:
@@ -132,3 +146,40 @@ def install() -> None:
     for name, op in OPS.items():
         if op.args and not op.variadic and not hasattr(Tensor, name):
             setattr(Tensor, name, _method(FUNCTIONS[name]))
+    # PyTorch's spellings of catalog ops.
+    setattr(Tensor, "__getitem__", _getitem)  # noqa: B010
+    setattr(Tensor, "view", Tensor.reshape)  # noqa: B010
+    setattr(Tensor, "T", property(lambda self: FUNCTIONS["permute"](  # noqa: B010
+        self, dims=list(range(self.ndim))[::-1])))
+    for method, dtype in (("float", "float32"), ("double", "float64"), ("half", "float16"),
+                          ("int", "int32"), ("long", "int64"), ("bool", "bool")):
+        setattr(Tensor, method, lambda self, dtype=dtype: FUNCTIONS["cast"](self, dtype=dtype))
+
+
+def _getitem(self: Tensor, key: Any) -> Tensor:
+    """Basic indexing with ints, slices (positive steps) and `...`, through the `slice` and
+    `squeeze` ops, so gradients flow as they do in PyTorch."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):
+        at = key.index(Ellipsis)
+        fill = (slice(None),) * (self.ndim - len(key) + 1)
+        key = key[:at] + fill + key[at + 1:]
+    if len(key) > self.ndim:
+        raise IndexError(f"too many indices for a tensor of {self.ndim} dimension(s)")
+    out, dim = self, 0
+    for k in key:
+        if isinstance(k, slice):
+            if k != slice(None):
+                out = FUNCTIONS["slice"](out, dim=dim, start=k.start or 0, stop=k.stop,
+                                         step=1 if k.step is None else k.step)
+            dim += 1
+        elif isinstance(k, int) and not isinstance(k, bool):
+            size = out.shape[dim]
+            if not -size <= k < size:
+                raise IndexError(f"index {k} is out of bounds for dimension {dim} with size {size}")
+            out = FUNCTIONS["slice"](out, dim=dim, start=k % size, stop=k % size + 1)
+            out = FUNCTIONS["squeeze"](out, dim=dim)
+        else:
+            raise TypeError(f"unsupported index {k!r}: use ints, slices and ...; for tensor "
+                            "indices use index_select or gather")
+    return out
