@@ -148,7 +148,7 @@ def install() -> None:
             setattr(Tensor, name, _method(FUNCTIONS[name]))
     # PyTorch's spellings of catalog ops.
     setattr(Tensor, "__getitem__", _getitem)  # noqa: B010
-    setattr(Tensor, "view", Tensor.reshape)  # noqa: B010
+    setattr(Tensor, "view", getattr(Tensor, "reshape"))  # noqa: B009, B010
     setattr(Tensor, "T", property(lambda self: FUNCTIONS["permute"](  # noqa: B010
         self, dims=list(range(self.ndim))[::-1])))
     for method, dtype in (("float", "float32"), ("double", "float64"), ("half", "float16"),
