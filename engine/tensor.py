@@ -116,12 +116,16 @@ class Tensor:
         return int(self.item())
 
     def __repr__(self) -> str:
-        extra = ""
+        """PyTorch's layout: `tensor([1., 2.], dtype=float64, grad_fn=<MulBackward>)`."""
+        text = np.array2string(self.numpy(), separator=", ", prefix="tensor(")
+        extra = "" if self.dtype in ("float32", "int64", "bool") else f", dtype={self.dtype}"
+        if self.device != "cpu":
+            extra += f", device='{self.device}'"
         if self.grad_fn is not None:
-            extra = f", grad_fn=<{self.grad_fn.name()}>"
+            extra += f", grad_fn=<{self.grad_fn.name()}>"
         elif self.requires_grad:
-            extra = ", requires_grad=True"
-        return f"tensor({self.numpy()!r}, dtype={self.dtype}, device={self.device!r}{extra})"
+            extra += ", requires_grad=True"
+        return f"tensor({text}{extra})"
 
     # ------------------------------------------------------------ autograd
     def detach(self) -> Tensor:
