@@ -245,8 +245,9 @@ def expand_expr(
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
-        raise ExprError(f"invalid expression: {exc.msg} (column {exc.offset})",
-                        node=node_id, loc=("expr",)) from None
+        where = f" (column {exc.offset})" if exc.offset else ""
+        raise ExprError(f"invalid expression: {exc.msg}{where}", node=node_id,
+                        loc=("expr",)) from None
     except (RecursionError, MemoryError, ValueError):
         raise too_deep from None
     if _ast_depth(tree.body) > max_depth:
