@@ -24,38 +24,45 @@ class Admission:
         self.active = 0  # touched on the event loop only
         self.reserved = 0  # touched from worker threads, under the lock
         self._lock = threading.Lock()
+        # Read when /metrics is scraped: no gauge update (and its lock) on every request.
+        metrics.computing.set_function(lambda: self.active)
+        metrics.reserved_bytes.set_function(lambda: self.reserved)
 
     def enter(self) -> None:
         """Take a compute slot (on the event loop) or refuse with 503."""
         if self.active >= self.max_concurrency:
-            self.metrics.rejections.labels("concurrency").inc()
+            self.metrics.rejected["concurrency"].inc()
             raise _busy(f"all {self.max_concurrency} compute slots are busy; retry shortly")
         self.active += 1
-        self.metrics.computing.inc()
 
     def leave(self) -> None:
         self.active -= 1
-        self.metrics.computing.dec()
 
-    @contextmanager
-    def reserve(self, planned_bytes: int) -> Iterator[None]:
-        """Hold `planned_bytes` of the in-flight budget while a computation runs."""
+    def take(self, planned_bytes: int) -> None:
+        """Reserve `planned_bytes` of the in-flight budget, or refuse with 503. Every
+        `take` that returns is paired with a `release` of the same bytes."""
         with self._lock:
             if self.reserved + planned_bytes > self.inflight_bytes:
-                self.metrics.rejections.labels("inflight_memory").inc()
+                self.metrics.rejected["inflight_memory"].inc()
                 raise _busy(
                     f"this request plans {planned_bytes} bytes and {self.reserved} of the "
                     f"server's {self.inflight_bytes} in-flight bytes are taken; retry shortly",
                     planned_bytes=planned_bytes,
                 )
             self.reserved += planned_bytes
-            self.metrics.reserved_bytes.set(self.reserved)
+
+    def release(self, planned_bytes: int) -> None:
+        with self._lock:
+            self.reserved -= planned_bytes
+
+    @contextmanager
+    def reserve(self, planned_bytes: int) -> Iterator[None]:
+        """Hold `planned_bytes` of the in-flight budget while a computation runs."""
+        self.take(planned_bytes)
         try:
             yield
         finally:
-            with self._lock:
-                self.reserved -= planned_bytes
-                self.metrics.reserved_bytes.set(self.reserved)
+            self.release(planned_bytes)
 
 
 def _busy(detail: str, **extra: Any) -> ProblemError:

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRouter
 from fastapi_offline import FastAPIOffline
 from pydantic.json_schema import models_json_schema
 
@@ -19,7 +19,7 @@ from engine.backends import parse_device
 from service.errors import install_handlers
 from service.metrics import Metrics
 from service.middleware import Gateway
-from service.routes import catalog, compute, health
+from service.routes import catalog, compute, health, operation_id
 from service.runner import Runner
 from service.schemas import BackwardRequest, ForwardRequest, Problem
 from service.settings import Settings, get_settings
@@ -46,11 +46,6 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _operation_id(route: APIRoute) -> str:
-    # The handler's name: stable across FastAPI versions, so openapi.json does not drift.
-    return route.name
-
-
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
@@ -75,16 +70,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         docs_url="/docs",
         redoc_url=None,
         lifespan=_lifespan,
-        generate_unique_id_function=_operation_id,
+        generate_unique_id_function=operation_id,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.runner = Runner(settings, metrics)
     app.state.ready = False
     install_handlers(app)
-    app.include_router(compute.router)
-    app.include_router(catalog.router)
-    app.include_router(health.router)
+    _add_routes(app, compute.router, first=True)
+    _add_routes(app, catalog.router)
+    _add_routes(app, health.router)
     app.add_middleware(
         Gateway,
         metrics=metrics,
@@ -93,6 +88,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _add_routes(app: FastAPI, router: APIRouter, *, first: bool = False) -> None:
+    """Put a router's routes on the app's own router. `include_router` keeps the router
+    nested (FastAPI >= 0.16x), and every request then walks it: about 10 us a request on
+    these machines, more than some requests' compute. Our routers have no prefix or
+    dependencies of their own to apply, and each sets the operation ids itself. `first`:
+    matched before the docs routes (the compute routes are the hot ones)."""
+    if first:
+        app.router.routes[:0] = router.routes
+    else:
+        app.router.routes.extend(router.routes)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -45,6 +45,9 @@ def decode_tensor(
     """A host array from one wire tensor; `loc` is e.g. ("inputs", "x")."""
     if b64 is not None:
         return _decode_b64(loc, b64, dtype, shape)
+    if type(data) is float and (dtype is None or dtype == "float32") and not shape:
+        # The common scalar: a JSON float to float32 (what the general path gives it).
+        return np.array(data, dtype=np.float32)
     array = _from_json(loc, data, dtype)
     if shape is not None:
         shape = tuple(shape)
@@ -193,10 +196,13 @@ def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
 
 def json_data(array: np.ndarray) -> Any:
     """Data orjson writes as strict JSON, with the shortest digits that round-trip."""
+    if array.ndim == 0:
+        value = array[()]  # a NumPy scalar: orjson writes it with its own dtype's digits
+        if array.dtype.kind == "f" and not math.isfinite(value):
+            return _nonfinite_fragment(array)
+        return value
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         return _nonfinite_fragment(array)
-    if array.ndim == 0:
-        return array[()]  # a NumPy scalar: orjson writes it with its own dtype's digits
     return np.ascontiguousarray(array)
 
 

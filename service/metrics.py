@@ -1,6 +1,13 @@
-"""Prometheus metrics, one registry per app (so apps built in tests never collide)."""
+"""Prometheus metrics, one registry per app (so apps built in tests never collide).
+
+`labels()` costs a dict lookup under a lock on every call; the hot path instead keeps the
+label children it has used (per route, method and status; per path; per reason), so a
+request pays for the increments alone.
+"""
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -13,6 +20,19 @@ _LATENCY_BUCKETS = (
 _BYTES_BUCKETS = tuple(float(1024 * 4**i) for i in range(13))
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Methods counted by name; any other (a client may send any token) is counted as "other",
+# so requests cannot grow the label sets, as unknown paths cannot (they are "<unmatched>").
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# The most (route, method, status) children kept; past it, `labels()` is asked each time.
+_MAX_CACHED = 1024
+
+
+class RequestChildren(NamedTuple):
+    """The label children one (route, method, status) updates."""
+
+    requests: Any
+    latency: Any
+    bytes_out: Any
 
 
 class Metrics:
@@ -55,8 +75,43 @@ class Metrics:
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
         )
         # Every reason exists from the start, so dashboards see zeros rather than gaps.
-        for reason in REJECTION_REASONS:
-            self.rejections.labels(reason)
+        self.rejected = {reason: self.rejections.labels(reason) for reason in REJECTION_REASONS}
+        self._peak_children: dict[str, tuple[Any, Any]] = {}
+        self._request_children: dict[tuple[str, str, int], RequestChildren] = {}
+        self._bytes_in_children: dict[str, Any] = {}
+
+    def request_children(self, route: str, method: str, status: int) -> RequestChildren:
+        """The children for one request's labels: made once, then looked up (a plain dict
+        read, safe without a lock under the GIL; a race only makes the same child twice)."""
+        key = (route, method, status)
+        children = self._request_children.get(key)
+        if children is None:
+            children = RequestChildren(
+                self.requests.labels(route, method, str(status)),
+                self.latency.labels(route, method),
+                self.bytes_out.labels(route),
+            )
+            if len(self._request_children) < _MAX_CACHED:
+                self._request_children[key] = children
+        return children
+
+    def bytes_in_of(self, route: str) -> Any:
+        """The request-bytes child of a route; made on the first request with a body."""
+        child = self._bytes_in_children.get(route)
+        if child is None:
+            child = self.bytes_in.labels(route)
+            if len(self._bytes_in_children) < _MAX_CACHED:
+                self._bytes_in_children[route] = child
+        return child
+
+    def peak_children(self, path: str) -> tuple[Any, Any]:
+        """(planned, measured) peak-bytes children of a compute path ("grad", "no_grad");
+        made on first use, so /metrics shows a path once it has run."""
+        children = self._peak_children.get(path)
+        if children is None:
+            children = (self.planned_peak.labels(path), self.measured_peak.labels(path))
+            self._peak_children[path] = children
+        return children
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

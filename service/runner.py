@@ -65,13 +65,24 @@ class Runner:
         # Our own thread budget: sized to the slots, shared with nothing else.
         self.limiter = anyio.CapacityLimiter(settings.max_concurrency)
         self.programs = ProgramCache()
+        self._devices: dict[str | None, str] = {}  # request's device -> canonical name
+
+    def _device(self, spec: str | None) -> str:
+        """`parse_device`, remembered: the devices of a process do not change while it
+        runs. Only names that parsed are kept, and only a few (clients choose them)."""
+        name = self._devices.get(spec)
+        if name is None:
+            name = parse_device(spec, self.settings.default_device)
+            if len(self._devices) < 16:
+                self._devices[spec] = name
+        return name
 
     async def run(self, body: bytes, model: type[ForwardRequest | BackwardRequest]) -> bytes:
         deadline = time.monotonic() + self.settings.request_timeout_s
-        cancel = threading.Event()  # set when this request's task is cancelled (shutdown)
         self.admission.enter()
         try:
             if len(body) > INLINE_MAX_BODY_BYTES:
+                cancel = threading.Event()  # set if this request's task is cancelled
                 return await self._in_thread(cancel, self._job, body, model, deadline, cancel)
             # A small body parses in microseconds: do it here, and when its program is
             # already compiled and tiny, run it here too. A thread hop costs more than such
@@ -79,6 +90,7 @@ class Runner:
             prepared = self._prepare(body, model)
             if prepared.program is not None and _tiny(prepared.program):
                 return self._execute(prepared, deadline, None)
+            cancel = threading.Event()
             return await self._in_thread(cancel, self._finish, prepared, deadline, cancel)
         finally:
             self.admission.leave()
@@ -131,15 +143,14 @@ class Runner:
             raise ValidationErrors(errors)
         p = Prepared(
             req=req,
-            device=parse_device(req.device, self.settings.default_device),
+            device=self._device(req.device),
             inputs=inputs,
             grad_outputs=grad_outputs,
             no_grad=isinstance(req, ForwardRequest) and req.no_grad,
             backward=isinstance(req, BackwardRequest),
             started=started,
         )
-        p.key = (req.graph.model_dump_json(), _spec_key(_specs(inputs)),
-                 _spec_key(None if grad_outputs is None else _specs(grad_outputs)),
+        p.key = (req.graph.model_dump_json(), _spec_key(inputs), _spec_key(grad_outputs),
                  p.no_grad, p.backward)
         p.program = self.programs.get(p.key)
         return p
@@ -158,9 +169,10 @@ class Runner:
         program = p.program
         assert program is not None
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
-        path = "no_grad" if p.no_grad else "grad"
-        with self.admission.reserve(program.planned_peak_bytes):
-            self.metrics.planned_peak.labels(path).observe(program.planned_peak_bytes)
+        planned, measured = self.metrics.peak_children("no_grad" if p.no_grad else "grad")
+        self.admission.take(program.planned_peak_bytes)
+        try:
+            planned.observe(program.planned_peak_bytes)
             try:
                 result = execute(
                     program,
@@ -172,13 +184,15 @@ class Runner:
                     device=p.device,
                 )
             except DeadlineExceeded:
-                self.metrics.rejections.labels("timeout").inc()
+                self.metrics.rejected["timeout"].inc()
                 raise
-            self.metrics.measured_peak.labels(path).observe(result.peak_bytes)
+            measured.observe(result.peak_bytes)
             result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
             return encode_result(
                 result, device=p.device, no_grad=p.no_grad, encoding=p.req.encoding
             )
+        finally:
+            self.admission.release(program.planned_peak_bytes)
 
     def _compile(
         self,
@@ -201,7 +215,7 @@ class Runner:
                 grad_outputs=grad_outputs,
             )
         except MemoryBudgetError:
-            self.metrics.rejections.labels("memory_budget").inc()
+            self.metrics.rejected["memory_budget"].inc()
             raise
 
 
@@ -258,7 +272,7 @@ class ProgramCache:
 
 def parse_body(body: bytes, model: type[ForwardRequest | BackwardRequest]) -> Any:
     """One pass of pydantic-core over the raw bytes: malformed JSON is 400, schema 422."""
-    if not body.strip():
+    if not body or body.isspace():  # not `strip()`: a copy of a body that may be 64 MiB
         raise ProblemError("malformed-json", "the request body is empty; send a JSON object")
     try:
         return model.model_validate_json(body)
@@ -307,8 +321,11 @@ def _specs(decoded: Decoded) -> dict[str, TensorSpec]:
     }
 
 
-def _spec_key(specs: dict[str, TensorSpec] | None) -> Hashable:
-    return None if specs is None else tuple(specs.items())  # TensorSpec is frozen: hashable
+def _spec_key(decoded: Decoded | None) -> Hashable:
+    """What `_specs` would say, as a cache key, without making the specs."""
+    if decoded is None:
+        return None
+    return tuple([(name, a.shape, a.dtype, rg) for name, (a, rg) in decoded.items()])
 
 
 def _tensors(decoded: Decoded, device: str) -> dict[str, engine.Tensor]:

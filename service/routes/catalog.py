@@ -12,9 +12,10 @@ import engine
 from engine.backends import available_devices, parse_device
 from service.codec import dumps
 from service.deps import SettingsDep
+from service.routes import operation_id
 from service.schemas import DevicesResponse, OpsResponse
 
-router = APIRouter(tags=["catalog"])
+router = APIRouter(tags=["catalog"], generate_unique_id_function=operation_id)
 
 
 @router.get("/ops", summary="The op catalog", response_model=OpsResponse)

@@ -8,9 +8,10 @@ from starlette.responses import Response
 from service.deps import MetricsDep
 from service.errors import ProblemError
 from service.metrics import CONTENT_TYPE
+from service.routes import operation_id
 from service.schemas import Health
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], generate_unique_id_function=operation_id)
 
 
 @router.get("/healthz", summary="Liveness: the process serves HTTP", response_model=Health)
