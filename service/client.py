@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import orjson
 import pybase64
+import pydantic_core
 
 ArrayLike = Any  # a NumPy array, a Python number, or nested lists of numbers
 
@@ -100,7 +101,10 @@ class _Base:
         out: dict[str, Any] = {"dtype": array.dtype.name, "shape": list(array.shape)}
         if array.size >= self.base64_threshold:
             le = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-            out["b64"] = pybase64.b64encode(le.tobytes()).decode("ascii")
+            # From the array's buffer into the body, as the server writes its responses:
+            # no bytes copy of the array, no str of the base64.
+            raw = le.reshape(-1).view(np.uint8)
+            out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(raw))  # type: ignore[arg-type]
         else:
             out["data"] = _json_data(array)
         if requires_grad:
@@ -110,7 +114,7 @@ class _Base:
     @staticmethod
     def _result(response: httpx.Response) -> Result:
         _raise_for_problem(response)
-        content = orjson.loads(response.content)
+        content = _loads(response.content)
         outputs = content["outputs"]
         gradients = content.get("gradients")
         return Result(
@@ -279,6 +283,18 @@ class AsyncClient(_Base):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+# Past this size a response is mostly base64 text, which pydantic-core's parser reads
+# about 1.5x as fast as orjson's (13 against 20 ms for 21 MB here); for numbers and small
+# documents orjson is as fast or faster.
+_LARGE_RESPONSE = 1 << 20
+
+
+def _loads(content: bytes) -> Any:
+    if len(content) >= _LARGE_RESPONSE:
+        return pydantic_core.from_json(content)
+    return orjson.loads(content)
 
 
 def decode(tensor: Mapping[str, Any]) -> np.ndarray:
