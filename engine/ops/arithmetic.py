@@ -11,17 +11,80 @@ from engine.ops.registry import Meta, register
 
 
 def _pow_input_grad(F: Any, g: Any, a: Any, b: Any, result: Any) -> Any:
+    # PyTorch's pow_backward: exponent 0 gives 0, even at a=0 (grouping as there, so that
+    # infinities and second derivatives come out the same).
     if is_number(b):
-        return F.zeros_like(g) if b == 0 else g * b * a ** (b - 1)
-    return F.where(b == 0, 0.0, g * b * a ** (b - 1))  # PyTorch: exponent 0 gives 0, even at a=0
+        return F.zeros_like(g) if b == 0 else g * (b * a ** (b - 1))
+    return F.where(b == 0, 0.0, g * (b * a ** (b - 1)))
 
 
 def _pow_exponent_grad(F: Any, g: Any, a: Any, b: Any, result: Any) -> Any:
+    # PyTorch's pow_backward_exponent: the log term is 0 where a == 0 and b >= 0.
     if is_number(a):
-        # A literal base: log(a) is a constant; a=0 follows the tensor rule below.
-        return g * result * math.log(a) if a > 0 else g * result * (0.0 if a == 0 else math.nan)
-    # PyTorch: at a=0 with b>=0 the log term is taken as 0, not NaN.
-    return F.where((a == 0) & (b >= 0), 0.0, g * result * F.log(a))
+        if a == 0:
+            return g * F.where(b >= 0, 0.0, result * -math.inf)
+        return g * (result * (math.log(a) if a > 0 else math.nan))
+    return g * F.where(F.where(a == 0, b >= 0, False), 0.0, result * F.log(a))
+
+
+_NEGATIVE_INT_POWER = "Integers to negative integer powers are not allowed"
+
+
+def _pow(xp: Any, a: Any, b: Any) -> Any:
+    """a ** b with PyTorch's special cases: integer tensors to negative tensor powers give
+    1, -1 or 0 (a negative literal power is an error), bool only to a bool literal power,
+    and literal powers 0.5 and -0.5 as sqrt and rsqrt (so sqrt(-inf) is NaN)."""
+    arr = b if is_number(a) else a
+    if isinstance(b, float) and xp.isdtype(arr.dtype, "real floating"):
+        if b == 0.5:
+            return xp.sqrt(a)
+        if b == -0.5:
+            return 1.0 / xp.sqrt(a)
+        return a ** b
+    if arr.dtype == xp.bool:
+        if isinstance(b, bool):
+            return a if b else xp.ones_like(a)
+        raise DTypeError(_BOOL_POW)
+    if not xp.isdtype(arr.dtype, "integral"):
+        return a ** b
+    if is_number(b):
+        if b < 0:
+            raise DTypeError(_NEGATIVE_INT_POWER)
+        return a ** b
+    a = as_array(xp, a, b)
+    negative = b < 0
+    if not xp.any(negative):
+        return a ** b
+    zero = xp.zeros_like(b)
+    out = a ** xp.where(negative, zero, b)
+    one = xp.ones_like(out)
+    odd = xp.where(b % 2 == 0, one, -one)
+    special = xp.where(a == 1, one, xp.where(a == -1, odd, xp.zeros_like(out)))
+    return xp.where(negative, special, out)
+
+
+_BOOL_POW = "pow is not implemented for bool tensors (except to a literal bool power)"
+
+
+def _pow_infer(metas: list[Meta]) -> Meta:
+    out = elementwise_infer()(metas)
+    if out.dtype == "bool" and not metas[1].literal:
+        raise DTypeError(_BOOL_POW)
+    return out
+
+
+def _scalar_opmath(fn: Any) -> Any:
+    """PyTorch computes a float16 tensor with a Python float in float32 and rounds once
+    (0 * 1e10 is 0, not NaN from 1e10 rounding to inf first)."""
+
+    def forward(xp: Any, a: Any, b: Any) -> Any:
+        if type(b) is float and a.dtype == getattr(xp, "float16", None):
+            return xp.astype(fn(xp.astype(a, xp.float32), b), a.dtype)
+        if type(a) is float and b.dtype == getattr(xp, "float16", None):
+            return xp.astype(fn(a, xp.astype(b, xp.float32)), b.dtype)
+        return fn(a, b)
+
+    return forward
 
 
 _BOOL_MINUS = ("the `-` operator on a bool tensor is not supported; to invert a mask, "
@@ -46,9 +109,10 @@ def _negate_rule(metas: list[Meta]) -> Meta:
     return Meta(metas[0].shape, metas[0].dtype)
 
 
-def _max_vjp(pick: Any) -> Any:
-    # PyTorch: a tie sends half the gradient to each side.
-    return lambda F, g, a, b: F.where(a == b, g * 0.5, F.where(pick(a, b), g, 0.0))
+def _max_vjp(lose: Any) -> Any:
+    # PyTorch: a tie sends half the gradient to each side; only the losing side gets 0, so
+    # with a NaN (no side loses) both get the whole gradient.
+    return lambda F, g, a, b: F.where(lose(a, b), 0.0, F.where(a == b, g * 0.5, g))
 
 
 register(
@@ -57,21 +121,22 @@ register(
            infer=_no_bool_infer(elementwise_infer()), check_args=_reject_bool),
     binary("add", "a + b, broadcasting.", lambda xp, a, b: a + b,
            (lambda F, g: g, lambda F, g: g)),
-    binary("mul", "a * b, broadcasting.", lambda xp, a, b: a * b,
+    binary("mul", "a * b, broadcasting.", _scalar_opmath(lambda a, b: a * b),
            (lambda F, g, a, b: g * b, lambda F, g, a, b: g * a), save=("input", "other")),
-    binary("div", "a / b, true division (integers give float32).", lambda xp, a, b: a / b,
-           (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * a / (b * b)),
+    binary("div", "a / b, true division (integers give float32).",
+           _scalar_opmath(lambda a, b: a / b),
+           (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * ((a / b) / b)),
            save=("input", "other"), float_result=True),
     binary("pow", "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
-           lambda xp, a, b: a ** b, (_pow_input_grad, _pow_exponent_grad),
-           save=("input", "exponent", "result"), args=("input", "exponent")),
+           _pow, (_pow_input_grad, _pow_exponent_grad),
+           save=("input", "exponent", "result"), args=("input", "exponent"), infer=_pow_infer),
     binary("maximum", "Elementwise max; ties give half the gradient to each side.",
            lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
-           (_max_vjp(lambda a, b: a > b), _max_vjp(lambda a, b: b > a)),
+           (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),
            save=("input", "other")),
     binary("minimum", "Elementwise min; ties give half the gradient to each side.",
            lambda xp, a, b: xp.minimum(as_array(xp, a, b), as_array(xp, b, a)),
-           (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: b < a)),
+           (_max_vjp(lambda a, b: a > b), _max_vjp(lambda a, b: a < b)),
            save=("input", "other")),
     unary("neg", "-x (not on bool, as in PyTorch).", lambda xp, x: -x, lambda F, g: -g,
           save=(), group="arithmetic", infer=_no_bool_infer(_negate_rule),

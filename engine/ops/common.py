@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import DEFAULT_FLOAT, FLOATS
+from engine.dtypes import DEFAULT_FLOAT, DTYPES, FLOATS
 from engine.ops.registry import VJP, Attr, Meta, OpDef, promoted_dtype
 from engine.shapes import broadcast_shapes
 
@@ -13,6 +13,15 @@ _NUMBER = (int, float, bool)
 
 def is_number(v: Any) -> bool:
     return isinstance(v, _NUMBER)
+
+
+def dtype_name(xp: Any, dtype: Any) -> str:
+    """The gradserve name ("int64") of a backend dtype object (str() of one is not portable:
+    array-api-strict spells it "array_api_strict.int64")."""
+    for name in DTYPES:
+        if dtype == getattr(xp, name, None):
+            return name
+    return str(dtype)
 
 
 def as_array(xp: Any, value: Any, like: Any) -> Any:

@@ -7,8 +7,10 @@ from typing import Any
 from engine.dtypes import bool_
 from engine.errors import DTypeError
 from engine.ops.common import binary
-from engine.ops.registry import Meta, OpDef, promoted_dtype, register
+from engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype, register
 from engine.shapes import broadcast_shapes
+
+_NUMBER = (int, float, bool)
 
 
 def _compare(name: str, symbol: str, fn: Any) -> OpDef:
@@ -28,6 +30,10 @@ def _where(xp: Any, cond: Any, a: Any, b: Any) -> Any:
         cond = xp.asarray(cond)
     if cond.dtype != xp.bool:
         raise DTypeError(f"condition must be bool, got {cond.dtype}")
+    if type(a) in _NUMBER and type(b) in _NUMBER:
+        # Two literals: PyTorch's default dtypes (2.5 with 2 is float32, not float64).
+        dtype = getattr(xp, promoted_dtype([literal_meta(a), literal_meta(b)]))
+        a, b = xp.asarray(a, dtype=dtype), xp.asarray(b, dtype=dtype)
     return xp.where(cond, a, b)
 
 

@@ -4,9 +4,54 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import AttributeError_
-from engine.ops.common import unary
+from engine.dtypes import FLOATS, bool_
+from engine.errors import AttributeError_, DTypeError
+from engine.ops.common import dtype_name, unary
 from engine.ops.registry import Attr, Meta, promoted_dtype, register
+
+
+def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
+    """A check of the argument as given and a shape rule that refuse the dtypes PyTorch's
+    kernel lacks: `kinds` "bool" refuses bool tensors, "float" anything not floating."""
+
+    def bad(dtype: str) -> bool:
+        return dtype == bool_ if kinds == "bool" else dtype not in FLOATS
+
+    def message(dtype: str) -> str:
+        need = "a non-bool" if kinds == "bool" else "a floating point"
+        return f"{name} needs {need} input, got {dtype}"
+
+    def check(xp: Any, x: Any) -> None:
+        if not isinstance(x, (int, float)) and bad(dtype_name(xp, x.dtype)):
+            raise DTypeError(message(dtype_name(xp, x.dtype)))
+
+    def infer(metas: list[Meta], **attrs: Any) -> Meta:
+        (m,) = metas
+        if bad(m.dtype):
+            raise DTypeError(message(m.dtype))
+        return Meta(m.shape, m.dtype)
+
+    return check, infer
+
+
+def _sign(xp: Any, x: Any) -> Any:
+    if x.dtype == xp.bool:
+        return x  # PyTorch: sign of a bool tensor is itself
+    out = xp.sign(x)
+    if xp.isdtype(x.dtype, "real floating"):
+        out = xp.where(xp.isnan(x), xp.zeros_like(out), out)  # PyTorch: sign(NaN) is 0
+    return out
+
+
+def _square(xp: Any, x: Any) -> Any:
+    if x.dtype == xp.bool:
+        x = xp.astype(x, xp.int64)  # PyTorch squares bool as pow(x, 2): int64
+    return x * x
+
+
+def _square_infer(metas: list[Meta]) -> Meta:
+    (m,) = metas
+    return Meta(m.shape, "int64" if m.dtype == bool_ else m.dtype)
 
 
 def _sigmoid(xp: Any, x: Any) -> Any:
@@ -27,11 +72,23 @@ def _clamp_bounds(lo: Any, hi: Any) -> None:
         raise AttributeError_("at least one of 'min' or 'max' must be given", loc=("attrs",))
 
 
+def _clamp_dtype(dtype: str, lo: Any, hi: Any) -> str:
+    """torch.result_type of the tensor and its bounds (weak literals); bool is refused."""
+    lits = [Meta((), "bool" if isinstance(v, bool) else "float32" if isinstance(v, float)
+                 else "int64", True) for v in (lo, hi) if v is not None]
+    out = promoted_dtype([Meta((1,), dtype), *lits])
+    if out == bool_:
+        raise DTypeError("clamp is not supported on bool tensors with bool bounds")
+    return out
+
+
 def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
     _clamp_bounds(min, max)
-    float_bound = isinstance(min, float) or isinstance(max, float)
-    if float_bound and (xp.isdtype(x.dtype, "integral") or x.dtype == xp.bool):
-        x = xp.astype(x, xp.float32)  # a float bound promotes an integer tensor
+    if not (xp.isdtype(x.dtype, "real floating") and not isinstance(min, bool)
+            and not isinstance(max, bool)):
+        target = getattr(xp, _clamp_dtype(dtype_name(xp, x.dtype), min, max))
+        if x.dtype != target:
+            x = xp.astype(x, target)  # a float bound promotes an integer tensor, and so on
     out = x
     if min is not None:
         out = xp.maximum(out, xp.asarray(min, dtype=x.dtype))
@@ -43,9 +100,7 @@ def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
 def _clamp_infer(metas: list[Meta], *, min: Any, max: Any) -> Meta:
     (m,) = metas
     _clamp_bounds(min, max)
-    lits = [Meta((), "float32" if isinstance(v, float) else "int64", True)
-            for v in (min, max) if v is not None]
-    return Meta(m.shape, promoted_dtype([m, *lits]))
+    return Meta(m.shape, _clamp_dtype(m.dtype, min, max))
 
 
 def _clamp_vjp(F: Any, g: Any, x: Any, *, min: Any, max: Any) -> Any:
@@ -53,14 +108,18 @@ def _clamp_vjp(F: Any, g: Any, x: Any, *, min: Any, max: Any) -> Any:
     if min is not None:
         inside = x >= min
     if max is not None:
-        inside = (x <= max) if inside is None else inside & (x <= max)
+        inside = (x <= max) if inside is None else F.where(inside, x <= max, False)
     return F.where(inside, g, 0.0)  # at a bound the gradient passes (PyTorch)
 
 
+_ABS = _refuse("abs", "bool")
+_RELU = _refuse("relu", "bool")
+_SOFTPLUS = _refuse("softplus", "float")
+
 register(
-    unary("abs", "|x|; the gradient at 0 is 0 (PyTorch).", lambda xp, x: xp.abs(x),
-          lambda F, g, x: g * F.sign(x)),
-    unary("sign", "-1, 0 or 1; its gradient is 0 everywhere.", lambda xp, x: xp.sign(x),
+    unary("abs", "|x|; the gradient at 0 is 0 (PyTorch); not on bool.", lambda xp, x: xp.abs(x),
+          lambda F, g, x: g * F.sign(x), check_args=_ABS[0], infer=_ABS[1]),
+    unary("sign", "-1, 0 or 1 (0 at NaN, as PyTorch); its gradient is 0 everywhere.", _sign,
           lambda F, g: F.zeros_like(g), save=()),
     unary("exp", "e ** x.", lambda xp, x: xp.exp(x), lambda F, g, r: g * r,
           save=("result",), float_result=True),
@@ -72,7 +131,8 @@ register(
           lambda F, g, r: g * (r + 1.0), save=("result",), float_result=True),
     unary("sqrt", "Square root.", lambda xp, x: xp.sqrt(x), lambda F, g, r: g / (2.0 * r),
           save=("result",), float_result=True),
-    unary("square", "x * x.", lambda xp, x: x * x, lambda F, g, x: g * 2.0 * x),
+    unary("square", "x * x (bool gives int64, as PyTorch).", _square,
+          lambda F, g, x: g * (2.0 * x), infer=_square_infer),
     unary("reciprocal", "1 / x.", lambda xp, x: 1.0 / x, lambda F, g, r: -g * r * r,
           save=("result",), float_result=True),
     unary("sin", "Sine.", lambda xp, x: xp.sin(x), lambda F, g, x: g * F.cos(x),
@@ -85,13 +145,15 @@ register(
           lambda F, g, r: g * (1.0 - r * r), save=("result",), float_result=True),
     unary("sigmoid", "1 / (1 + exp(-x)), stable for large |x|.", _sigmoid,
           lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True),
-    unary("relu", "max(x, 0); the gradient at 0 is 0 (PyTorch).",
-          lambda xp, x: xp.where(x > 0, x, xp.zeros_like(x)),
-          lambda F, g, r: F.where(r > 0, g, 0.0), save=("result",)),
-    unary("softplus", "log(1 + exp(x)), stable; x itself above 20 (PyTorch's threshold).",
+    unary("relu", "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",
+          lambda xp, x: xp.where(x <= 0, xp.zeros_like(x), x),
+          lambda F, g, r: F.where(r <= 0, 0.0, g), save=("result",),
+          check_args=_RELU[0], infer=_RELU[1]),
+    unary("softplus", "log(1 + exp(x)), stable; x itself above 20 (PyTorch's threshold); "
+          "floating point inputs only, as PyTorch.",
           _softplus,
           lambda F, g, x: F.where(x > _SOFTPLUS_THRESHOLD, g, g * F.sigmoid(x)),
-          float_result=True),
+          check_args=_SOFTPLUS[0], infer=_SOFTPLUS[1]),
     unary("clamp", "Limit x to [min, max]; at a bound the gradient passes (PyTorch).",
           _clamp, _clamp_vjp,
           attrs={"min": Attr("number", None, "lower bound", nullable=True),

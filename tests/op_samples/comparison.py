@@ -20,6 +20,9 @@ SAMPLES["where"] = [
     Sample([randn(3, 4) > 0, randn(3, 4), randn(3, 4)], id="same"),
     Sample([randn(3, 1) > 0, randn(1, 4), randn(3, 4)], id="broadcast"),
     Sample([randn(4) > 0, randn(4), 0.0], id="literal"),
+    # Two literals take PyTorch's default dtypes: float32 here, not float64.
+    Sample([randn(4) > 0, 2.5, 2], grad=False, id="two-literals"),
+    Sample([randn(4) > 0, 1, 2], grad=False, id="two-int-literals"),
 ]
 
 TORCH = {name: (lambda n: lambda torch, a, b: getattr(torch, n)(a, b))(name) for name in _CMP}

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import ArityError, AttributeError_
+from engine.errors import ArityError, AttributeError_, DTypeError
 from tests.op_samples import ErrorSample, Sample, pos, randn
 
 
@@ -37,7 +37,17 @@ SAMPLES["clamp"] = [
     Sample([np.array([-1.0, 0.0, 0.5, 1.0, 2.0])], {"min": 0.0, "max": 1.0}, fd=False,
            id="at-bounds"),
     Sample([np.arange(-3, 4)], {"min": -1, "max": 2}, grad=False, id="int"),
+    # PyTorch promotes the tensor with its bounds: bool with int bounds gives int64.
+    Sample([np.array([True, False])], {"min": 0, "max": 2}, grad=False, id="bool-int-bounds"),
+    Sample([np.arange(-3, 4).astype(np.int32)], {"min": 1}, grad=False, id="int32"),
+    Sample([np.array([-1.0, np.nan, 2.0])], {"min": 0.0}, fd=False, id="nan"),
 ]
+# PyTorch: sign(NaN) is 0; sign of bool is bool; relu keeps NaN; square of bool is int64.
+SAMPLES["sign"].append(Sample([np.array([1.0, np.nan, -np.inf, 0.0])], fd=False, id="nan"))
+SAMPLES["sign"].append(Sample([np.array([True, False])], grad=False, id="bool"))
+SAMPLES["relu"].append(Sample([np.array([np.nan, -1.0, 2.0])], fd=False, id="nan"))
+SAMPLES["abs"].append(Sample([np.array([np.nan, -1.0, 2.0])], fd=False, id="nan"))
+SAMPLES["square"].append(Sample([np.array([True, False])], grad=False, id="bool"))
 
 TORCH = {name: (lambda n: lambda torch, x: getattr(torch, n)(x))(name) for name in _UNARY}
 TORCH["tan"] = lambda torch, x: torch.tan(x)
@@ -48,7 +58,13 @@ ERRORS = {
     name: [ErrorSample([randn(2), randn(2)], {}, ArityError, r"takes 1 tensor argument")]
     for name in [*_UNARY, "tan"]
 }
+# Dtypes PyTorch's kernels lack.
+ERRORS["abs"].append(ErrorSample([np.array([True])], {}, DTypeError, r"abs needs a non-bool"))
+ERRORS["relu"].append(ErrorSample([np.array([True])], {}, DTypeError, r"relu needs a non-bool"))
+ERRORS["softplus"].append(ErrorSample([np.array([1, 2])], {}, DTypeError,
+                                      r"softplus needs a floating point input, got int64"))
 ERRORS["clamp"] = [
+    ErrorSample([np.array([True])], {"min": True}, DTypeError, r"bool tensors with bool bounds"),
     ErrorSample([randn(2)], {}, AttributeError_, r"at least one of 'min' or 'max'"),
     ErrorSample([randn(2)], {"low": 1.0}, AttributeError_, r"unknown attribute 'low'"),
     ErrorSample([randn(2)], {"min": "a"}, AttributeError_, r"'min' must be number"),
