@@ -8,7 +8,11 @@
    client: base64 against JSON lists, end to end.
 
 Loopback only; every run is bounded in count and time. Each figure is the median over
-`--rounds` rounds.
+`--rounds` rounds. Each round measures the floor and then the seed example back to back,
+and the ratio is the median of the rounds' ratios: on a shared machine the load drifts
+between rounds, and a ratio of two medians taken minutes apart would measure the drift.
+uvicorn serves both with the same HTTP parser and event loop (httptools and uvloop where
+installed, else h11 and asyncio); the header says which.
 
     python bench/bench_service.py [--rounds 3] [--requests 2000]
 """
@@ -129,9 +133,28 @@ def measure(port: int, path: str, body: bytes, total: int, concurrency: int
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), len(ms) / seconds
 
 
-def median_of(rounds: int, fn: object, *args: object) -> tuple[float, ...]:
-    results = [fn(*args) for _ in range(rounds)]  # type: ignore[operator]
-    return tuple(statistics.median(col) for col in zip(*results, strict=True))
+def paired(rounds: int, floor_port: int, gs_port: int, total: int, concurrency: int
+           ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """(floor medians, seed medians, median of the per-round p50 ratios)."""
+    floors, seeds = [], []
+    for _ in range(rounds):
+        floors.append(measure(floor_port, "/floor", SEED, total, concurrency))
+        seeds.append(measure(gs_port, "/backward", SEED, total, concurrency))
+    ratio = statistics.median(s[0] / f[0] for f, s in zip(floors, seeds, strict=True))
+
+    def med(rows: list[tuple[float, float, float]]) -> tuple[float, ...]:
+        return tuple(statistics.median(col) for col in zip(*rows, strict=True))
+
+    return med(floors), med(seeds), ratio
+
+
+def stack() -> str:
+    """The HTTP parser and event loop uvicorn picks by default ("auto")."""
+    import importlib.util
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    return f"uvicorn {http} + {loop}"
 
 
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
@@ -169,23 +192,19 @@ def main() -> None:
     gs_env = {"GRADSERVE_MAX_CONCURRENCY": "16"}
     with server(gs_argv, gs_port, gs_env) as base, server(floor_argv, floor_port):
         for conc in (1, 16):
-            floor = median_of(args.rounds, measure, floor_port, "/floor", SEED,
-                              args.requests, conc)
-            seed = median_of(args.rounds, measure, gs_port, "/backward", SEED,
-                             args.requests, conc)
-            rows.append((conc, floor, seed))
+            rows.append((conc, *paired(args.rounds, floor_port, gs_port, args.requests, conc)))
         tensor = big_tensor(base, args.rounds)
 
     print(f"\nseed example (POST /backward) vs trivial FastAPI endpoint; median of "
           f"{args.rounds} rounds of {args.requests} requests; loopback, {os.cpu_count()} CPUs;"
-          " GRADSERVE_MAX_CONCURRENCY=16")
+          f" GRADSERVE_MAX_CONCURRENCY=16; {stack()}")
     print(f"{'conc':>4} | {'endpoint':<10} | {'p50 ms':>7} | {'p99 ms':>7} | {'req/s':>8} |"
           f" {'p50 vs floor':>12}")
     print("-" * 66)
-    for conc, floor, seed in rows:
+    for conc, floor, seed, ratio in rows:
         print(f"{conc:>4} | {'floor':<10} | {floor[0]:7.3f} | {floor[1]:7.3f} | {floor[2]:8.0f} |")
         print(f"{conc:>4} | {'seed':<10} | {seed[0]:7.3f} | {seed[1]:7.3f} | {seed[2]:8.0f} |"
-              f" {seed[0] / floor[0]:11.2f}x")
+              f" {ratio:11.2f}x")
     print(f"\n4M float32 through POST /forward (x * 2, no_grad), client end to end, median of "
           f"{args.rounds}")
     print(f"  base64: {tensor['base64']:8.1f} ms")
