@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, bool_
 from engine.errors import DTypeError
 from engine.ops.registry import Attr, Meta, OpDef, register
 from engine.shapes import expand_reduced, normalize_dim, normalize_dims, numel, reduced_shape
+from engine.tensor import Tensor
 
 DIM = Attr("int|ints", None, "dim or dims to reduce; all when absent", nullable=True)
 KEEPDIM = Attr("bool", False, "keep reduced dims as size 1")
@@ -89,18 +91,59 @@ def _prod(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     return xp.prod(x, axis=axes, keepdims=keepdim, dtype=out_dtype)
 
 
-def _prod_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
+def _prod_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -> Any:
+    """PyTorch's prod_backward: result / x when the input has no zero; otherwise the
+    product of the others from exclusive cumulative products (no division), which is also
+    right to differentiate again. With several zeros and no create_graph, zeros (as there)."""
     shape = tuple(x.shape)
+    if not shape:
+        return g
     dims = normalize_dims(dim, len(shape))
-    g = _keep(F, g, shape, dims, keepdim)
-    zero = x == 0
-    safe = F.where(zero, 1.0, x)
-    # prod(x) = nonzero * zeros, each factor differentiable; no division by a zero input.
-    nonzero = F.prod(safe, dim=list(dims), keepdim=True)
-    zeros = F.prod(F.where(zero, x, 1.0), dim=list(dims), keepdim=True)
-    count = F.sum(zero, dim=list(dims), keepdim=True)
-    at_zero = F.where(count == 1, nonzero, 0.0)  # a lone zero gets the product of the rest
-    return g * F.where(zero, at_zero, nonzero * zeros / safe)
+    if not keepdim:
+        g = _keep(F, g, shape, dims, keepdim)
+        result = _keep(F, result, shape, dims, keepdim)
+    zeros = int(F.sum(x == 0)) if numel(shape) else 0
+    if zeros == 0:
+        return g * (result / x)
+    if dim is None and zeros > 1 and not isinstance(g, Tensor):
+        return F.zeros_like(x)
+    # The reduced dims moved to the end and merged into one: the products of the others.
+    keep = [d for d in range(len(shape)) if d not in dims]
+    order = keep + list(dims)
+    moved = F.permute(x, dims=order) if order != list(range(len(shape))) else x
+    flat = F.reshape(moved, shape=[*(shape[d] for d in keep), numel([shape[d] for d in dims])])
+    others = _products_of_others(F, flat, len(keep))
+    others = F.reshape(others, shape=[shape[d] for d in order])
+    if order != list(range(len(shape))):
+        others = F.permute(others, dims=[order.index(d) for d in range(len(shape))])
+    return g * others
+
+
+def _scan_product(F: Any, x: Any, d: int, n: int, reverse: bool) -> Any:
+    """Inclusive cumulative product along `d` (from the end when `reverse`), by doubling:
+    log2(n) steps of slices, concatenation and products, so it is differentiable again."""
+    out, step = x, 1
+    while step < n:
+        ones = F.ones_like(F.slice(out, dim=d, start=0, stop=step, step=1))
+        if reverse:
+            shifted = F.cat(F.slice(out, dim=d, start=step, stop=n, step=1), ones, dim=d)
+        else:
+            shifted = F.cat(ones, F.slice(out, dim=d, start=0, stop=n - step, step=1), dim=d)
+        out = out * shifted
+        step *= 2
+    return out
+
+
+def _products_of_others(F: Any, x: Any, d: int) -> Any:
+    """For each entry along `d`, the product of all the other entries (PyTorch's
+    prod_safe_zeros_backward: exclusive products from the front times from the back)."""
+    n = x.shape[d]
+    if n <= 1:
+        return F.ones_like(x)
+    one = F.ones_like(F.slice(x, dim=d, start=0, stop=1, step=1))
+    front = F.cat(one, F.slice(x, dim=d, start=0, stop=n - 1, step=1), dim=d)
+    back = F.cat(F.slice(x, dim=d, start=1, stop=n, step=1), one, dim=d)
+    return _scan_product(F, front, d, n, False) * _scan_product(F, back, d, n, True)
 
 
 def _extreme(name: str) -> Any:
@@ -114,14 +157,24 @@ def _extreme_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool
     shape = tuple(x.shape)
     dims = normalize_dims(dim, len(shape))
     g = _keep(F, g, shape, dims, keepdim)
-    hit = x == _keep(F, result, shape, dims, keepdim)
+    r = _keep(F, result, shape, dims, keepdim)
+    hit = x == r
     if isinstance(dim, int):
-        # PyTorch: max(x, dim) sends the gradient to the index it returns, the first hit.
+        # PyTorch: max(x, dim) sends the gradient to the index it returns: the first max,
+        # or the first NaN, which is what it returns where there is one.
+        hit = F.where(r != r, x != x, hit)
         first = F.where(hit, F.cumsum(hit, dim=dim), 0) == 1
         return F.where(first, g, 0.0)
-    # PyTorch (amax/amin, full max/min): ties share the gradient evenly.
-    count = F.sum(F.cast(hit, dtype=F.dtype_of(g)), dim=list(dims), keepdim=True)
-    return F.where(hit, g / count, 0.0)
+    if dim is None and not keepdim:
+        # torch.max(x): ties (or the NaNs, when the result is NaN) share it evenly.
+        hit = F.where(r != r, x != x, hit)
+        count = F.sum(F.cast(hit, dtype=F.dtype_of(g)))
+        return F.where(hit, g / count, 0.0)
+    # torch.amax/amin: ties share it evenly; a slice with a NaN matches nothing and
+    # gets NaN (grad / 0 * 0), as there.
+    mask = F.cast(hit, dtype=F.dtype_of(g))
+    count = F.sum(mask, dim=list(dims), keepdim=True)
+    return (g / count) * mask
 
 
 def _cumsum(xp: Any, x: Any, *, dim: int) -> Any:
@@ -144,8 +197,14 @@ def _cumsum_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta(m.shape, _sum_dtype(m.dtype))
 
 
+def _empty_axis(x: Any, axes: tuple[int, ...]) -> bool:
+    return any(x.shape[a] == 0 for a in axes)
+
+
 def _logsumexp(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     axes = _axes(x, dim)
+    if _empty_axis(x, axes):  # log(0): -inf, as PyTorch (the max of nothing is undefined)
+        return xp.full(reduced_shape(tuple(x.shape), axes, keepdim), -math.inf, dtype=x.dtype)
     top = xp.max(x, axis=axes, keepdims=True)
     top = xp.where(xp.isfinite(top), top, xp.zeros_like(top))  # all -inf stays -inf, not NaN
     out = xp.log(xp.sum(xp.exp(x - top), axis=axes, keepdims=True)) + top
@@ -165,16 +224,26 @@ def _var(xp: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
 
 
 def _var_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
+    # PyTorch's var_backward, including its answer where the degrees of freedom are <= 0.
     shape = tuple(x.shape)
     dims = normalize_dims(dim, len(shape))
-    count = numel([shape[d] for d in dims])
+    if not shape or dim is None:
+        dof = numel(shape) - correction
+        mean = F.mean(x, dim=list(dims), keepdim=True) if shape else x
+        if dof <= 0:
+            return g * F.where(x == mean, math.nan, math.inf)
+        return (2.0 / dof) * g * (x - mean)
+    dof = numel([shape[d] for d in dims]) - correction
+    factor = 2.0 / dof if dof else math.inf
     centred = x - F.mean(x, dim=list(dims), keepdim=True)
-    return _keep(F, g, shape, dims, keepdim) * centred * (2.0 / (count - correction))
+    return factor * _keep(F, g, shape, dims, keepdim) * centred
 
 
 def _softmax(xp: Any, x: Any, *, dim: int) -> Any:
     _check_float(xp, "softmax", x)
     axes = _axes(x, dim)
+    if numel(x.shape) == 0:
+        return xp.zeros_like(x)
     e = xp.exp(x - xp.max(x, axis=axes, keepdims=True))  # shifted by the max: no overflow
     return e / xp.sum(e, axis=axes, keepdims=True)
 
@@ -182,6 +251,8 @@ def _softmax(xp: Any, x: Any, *, dim: int) -> Any:
 def _log_softmax(xp: Any, x: Any, *, dim: int) -> Any:
     _check_float(xp, "log_softmax", x)
     axes = _axes(x, dim)
+    if numel(x.shape) == 0:
+        return xp.zeros_like(x)
     shifted = x - xp.max(x, axis=axes, keepdims=True)
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axes, keepdims=True))
 
@@ -236,7 +307,7 @@ register(
     ),
     _reduction(
         "prod", "Product over dims (integers as int64); exact gradient at zeros, no result / x.",
-        _prod, _prod_vjp, ("input",), reduction_infer(_sum_dtype),
+        _prod, _prod_vjp, ("input", "result"), reduction_infer(_sum_dtype),
     ),
     _reduction(
         "max", "Max over dims (values only). max(x, dim=int) sends the gradient to the first "

@@ -57,6 +57,10 @@ def _extreme_samples():
         Sample([_TIES], {"dim": [1]}, fd=False, id="ties-list"),
         Sample([np.full((2, 2), 7.0)], fd=False, id="all-equal"),
         Sample([ints(-5, 5, 3, 4)], {"dim": 1}, grad=False, id="int"),
+        Sample([_NANS], {"dim": 1}, fd=False, id="nan-dim"),
+        Sample([_NANS], fd=False, id="nan-all"),
+        Sample([_NANS], {"dim": [1]}, fd=False, id="nan-list"),
+        Sample([_NANS], {"keepdim": True}, fd=False, id="nan-all-keepdim"),
     ]
 
 
@@ -64,7 +68,16 @@ _ZEROS = [
     Sample([np.array([[0.0, 2.0, 3.0], [1.5, -2.0, 0.5]])], {"dim": 1}, id="one-zero"),
     Sample([np.array([[0.0, 2.0, 0.0], [1.5, -2.0, 0.5]])], {"dim": 1}, id="two-zeros"),
     Sample([np.array([[0.0, 2.0], [3.0, 0.5]])], id="zero-all"),
+    Sample([np.array([[0.0, 2.0], [0.0, 0.5]])], id="two-zeros-all"),
+    Sample([np.array([[0.0, 2.0, 0.0], [0.0, -2.0, 0.5]])], {"dim": 0, "keepdim": True},
+           id="zeros-dim0"),
+    Sample([np.array([[0.0, 2.0, 0.0], [1.0, -2.0, 0.5]])], {"dim": [0, 1]}, id="zeros-list"),
+    # PyTorch divides result / x when there is no zero: an infinite entry gets NaN.
+    Sample([np.array([[np.inf, 2.0], [1.0, 3.0]])], {"dim": 1}, fd=False, id="inf"),
 ]
+# PyTorch: max(x, dim) returns (and sends the gradient to) the first NaN; torch.max(x) shares
+# it among the NaNs; amax over dims gives the whole slice NaN.
+_NANS = np.array([[1.0, np.nan, 3.0, np.nan], [2.0, 5.0, 5.0, 1.0]])
 
 SAMPLES = {
     "sum": [*_DIMS, Sample([ints(-3, 3, 2, 3)], {"dim": 0}, grad=False, id="int"),
@@ -80,12 +93,19 @@ SAMPLES = {
         Sample([np.array([[-np.inf, -np.inf], [0.0, 1.0]])], {"dim": 1}, grad=False,
                id="all-neg-inf"),
         Sample([ints(-3, 3, 2, 3)], {"dim": 1}, grad=False, id="int"),
+        Sample([np.zeros((0, 3))], {"dim": 0}, fd=False, id="empty-dim"),  # log(0) = -inf
+        Sample([np.zeros((0, 3))], {"dim": 1}, id="empty-other-dim"),
     ],
     "var": [
         *(s for s in _DIMS if s.id not in ("scalar", "scalar-dim", "size-1")),
         Sample([randn(3, 4)], {"dim": 1, "correction": 0}, id="biased"),
         Sample([randn(2, 5)], {"dim": [0, 1], "correction": 2.5}, id="float-correction"),
         Sample([randn()], {"correction": 0}, id="scalar"),
+        # No degrees of freedom left: NaN values, and PyTorch's NaN / inf gradients.
+        Sample([randn()], {}, fd=False, id="scalar-unbiased"),
+        Sample([randn(1, 3)], {"dim": 0}, fd=False, id="one-row"),
+        Sample([randn(2, 3)], {"dim": [0, 1], "correction": 6}, fd=False,
+               id="correction-equals-count"),
     ],
     "cumsum": [
         Sample([randn()], {"dim": 0}, id="scalar"),
@@ -101,6 +121,8 @@ _NORMALISE = [
     Sample([randn(2, 3, 4)], {"dim": -2}, id="negative"),
     Sample([randn(3, 1)], {"dim": 1}, id="size-1"),
     Sample([np.array([[1e4, 0.0, -1e4], [1e4, 1e4, 1e4]])], {"dim": 1}, id="extreme"),
+    Sample([np.zeros((0, 3))], {"dim": 0}, id="empty"),
+    Sample([np.zeros((2, 0))], {"dim": 1}, id="empty-dim"),
 ]
 SAMPLES["softmax"] = _NORMALISE
 SAMPLES["log_softmax"] = _NORMALISE
