@@ -6,8 +6,10 @@ from typing import Any
 
 from engine.dtypes import FLOATS
 from engine.errors import DTypeError, ShapeError
+from engine.ops.common import dtype_name
 from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
-from engine.shapes import broadcast_shapes, fmt, normalize_dim
+from engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
+from engine.tensor import Tensor
 
 Shape = tuple[int, ...]
 
@@ -56,14 +58,22 @@ def _matmul_shape(a: Shape, b: Shape) -> Shape:
     return batch + rows + cols
 
 
+_BOOL_MATMUL = "matmul is not implemented for bool tensors (PyTorch has no bool kernel)"
+
+
 def _matmul_infer(metas: list[Meta]) -> Meta:
     a, b = metas
     shape = _matmul_shape(a.shape, b.shape)  # also refuses numbers: they are 0-d
-    return Meta(shape, _same_dtype(a, b))
+    dtype = _same_dtype(a, b)
+    if dtype == "bool":
+        raise DTypeError(_BOOL_MATMUL)
+    return Meta(shape, dtype)
 
 
 def _matmul(xp: Any, a: Any, b: Any) -> Any:
     _check_arrays(a, b)
+    if a.dtype == xp.bool:
+        raise DTypeError(_BOOL_MATMUL)
     return xp.matmul(a, b)
 
 
@@ -78,21 +88,23 @@ def _as_matrices(F: Any, g: Any, a: Any, b: Any) -> tuple[Any, Any, Any]:
     return F.reshape(g, shape=[*batch, rows, cols]), a2, b2
 
 
-def _vector_grad(F: Any, g: Any, n: int) -> Any:
-    """A promoted vector's gradient (..., 1, n) or (..., n, 1), summed over the batch to (n,)."""
-    return F.sum(F.reshape(g, shape=[-1, n]), dim=0)
+def _vector_grad(F: Any, g: Any, axis: int) -> Any:
+    """A promoted vector's gradient (..., 1, n) or (..., n, 1), summed over every dim but
+    `axis` (the vector's) to (n,); also when n is 0."""
+    ndim = len(g.shape)
+    return F.sum(g, dim=[d for d in range(ndim) if d != axis % ndim])
 
 
 def _matmul_vjp_a(F: Any, g: Any, a: Any, b: Any) -> Any:
     g2, _, b2 = _as_matrices(F, g, a, b)
     grad = F.matmul(g2, F.transpose(b2, dim0=-1, dim1=-2))
-    return _vector_grad(F, grad, a.shape[0]) if len(a.shape) == 1 else grad
+    return _vector_grad(F, grad, -1) if len(a.shape) == 1 else grad
 
 
 def _matmul_vjp_b(F: Any, g: Any, a: Any, b: Any) -> Any:
     g2, a2, _ = _as_matrices(F, g, a, b)
     grad = F.matmul(F.transpose(a2, dim0=-1, dim1=-2), g2)
-    return _vector_grad(F, grad, b.shape[0]) if len(b.shape) == 1 else grad
+    return _vector_grad(F, grad, -2) if len(b.shape) == 1 else grad
 
 
 # ------------------------------------------------------------------ einsum
@@ -152,20 +164,44 @@ def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, d
     return subs, out, sizes
 
 
+def _einsum_dtype(dtypes: list[str], subs: list[str], out: str,
+                  shapes: list[Shape]) -> str:
+    """torch.einsum's result dtype: the operands' promoted dtype, except that one operand
+    summing integers or bool gives int64 (as sum does) and that bool tensors cannot be
+    contracted (a summed letter of size > 1 in two operands: PyTorch's bmm has no bool)."""
+    summed = set("".join(subs)) - set(out)
+    if len(dtypes) == 1:
+        return dtypes[0] if dtypes[0] in FLOATS or not summed else "int64"
+    if all(d == "bool" for d in dtypes) and any(
+        sum(1 for t, s in zip(subs, shapes, strict=True)
+            if any(n > 1 for x, n in zip(t, s, strict=True) if x == c)) > 1
+        for c in summed
+    ):
+        raise DTypeError("einsum cannot contract bool tensors (PyTorch has no bool kernel)")
+    return promoted_dtype([Meta((1,), d) for d in dtypes])
+
+
 def _einsum_infer(metas: list[Meta], *, equation: str) -> Meta:
     _tensors_only(*metas)
-    _, out, sizes = _parse_einsum(equation, [m.shape for m in metas])
-    return Meta(tuple(sizes[c] for c in out), promoted_dtype(metas))
+    subs, out, sizes = _parse_einsum(equation, [m.shape for m in metas])
+    dtype = _einsum_dtype([m.dtype for m in metas], subs, out, [m.shape for m in metas])
+    return Meta(tuple(sizes[c] for c in out), dtype)
 
 
 def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
     _tensors_only(*operands)
-    subs, out, _ = _parse_einsum(equation, [tuple(o.shape) for o in operands])
+    shapes = [tuple(o.shape) for o in operands]
+    subs, out, _ = _parse_einsum(equation, shapes)
+    names = [dtype_name(xp, o.dtype) for o in operands]
+    dtype = getattr(xp, _einsum_dtype(names, subs, out, shapes))
+    operands = tuple(o if o.dtype == dtype else xp.astype(o, dtype) for o in operands)
     return xp.einsum(",".join(subs) + "->" + out, *operands)
 
 
 def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> list[Any]:
     subs, out, sizes = _parse_einsum(equation, [tuple(o.shape) for o in operands])
+    dtype = F.dtype_of(g)
+    operands = tuple(o if F.dtype_of(o) == dtype else F.cast(o, dtype=dtype) for o in operands)
     grads = []
     for i, term in enumerate(subs):
         others = [s for j, s in enumerate(subs) if j != i]
@@ -175,13 +211,20 @@ def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> 
         first = "".join(c for k, c in enumerate(term) if term.index(c) == k and c in known)
         grad = F.einsum(g, *(o for j, o in enumerate(operands) if j != i),
                         equation=",".join([out, *others]) + "->" + first)
-        grad = F.reshape(grad, shape=[sizes[c] if term.index(c) == k and c in known else 1
+        # Sizes as computed (a letter may have broadcast from size 1 in the others).
+        got = dict(zip(first, grad.shape, strict=True))
+        grad = F.reshape(grad, shape=[got[c] if term.index(c) == k and c in known else 1
                                       for k, c in enumerate(term)])
         grad = F.expand(grad, shape=[sizes[c] for c in term])
         for k, c in enumerate(term):
             j = term.index(c)
             if j != k:  # a repeated letter: only its diagonal gets the gradient
                 grad = F.where(_positions(F, grad, j) == _positions(F, grad, k), grad, 0.0)
+        # Size-1 dims that broadcast against another operand: their gradient is summed.
+        shape = tuple(operands[i].shape)
+        spread = [k for k, c in enumerate(term) if shape[k] == 1 and sizes[c] != 1]
+        if spread:
+            grad = F.sum(grad, dim=spread, keepdim=True)
         grads.append(grad)
     return grads
 
@@ -286,9 +329,45 @@ def _mT(F: Any, x: Any) -> Any:
 
 
 def _det_vjp(F: Any, g: Any, a: Any, result: Any) -> Any:
-    # Jacobi's formula d det(A) = det(A) tr(A^-1 dA); needs an invertible A.
+    # Jacobi's formula d det(A) = det(A) tr(A^-1 dA), as PyTorch: a singular matrix
+    # (det exactly 0) gets 0, computed on the identity in its place so that inv never
+    # fails; with create_graph PyTorch gives it the cofactor matrix, and so do we.
     scale = F.reshape(g * result, shape=[*result.shape, 1, 1])
-    return scale * _mT(F, F.inv(a))
+    singular = result == 0
+    if not numel(tuple(a.shape)) or not int(F.sum(singular)):
+        return scale * _mT(F, F.inv(a))
+    mask = F.reshape(singular, shape=[*result.shape, 1, 1])
+    eye = _positions(F, a, -1) == _positions(F, a, -2)
+    safe = F.where(mask, F.where(eye, F.ones_like(a), F.zeros_like(a)), a)
+    grad = scale * _mT(F, F.inv(safe))
+    if isinstance(g, Tensor) and a.shape[-1] <= _COFACTOR_MAX:
+        cofactor = _cofactors(F, a) * F.reshape(g, shape=[*result.shape, 1, 1])
+        grad = F.where(mask, cofactor, grad)
+    return grad
+
+
+_COFACTOR_MAX = 8  # n^2 determinants of (n-1) x (n-1) minors: only for small matrices
+
+
+def _cofactors(F: Any, a: Any) -> Any:
+    """The cofactor matrix C_ij = (-1)^(i+j) det(minor_ij): the gradient of det, also at a
+    singular matrix, built from slices so that it is differentiable again."""
+    n = a.shape[-1]
+    if n == 1:
+        return F.ones_like(a)
+
+    def without(x: Any, k: int, dim: int) -> Any:
+        parts = [F.slice(x, dim=dim, start=0, stop=k, step=1),
+                 F.slice(x, dim=dim, start=k + 1, stop=n, step=1)]
+        return F.cat(*(p for p in parts if p.shape[dim % len(p.shape)]), dim=dim)
+
+    entries = []
+    for i in range(n):
+        rows = without(a, i, -2)
+        for j in range(n):
+            minor = F.det(without(rows, j, -1))
+            entries.append(minor if (i + j) % 2 == 0 else -minor)
+    return F.reshape(F.stack(*entries, dim=-1), shape=list(a.shape))
 
 
 def _inv_vjp(F: Any, g: Any, result: Any) -> Any:
@@ -391,7 +470,7 @@ register(
             "output), as torch.einsum.",
         args=("operands",), forward=_einsum, infer=_einsum_infer, vjp=_einsum_vjp,
         save=("operands",), attrs={"equation": Attr("str", doc="e.g. 'ij,jk->ik'")},
-        variadic=True, promote="all", call_order=("equation", "*operands"),
+        variadic=True, call_order=("equation", "*operands"),
     ),
     OpDef(
         name="transpose", group="linear algebra", doc="Swap two dims.",

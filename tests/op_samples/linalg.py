@@ -24,6 +24,8 @@ SAMPLES = {
         Sample([randn(4), randn(2, 4, 3)], id="vector-batch"),
         Sample([randn(1, 1), randn(1, 3)], id="size-1"),
         Sample([ints(-3, 3, 2, 3), ints(-3, 3, 3, 2)], grad=False, id="int"),
+        Sample([randn(3, 0), randn(0)], id="empty-vector"),
+        Sample([randn(0), randn(0, 2)], id="empty-vector-first"),
     ],
     "einsum": [
         Sample([randn(3, 4), randn(4, 2)], {"equation": "ij,jk->ik"}, id="matmul"),
@@ -40,6 +42,17 @@ SAMPLES = {
         Sample([randn(), randn(3)], {"equation": ",i->i"}, id="scalar"),
         Sample([ints(-3, 3, 2, 3), ints(-3, 3, 3)], {"equation": "ij,j->i"}, grad=False,
                id="int"),
+        # Size-1 dims broadcast against the other operand; their gradient is summed.
+        Sample([randn(3), randn(1)], {"equation": "i,i->"}, id="broadcast-contracted"),
+        Sample([randn(1, 3), randn(1)], {"equation": "ij,j->i"}, id="broadcast-size-1"),
+        Sample([randn(2, 1, 3), randn(1, 2)], {"equation": "...ij,...jk->...ik"},
+               id="broadcast-ellipsis"),
+        # One operand summing integers gives int64 (as sum); mixed dtypes multiply.
+        Sample([ints(-3, 3, 3, 3).astype(np.int32)], {"equation": "ij->j"}, grad=False,
+               id="int32-sum"),
+        Sample([np.array([[True, False], [True, True]])], {"equation": "ij->"}, grad=False,
+               id="bool-sum"),
+        Sample([randn(2, 3), ints(-3, 3, 3)], {"equation": "ij,j->ij"}, id="mixed-dtypes"),
     ],
     "transpose": [
         Sample([randn(3, 4)], {"dim0": 0, "dim1": 1}, id="matrix"),
@@ -59,6 +72,10 @@ SAMPLES = {
         Sample([well_conditioned(3, 3)], id="matrix"),
         Sample([well_conditioned(2, 4, 4)], id="batch"),
         Sample([well_conditioned(1, 1)], id="1x1"),
+        # det exactly 0: PyTorch's gradient is 0 there (no error from inverting).
+        Sample([np.array([[1.0, 2.0], [2.0, 4.0]])], fd=False, id="singular"),
+        Sample([np.stack([np.zeros((2, 2)), well_conditioned(2, 2)])], fd=False,
+               id="singular-in-batch"),
     ],
     "inv": [
         Sample([well_conditioned(3, 3)], id="matrix"),
@@ -103,6 +120,7 @@ ERRORS = {
         ErrorSample([randn(2, 2), randn(2, 2).astype(np.float32)], {}, DTypeError,
                     r"same dtype"),
         ErrorSample([randn(2, 2)], {}, ArityError, r"missing tensor argument 'other'"),
+        ErrorSample([np.array([[True]]), np.array([[True]])], {}, DTypeError, r"bool tensors"),
     ],
     "einsum": [
         ErrorSample([randn(3, 4), randn(5, 2)], {"equation": "ij,jk->ik"}, ShapeError,
@@ -115,6 +133,8 @@ ERRORS = {
         ErrorSample([randn(3, 4)], {}, AttributeError_, r"missing required attribute 'equation'"),
         ErrorSample([randn(3, 4)], {"equation": 3}, AttributeError_, r"'equation' must be str"),
         ErrorSample([randn(3), 2.0], {"equation": "i,->i"}, ShapeError, r"tensors, not numbers"),
+        ErrorSample([np.array([True, False]), np.array([True, True])], {"equation": "i,i->"},
+                    DTypeError, r"cannot contract bool"),
     ],
     "transpose": [
         ErrorSample([randn(3, 4)], {"dim0": 0, "dim1": 2}, ShapeError, r"dim 2 is out of range"),
