@@ -135,28 +135,55 @@ def _operand_shapes(op: str, metas: list[Meta]) -> list[tuple[int, ...]]:
     return [m.shape for m in metas]
 
 
+def _skipped(shape: tuple[int, ...]) -> bool:
+    """PyTorch's legacy rule: cat skips 1-d empty tensors (shape (0,)) whatever the others."""
+    return shape == (0,)
+
+
 def _cat_infer(metas: list[Meta], *, dim: int) -> Meta:
     shapes = _operand_shapes("cat", metas)
     for k, s in enumerate(shapes):
         if not s:
             raise ShapeError(f"zero-dimensional tensor (at position {k}) cannot be concatenated")
-    first = shapes[0]
+    kept = [s for s in shapes if not _skipped(s)]
+    if not kept:
+        return Meta((0,), promoted_dtype(metas))
+    first = kept[0]
     d = normalize_dim(dim, len(first))
-    for s in shapes[1:]:
+    for s in kept[1:]:
         if len(s) != len(first) or any(s[i] != n for i, n in enumerate(first) if i != d):
             raise ShapeError(
                 f"tensors must have the same shape except in dim {dim}, "
                 f"got {fmt(first)} and {fmt(s)}"
             )
     out = list(first)
-    out[d] = sum(s[d] for s in shapes)
+    out[d] = sum(s[d] for s in kept)
     return Meta(tuple(out), promoted_dtype(metas))
 
 
+def _cat(xp: Any, *xs: Any, dim: int) -> Any:
+    for k, x in enumerate(xs):
+        if isinstance(x, (int, float)):
+            raise ShapeError(f"cat: operand {k} is a number, expected a tensor")
+        if x.ndim == 0:
+            raise ShapeError(f"zero-dimensional tensor (at position {k}) cannot be concatenated")
+    kept = [x for x in xs if not _skipped(tuple(x.shape))]
+    if len(kept) < len(xs):
+        if not kept:
+            return xs[0] if len(xs) == 1 else xp.concat(xs, axis=0)
+        if len(kept) == 1:
+            normalize_dim(dim, kept[0].ndim)
+            return xp.asarray(kept[0], copy=True)
+    return xp.concat(kept, axis=dim)
+
+
 def _cat_vjp(F: Any, g: Any, tensors: tuple[Any, ...], *, dim: int) -> list[Any]:
-    d = normalize_dim(dim, len(g.shape))
     grads, start = [], 0
     for t in tensors:
+        if _skipped(tuple(t.shape)):
+            grads.append(F.zeros_like(t))
+            continue
+        d = normalize_dim(dim, len(g.shape))
         stop = start + t.shape[d]
         grads.append(F.slice(g, dim=d, start=start, stop=stop, step=1))
         start = stop
@@ -173,6 +200,13 @@ def _stack_infer(metas: list[Meta], *, dim: int) -> Meta:
                 f"and {fmt(s)} at entry {k}"
             )
     return Meta(_unsqueeze_shape(first, dim), promoted_dtype(metas))
+
+
+def _stack(xp: Any, *xs: Any, dim: int) -> Any:
+    for k, x in enumerate(xs):
+        if isinstance(x, (int, float)):
+            raise ShapeError(f"stack: operand {k} is a number, expected a tensor")
+    return xp.stack(xs, axis=unsqueeze_dim(xs[0].ndim, dim))
 
 
 def _stack_vjp(F: Any, g: Any, *, dim: int) -> list[Any]:
@@ -232,7 +266,7 @@ register(
         name="cat", group="shape",
         doc="Concatenate tensors along an existing dim (dtypes promoted; no 0-d operands).",
         args=("tensors",), variadic=True, promote="all",
-        forward=lambda xp, *xs, dim: xp.concat(xs, axis=dim),
+        forward=_cat,
         infer=_cat_infer,
         vjp=_cat_vjp, save=("tensors",),
         attrs={"dim": _DIM},
@@ -242,7 +276,7 @@ register(
         name="stack", group="shape",
         doc="Join equal-shaped tensors along a new dim (dtypes promoted).",
         args=("tensors",), variadic=True, promote="all",
-        forward=lambda xp, *xs, dim: xp.stack(xs, axis=unsqueeze_dim(xs[0].ndim, dim)),
+        forward=_stack,
         infer=_stack_infer,
         vjp=_stack_vjp,
         attrs={"dim": Attr("int", 0, doc="where the new dim goes")},

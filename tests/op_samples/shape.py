@@ -52,6 +52,10 @@ SAMPLES = {
         Sample([randn(3)], id="single"),
         Sample([randn(2, 3), randn(0, 3)], id="empty"),
         Sample([np.arange(3), randn(2)], id="promote"),
+        # PyTorch skips 1-d empty operands (shape (0,)), whatever the others' shapes.
+        Sample([randn(0), randn(2, 3)], {"dim": 1}, id="skips-1d-empty"),
+        Sample([randn(2, 2), randn(0), randn(1, 2)], id="skips-1d-empty-middle"),
+        Sample([randn(0), randn(0)], id="all-1d-empty"),
     ],
     "stack": [
         Sample([randn(2, 3), randn(2, 3)], id="dim0"),
@@ -103,11 +107,13 @@ ERRORS = {
         ErrorSample([np.array(1.0), np.array(2.0)], {}, ShapeError,
                     r"zero-dimensional tensor \(at position 0\)"),
         ErrorSample([], {}, ArityError, r"at least 1 tensor"),
+        ErrorSample([randn(0), randn(2, 3)], {"dim": 2}, ShapeError, r"dim 2 is out of range"),
     ],
     "stack": [
         ErrorSample([randn(2, 3), randn(2, 4)], {}, ShapeError,
                     r"equal size, but got \(2, 3\) at entry 0 and \(2, 4\) at entry 1"),
         ErrorSample([randn(2), randn(2)], {"dim": 2}, ShapeError, r"dim 2 is out of range"),
         ErrorSample([], {}, ArityError, r"at least 1 tensor"),
+        ErrorSample([randn(2), 2.0], {}, ShapeError, r"operand 1 is a number"),
     ],
 }
