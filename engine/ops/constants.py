@@ -51,11 +51,28 @@ def _size(name: str, n: int) -> int:
     return n
 
 
-def _fill(value: Scalar, dtype: str) -> Scalar:
-    """The fill value as the Python type of `dtype`, truncated as torch.full casts it."""
+_FINITE_MAX = {"float16": 65504.0, "float32": 3.4028234663852886e38, "float64": math.inf}
+_INT_RANGE = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+
+
+def _fill(value: Scalar, dtype: str, shape: tuple[int, ...] = (1,)) -> Scalar:
+    """The fill value as the Python type of `dtype`, truncated as torch.full casts it; a value
+    the dtype cannot hold is an error, as in PyTorch (not a silent inf or wrap-around),
+    except a 0-d float16, which PyTorch fills unchecked (inf)."""
     if dtype in FLOATS:
-        return float(value)
-    return int(value) if dtype in INTS else bool(value)
+        v = float(value)
+        if math.isfinite(v) and abs(v) > _FINITE_MAX[dtype] and (shape or dtype != "float16"):
+            raise DTypeError(f"value {value!r} cannot be converted to {dtype} without overflow")
+        return v
+    if dtype in INTS:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DTypeError(f"value {value!r} cannot be converted to {dtype} without overflow")
+        v = int(value)
+        low, high = _INT_RANGE[dtype]
+        if not low <= v <= high:
+            raise DTypeError(f"value {value!r} cannot be converted to {dtype} without overflow")
+        return v
+    return bool(value)
 
 
 def _full_dtype(value: Scalar, dtype: str | None) -> str:
@@ -64,32 +81,48 @@ def _full_dtype(value: Scalar, dtype: str | None) -> str:
 
 def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
                 dtype: str | None) -> tuple[Scalar, Scalar, int, str]:
-    """(start, step, length, dtype) of torch.arange: `arange(n)` is `arange(0, n)`."""
+    """(start, step, length, dtype) of torch.arange: `arange(n)` is `arange(0, n)`.
+
+    As PyTorch's kernel: for int64 the bounds and step are truncated to integers first
+    (a step that truncates to 0 is an error); for other dtypes the length comes from the
+    values as given, and integer dtypes count from the truncated start by the truncated
+    step."""
     if end is None:
         if start is None:
             raise AttributeError_("missing required attribute 'end'", loc=("attrs", "end"))
         start, end = 0, start
     start = 0 if start is None else start
-    if step == 0:
+    if dtype is None:
+        floating = any(isinstance(v, float) for v in (start, end, step))
+        dtype = DEFAULT_FLOAT if floating else DEFAULT_INT
+    if dtype == "bool":
+        raise DTypeError("arange does not produce bool tensors")
+    for name, v in (("start", start), ("end", end), ("step", step)):
+        if not math.isfinite(v):
+            raise AttributeError_(f"{name} must be finite, got {v}", loc=("attrs", name))
+    if step == 0 or (dtype == DEFAULT_INT and int(step) == 0):
         raise AttributeError_("step must be nonzero", loc=("attrs", "step"))
     if (step > 0 and end < start) or (step < 0 and end > start):
         raise AttributeError_(
             f"upper bound {end} and lower bound {start} inconsistent with step sign {step}",
             loc=("attrs", "step"),
         )
-    if dtype is None:
-        floating = any(isinstance(v, float) for v in (start, end, step))
-        dtype = DEFAULT_FLOAT if floating else DEFAULT_INT
-    if dtype == "bool":
-        raise DTypeError("arange does not produce bool tensors")
-    return start, step, math.ceil((end - start) / step), dtype
+    if dtype == DEFAULT_INT:
+        start, end, step = int(start), int(end), int(step)
+        length = -((start - end) // step)  # exact ceil((end - start) / step)
+    else:
+        length = math.ceil((end - start) / step)
+    if dtype in INTS:
+        start, step = int(start), int(step)
+    return start, step, length, dtype
 
 
 def _arange(xp: Any, *, start: Scalar | None, end: Scalar | None, step: Scalar,
             dtype: str | None) -> Any:
     start, step, length, dtype = arange_spec(start, end, step, dtype)
-    if dtype in INTS and all(isinstance(v, int) for v in (start, step)):
-        return xp.arange(start, start + length * step, step, dtype=getattr(xp, dtype))
+    if dtype in INTS:
+        values = xp.arange(length, dtype=xp.int64) * step + start
+        return xp.astype(values, getattr(xp, dtype))
     # Values start + i * step computed in float64 and then cast, as torch's CPU kernel does.
     values = xp.arange(length, dtype=xp.float64) * step + start
     return xp.astype(values, getattr(xp, dtype))
@@ -126,7 +159,7 @@ register(
             "(float → float32, int → int64, bool → bool).",
         args=(),
         forward=lambda xp, *, shape, value, dtype: xp.full(
-            _shape(shape), _fill(value, _full_dtype(value, dtype)),
+            _shape(shape), _fill(value, _full_dtype(value, dtype), _shape(shape)),
             dtype=getattr(xp, _full_dtype(value, dtype)),
         ),
         infer=lambda metas, *, shape, value, dtype: Meta(_shape(shape), _full_dtype(value, dtype)),

@@ -66,6 +66,14 @@ SAMPLES = {
         Sample([], {"start": 3, "end": 3}, id="empty"),
         Sample([], {"start": 0.5, "end": 3, "dtype": "int64"}, id="float-to-int"),
         Sample([], {"start": -2, "end": 2, "dtype": "float64"}, id="int-to-float64"),
+        # int64: bounds and step truncated first (PyTorch's kernel), so 0..2.5 is [0, 1].
+        Sample([], {"start": 0, "end": 2.5, "dtype": "int64"}, id="int64-truncated-end"),
+        Sample([], {"start": -1.5, "end": 10, "step": 3, "dtype": "int64"},
+               id="int64-truncated-start"),
+        # Other integer dtypes count from the values as given, by the truncated step.
+        Sample([], {"start": 0, "end": 2.5, "dtype": "int32"}, id="int32-length"),
+        Sample([], {"start": 0.9, "end": 3.9, "step": 0.9, "dtype": "int32"},
+               id="int32-zero-step"),
     ],
 }
 
@@ -109,6 +117,11 @@ ERRORS = {
         ErrorSample([], {"shape": [2]}, AttributeError_, r"missing required attribute 'value'"),
         ErrorSample([], {"shape": [2], "value": "one"}, AttributeError_, r"'value' must be"),
         ErrorSample([], {"shape": [-2], "value": 1.0}, ShapeError, r"negative size -2"),
+        ErrorSample([], {"shape": [2], "value": 70000, "dtype": "float16"}, DTypeError,
+                    r"cannot be converted to float16 without overflow"),
+        ErrorSample([], {"shape": [2], "value": 1e40}, DTypeError, r"to float32 without overflow"),
+        ErrorSample([], {"shape": [2], "value": 2**40, "dtype": "int32"}, DTypeError,
+                    r"to int32 without overflow"),
     ],
     "eye": [
         ErrorSample([], {"n": -1}, ShapeError, r"n must be >= 0, got -1"),
@@ -120,5 +133,9 @@ ERRORS = {
         ErrorSample([], {"start": 5, "end": 0}, AttributeError_, r"inconsistent with step sign"),
         ErrorSample([], {}, AttributeError_, r"missing required attribute 'end'"),
         ErrorSample([], {"end": 3, "dtype": "bool"}, DTypeError, r"bool"),
+        ErrorSample([], {"start": 0, "end": 2.5, "step": 0.5, "dtype": "int64"}, AttributeError_,
+                    r"step must be nonzero"),
+        ErrorSample([], {"start": 0.1, "end": 0.001, "step": 2, "dtype": "int64"},
+                    AttributeError_, r"inconsistent with step sign"),
     ],
 }
