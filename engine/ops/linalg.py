@@ -195,7 +195,18 @@ def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
     names = [dtype_name(xp, o.dtype) for o in operands]
     dtype = getattr(xp, _einsum_dtype(names, subs, out, shapes))
     operands = tuple(o if o.dtype == dtype else xp.astype(o, dtype) for o in operands)
-    return xp.einsum(",".join(subs) + "->" + out, *operands)
+    if len(operands) <= 2:
+        return xp.einsum(",".join(subs) + "->" + out, *operands)
+    # PyTorch (without opt_einsum) contracts left to right, one pair at a time; doing the
+    # same keeps infinities and NaNs where it puts them.
+    cur, cur_sub = operands[0], subs[0]
+    for k in range(1, len(operands)):
+        later = set(out).union(*subs[k + 1:])
+        target = out if k == len(operands) - 1 else "".join(
+            dict.fromkeys(c for c in cur_sub + subs[k] if c in later))
+        cur = xp.einsum(f"{cur_sub},{subs[k]}->{target}", cur, operands[k])
+        cur_sub = target
+    return cur
 
 
 def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> list[Any]:

@@ -163,7 +163,7 @@ def _cat_infer(metas: list[Meta], *, dim: int) -> Meta:
 
 def _cat(xp: Any, *xs: Any, dim: int) -> Any:
     for k, x in enumerate(xs):
-        if isinstance(x, (int, float)):
+        if type(x) in (int, float, bool):
             raise ShapeError(f"cat: operand {k} is a number, expected a tensor")
         if x.ndim == 0:
             raise ShapeError(f"zero-dimensional tensor (at position {k}) cannot be concatenated")
@@ -204,7 +204,7 @@ def _stack_infer(metas: list[Meta], *, dim: int) -> Meta:
 
 def _stack(xp: Any, *xs: Any, dim: int) -> Any:
     for k, x in enumerate(xs):
-        if isinstance(x, (int, float)):
+        if type(x) in (int, float, bool):
             raise ShapeError(f"stack: operand {k} is a number, expected a tensor")
     return xp.stack(xs, axis=unsqueeze_dim(xs[0].ndim, dim))
 

@@ -53,6 +53,10 @@ SAMPLES = {
         Sample([np.array([[True, False], [True, True]])], {"equation": "ij->"}, grad=False,
                id="bool-sum"),
         Sample([randn(2, 3), ints(-3, 3, 3)], {"equation": "ij,j->ij"}, id="mixed-dtypes"),
+        # Three operands contract left to right, as PyTorch: infinities land where its do.
+        Sample([np.array([[-3.0], [-np.inf]]), np.array([[1.475, 1.365]]),
+                np.array([[0.341, -0.444, 0.628], [-0.372, -0.375, 0.348]])],
+               {"equation": "ab,bc,cd->ad"}, grad=False, id="three-left-to-right"),
     ],
     "transpose": [
         Sample([randn(3, 4)], {"dim0": 0, "dim1": 1}, id="matrix"),
