@@ -8,6 +8,7 @@ from engine.dtypes import FLOATS, bool_
 from engine.errors import AttributeError_, DTypeError
 from engine.ops.common import dtype_name, unary
 from engine.ops.registry import Attr, Meta, promoted_dtype, register
+from engine.tensor import Tensor
 
 
 def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
@@ -32,6 +33,14 @@ def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
         return Meta(m.shape, m.dtype)
 
     return check, infer
+
+
+def _relu_vjp(F: Any, g: Any, r: Any) -> Any:
+    # PyTorch's threshold_backward: the gradient passes where the result is not <= 0 (NaN
+    # included). Under create_graph it depends on the result with derivative 0 (so a second
+    # grad gives zeros, as there, not "does not require grad"): sign(r) * 0 is exactly 0.
+    zero = F.sign(r) * 0.0 if isinstance(g, Tensor) else 0.0
+    return F.where(r <= 0, zero, g)
 
 
 def _sign(xp: Any, x: Any) -> Any:
@@ -147,7 +156,7 @@ register(
           lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True),
     unary("relu", "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",
           lambda xp, x: xp.where(x <= 0, xp.zeros_like(x), x),
-          lambda F, g, r: F.where(r <= 0, 0.0, g), save=("result",),
+          _relu_vjp, save=("result",),
           check_args=_RELU[0], infer=_RELU[1]),
     unary("softplus", "log(1 + exp(x)), stable; x itself above 20 (PyTorch's threshold); "
           "floating point inputs only, as PyTorch.",
