@@ -235,6 +235,17 @@ def test_type_promotion_matches_torch(a: np.ndarray, b: object, expected: str) -
     assert ours.dtype == expected == str(ref.dtype).removeprefix("torch.")
 
 
+def test_zero_dim_results_rank_below_dimensioned_tensors() -> None:
+    """The value of a 0-d float64 result is a NumPy float64 scalar, which subclasses Python's
+    float: it must still promote as a 0-d tensor, not as a weak literal."""
+    a = engine.tensor([1.0, 2.0])
+    c = engine.tensor(3.0, dtype="float64") * 2.0
+    results = (a * c, a + c, engine.maximum(a, c), engine.where(a > 1, a, c), a * np.float64(2))
+    for result in results:
+        assert result.dtype == "float32"
+    assert (engine.tensor([1, 2]) * c).dtype == "float64"  # a float 0-d lifts an int tensor
+
+
 def test_integer_division_gives_float32() -> None:
     out = engine.tensor([1, 2]) / engine.tensor([2, 4])
     assert out.dtype == "float32" and out.tolist() == [0.5, 0.5]

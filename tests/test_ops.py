@@ -165,3 +165,43 @@ def test_error_samples(name: str, k: int) -> None:
         else:
             fn(*args, **err.attrs)
     assert re.search(err.match, str(info.value)), f"{info.value!s} !~ {err.match}"
+
+
+@needs_torch
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_second_order_matches_torch(name: str, sample: Sample) -> None:
+    """Gradients of gradients (create_graph=True): d/dx ⟨∂f/∂x · v, w⟩ against PyTorch's
+    double backward, so every VJP is itself differentiable."""
+    if not sample.second_order:
+        pytest.skip("PyTorch's double backward differs here on purpose (see the sample)")
+    ours_in = engine_args(name, sample, "float64", True)
+    ref_in = torch_args(name, sample, "float64", True)
+    wrt = [i for i, a in enumerate(ours_in) if isinstance(a, engine.Tensor) and a.requires_grad]
+    if not wrt:
+        pytest.skip("no differentiable float input in this sample")
+    rng = np.random.default_rng(11)
+    ours = run(name, ours_in, sample.attrs)
+    ref = TORCH[name](torch, *ref_in, **sample.attrs)
+    v = rng.standard_normal(ours.shape)
+    ws = [rng.standard_normal(ours_in[i].shape) for i in wrt]
+
+    firsts = engine.grad(ours, [ours_in[i] for i in wrt], engine.tensor(v), create_graph=True,
+                         allow_unused=True)
+    total = sum((engine.sum(g * engine.tensor(w)) for g, w in zip(firsts, ws, strict=True)
+                 if g is not None and g.requires_grad), engine.tensor(0.0, dtype="float64"))
+    ref_firsts = torch.autograd.grad(ref, [ref_in[i] for i in wrt], torch.tensor(v),
+                                     create_graph=True, allow_unused=True)
+    ref_total = sum((torch.sum(g * torch.tensor(w)) for g, w in zip(ref_firsts, ws, strict=True)
+                     if g is not None and g.requires_grad), torch.tensor(0.0, dtype=torch.float64))
+    if not ref_total.requires_grad:
+        assert not total.requires_grad or np.allclose(
+            [g.numpy() for g in engine.grad(total, [ours_in[i] for i in wrt], allow_unused=True)
+             if g is not None], 0)
+        return
+    seconds = engine.grad(total, [ours_in[i] for i in wrt], allow_unused=True)
+    ref_seconds = torch.autograd.grad(ref_total, [ref_in[i] for i in wrt], allow_unused=True)
+    for ours_g, ref_g, i in zip(seconds, ref_seconds, wrt, strict=True):
+        expected = np.zeros(ours_in[i].shape) if ref_g is None else ref_g.numpy(force=True)
+        got = np.zeros(ours_in[i].shape) if ours_g is None else ours_g.numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
+                                   err_msg=f"second derivative w.r.t. argument {i}")

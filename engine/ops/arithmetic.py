@@ -35,7 +35,7 @@ def _pow(xp: Any, a: Any, b: Any) -> Any:
     1, -1 or 0 (a negative literal power is an error), bool only to a bool literal power,
     and literal powers 0.5 and -0.5 as sqrt and rsqrt (so sqrt(-inf) is NaN)."""
     arr = b if is_number(a) else a
-    if isinstance(b, float) and xp.isdtype(arr.dtype, "real floating"):
+    if type(b) is float and xp.isdtype(arr.dtype, "real floating"):
         if b == 0.5:
             return xp.sqrt(a)
         if b == -0.5:

@@ -12,7 +12,9 @@ _NUMBER = (int, float, bool)
 
 
 def is_number(v: Any) -> bool:
-    return isinstance(v, _NUMBER)
+    """A Python number literal. By exact type: NumPy's float64 scalar (the value of a 0-d
+    float64 tensor) subclasses float but is a tensor value, not a weak literal."""
+    return type(v) in _NUMBER
 
 
 def dtype_name(xp: Any, dtype: Any) -> str:
@@ -26,7 +28,7 @@ def dtype_name(xp: Any, dtype: Any) -> str:
 
 def as_array(xp: Any, value: Any, like: Any) -> Any:
     """A Python number as a 0-d array of `like`'s dtype (for calls that want arrays)."""
-    if isinstance(value, _NUMBER):
+    if is_number(value):
         return xp.asarray(value, dtype=like.dtype)
     return value
 

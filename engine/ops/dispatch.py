@@ -14,6 +14,7 @@ from engine.backends import Backend, default_backend
 from engine.dtypes import scalar_dtype
 from engine.errors import DTypeError, GradserveError, ShapeError
 from engine.grad_mode import _grad_enabled
+from engine.ops.common import is_number
 from engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype
 from engine.tensor import Tensor
 
@@ -36,22 +37,29 @@ def _not_a_tensor(op: OpDef, value: Any) -> DTypeError:
                       op=op.name)
 
 
+def _python_number(value: Any) -> Any:
+    """A NumPy scalar as the Python number it stands for; anything else as it is."""
+    if isinstance(value, _NUMBER) and not is_number(value):
+        return value.item()  # type: ignore[union-attr]  # a NumPy scalar: it has .item()
+    return value
+
+
 def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -> None:
     """Cast the promoted arguments to their common dtype (PyTorch's rules), in place."""
     promoted: Sequence[int] = range(len(args)) if isinstance(op.promote, str) else op.promote
     if len(promoted) == 2:
         a, b = raw[promoted[0]], raw[promoted[1]]
         # The common cases: equal dtypes, or a float array with a Python number.
-        if not isinstance(a, _NUMBER) and (
-            (not isinstance(b, _NUMBER) and a.dtype is b.dtype)
-            or (isinstance(b, _NUMBER) and a.dtype in backend.float_dtypes)
+        if not is_number(a) and (
+            (not is_number(b) and a.dtype is b.dtype)
+            or (is_number(b) and a.dtype in backend.float_dtypes)
         ) and (not op.float_result or a.dtype in backend.float_dtypes):
             return
     target = backend.dtype(promoted_dtype([meta_of(args[i]) for i in promoted], op.float_result))
     only_numbers = not any(type(x) is Tensor for x in args)
     for i in promoted:
         a = raw[i]
-        if isinstance(a, _NUMBER):
+        if is_number(a):
             if only_numbers:
                 raw[i] = backend.xp.asarray(a, dtype=target)
         elif a.dtype != target:
@@ -83,8 +91,10 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
                 raise _device_mismatch(op, backend, a._backend)
             raw.append(a.data)
             any_requires_grad = any_requires_grad or a.requires_grad
-        elif isinstance(a, _NUMBER):
+        elif is_number(a):
             raw.append(a)
+        elif isinstance(a, _NUMBER):  # a NumPy scalar given as a number: read it as one
+            return apply(op, [_python_number(x) for x in args], attrs)
         else:
             raise _not_a_tensor(op, a)
     if backend is None:
@@ -100,7 +110,7 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
         _promote(op, args, raw, backend)
     elif op.float_result:
         for i, a in enumerate(raw):
-            if not isinstance(a, _NUMBER) and a.dtype not in backend.float_dtypes:
+            if not is_number(a) and a.dtype not in backend.float_dtypes:
                 raw[i] = backend.xp.astype(a, backend.dtype("float32"))
     try:
         out = op.forward(backend.xp, *raw, **attrs)

@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.dtypes import FLOATS, bool_
 from engine.errors import AttributeError_, DTypeError
-from engine.ops.common import dtype_name, unary
+from engine.ops.common import dtype_name, is_number, unary
 from engine.ops.registry import Attr, Meta, promoted_dtype, register
 from engine.tensor import Tensor
 
@@ -23,7 +23,7 @@ def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
         return f"{name} needs {need} input, got {dtype}"
 
     def check(xp: Any, x: Any) -> None:
-        if not isinstance(x, (int, float)) and bad(dtype_name(xp, x.dtype)):
+        if not is_number(x) and bad(dtype_name(xp, x.dtype)):
             raise DTypeError(message(dtype_name(xp, x.dtype)))
 
     def infer(metas: list[Meta], **attrs: Any) -> Meta:

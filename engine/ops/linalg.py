@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.dtypes import FLOATS
 from engine.errors import DTypeError, ShapeError
-from engine.ops.common import dtype_name
+from engine.ops.common import dtype_name, is_number
 from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
 from engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
 from engine.tensor import Tensor
@@ -14,7 +14,6 @@ from engine.tensor import Tensor
 Shape = tuple[int, ...]
 
 
-_NUMBER = (int, float, bool)
 
 
 def _same_dtype(*metas: Meta) -> str:
@@ -27,7 +26,7 @@ def _same_dtype(*metas: Meta) -> str:
 
 def _tensors_only(*args: Any) -> None:
     """Refuse number literals (arrays in a forward, Metas in a shape rule)."""
-    if any(a.literal if isinstance(a, Meta) else isinstance(a, _NUMBER) for a in args):
+    if any(a.literal if isinstance(a, Meta) else is_number(a) for a in args):
         raise ShapeError("arguments must be tensors, not numbers")
 
 

@@ -30,6 +30,7 @@ class Sample:
     attrs: dict[str, Any] = field(default_factory=dict)
     grad: bool = True  # run gradcheck and the torch gradient comparison
     fd: bool = True  # finite differences are valid here (False at a kink, e.g. relu at 0)
+    second_order: bool = True  # compare the double backward with PyTorch's
     id: str = ""
 
 
