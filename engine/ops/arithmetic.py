@@ -78,9 +78,10 @@ def _scalar_opmath(fn: Any) -> Any:
     (0 * 1e10 is 0, not NaN from 1e10 rounding to inf first)."""
 
     def forward(xp: Any, a: Any, b: Any) -> Any:
-        if type(b) is float and a.dtype == getattr(xp, "float16", None):
+        # Of the supported dtypes only float16 is 2 bytes wide (a cheap test on a hot path).
+        if type(b) is float and getattr(a.dtype, "itemsize", 0) == 2:
             return xp.astype(fn(xp.astype(a, xp.float32), b), a.dtype)
-        if type(a) is float and b.dtype == getattr(xp, "float16", None):
+        if type(a) is float and getattr(b.dtype, "itemsize", 0) == 2:
             return xp.astype(fn(a, xp.astype(b, xp.float32)), b.dtype)
         return fn(a, b)
 
