@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.seeds import SEED_NO_GRAD, SEED_OP
+
 # The first test also builds the image: dependencies come from PyPI on a cold cache.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 
@@ -163,21 +165,7 @@ def _post(c: Container, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_backward_seed_example(server: Container) -> None:
-    data = _post(server, "/backward", {
-        "graph": {
-            "nodes": [
-                {"id": "s", "op": "add", "args": ["x", "y"]},
-                {"id": "d", "op": "sub", "args": ["x", "y"]},
-                {"id": "z", "op": "mul", "args": ["s", "d"]},
-            ],
-            "outputs": ["z"],
-        },
-        "inputs": {
-            "x": {"data": 2.0, "requires_grad": True},
-            "y": {"data": 3.0, "requires_grad": True},
-        },
-        "device": "cpu",
-    })
+    data = _post(server, "/backward", SEED_OP)
     z = data["outputs"]["z"]
     assert (z["data"], z["shape"], z["dtype"]) == (-5.0, [], "float32")
     assert z["requires_grad"] is True
@@ -188,11 +176,7 @@ def test_backward_seed_example(server: Container) -> None:
 
 
 def test_forward_no_grad_seed_example(server: Container) -> None:
-    data = _post(server, "/forward", {
-        "graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B", "A"]},
-        "inputs": {"A": {"data": [5.0], "requires_grad": True}},
-        "no_grad": True,
-    })
+    data = _post(server, "/forward", SEED_NO_GRAD)
     b, a = data["outputs"]["B"], data["outputs"]["A"]
     assert (b["data"], b["shape"], b["dtype"]) == ([41.0], [1], "float32")
     assert b["requires_grad"] is False

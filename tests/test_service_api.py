@@ -19,36 +19,11 @@ from fastapi import FastAPI
 import engine
 from service.app import create_app
 from service.settings import Settings
+from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
 pytestmark = pytest.mark.anyio
 
 PROBLEM = "application/problem+json"
-SEED_OP = {
-    "graph": {
-        "nodes": [
-            {"id": "s", "op": "add", "args": ["x", "y"]},
-            {"id": "d", "op": "sub", "args": ["x", "y"]},
-            {"id": "z", "op": "mul", "args": ["s", "d"]},
-        ],
-        "outputs": ["z"],
-    },
-    "inputs": {
-        "x": {"data": 2.0, "requires_grad": True},
-        "y": {"data": 3.0, "requires_grad": True},
-    },
-    "device": "cpu",
-}
-SEED_EXPR = {
-    "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-    "inputs": SEED_OP["inputs"],
-}
-SEED_NO_GRAD = {
-    "graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B", "A"]},
-    "inputs": {"A": {"data": [5.0], "requires_grad": True}},
-    "no_grad": True,
-}
-
-
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

@@ -15,11 +15,14 @@ A meta-test fails when an op of the registry lacks any of the three.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from engine.ops import GROUP_MODULES
 
 RNG = np.random.default_rng(1234)
 
@@ -59,22 +62,11 @@ TorchFn = Callable[..., Any]
 
 
 def _collect() -> tuple[dict[str, list[Sample]], dict[str, TorchFn], dict[str, list[ErrorSample]]]:
-    from tests.op_samples import (
-        arithmetic,
-        comparison,
-        constants,
-        elementwise,
-        indexing,
-        linalg,
-        reduction,
-        shape,
-    )
-
     samples: dict[str, list[Sample]] = {}
     torch_fns: dict[str, TorchFn] = {}
     errors: dict[str, list[ErrorSample]] = {}
-    for module in (arithmetic, comparison, constants, elementwise, indexing, linalg, reduction,
-                   shape):
+    for group in GROUP_MODULES:
+        module = importlib.import_module(f"tests.op_samples.{group}")
         samples.update(getattr(module, "SAMPLES", {}))
         torch_fns.update(getattr(module, "TORCH", {}))
         errors.update(getattr(module, "ERRORS", {}))
