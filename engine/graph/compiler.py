@@ -317,26 +317,25 @@ def _infer(order: list[Step], metas: list[Meta | None], requires_grad: list[bool
            no_grad: bool, errors: _Errors) -> None:
     """Static shapes and dtypes, and which values will require grad."""
     for step in order:
-        arg_metas = []
-        for is_ref, v in step.args:
-            meta = metas[v] if is_ref else literal_meta(v)
-            if meta is None:
-                break  # an upstream error was already reported
-            arg_metas.append(meta)
-        else:
-            op = step.op
-            try:
-                out = op.infer(arg_metas, **step.attrs)
-            except GradserveError as err:
-                err.at(node=step.origin, op=op.name)
-                err.loc = _node_loc(step.index)
-                errors.add(err)
-                continue
-            metas[step.slot] = step.meta = out
-            step.requires_grad = requires_grad[step.slot] = (
-                not no_grad and op.vjp is not None and out.dtype in FLOATS and any(
-                    is_ref and requires_grad[v] and op.arg_differentiable(i)
-                    for i, (is_ref, v) in enumerate(step.args)))
+        arg_metas = [metas[v] if is_ref else literal_meta(v) for is_ref, v in step.args]
+        if None in arg_metas:
+            continue  # an upstream error was already reported
+        op = step.op
+        try:
+            out = op.infer(arg_metas, **step.attrs)
+        except GradserveError as err:
+            err.at(node=step.origin, op=op.name)
+            err.loc = _node_loc(step.index)
+            errors.add(err)
+            continue
+        metas[step.slot] = step.meta = out
+        if no_grad or op.vjp is None or out.dtype not in FLOATS:
+            continue
+        mask = op.diff_mask
+        for i, (is_ref, v) in enumerate(step.args):
+            if is_ref and requires_grad[v] and (mask is None or mask[i]):
+                step.requires_grad = requires_grad[step.slot] = True
+                break
 
 
 def _outputs(names: Any, slots: dict[str, int], aliases: dict[str, int],
