@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.dtypes import INTS
 from engine.errors import AttributeError_, DTypeError, ShapeError
+from engine.ops.common import is_number
 from engine.ops.registry import Attr, Meta, OpDef, register
 from engine.shapes import fmt, normalize_dim, numel
 
@@ -27,6 +28,37 @@ def _check_index(xp: Any, index: Any, size: int, dim: int) -> None:
     for bad in (int(xp.min(index)), int(xp.max(index))):
         if not 0 <= bad < size:
             raise ShapeError(f"index {bad} is out of bounds for dim {dim} with size {size}")
+
+
+def _literal_error(op: str, arg: str) -> DTypeError:
+    return DTypeError(f"{arg} must be a tensor, not a number literal (as in PyTorch)", op=op)
+
+
+def _tensor_args(op: str, names: tuple[str, ...]) -> tuple[Any, Any]:
+    """(check_args, infer wrapper) that refuse a number literal in any argument: PyTorch's
+    index_select, gather and scatter_add take tensors only, and an op's forward reads
+    `.shape` and `.ndim` of each."""
+
+    def check_args(xp: Any, *values: Any) -> None:
+        for name, v in zip(names, values, strict=True):
+            if is_number(v):
+                raise _literal_error(op, name)
+
+    def tensors_only(rule: Any) -> Any:
+        def infer(metas: list[Meta], **attrs: Any) -> Meta:
+            for name, m in zip(names, metas, strict=True):
+                if m.literal:
+                    raise _literal_error(op, name)
+            return rule(metas, **attrs)
+
+        return infer
+
+    return check_args, tensors_only
+
+
+_INDEX_SELECT = _tensor_args("index_select", ("input", "index"))
+_GATHER = _tensor_args("gather", ("input", "index"))
+_SCATTER_ADD = _tensor_args("scatter_add", ("input", "index", "src"))
 
 
 def _as_1d(xp: Any, a: Any) -> Any:
@@ -241,7 +273,8 @@ register(
         name="index_select", group="indexing",
         doc="The entries at an int index (0-d or 1-d) along `dim`, as torch.index_select.",
         args=("input", "index"),
-        forward=_index_select, infer=_index_select_infer,
+        forward=_index_select, infer=_INDEX_SELECT[1](_index_select_infer),
+        check_args=_INDEX_SELECT[0],
         vjp=(_index_select_vjp, None), save=("input", "index"),
         attrs={"dim": _INDEX_DIM},
         call_order=("input", "dim", "index"),
@@ -251,7 +284,7 @@ register(
         doc="out[i][j] = input[index[i][j]][j] along `dim`, as torch.gather "
             "(repeated indices sum their gradients).",
         args=("input", "index"),
-        forward=_gather, infer=_gather_infer,
+        forward=_gather, infer=_GATHER[1](_gather_infer), check_args=_GATHER[0],
         vjp=(_gather_vjp, None), save=("input", "index"),
         attrs={"dim": _INDEX_DIM},
         call_order=("input", "dim", "index"),
@@ -261,7 +294,8 @@ register(
         doc="input with src added at index along `dim` (repeats accumulate), "
             "as torch.Tensor.scatter_add.",
         args=("input", "index", "src"),
-        forward=_scatter_add, infer=_scatter_add_infer,
+        forward=_scatter_add, infer=_SCATTER_ADD[1](_scatter_add_infer),
+        check_args=_SCATTER_ADD[0],
         vjp=(lambda F, g, index, src, *, dim: g, None, _scatter_add_src_vjp),
         save=("index", "src"),
         attrs={"dim": _INDEX_DIM},

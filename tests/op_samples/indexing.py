@@ -85,6 +85,9 @@ ERRORS = {
         ErrorSample([randn(3, 4), 1, _FLOAT_INDEX], {}, DTypeError, r"integer tensor"),
         ErrorSample([randn(3, 4), 1, np.array([[0, 1]])], {}, ShapeError, r"0-d or 1-d"),
         ErrorSample([randn(3, 4), 2, np.array([0])], {}, ShapeError, r"dim 2 is out of range"),
+        # Number literals (found by fuzzing the service: the forward read `.ndim` of an int).
+        ErrorSample([randn(3, 4), 0, 1], {}, DTypeError, r"index must be a tensor, not a number"),
+        ErrorSample([2.5, 0, np.array([0])], {}, DTypeError, r"input must be a tensor"),
     ],
     "gather": [
         ErrorSample([randn(3, 4), 1, np.array([[0, 5]])], {}, ShapeError,
@@ -92,6 +95,8 @@ ERRORS = {
         ErrorSample([randn(3, 4), 1, np.array([[0.0, 1.0]])], {}, DTypeError, r"integer tensor"),
         ErrorSample([randn(3, 4), 1, np.array([0, 1])], {}, ShapeError,
                     r"as many dims as the input, got \(2,\) and \(3, 4\)"),
+        ErrorSample([randn(), 0, 0], {}, DTypeError, r"index must be a tensor, not a number"),
+        ErrorSample([True, 0, np.array(0)], {}, DTypeError, r"input must be a tensor"),
         ErrorSample([randn(3, 4), 1, np.zeros((4, 1), dtype=np.int64)], {}, ShapeError,
                     r"no larger than the input \(3, 4\) apart from dim 1"),
     ],
@@ -104,5 +109,8 @@ ERRORS = {
                     r"no larger than src \(1, 2\)"),
         ErrorSample([randn(3, 4), 1, np.array([[0, 1]]), np.ones((1, 2), dtype=np.int64)], {},
                     DTypeError, r"src must have the input's dtype float64, got int64"),
+        ErrorSample([randn(), 0, np.array(0), 2.5], {}, DTypeError, r"src must be a tensor"),
+        ErrorSample([randn(), 0, 0, randn()], {}, DTypeError, r"index must be a tensor"),
+        ErrorSample([1.0, 0, np.array(0), 2.5], {}, DTypeError, r"input must be a tensor"),
     ],
 }
