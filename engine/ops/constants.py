@@ -98,8 +98,12 @@ def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
     if dtype == "bool":
         raise DTypeError("arange does not produce bool tensors")
     for name, v in (("start", start), ("end", end), ("step", step)):
-        if not math.isfinite(v):
+        # isfinite of an int past the float range raises OverflowError: ints are finite.
+        if isinstance(v, float) and not math.isfinite(v):
             raise AttributeError_(f"{name} must be finite, got {v}", loc=("attrs", name))
+        if dtype in INTS and not -(1 << 63) <= int(v) < 1 << 63:
+            raise AttributeError_(f"{name} {v} is out of the range of int64",
+                                  loc=("attrs", name))
     if step == 0 or (dtype == DEFAULT_INT and int(step) == 0):
         raise AttributeError_("step must be nonzero", loc=("attrs", "step"))
     if (step > 0 and end < start) or (step < 0 and end > start):
@@ -111,7 +115,16 @@ def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
         start, end, step = int(start), int(end), int(step)
         length = -((start - end) // step)  # exact ceil((end - start) / step)
     else:
-        length = math.ceil((end - start) / step)
+        try:  # inf for e.g. end=1e308, step=1e-308; OverflowError for ints past 1e308
+            count = (end - start) / step
+        except OverflowError:
+            count = math.inf
+        if not math.isfinite(count):
+            raise AttributeError_(
+                f"unsupported range: {start} to {end} by step {step} has too many values",
+                loc=("attrs", "step"),
+            )
+        length = math.ceil(count)
     if dtype in INTS:
         start, step = int(start), int(step)
     return start, step, length, dtype
