@@ -43,6 +43,8 @@ def decode_tensor(
     shape: Sequence[int] | None = None,
 ) -> np.ndarray:
     """A host array from one wire tensor; `loc` is e.g. ("inputs", "x")."""
+    if shape is not None:
+        _check_shape(loc, shape, _LE[dtype].itemsize if dtype is not None else 8)
     if b64 is not None:
         return _decode_b64(loc, b64, dtype, shape)
     if type(data) is float and (dtype is None or dtype == "float32") and not shape:
@@ -64,6 +66,22 @@ def decode_tensor(
                     f"which does not match shape {list(shape)}",
                 )
     return array
+
+
+MAX_DIMS = 64  # NumPy's limit (NPY_MAXDIMS), and PyTorch's
+
+
+def _check_shape(loc: Loc, shape: Sequence[int], itemsize: int) -> None:
+    """A declared shape that no array can have is refused before NumPy sees it: more
+    than 64 dims, or (even with a 0 among them) dims whose product overflows the bytes
+    an array can address. NumPy raises ValueError for both."""
+    if len(shape) > MAX_DIMS:
+        raise _error(loc, "shape", f"shape has {len(shape)} dims; at most {MAX_DIMS} are supported")
+    span = itemsize
+    for n in shape:
+        span *= max(n, 1)
+        if span >= 1 << 63:
+            raise _error(loc, "shape", f"shape {list(shape)} is too large for any tensor")
 
 
 def _decode_b64(loc: Loc, text: str, dtype: str | None, shape: Sequence[int] | None) -> np.ndarray:
@@ -124,6 +142,8 @@ def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
     if not types <= {float, int, bool, str}:
         bad = sorted(t.__name__ for t in types - {float, int, bool, str})
         what = "a ragged nested list" if "list" in bad else f"values of type {', '.join(bad)}"
+        if "list" in bad and nested.ndim == MAX_DIMS:
+            what = f"lists nested deeper than the {MAX_DIMS} dims a tensor can have"
         raise _error(loc, "data", f"tensor data must be numbers, got {what}")
     if str in types:
         leaves = _replace_nonfinite(loc, leaves)
@@ -168,7 +188,9 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
             if (np.floor(array) != array).any():
                 raise _error(loc, "data", f"a non-integral number is not valid for dtype {dtype}")
         info = np.iinfo(dtype)
-        if array.size and (array.min() < info.min or array.max() > info.max):
+        # -info.min is 2**63 (2**31): exact as a float, unlike info.max, which a float64
+        # comparison rounds up to 2**63, so that 9.223372036854775807e18 would pass and wrap.
+        if array.size and (array.min() < info.min or array.max() >= -info.min):
             raise _error(loc, "data", f"a value is out of the range of {dtype}")
         return array.astype(dtype)
     with np.errstate(over="ignore"):  # float16 overflow gives inf, as torch.tensor does

@@ -8,6 +8,7 @@ with no traceback, logged with the request id.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -123,7 +124,12 @@ def problem_body(
     body.update(extra)
     if request_id is not None:
         body["request_id"] = request_id
-    return orjson.dumps(body)
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        # orjson refuses integers past 64 bits: the planned bytes of a request that asks
+        # for shape [2**31, 2**31] of float32 is 2**64. The standard library writes any int.
+        return json.dumps(body, default=str, allow_nan=False).encode()
 
 
 def problem_response(
