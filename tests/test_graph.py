@@ -465,6 +465,21 @@ def test_cancel_stops_a_run_between_nodes() -> None:
     assert execute(program, {"x": x}, cancel=threading.Event()).nodes == 8
 
 
+def test_integer_literals_past_int64_are_refused_with_their_place() -> None:
+    errs = errors_of(graph(NodeSpec("z", "sign", [1 << 63]), NodeSpec("w", expr=f"x + {10**30}"),
+                           NodeSpec("c", expr=f"clamp(x, min={-(1 << 64)})"),
+                           outputs=["z", "w", "c"]), {"x": SCALAR})
+    assert [str(e) for e in errs] == [
+        "node 'z' (sign): integer literal 9223372036854775808 is outside the int64 range",
+        "node 'w' (add): integer literal 1000000000000000000000000000000 is outside the int64 "
+        "range",
+        "node 'c' (clamp): attribute 'min' is outside the int64 range",
+    ]
+    assert errs[0].loc == ("graph", "nodes", 0, "args", 0)
+    with pytest.raises(engine.GradserveError, match="outside the int64 range"):
+        engine.tensor([1.0]) + (1 << 64)
+
+
 def test_runtime_op_errors_name_the_node() -> None:
     spec = graph(NodeSpec("p", expr="x ** -1"), outputs=["p"])
     with pytest.raises(engine.GradserveError) as info:

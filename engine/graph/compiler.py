@@ -13,6 +13,7 @@ from typing import Any
 from engine.dtypes import FLOATS
 from engine.errors import (
     BackwardError,
+    DTypeError,
     GradserveError,
     GraphError,
     MemoryBudgetError,
@@ -24,7 +25,7 @@ from engine.graph.plan import plan_peak_bytes
 from engine.graph.program import Program, Step
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
 from engine.ops import OPS
-from engine.ops.registry import Meta, literal_meta
+from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, literal_meta
 from engine.shapes import fmt, numel
 
 _NUMBER = (bool, int, float)
@@ -254,6 +255,10 @@ def _bind(
                     ok = False
                     continue
                 args.append((True, slot))
+            elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
+                errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
+                                      node=origin, op=op.name, loc=_node_loc(index, "args", j)))
+                ok = False
             elif isinstance(arg, _NUMBER):
                 args.append((False, arg))
             else:

@@ -15,7 +15,7 @@ from engine.dtypes import scalar_dtype
 from engine.errors import DTypeError, GradserveError, ShapeError
 from engine.grad_mode import _grad_enabled
 from engine.ops.common import is_number
-from engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype
+from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, OpDef, literal_meta, promoted_dtype
 from engine.tensor import Tensor
 
 _NUMBER = (int, float, bool)
@@ -92,6 +92,8 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
             raw.append(a.data)
             any_requires_grad = any_requires_grad or a.requires_grad
         elif is_number(a):
+            if type(a) is int and not INT64_MIN <= a <= INT64_MAX:
+                raise DTypeError(f"integer literal {a} is outside the int64 range", op=op.name)
             raw.append(a)
         elif isinstance(a, _NUMBER):  # a NumPy scalar given as a number: read it as one
             return apply(op, [_python_number(x) for x in args], attrs)

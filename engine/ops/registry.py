@@ -61,18 +61,31 @@ class Attr:
         }
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An int that fits int64, as PyTorch's integer arguments must."""
+    return isinstance(v, int) and not isinstance(v, bool) and INT64_MIN <= v <= INT64_MAX
 
 
 def _is_ints(v: Any) -> bool:
     return isinstance(v, (list, tuple)) and all(_is_int(x) for x in v)
 
 
+def _type_message(key: str, expected: str, value: Any) -> str:
+    ints = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, int) and not isinstance(v, bool) and not _is_int(v) for v in ints):
+        return f"attribute {key!r} is outside the int64 range"
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return f"attribute {key!r} must be {expected}, got {shown}"
+
+
 _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_int,
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)),
+    "float": lambda v: isinstance(v, float) or _is_int(v),
+    "number": lambda v: isinstance(v, float) or _is_int(v) or isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
     "dtype": lambda v: isinstance(v, str),
@@ -182,11 +195,8 @@ class OpDef:
                 out[key] = None
                 continue
             if not _TYPE_CHECKS[spec.type](value):
-                raise AttributeError_(
-                    f"attribute {key!r} must be {spec.type}, got {value!r}",
-                    op=self.name,
-                    loc=("attrs", key),
-                )
+                raise AttributeError_(_type_message(key, spec.type, value), op=self.name,
+                                      loc=("attrs", key))
             if spec.type == "dtype":
                 value = check_dtype(value)
             if isinstance(value, tuple):
