@@ -138,10 +138,7 @@ class Tensor:
                 "you can only change requires_grad flags of leaf variables; "
                 "use .detach() for a non-leaf"
             )
-        if requires_grad and self.dtype not in FLOATS:
-            raise DTypeError(
-                f"only floating point tensors can require gradients, got {self.dtype}"
-            )
+        _check_requires_grad(requires_grad, self.dtype)
         self.requires_grad = requires_grad
         return self
 
@@ -169,6 +166,11 @@ class Tensor:
         return out
 
 
+def _check_requires_grad(requires_grad: bool, dtype: str) -> None:
+    if requires_grad and dtype not in FLOATS:
+        raise DTypeError(f"only floating point tensors can require gradients, got {dtype}")
+
+
 def tensor(
     data: Any,
     dtype: Any = None,
@@ -179,8 +181,7 @@ def tensor(
     backend = get_backend(device)
     host = data.numpy() if isinstance(data, Tensor) else _host_array(data)
     name = check_dtype(dtype) if dtype is not None else _default_dtype(data, host)
-    if requires_grad and name not in FLOATS:
-        raise DTypeError(f"only floating point tensors can require gradients, got {name}")
+    _check_requires_grad(requires_grad, name)
     host = np.array(host, dtype=name, order="C")  # a copy, as torch.tensor makes
     return Tensor(backend.from_host(host), backend, requires_grad=requires_grad)
 
@@ -193,8 +194,7 @@ def from_numpy(
     name = _NUMPY_NAMES.get(array.dtype)
     if name is None:
         raise DTypeError(f"unsupported dtype {array.dtype}; expected one of {', '.join(DTYPES)}")
-    if requires_grad and name not in FLOATS:
-        raise DTypeError(f"only floating point tensors can require gradients, got {name}")
+    _check_requires_grad(requires_grad, name)
     backend = get_backend(device)
     return Tensor(backend.from_host(array), backend, requires_grad=requires_grad)
 

@@ -149,23 +149,22 @@ def _arange_infer(metas: list[Meta], *, start: Scalar | None, end: Scalar | None
 
 _SHAPE = Attr("shape", doc="the shape (an int for 1-d)")
 
+def _filled(name: str) -> OpDef:
+    """`zeros` and `ones`: the namespace's function of the same name over a shape."""
+    return OpDef(
+        name=name, group="constants", doc=f"A tensor of {name} (default dtype float32).",
+        args=(),
+        forward=lambda xp, *, shape, dtype: getattr(xp, name)(_shape(shape),
+                                                               dtype=getattr(xp, dtype)),
+        infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
+        attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
+        positional_attrs=("shape",),
+    )
+
+
 register(
-    OpDef(
-        name="zeros", group="constants", doc="A tensor of zeros (default dtype float32).",
-        args=(),
-        forward=lambda xp, *, shape, dtype: xp.zeros(_shape(shape), dtype=getattr(xp, dtype)),
-        infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
-        attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
-        positional_attrs=("shape",),
-    ),
-    OpDef(
-        name="ones", group="constants", doc="A tensor of ones (default dtype float32).",
-        args=(),
-        forward=lambda xp, *, shape, dtype: xp.ones(_shape(shape), dtype=getattr(xp, dtype)),
-        infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
-        attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
-        positional_attrs=("shape",),
-    ),
+    _filled("zeros"),
+    _filled("ones"),
     OpDef(
         name="full", group="constants",
         doc="A tensor filled with `value`; dtype inferred from it as torch.full does "
