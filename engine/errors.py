@@ -10,6 +10,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def quoted(name: str, limit: int = 64) -> str:
+    """`repr(name)` for a message; a name longer than `limit` is cut there and its length
+    given, so that a megabyte-long id does not make a megabyte-long message."""
+    if len(name) <= limit:
+        return repr(name)
+    return f"{name[:limit]!r}...({len(name)} characters)"
+
+
 class GradserveError(Exception):
     """Base class: a message plus the node and op it concerns."""
 
@@ -29,7 +37,7 @@ class GradserveError(Exception):
 
     def __str__(self) -> str:
         if self.node is not None:
-            where = f"node '{self.node}'" + (f" ({self.op})" if self.op else "")
+            where = f"node {quoted(self.node)}" + (f" ({self.op})" if self.op else "")
             return f"{where}: {self.message}"
         if self.op is not None:
             return f"{self.op}: {self.message}"
@@ -91,6 +99,15 @@ class MemoryBudgetError(GradserveError):
         super().__init__(message, **kw)
         self.planned_bytes = planned_bytes
         self.budget_bytes = budget_bytes
+
+
+class ComputeBudgetError(GradserveError):
+    """The static cost of a run (forward and backward) is over its budget."""
+
+    def __init__(self, message: str, *, cost: int, budget: int, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.cost = cost
+        self.budget = budget
 
 
 class DeadlineExceeded(GradserveError):

@@ -77,11 +77,10 @@ def sum_to_shape(F: Any, grad: Any, shape: Shape) -> Any:
     if gshape == shape:
         return grad
     lead = len(gshape) - len(shape)
-    dims = list(range(lead)) + [
-        i + lead for i, n in enumerate(shape) if n == 1 and gshape[i + lead] != 1
-    ]
-    if dims:
-        grad = F.sum(grad, dim=dims, keepdim=True)
+    ones = [i + lead for i, n in enumerate(shape) if n == 1 and gshape[i + lead] != 1]
+    if not ones:  # only leading dims were added: one sum gives the shape
+        return F.sum(grad, dim=list(range(lead)))
+    grad = F.sum(grad, dim=list(range(lead)) + ones, keepdim=True)
     return F.reshape(grad, shape=list(shape))
 
 

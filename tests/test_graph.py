@@ -7,6 +7,8 @@ import gc
 import itertools
 import threading
 import time
+import tracemalloc
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,15 +39,39 @@ def graph(*nodes: NodeSpec, outputs: list[str]) -> GraphSpec:
     return GraphSpec(nodes=list(nodes), outputs=outputs)
 
 
+@dataclass
+class Result:
+    """A run's result, with what the response reports of each output."""
+
+    outputs: dict[str, np.ndarray]
+    gradients: dict[str, np.ndarray] | None
+    requires_grad: dict[str, bool]
+    grad_fn: dict[str, str | None]
+    nodes: int
+    peak_bytes: int
+    planned_peak_bytes: int
+    timings_ms: dict[str, float]
+
+
 def run(spec: GraphSpec, inputs: dict[str, Any], *, no_grad: bool = False, backward: bool = False,
         grad_outputs: dict[str, Any] | None = None, limits: Limits | None = None,
-        requires_grad: tuple[str, ...] = ()) -> Any:
-    tensors = {k: engine.tensor(v, requires_grad=k in requires_grad) for k, v in inputs.items()}
-    specs = {k: TensorSpec(t.shape, t.dtype, t.requires_grad) for k, t in tensors.items()}
-    go = {k: engine.tensor(v) for k, v in (grad_outputs or {}).items()}
+        requires_grad: tuple[str, ...] = ()) -> Result:
+    arrays = {k: engine.tensor(v).numpy() for k, v in inputs.items()}
+    specs = {k: TensorSpec(a.shape, str(a.dtype), k in requires_grad) for k, a in arrays.items()}
+    go = {k: engine.tensor(v).numpy() for k, v in (grad_outputs or {}).items()}
     program = compile_graph(spec, specs, limits=limits, no_grad=no_grad, backward=backward,
-                            grad_outputs={k: TensorSpec(t.shape, t.dtype) for k, t in go.items()})
-    return execute(program, tensors, grad_outputs=go)
+                            grad_outputs={k: TensorSpec(a.shape, str(a.dtype))
+                                          for k, a in go.items()})
+    r = execute(program, arrays, grad_outputs=go, verify=True)
+    slots = dict(program.outputs)
+    return Result(
+        outputs={k: np.asarray(v) for k, v in r.outputs.items()},
+        gradients=None if r.gradients is None else {k: np.asarray(v)
+                                                     for k, v in r.gradients.items()},
+        requires_grad={k: program.requires_grad[s] for k, s in slots.items()},
+        grad_fn={k: program.grad_fn[s] for k, s in slots.items()},
+        nodes=r.nodes, peak_bytes=r.peak_bytes, planned_peak_bytes=r.planned_peak_bytes,
+        timings_ms=r.timings_ms)
 
 
 def errors_of(spec: GraphSpec, inputs: dict[str, TensorSpec], **kw: Any) -> list[Any]:
@@ -62,8 +88,8 @@ SEED = graph(NodeSpec("s", "add", ["x", "y"]), NodeSpec("d", "sub", ["x", "y"]),
                                               outputs=["z"])], ids=["op-form", "expr"])
 def test_seed_example(spec: GraphSpec) -> None:
     result = run(spec, {"x": 2.0, "y": 3.0}, backward=True, requires_grad=("x", "y"))
-    z = result.outputs["z"]
-    assert z.item() == -5.0 and z.requires_grad and z.grad_fn.name() == "MulBackward"
+    assert result.outputs["z"].item() == -5.0
+    assert result.requires_grad["z"] and result.grad_fn["z"] == "MulBackward"
     assert result.gradients["x"].item() == 4.0 and result.gradients["y"].item() == -6.0
     assert result.nodes == 3 and set(result.timings_ms) == {"plan", "forward", "backward"}
 
@@ -71,9 +97,9 @@ def test_seed_example(spec: GraphSpec) -> None:
 def test_seed_example_no_grad() -> None:
     result = run(graph(NodeSpec("B", expr="A ** 2 + 16"), outputs=["B", "A"]), {"A": [5.0]},
                  no_grad=True, requires_grad=("A",))
-    b = result.outputs["B"]
-    assert b.tolist() == [41.0] and not b.requires_grad and b.grad_fn is None
-    assert result.outputs["A"].requires_grad and result.gradients is None
+    assert result.outputs["B"].tolist() == [41.0]
+    assert not result.requires_grad["B"] and result.grad_fn["B"] is None
+    assert result.requires_grad["A"] and result.gradients is None
 
 
 def test_duplicate_ids_and_input_collisions() -> None:
@@ -260,6 +286,23 @@ def test_expr_errors_name_the_offending_piece() -> None:
     assert str(err) == "node 'z': attribute access is not allowed in expr: 'exp(x).real'"
     err = errors_of(graph(NodeSpec("z", expr="system(x)"), outputs=["z"]), {"x": SCALAR})[0]
     assert "unknown op 'system'" in str(err)
+    err = errors_of(graph(NodeSpec("z", expr="y" * 1000 + "(x)"), outputs=["z"]),
+                    {"x": SCALAR})[0]
+    assert f"unknown op '{'y' * 64}'...(1000 characters)" in str(err)  # quoted, shortened
+    assert len(str(err)) < 200
+
+
+@pytest.mark.parametrize(("spelling", "python"), [("true", "True"), ("false", "False"),
+                                                  ("null", "None")])
+def test_json_spellings_of_constants_get_a_hint(spelling: str, python: str) -> None:
+    spec = graph(NodeSpec("z", expr=f"sum(x, dim=1, keepdim={spelling})"), outputs=["z"])
+    err = errors_of(spec, {"x": SCALAR})[0]
+    assert isinstance(err, ExprError) and err.node == "z"
+    assert str(err) == ("node 'z': attribute values must be literals (numbers, strings, lists "
+                        f"of ints): '{spelling}'; did you mean {python}?")
+    # Python's spelling is the syntax; an input may still be called `true`.
+    fine = graph(NodeSpec("z", expr="sum(x * true, dim=1, keepdim=True)"), outputs=["z"])
+    assert run(fine, {"x": [[1.0, 2.0]], "true": 2.0}).outputs["z"].tolist() == [[6.0]]
 
 
 def test_expr_limits() -> None:
@@ -360,11 +403,11 @@ def test_expr_and_op_form_agree(case: tuple[str, list[tuple[str, str, list[Any]]
     op_nodes[-1] = NodeSpec("out", last.op, last.args)
     by_ops = run(graph(*op_nodes, outputs=["out"]), inputs, backward=True,
                  requires_grad=("x", "y"), grad_outputs=go)
-    np.testing.assert_allclose(by_expr.outputs["out"].numpy(), by_ops.outputs["out"].numpy(),
+    np.testing.assert_allclose(by_expr.outputs["out"], by_ops.outputs["out"],
                                rtol=1e-6)
     for name in ("x", "y"):
-        np.testing.assert_allclose(by_expr.gradients[name].numpy(),
-                                   by_ops.gradients[name].numpy(), rtol=1e-6)
+        np.testing.assert_allclose(by_expr.gradients[name],
+                                   by_ops.gradients[name], rtol=1e-6)
     assert by_expr.nodes == by_ops.nodes
 
 
@@ -438,26 +481,29 @@ def test_twenty_thousand_node_chain_validates_and_runs() -> None:
     assert result.nodes == 20_000
 
 
-def test_deadline_stops_a_run_and_frees_its_tensors() -> None:
+def test_deadline_stops_a_run_and_frees_its_arrays() -> None:
     spec = _chain(64)
-    x = engine.tensor(np.ones(200_000), requires_grad=True)
-    program = compile_graph(spec, {"x": TensorSpec(x.shape, x.dtype, True)}, backward=True,
-                            grad_outputs={"v63": TensorSpec(x.shape, x.dtype)})
-    gc.collect()
-    before = sum(type(o) is engine.Tensor for o in gc.get_objects())
-    with pytest.raises(DeadlineExceeded, match="ran past its time limit"):
-        execute(program, {"x": x}, grad_outputs={"v63": engine.tensor(np.ones(200_000))},
-                deadline=time.monotonic() + 0.002)
-    gc.collect()
-    assert sum(type(o) is engine.Tensor for o in gc.get_objects()) <= before
+    x = np.ones(200_000)
+    program = compile_graph(spec, {"x": TensorSpec(x.shape, "float64", True)}, backward=True,
+                            grad_outputs={"v63": TensorSpec(x.shape, "float64")})
+    go = {"v63": np.ones(200_000)}
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        with pytest.raises(DeadlineExceeded, match="ran past its time limit"):
+            execute(program, {"x": x}, grad_outputs=go, deadline=time.monotonic() + 0.002)
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - before < 200_000  # nothing 1.6 MB held
+    finally:
+        tracemalloc.stop()
     with pytest.raises(DeadlineExceeded):
-        execute(program, {"x": x}, deadline=time.monotonic() - 1)
+        execute(program, {"x": x}, grad_outputs=go, deadline=time.monotonic() - 1)
 
 
 def test_cancel_stops_a_run_between_nodes() -> None:
     spec = _chain(8)
-    x = engine.tensor(np.ones(10), requires_grad=True)
-    program = compile_graph(spec, {"x": TensorSpec(x.shape, x.dtype, True)}, no_grad=True)
+    x = np.ones(10)
+    program = compile_graph(spec, {"x": TensorSpec(x.shape, "float64", True)}, no_grad=True)
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(Cancelled, match="cancelled"):
@@ -466,18 +512,37 @@ def test_cancel_stops_a_run_between_nodes() -> None:
 
 
 def test_integer_literals_past_int64_are_refused_with_their_place() -> None:
-    errs = errors_of(graph(NodeSpec("z", "sign", [1 << 63]), NodeSpec("w", expr=f"x + {10**30}"),
-                           NodeSpec("c", expr=f"clamp(x, min={-(1 << 64)})"),
+    errs = errors_of(graph(NodeSpec("z", "sign", [1 << 63]), NodeSpec("w", expr=f"x + {1 << 63}"),
+                           NodeSpec("c", expr=f"clamp(x, min={-(1 << 63) - 1})"),
                            outputs=["z", "w", "c"]), {"x": SCALAR})
     assert [str(e) for e in errs] == [
         "node 'z' (sign): integer literal 9223372036854775808 is outside the int64 range",
-        "node 'w' (add): integer literal 1000000000000000000000000000000 is outside the int64 "
-        "range",
+        "node 'w' (add): integer literal 9223372036854775808 is outside the int64 range",
         "node 'c' (clamp): attribute 'min' is outside the int64 range",
     ]
     assert errs[0].loc == ("graph", "nodes", 0, "args", 0)
     with pytest.raises(engine.GradserveError, match="outside the int64 range"):
         engine.tensor([1.0]) + (1 << 64)
+    ok = graph(NodeSpec("m", expr=f"x * {-(1 << 63)} + 0x7fff_ffff_ffff_ffff"), outputs=["m"])
+    compile_graph(ok, {"x": SCALAR})  # the int64 bounds themselves are fine
+
+
+@pytest.mark.parametrize("literal", [
+    "9" * 9000, str(10**30), "0x" + "f" * 9000, "0o1" + "0" * 22, "-0b1" + "0" * 64, "1_000" * 7,
+], ids=["9000-digits", "31-digits", "hex", "octal", "binary", "underscores"])
+def test_integer_literals_with_more_digits_than_int64_are_refused_from_their_text(
+    literal: str,
+) -> None:
+    # Python would not convert the first (ast.parse suggests sys.set_int_max_str_digits);
+    # none of them can be within int64, whatever their value.
+    errs = errors_of(graph(NodeSpec("w", expr=f"sum(x, dim={literal}) + 1"), outputs=["w"]),
+                     {"x": SCALAR})
+    assert len(errs) == 1 and isinstance(errs[0], ExprError)
+    assert errs[0].node == "w" and errs[0].loc == ("graph", "nodes", 0, "expr")
+    assert "is too long for int64 (PyTorch's integer range)" in str(errs[0])
+    assert len(str(errs[0])) < 200 and "set_int_max_str_digits" not in str(errs[0])
+    # Floats have no such limit: a long one is just a large (or infinite) float.
+    compile_graph(graph(NodeSpec("f", expr=f"x * {'9' * 9000}.0"), outputs=["f"]), {"x": SCALAR})
 
 
 def test_runtime_op_errors_name_the_node() -> None:

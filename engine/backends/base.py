@@ -35,6 +35,9 @@ class Backend:
     synchronize: Callable[[], None] = lambda: None
     # Makes this device current for a block (CuPy launches kernels on the current device).
     activate: Callable[[], AbstractContextManager[Any]] = nullcontext
+    # The module whose ufuncs (add, exp, ...) take `out=`, for compiled programs to call
+    # directly and to write into dead buffers (NumPy, CuPy); None where there is none.
+    ufuncs: Any = None
     _dtypes: dict[str, Any] = field(init=False, repr=False)
     _names: dict[Any, str] = field(init=False, repr=False)
     float_dtypes: frozenset[Any] = field(init=False, repr=False)

@@ -54,4 +54,5 @@ def make_cupy_backend(index: int) -> Backend:
         from_host=from_host,
         synchronize=lambda: device.synchronize(),
         activate=lambda: device,
+        ufuncs=cupy,
     )

@@ -1,20 +1,22 @@
-"""JSON graphs: specs, validation, `expr` parsing, memory planning and execution.
+"""JSON graphs compiled into programs: validation, `expr` parsing, reverse mode as a
+transformation, memory and compute planning, and a flat executor.
 
 The service maps its wire schemas onto these types and calls two functions:
 
     program = compile_graph(spec, input_specs, limits=..., no_grad=..., backward=...,
-                            grad_outputs=...)
-    result = execute(program, input_tensors, grad_outputs=..., deadline=...)
+                            grad_outputs=..., device=...)
+    result = execute(program, input_arrays, grad_outputs=..., deadline=..., cancel=...)
 
-`compile_graph` validates everything and plans memory before anything is
-allocated; it raises `ValidationErrors` (every problem found, each with its
-node and field) or `MemoryBudgetError`. `execute` runs the planned program on
-engine tensors and returns outputs, gradients, measured peak bytes and timings.
+`compile_graph` validates everything, derives the backward steps from the ops' VJPs,
+plans memory and cost and binds kernels, before anything is allocated; it raises
+`ValidationErrors` (every problem found, each with its node and field),
+`MemoryBudgetError` or `ComputeBudgetError`. `execute` runs the program's steps on arrays
+of its device and returns outputs, gradients, the measured peak bytes and timings.
 """
 
 from engine.graph.compiler import compile_graph
 from engine.graph.executor import execute
-from engine.graph.program import Program
+from engine.graph.ir import Program
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
 
 __all__ = [

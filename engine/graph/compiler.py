@@ -1,18 +1,23 @@
-"""From a GraphSpec to a Program: validate everything, infer shapes, order, plan memory.
+"""From a GraphSpec to a Program: validate everything, infer shapes, derive the backward,
+plan memory and cost, and bind kernels, before any tensor is allocated.
 
-Nothing here allocates a tensor or recurses on graph depth. Errors are collected
-(up to `Limits.max_errors`), each naming its node and field, and raised together.
+Nothing here recurses on graph depth. Errors are collected (up to `Limits.max_errors`),
+each naming its node and field, and raised together. The forward is emitted through the
+same namespace the VJPs use (`engine.graph.builder`), so shape rules, promotion and the
+backward's steps all come from the op registry.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from engine.dtypes import FLOATS
 from engine.errors import (
     BackwardError,
+    ComputeBudgetError,
     DTypeError,
     GradserveError,
     GraphError,
@@ -20,12 +25,15 @@ from engine.errors import (
     UnknownOpError,
     ValidationErrors,
 )
+from engine.graph.autodiff import active_slots, vjp
+from engine.graph.builder import Builder, Sym, derived
+from engine.graph.executor import bind
 from engine.graph.expr import expand_expr
-from engine.graph.plan import plan_peak_bytes
-from engine.graph.program import Program, Step
+from engine.graph.ir import BYTE_COST, NODE, Program
+from engine.graph.plan import plan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
 from engine.ops import OPS
-from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, literal_meta
+from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, OpDef
 from engine.shapes import fmt, numel
 
 _NUMBER = (bool, int, float)
@@ -46,6 +54,19 @@ class _Errors:
             raise ValidationErrors(self.items)
 
 
+@dataclass(slots=True, eq=False)
+class _Node:
+    """One op node of the client's graph (after `expr` expansion), resolved."""
+
+    id: str  # the node id (generated for the inner nodes of an `expr`)
+    origin: str  # the client's node id, for error messages
+    index: int  # position of the client's node in `graph.nodes`, for error locations
+    key: int  # its value's number among the graph's values (inputs first)
+    op: OpDef
+    args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
+    attrs: dict[str, Any]
+
+
 def _node_loc(index: int, *rest: str | int) -> tuple[str | int, ...]:
     return ("graph", "nodes", index, *rest)
 
@@ -53,6 +74,13 @@ def _node_loc(index: int, *rest: str | int) -> tuple[str | int, ...]:
 def _loc_of(err: GradserveError, index: int) -> tuple[str | int, ...]:
     """An error's location inside the client's node (errors from expr point at the expr)."""
     return _node_loc(index, *(err.loc or ()))
+
+
+def _shown(name: str, limit: int = 64) -> str:
+    """A client-supplied name quoted for a message, shortened when it is long."""
+    if len(name) <= limit:
+        return repr(name)
+    return f"{name[:limit]!r}... ({len(name)} characters)"
 
 
 def compile_graph(
@@ -63,30 +91,25 @@ def compile_graph(
     no_grad: bool = False,
     backward: bool = False,
     grad_outputs: Mapping[str, TensorSpec] | None = None,
+    device: str = "cpu",
 ) -> Program:
-    """Validate and plan `spec`; raises ValidationErrors or MemoryBudgetError."""
+    """Validate, differentiate, plan and bind `spec` for `device`; raises ValidationErrors,
+    MemoryBudgetError or ComputeBudgetError."""
     started = time.perf_counter()
     limits = limits or Limits()
     errors = _Errors(limits.max_errors)
-    if len(spec.nodes) > limits.max_nodes:
-        raise ValidationErrors([GraphError(
-            f"the graph has {len(spec.nodes)} nodes; the limit is {limits.max_nodes}",
-            loc=("graph", "nodes"))])
+    _check_sizes(spec, inputs, limits, errors)
 
-    slots: dict[str, int] = {}
-    metas: list[Meta | None] = []
-    requires_grad: list[bool] = []
+    keys: dict[str, int] = {}
     for name, tspec in inputs.items():
-        slots[name] = len(metas)
-        metas.append(Meta(tuple(tspec.shape), tspec.dtype))
-        requires_grad.append(bool(tspec.requires_grad) and not no_grad)
+        keys[name] = len(keys)
         if tspec.requires_grad and tspec.dtype not in FLOATS:
             errors.add(GradserveError(
-                f"input {name!r} has dtype {tspec.dtype}: only floating point tensors can "
-                "require gradients", loc=("inputs", name, "requires_grad")))
+                f"input {_shown(name)} has dtype {tspec.dtype}: only floating point tensors "
+                "can require gradients", loc=("inputs", name, "requires_grad")))
 
-    nodes = _check_ids(spec.nodes, slots, errors)
-    raw, aliases = _expand(nodes, slots, limits, errors)
+    nodes = _check_ids(spec.nodes, keys, errors)
+    raw, aliases = _expand(nodes, keys, limits, errors)
     if len(raw) > limits.max_nodes:
         errors.add(GraphError(
             f"the graph expands to {len(raw)} op nodes; the limit is {limits.max_nodes}",
@@ -94,31 +117,140 @@ def compile_graph(
     errors.raise_if_any()
 
     for node, _, _ in raw:
-        slots[node.id] = len(metas)
-        metas.append(None)
-        requires_grad.append(False)
-    resolved = _resolve_aliases(aliases, slots, nodes, errors)
-    steps = _bind(raw, slots, resolved, errors)
+        keys[node.id] = len(keys)
+    resolved = _resolve_aliases(aliases, keys, nodes, errors)
+    graph = _bind(raw, keys, resolved, errors)
+    errors.raise_if_any()
+    order = _topological(graph, len(keys), errors)
+    named_outputs = _outputs(spec.outputs, keys, resolved, errors)
     errors.raise_if_any()
 
-    order = _topological(steps, len(metas), errors)
-    _infer(order, metas, requires_grad, no_grad, errors)
-    outputs = _outputs(spec.outputs, slots, resolved, errors)
+    b = Builder()
+    syms: list[Sym | None] = [None] * len(keys)
+    for name, tspec in inputs.items():
+        syms[keys[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
+    grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
+                 for name, t in (grad_outputs or {}).items()}
+    _emit(b, _run_order(graph, order, named_outputs), syms, errors)
     errors.raise_if_any()
+
+    input_slots = {name: syms[keys[name]].slot for name in inputs}  # type: ignore[union-attr]
+    outputs = [(name, syms[key].slot) for name, key in named_outputs]  # type: ignore[union-attr]
+    wrt = [] if no_grad else [input_slots[n] for n, t in inputs.items() if t.requires_grad]
+    active = active_slots(b, b.steps, wrt)
+    requires_grad = [False] * len(b.metas)
+    for slot in active:
+        requires_grad[slot] = True
+    if no_grad:  # the inputs keep their flag; nothing computed under no_grad has one
+        for name, tspec in inputs.items():
+            requires_grad[input_slots[name]] = bool(tspec.requires_grad)
+    grad_fn: list[str | None] = [None] * len(b.metas)
+    for step in b.steps:
+        if step.kind == NODE and requires_grad[step.out]:
+            grad_fn[step.out] = step.op.grad_fn_name
 
     program = Program(
-        steps=_execution_order(steps, outputs, len(inputs)),
-        input_slots={name: slots[name] for name in inputs},
-        outputs=outputs,
-        metas=metas,
-        requires_grad=requires_grad,
-        no_grad=no_grad,
-        backward=backward,
+        metas=b.metas, steps=b.steps, inputs=input_slots,
+        grad_inputs={name: sym.slot for name, sym in grad_syms.items()},
+        outputs=outputs, gradients=[], requires_grad=requires_grad, grad_fn=grad_fn,
+        no_grad=no_grad, backward=backward,
     )
     if backward:
-        _check_backward(program, inputs, grad_outputs or {}, errors)
+        roots = _check_backward(program, inputs, grad_outputs or {}, errors)
         errors.raise_if_any()
-    program.planned_peak_bytes = plan_peak_bytes(program)
+        _derive_backward(b, program, roots, grad_syms, inputs)
+        program.steps = b.steps
+    bound_on = _backend_ufuncs(device)
+    plan(program, ufuncs=bound_on, record=not no_grad and not backward)
+    _check_budgets(program, limits, no_grad)
+    program.run = bind(program, device)
+    program.plan_ms = (time.perf_counter() - started) * 1000
+    return program
+
+
+def _backend_ufuncs(device: str) -> bool:
+    from engine.backends import get_backend
+
+    return get_backend(device).ufuncs is not None
+
+
+def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits,
+                 errors: _Errors) -> None:
+    """The request's size limits, before any work that grows with them."""
+    if len(spec.nodes) > limits.max_nodes:
+        raise ValidationErrors([GraphError(
+            f"the graph has {len(spec.nodes)} nodes; the limit is {limits.max_nodes}",
+            loc=("graph", "nodes"))])
+    if len(inputs) > limits.max_inputs:
+        raise ValidationErrors([GraphError(
+            f"the request has {len(inputs)} inputs; the limit is {limits.max_inputs}",
+            loc=("inputs",))])
+    for name in inputs:
+        if len(name) > limits.max_id_chars:
+            errors.add(GraphError(
+                f"input name {_shown(name)} is longer than {limits.max_id_chars} characters",
+                loc=("inputs", name[:limits.max_id_chars])))
+    for index, node in enumerate(spec.nodes):
+        if isinstance(node.id, str) and len(node.id) > limits.max_id_chars:
+            errors.add(GraphError(
+                f"node id {_shown(node.id)} is longer than {limits.max_id_chars} characters",
+                node=node.id[:limits.max_id_chars], loc=_node_loc(index, "id")))
+    errors.raise_if_any()
+
+
+def _emit(b: Builder, order: list[_Node], syms: list[Sym | None], errors: _Errors) -> None:
+    """Emit each node's step (shape and dtype inferred, promotion made explicit). A node
+    downstream of a refused one is skipped: its error was already reported."""
+    for node in order:
+        args = []
+        for is_ref, v in node.args:
+            if is_ref:
+                sym = syms[v]
+                if sym is None:
+                    break
+                args.append(sym)
+            else:
+                args.append(v)
+        else:
+            b.origin = node.origin
+            try:
+                syms[node.key] = b.emit(node.op, args, node.attrs)
+            except GradserveError as err:
+                err.at(node=node.origin, op=node.op.name)
+                err.loc = _node_loc(node.index)
+                errors.add(err)
+    b.origin = None
+
+
+def _derive_backward(b: Builder, program: Program, roots: list[str],
+                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec]) -> None:
+    """Append the backward: the gradient of every input that requires grad, from the roots'
+    upstream gradients (given, cast to the output's dtype, or the implicit 1)."""
+    forward = list(b.steps)
+    slots = dict(program.outputs)
+    cotangents: list[tuple[int, Sym]] = []
+    with derived(b, create_graph=False):
+        for name in roots:
+            slot = slots[name]
+            meta = b.metas[slot]
+            given = grad_syms.get(name)
+            if given is None:
+                g = b.call("ones", shape=list(meta.shape), dtype=meta.dtype)
+            else:
+                g = b.call("cast", given, dtype=meta.dtype)
+            cotangents.append((slot, g))
+    names = [n for n, t in inputs.items() if t.requires_grad]
+    wrt = [program.inputs[n] for n in names]
+    grads = vjp(b, forward, cotangents, wrt)
+    with derived(b, create_graph=False):
+        for name, slot, grad in zip(names, wrt, grads, strict=True):
+            if grad is None:  # an input the outputs do not depend on gets zeros
+                meta = b.metas[slot]
+                grad = b.call("zeros", shape=list(meta.shape), dtype=meta.dtype)
+            program.gradients.append((name, grad.slot))
+
+
+def _check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
     budget = limits.memory_budget_bytes
     if budget is not None and program.planned_peak_bytes > budget:
         path = "no_grad" if no_grad else "grad"
@@ -126,8 +258,15 @@ def compile_graph(
             f"the planned peak memory of this request is {program.planned_peak_bytes} bytes; "
             f"the {path} budget is {budget} bytes",
             planned_bytes=program.planned_peak_bytes, budget_bytes=budget)
-    program.plan_ms = (time.perf_counter() - started) * 1000
-    return program
+    cost = program.compute_cost
+    if limits.compute_budget is not None and cost > limits.compute_budget:
+        node, worst = max(program.cost_by_node.items(), key=lambda kv: kv[1])
+        raise ComputeBudgetError(
+            f"the planned compute of this request is {cost:.3g} cost units (floating-point "
+            f"operations plus {BYTE_COST} per byte moved, forward and backward); the budget is "
+            f"{limits.compute_budget:.3g}. The most expensive node is {_shown(node)} "
+            f"({worst:.3g})", cost=cost, budget=int(limits.compute_budget),
+            node=None if node == "<graph>" else node)
 
 
 def _check_ids(
@@ -235,7 +374,7 @@ def _bind(
     slots: dict[str, int],
     aliases: dict[str, int],
     errors: _Errors,
-) -> list[Step]:
+) -> list[_Node]:
     """Resolve ops, references, arity and attributes."""
     steps = []
     for node, origin, index in raw:
@@ -275,40 +414,40 @@ def _bind(
             errors.add(err)
             continue
         if ok:
-            steps.append(Step(node.id, origin, index, slots[node.id], op, args, attrs))
+            steps.append(_Node(node.id, origin, index, slots[node.id], op, args, attrs))
     return steps
 
 
-def _topological(steps: list[Step], nslots: int, errors: _Errors) -> list[Step]:
+def _topological(steps: list[_Node], nslots: int, errors: _Errors) -> list[_Node]:
     """Kahn's algorithm over all steps; on a cycle, report one with its whole path."""
-    by_slot = {s.slot: s for s in steps}
-    indegree = {s.slot: 0 for s in steps}
-    consumers: dict[int, list[Step]] = {}
+    by_slot = {s.key: s for s in steps}
+    indegree = {s.key: 0 for s in steps}
+    consumers: dict[int, list[_Node]] = {}
     for step in steps:
         for is_ref, slot in step.args:
             if is_ref and slot in by_slot:
-                indegree[step.slot] += 1
+                indegree[step.key] += 1
                 consumers.setdefault(slot, []).append(step)
-    ready = [s for s in steps if indegree[s.slot] == 0]
-    order: list[Step] = []
+    ready = [s for s in steps if indegree[s.key] == 0]
+    order: list[_Node] = []
     while ready:
         step = ready.pop()
         order.append(step)
-        for consumer in consumers.get(step.slot, ()):
-            indegree[consumer.slot] -= 1
-            if indegree[consumer.slot] == 0:
+        for consumer in consumers.get(step.key, ()):
+            indegree[consumer.key] -= 1
+            if indegree[consumer.key] == 0:
                 ready.append(consumer)
     if len(order) < len(steps):
-        stuck = next(s for s in steps if indegree[s.slot] > 0)
-        path: list[Step] = []
+        stuck = next(s for s in steps if indegree[s.key] > 0)
+        path: list[_Node] = []
         on_path: dict[int, int] = {}
         node = stuck
-        while node.slot not in on_path:  # walk unfinished producers until one repeats
-            on_path[node.slot] = len(path)
+        while node.key not in on_path:  # walk unfinished producers until one repeats
+            on_path[node.key] = len(path)
             path.append(node)
             node = next(by_slot[slot] for is_ref, slot in node.args
                         if is_ref and slot in by_slot and indegree[slot] > 0)
-        cycle = path[on_path[node.slot]:]
+        cycle = path[on_path[node.key]:]
         names = [s.origin for s in reversed(cycle)]
         names = [n for k, n in enumerate(names) if k == 0 or n != names[k - 1]]
         text = " -> ".join([*names, names[0]]) if len(names) > 1 else f"{names[0]} -> {names[0]}"
@@ -316,31 +455,6 @@ def _topological(steps: list[Step], nslots: int, errors: _Errors) -> list[Step]:
                               loc=_node_loc(cycle[-1].index)))
         errors.raise_if_any()
     return order
-
-
-def _infer(order: list[Step], metas: list[Meta | None], requires_grad: list[bool],
-           no_grad: bool, errors: _Errors) -> None:
-    """Static shapes and dtypes, and which values will require grad."""
-    for step in order:
-        arg_metas = [metas[v] if is_ref else literal_meta(v) for is_ref, v in step.args]
-        if None in arg_metas:
-            continue  # an upstream error was already reported
-        op = step.op
-        try:
-            out = op.infer(arg_metas, **step.attrs)
-        except GradserveError as err:
-            err.at(node=step.origin, op=op.name)
-            err.loc = _node_loc(step.index)
-            errors.add(err)
-            continue
-        metas[step.slot] = step.meta = out
-        if no_grad or op.vjp is None or out.dtype not in FLOATS:
-            continue
-        mask = op.diff_mask
-        for i, (is_ref, v) in enumerate(step.args):
-            if is_ref and requires_grad[v] and (mask is None or mask[i]):
-                step.requires_grad = requires_grad[step.slot] = True
-                break
 
 
 def _outputs(names: Any, slots: dict[str, int], aliases: dict[str, int],
@@ -360,74 +474,68 @@ def _outputs(names: Any, slots: dict[str, int], aliases: dict[str, int],
     return list(out.items())
 
 
-def _execution_order(steps: list[Step], outputs: list[tuple[str, int]], ninputs: int) -> list[Step]:
-    """Depth-first post-order from the outputs: only needed steps, each value computed close to
-    its use so that few are alive at once; `frees` marks each value's last use."""
-    by_slot = {s.slot: s for s in steps}
-    order: list[Step] = []
+
+
+def _run_order(graph: list[_Node], topo: list[_Node],
+               outputs: list[tuple[str, int]]) -> list[_Node]:
+    """The order steps are emitted, hence run: depth-first post-order from the outputs, so
+    that each value is computed close to its use and few are alive at once; then, for
+    validation only, the nodes no output needs (planning drops them)."""
+    by_key = {n.key: n for n in graph}
+    order: list[_Node] = []
     done: set[int] = set()
     for _, root in outputs:
         stack: list[tuple[int, int]] = [(root, 0)]
         while stack:
-            slot, k = stack.pop()
-            if slot in done or slot not in by_slot:
+            key, k = stack.pop()
+            if key in done or key not in by_key:
                 continue
-            step = by_slot[slot]
-            refs = [v for is_ref, v in step.args if is_ref]
-            while k < len(refs) and (refs[k] in done or refs[k] not in by_slot):
+            node = by_key[key]
+            refs = [v for is_ref, v in node.args if is_ref]
+            while k < len(refs) and (refs[k] in done or refs[k] not in by_key):
                 k += 1
             if k < len(refs):
-                stack.append((slot, k + 1))
+                stack.append((key, k + 1))
                 stack.append((refs[k], 0))
                 continue
-            done.add(slot)
-            order.append(step)
-    keep = {slot for _, slot in outputs}
-    last_use: dict[int, Step] = {}
-    for step in order:
-        for is_ref, v in step.args:
-            if is_ref and v >= ninputs and v not in keep:
-                last_use[v] = step
-    frees: dict[int, list[int]] = {}
-    for slot, step in last_use.items():
-        frees.setdefault(step.slot, []).append(slot)
-    for step in order:
-        step.frees = tuple(frees.get(step.slot, ()))
+            done.add(key)
+            order.append(node)
+    order.extend(n for n in topo if n.key not in done)
     return order
 
 
 def _check_backward(program: Program, inputs: Mapping[str, TensorSpec],
-                    grad_outputs: Mapping[str, TensorSpec], errors: _Errors) -> None:
-    program.grad_inputs = [name for name, t in inputs.items() if t.requires_grad]
-    if not program.grad_inputs:
+                    grad_outputs: Mapping[str, TensorSpec], errors: _Errors) -> list[str]:
+    """The outputs the backward starts from; reports what /backward cannot do."""
+    if not any(t.requires_grad for t in inputs.values()):
         errors.add(BackwardError("nothing to differentiate: no input has requires_grad: true",
                                  loc=("inputs",)))
-        return
+        return []
     names = dict(program.outputs)
     for name, tspec in grad_outputs.items():
         if name not in names:
-            errors.add(BackwardError(f"grad_outputs names {name!r}, which is not an output",
-                                     node=name, loc=("grad_outputs", name)))
+            errors.add(BackwardError(f"grad_outputs names {_shown(name)}, which is not an "
+                                     "output", node=name, loc=("grad_outputs", name)))
             continue
         meta = program.metas[names[name]]
-        assert meta is not None
         if tuple(tspec.shape) != meta.shape:
             errors.add(BackwardError(
-                f"grad_outputs[{name!r}] has shape {fmt(tspec.shape)} but the output has shape "
-                f"{fmt(meta.shape)}", node=name, loc=("grad_outputs", name)))
+                f"grad_outputs[{_shown(name)}] has shape {fmt(tspec.shape)} but the output "
+                f"has shape {fmt(meta.shape)}", node=name, loc=("grad_outputs", name)))
+    roots = []
     for name, slot in program.outputs:
         if not program.requires_grad[slot]:
             continue  # returned, but adds nothing to the gradients
         meta = program.metas[slot]
-        assert meta is not None
         if name not in grad_outputs and numel(meta.shape) != 1:
             errors.add(BackwardError(
-                f"output {name!r} has shape {fmt(meta.shape)}: only a one-element output gets "
-                f"the implicit gradient 1; give grad_outputs[{name!r}]",
+                f"output {_shown(name)} has shape {fmt(meta.shape)}: only a one-element output "
+                f"gets the implicit gradient 1; give grad_outputs[{_shown(name)}]",
                 node=name, loc=("grad_outputs", name)))
             continue
-        program.roots.append(name)
-    if not program.roots and not errors.items:
+        roots.append(name)
+    if not roots and not errors.items:
         errors.add(BackwardError(
             "no output depends on an input with requires_grad: true; nothing to differentiate",
             loc=("graph", "outputs")))
+    return roots

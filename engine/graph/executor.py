@@ -1,103 +1,232 @@
-"""Running a Program on engine tensors: the dynamic graph is built as it runs.
+"""Running a compiled program: a flat loop over prebound kernels and value slots.
 
-The no_grad path runs under `engine.no_grad()` and drops each value after its
-last use; the grad path records the graph as it goes, then back-propagates
-from the outputs. A deadline is checked between nodes (forward and backward).
+`bind` turns each planned step into a tuple the loop can run without looking anything up:
+a kernel with the step's number literals and static decisions already in it (the op's
+ufunc, its shape-specialised kernel, or its forward on the backend's namespace), the
+slots it reads and writes, and the slots to drop after it. No Tensor or Node objects, no
+promotion or argument checks (the compiler made them), no dictionaries.
+
+The loop counts the bytes of the arrays it holds, as the planner does, and reports that
+measured peak. It checks the deadline and a cancel event every few steps: a long program
+stops between steps (a single long kernel cannot be interrupted from inside a process).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
 
-from engine.autograd import backward
-from engine.backends import use_device
-from engine.errors import Cancelled, DeadlineExceeded, GradserveError
-from engine.grad_mode import set_grad_enabled
-from engine.graph.program import Program
+from engine.backends import Backend, get_backend
+from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
+from engine.graph.ir import BACKWARD, Lit, Program, Step
+from engine.graph.plan import uses_ufunc
 from engine.graph.spec import RunResult
-from engine.memory import MemoryTracker
-from engine.ops.dispatch import apply
-from engine.tensor import Tensor
+from engine.shapes import fmt
+
+# Step codes: how many slots the kernel reads, or how it runs.
+NULLARY, UNARY, BINARY, NARY, ALIAS, UNARY_INTO, BINARY_INTO = range(7)
+CHECK_EVERY = 8  # steps between two deadline and cancel checks
+
+Kernel = Callable[..., Any]
+Run = tuple[int, Kernel | None, int, int, int, Any, tuple[int, ...]]
 
 
-def _deadline_check(
-    deadline: float | None, cancel: threading.Event | None, started: float
-) -> Callable[[], None]:
-    def check() -> None:
-        if cancel is not None and cancel.is_set():
-            raise Cancelled("the request was cancelled: the server is shutting down")
-        if deadline is not None and time.monotonic() > deadline:
-            elapsed = time.monotonic() - started
-            raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
+class Bound:
+    """A program's run on one backend: the step tuples, forward then backward."""
 
-    return check
+    __slots__ = ("backend", "backward", "forward")
+
+    def __init__(self, backend: Backend, forward: list[Run], backward: list[Run]) -> None:
+        self.backend = backend
+        self.forward = forward
+        self.backward = backward
+
+
+def bind(program: Program, device: str = "cpu") -> Bound:
+    """Prebind every step's kernel for `device`."""
+    backend = get_backend(device)
+    runs: list[Run] = []
+    split = len(program.steps)
+    for i, step in enumerate(program.steps):
+        if step.kind == BACKWARD and split == len(program.steps):
+            split = i
+        runs.append(_run(step, program, backend, program.reuse[i], program.frees[i]))
+    return Bound(backend, runs[:split], runs[split:])
+
+
+def _run(step: Step, program: Program, backend: Backend, reuse: int,
+         frees: tuple[int, ...]) -> Run:
+    op = step.op
+    slots = step.slots
+    if op.returns_input:
+        return ALIAS, None, step.out, slots[0], 0, None, frees
+    if backend.ufuncs is not None and uses_ufunc(step, program):
+        fn = _with_literals(getattr(backend.ufuncs, op.ufunc), step.args,  # type: ignore[arg-type]
+                            into=reuse >= 0)
+        if reuse >= 0:
+            code = UNARY_INTO if len(slots) == 1 else BINARY_INTO
+            return code, fn, step.out, slots[0], slots[-1], reuse, frees
+    else:
+        xp = backend.xp
+        kernel = None
+        if op.kernel is not None:
+            metas = [program.metas[a] if type(a) is int else None for a in step.args]
+            kernel = op.kernel(xp, metas, **step.attrs)
+        if kernel is None:
+            kernel = partial(op.forward, xp, **step.attrs)
+        fn = _with_literals(kernel, step.args)
+    n = len(slots)
+    if n == 0:
+        return NULLARY, fn, step.out, 0, 0, None, frees
+    if n == 1:
+        return UNARY, fn, step.out, slots[0], 0, None, frees
+    if n == 2:
+        return BINARY, fn, step.out, slots[0], slots[1], None, frees
+    return NARY, fn, step.out, 0, 0, slots, frees
+
+
+def _with_literals(fn: Kernel, args: Sequence[Any], into: bool = False) -> Kernel:
+    """`fn` over all of a step's arguments, as a kernel over its slots alone: the number
+    literals are bound in. `into`: the kernel also takes `out=`, the buffer to write."""
+    if all(type(a) is int for a in args):
+        return fn
+    values = [a.value if type(a) is Lit else None for a in args]
+    if len(args) == 2:
+        if type(args[1]) is Lit:
+            v = values[1]
+            return (lambda a, out: fn(a, v, out=out)) if into else (lambda a: fn(a, v))
+        if type(args[0]) is Lit:
+            v = values[0]
+            return (lambda b, out: fn(v, b, out=out)) if into else (lambda b: fn(v, b))
+    is_slot = [type(a) is int for a in args]
+
+    def kernel(*arrays: Any, **out: Any) -> Any:
+        it = iter(arrays)
+        return fn(*[next(it) if s else v for s, v in zip(is_slot, values, strict=True)], **out)
+
+    return kernel
 
 
 def execute(
     program: Program,
-    inputs: Mapping[str, Tensor],
+    inputs: Mapping[str, Any],
     *,
-    grad_outputs: Mapping[str, Tensor] | None = None,
+    grad_outputs: Mapping[str, Any] | None = None,
     deadline: float | None = None,
     cancel: threading.Event | None = None,
-    device: str | None = None,
+    verify: bool = False,
 ) -> RunResult:
-    """Run `program`; `deadline` is a `time.monotonic()` value, and setting `cancel` stops
-    the run at its next node."""
+    """Run `program` (compiled and bound) on arrays of its backend. `deadline` is a
+    `time.monotonic()` value; setting `cancel` stops the run at its next check. `verify`
+    checks every result against its planned shape and dtype (tests)."""
     started = time.monotonic()
-    check = _deadline_check(deadline, cancel, started)
-    values: list[Tensor | None] = [None] * len(program.metas)
-    grad_outputs = grad_outputs or {}
-    if device is None:
-        device = next(iter(inputs.values())).device if inputs else "cpu"
+    slots: list[Any] = [None] * len(program.metas)
+    sizes = [0] * len(program.metas)
+    live = 0
+    for name, slot in program.inputs.items():
+        slots[slot] = inputs[name]
+    for name, slot in program.grad_inputs.items():
+        slots[slot] = (grad_outputs or {})[name]
+    for slot in {*program.inputs.values(), *program.grad_inputs.values()}:
+        sizes[slot] = slots[slot].nbytes
+        live += sizes[slot]
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("the request was cancelled")
+        if deadline is not None and time.monotonic() > deadline:
+            elapsed = time.monotonic() - started
+            raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
+
+    bound: Bound = program.run
+    backend = bound.backend
     timings = {"plan": round(program.plan_ms, 3)}
-
-    with MemoryTracker() as memory, use_device(device), set_grad_enabled(not program.no_grad):
-        for name, slot in program.input_slots.items():
-            t = inputs[name]
-            if program.backward and t.requires_grad:
-                t.grad = None  # this run's gradients only
-            values[slot] = t
-            memory.retain(t.data)
-        try:
-            t0 = time.perf_counter()
-            for step in program.steps:
-                check()
-                args = [values[v] if is_ref else v for is_ref, v in step.args]
-                try:
-                    values[step.slot] = apply(step.op, args, step.attrs)
-                except GradserveError as err:
-                    raise err.at(node=step.origin, op=step.op.name) from None
-                del args
-                for slot in step.frees:
-                    values[slot] = None
-            outputs: dict[str, Tensor] = {
-                name: values[slot] for name, slot in program.outputs  # type: ignore[misc]
-            }
-            timings["forward"] = round((time.perf_counter() - t0) * 1000, 3)
-            del values
-
-            gradients = None
-            if program.backward:
-                t1 = time.perf_counter()
-                roots = [outputs[name] for name in program.roots]
-                backward(roots, [grad_outputs.get(name) for name in program.roots], check=check)
-                gradients = {}
-                for name in program.grad_inputs:
-                    t = inputs[name]
-                    gradients[name] = t.grad if t.grad is not None else Tensor(
-                        t._backend.xp.zeros_like(t.data), t._backend)
-                timings["backward"] = round((time.perf_counter() - t1) * 1000, 3)
-        finally:
-            for name in program.input_slots:
-                memory.release(inputs[name].data)
+    state = [live, live]  # live bytes, peak
+    with backend.activate():
+        t0 = time.perf_counter()
+        _loop(bound.forward, slots, sizes, state, check, program, verify, 0, backend)
+        backend.synchronize()
+        t1 = time.perf_counter()
+        timings["forward"] = round((t1 - t0) * 1000, 3)
+        if program.backward:
+            _loop(bound.backward, slots, sizes, state, check, program, verify,
+                  len(bound.forward), backend)
+            backend.synchronize()
+            timings["backward"] = round((time.perf_counter() - t1) * 1000, 3)
+    outputs = {name: slots[slot] for name, slot in program.outputs}
+    gradients = ({name: slots[slot] for name, slot in program.gradients}
+                 if program.backward else None)
     return RunResult(
         outputs=outputs,
         gradients=gradients,
-        peak_bytes=memory.peak,
+        peak_bytes=state[1],
         planned_peak_bytes=program.planned_peak_bytes,
         nodes=program.nodes,
         timings_ms=timings,
     )
+
+
+def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
+          check: Callable[[], None], program: Program, verify: bool, offset: int,
+          backend: Backend) -> None:
+    live, peak = state
+    k = 0
+    try:
+        for k, (code, fn, out, a0, a1, rest, frees) in enumerate(runs):
+            if not k % CHECK_EVERY:
+                check()
+            if code == BINARY:
+                r = fn(s[a0], s[a1])  # type: ignore[misc]
+            elif code == UNARY:
+                r = fn(s[a0])  # type: ignore[misc]
+            elif code == BINARY_INTO:
+                r = fn(s[a0], s[a1], out=s[rest])  # type: ignore[misc]
+            elif code == UNARY_INTO:
+                r = fn(s[a0], out=s[rest])  # type: ignore[misc]
+            elif code == ALIAS:
+                s[out] = s[a0]
+                for f in frees:
+                    live -= sizes[f]
+                    sizes[f] = 0
+                    s[f] = None
+                continue
+            elif code == NULLARY:
+                r = fn()  # type: ignore[misc]
+            else:
+                r = fn(*[s[j] for j in rest])  # type: ignore[misc]
+            s[out] = r
+            if code >= UNARY_INTO:  # the result took over a dead operand's buffer
+                sizes[out] = sizes[rest]
+                sizes[rest] = 0
+            else:
+                sizes[out] = nb = r.nbytes
+                live += nb
+                if live > peak:
+                    peak = live
+            if verify:
+                _verify(program, offset + k, r, backend)
+            for f in frees:
+                live -= sizes[f]
+                sizes[f] = 0
+                s[f] = None
+    except GradserveError as err:
+        step = program.steps[offset + k]
+        raise err.at(node=step.origin, op=step.op.name) from None
+    except (ValueError, TypeError, IndexError, ArithmeticError, RuntimeError) as exc:
+        step = program.steps[offset + k]
+        raise GradserveError(f"{type(exc).__name__}: {exc}", node=step.origin,
+                             op=step.op.name) from None
+    state[0], state[1] = live, peak
+
+
+def _verify(program: Program, index: int, result: Any, backend: Backend) -> None:
+    step = program.steps[index]
+    meta = program.metas[step.out]
+    shape, dtype = tuple(result.shape), backend.dtype_name(result)
+    if shape != meta.shape or dtype != meta.dtype:
+        raise ShapeError(
+            f"step {index} ({step.op.name}) made shape {fmt(shape)} {dtype}, but its "
+            f"shape rule says {fmt(meta.shape)} {meta.dtype}", node=step.origin)

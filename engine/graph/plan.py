@@ -1,168 +1,156 @@
-"""The memory plan: peak tensor bytes of a run, from shapes alone, before any compute.
+"""The planner: dead-code elimination, liveness, buffer reuse, the memory peak and the cost,
+all over the one list of steps (forward and derived backward), before anything runs.
 
-It replays what the executor and the backward pass will hold, in their order:
-each value from its step until its last use (inputs and outputs for the whole
-run), values saved for backward until the backward pass releases their node,
-gradients waiting at nodes, and the inputs' gradients. The engine's
-MemoryTracker measures the same quantities while the run happens.
+Memory is counted per slot: a step adds its result's bytes (unless it writes into the
+buffer of an operand that dies there, or returns its input itself, as `detach` does), and
+a slot's bytes go when its last reader has run. The request's inputs, its outputs and
+gradients, and (on the grad path of /forward) the values the recorded graph saves are
+held to the end. The executor counts the same way, from the arrays it really holds, so
+the planned peak equals the measured one when the shape rules are right (tests hold both
+to it).
 """
 
 from __future__ import annotations
 
-from engine.dtypes import ITEMSIZE
-from engine.graph.program import Program, Step
-from engine.shapes import numel
+from engine.graph.ir import BYTE_COST, Program, Step
+from engine.ops.registry import literal_meta, nbytes
+
+# Result dtypes that compiled programs compute with the backend's ufuncs directly (the
+# others, float16 above all, keep the ops' own forwards: PyTorch computes float16 with
+# float literals in float32).
+UFUNC_DTYPES = frozenset({"float32", "float64"})
 
 
-def _slot_bytes(program: Program) -> list[int]:
-    return [0 if m is None else numel(m.shape) * ITEMSIZE[m.dtype] for m in program.metas]
+def uses_ufunc(step: Step, program: Program) -> bool:
+    """Whether `step` runs as a backend ufunc on operands of its result's dtype."""
+    if step.op.ufunc is None:
+        return False
+    dtype = program.metas[step.out].dtype
+    return dtype in UFUNC_DTYPES and all(
+        program.metas[a].dtype == dtype for a in step.args if type(a) is int)
 
 
-class _Ledger:
-    """Live bytes per array; a slot's Tensor is one holder of its array while it lives."""
+def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
+    """Plan `program` in place. `ufuncs`: the backend has ufuncs that write into a given
+    buffer. `record`: a forward with grad recording, which holds what its graph saves."""
+    metas = program.metas
+    kept = _needed(program)
+    program.steps = kept
+    held = {*program.inputs.values(), *program.grad_inputs.values(),
+            *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
+    if record:
+        program.held = _saved(program, kept)
+    held |= program.held
 
-    def __init__(self, program: Program) -> None:
-        self.nbytes = _slot_bytes(program)
-        self.array = list(range(len(program.metas)))  # slot -> array id (detach aliases)
-        self.holders = [0] * len(program.metas)  # per array
-        self.refs = [0] * len(program.metas)  # per slot: references to its Tensor
-        self.live = 0
-        self.peak = 0
-
-    def hold_array(self, array: int) -> None:
-        if self.holders[array] == 0:
-            self.live += self.nbytes[array]
-            self.peak = max(self.peak, self.live)
-        self.holders[array] += 1
-
-    def drop_array(self, array: int) -> None:
-        self.holders[array] -= 1
-        if self.holders[array] == 0:
-            self.live -= self.nbytes[array]
-
-    def ref(self, slot: int) -> None:
-        if self.refs[slot] == 0:
-            self.hold_array(self.array[slot])
-        self.refs[slot] += 1
-
-    def unref(self, slot: int) -> None:
-        self.refs[slot] -= 1
-        if self.refs[slot] == 0:
-            self.drop_array(self.array[slot])
-
-    def transient(self, nbytes: int) -> None:
-        self.peak = max(self.peak, self.live + nbytes)
-
-
-def _saved_slots(step: Step) -> set[int]:
-    """The value slots whose Tensors a recorded step keeps for its backward (a variadic op's
-    one argument name stands for all its operands)."""
-    if step.op.variadic and any(i >= 0 for i in step.op.save_index):
-        return {v for is_ref, v in step.args if is_ref}
-    return {step.args[i][1] for i in step.op.save_index if i >= 0 and step.args[i][0]}
-
-
-def plan_peak_bytes(program: Program) -> int:
-    ledger = _Ledger(program)
-    for slot in program.input_slots.values():
-        ledger.ref(slot)  # the request holds its inputs for the whole run
-    outputs = {slot for _, slot in program.outputs}
-    producer: dict[int, Step] = {}
-    recorded = not program.no_grad
-
-    for step in program.steps:
+    end = len(kept)
+    last_use: dict[int, int] = {}
+    root: dict[int, int] = {}  # a slot that is another's very array (detach) -> that slot
+    for i, step in enumerate(kept):
+        for a in step.args:
+            if type(a) is int:
+                last_use[a] = i
         if step.op.returns_input:
-            ledger.array[step.slot] = ledger.array[step.args[0][1]]
-        ledger.ref(step.slot)
-        if recorded and step.requires_grad:
-            producer[step.slot] = step
-            for s in _saved_slots(step):
-                ledger.ref(s)
-            if -1 in step.op.save_index:
-                ledger.hold_array(ledger.array[step.slot])
-        if step.slot in outputs:
-            ledger.ref(step.slot)
-        for s in step.frees:
-            ledger.unref(s)
+            base = step.args[0]
+            root[step.out] = root.get(base, base)  # type: ignore[arg-type]
+    for slot in held:
+        last_use[slot] = end
+    for alias, base in root.items():  # an array lives while any slot holding it does
+        last_use[base] = max(last_use.get(base, -1), last_use.get(alias, -1))
 
-    if program.backward:
-        _plan_backward(program, ledger, producer)
-    return ledger.peak
-
-
-def _plan_backward(program: Program, ledger: _Ledger, producer: dict[int, Step]) -> None:
-    """Replay `engine.autograd.run_backward`: same roots, counts and ready order."""
-    slots = dict(program.outputs)
-    grad_of: dict[int, int] = {}  # node slot or leaf slot -> pending gradient bytes
-    leaf_grads: set[int] = set()
-
-    nbytes = ledger.nbytes
-
-    def add_pending(key: int) -> None:
-        if key not in grad_of:
-            grad_of[key] = nbytes[key]
-            ledger.live += grad_of[key]
-            ledger.peak = max(ledger.peak, ledger.live)
-
-    def deliver(leaf: int) -> None:
-        if leaf in leaf_grads:
-            ledger.transient(nbytes[leaf])  # old .grad and new sum exist together a moment
+    sizes = [nbytes(m) for m in metas]
+    viewed = {a for s in kept if s.op.views_input for a in s.args if type(a) is int}
+    fresh: set[int] = set()  # slots whose buffer a ufunc made and nothing else shares
+    frees: list[list[int]] = [[] for _ in kept]
+    for slot, i in last_use.items():
+        if i < end:
+            frees[i].append(slot)
+    reuse = [-1] * end
+    counted = [0] * len(metas)  # the bytes a slot releases when it is freed
+    live = sum(sizes[s] for s in {*program.inputs.values(), *program.grad_inputs.values()})
+    for s in {*program.inputs.values(), *program.grad_inputs.values()}:
+        counted[s] = sizes[s]
+    peak = live
+    for i, step in enumerate(kept):
+        out = step.out
+        if step.op.returns_input:
+            pass  # the same array: no new bytes
         else:
-            leaf_grads.add(leaf)
-            ledger.live += nbytes[leaf]
-            ledger.peak = max(ledger.peak, ledger.live)
+            r = _reusable(step, i, program, ufuncs, fresh, viewed, held, last_use) \
+                if ufuncs else -1
+            if r >= 0:
+                reuse[i] = r
+                counted[out], counted[r] = counted[r], 0
+            else:
+                counted[out] = sizes[out]
+                live += sizes[out]
+                peak = max(peak, live)
+            if ufuncs and uses_ufunc(step, program) and out not in viewed:
+                fresh.add(out)
+        for s in frees[i]:
+            live -= counted[s]
+            counted[s] = 0
+    program.frees = [tuple(f) for f in frees]
+    program.reuse = reuse
+    program.planned_peak_bytes = peak
+    _price(program)
 
-    roots = [slots[name] for name in program.roots]
-    for slot in roots:
-        add_pending(slot)
-    roots = list(dict.fromkeys(roots))
-    for slot in roots:
-        if slot not in producer:
-            ledger.live -= grad_of.pop(slot)
-            deliver(slot)
 
+def _needed(program: Program) -> list[Step]:
+    """The steps the outputs and gradients need, in run order (dead code eliminated)."""
+    needed = {*(s for _, s in program.outputs), *(s for _, s in program.gradients)}
+    kept = []
+    for step in reversed(program.steps):
+        if step.out in needed:
+            kept.append(step)
+            needed.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
+    kept.reverse()
+    return kept
+
+
+def _saved(program: Program, steps: list[Step]) -> set[int]:
+    """What a recorded forward's graph keeps for a backward that may follow (PyTorch keeps
+    it while the outputs live): each recorded step's saved arguments and result."""
+    held: set[int] = set()
     rg = program.requires_grad
-    edge_cache: dict[int, list[int]] = {}
+    for step in steps:
+        if not rg[step.out]:
+            continue
+        op = step.op
+        for i in op.save_index:
+            if i < 0:
+                held.add(step.out)
+            elif op.variadic:
+                held.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
+            elif type(step.args[i]) is int:
+                held.add(step.args[i])  # type: ignore[arg-type]
+    return held
 
-    def edges(step: Step) -> list[int]:
-        found = edge_cache.get(step.slot)
-        if found is None:
-            mask = step.op.diff_mask
-            found = edge_cache[step.slot] = [
-                s for i, (is_ref, s) in enumerate(step.args)
-                if is_ref and rg[s] and (mask is None or mask[i])
-            ]
-        return found
 
-    deps: dict[int, int] = {}
-    stack = [s for s in roots if s in producer]
-    seen = set(stack)
-    while stack:
-        for s in edges(producer[stack.pop()]):
-            if s in producer:
-                deps[s] = deps.get(s, 0) + 1
-                if s not in seen:
-                    seen.add(s)
-                    stack.append(s)
+def _reusable(step: Step, i: int, program: Program, ufuncs: bool, fresh: set[int],
+              viewed: set[int], held: set[int], last_use: dict[int, int]) -> int:
+    """An operand whose buffer this ufunc step may write its result into: it dies here,
+    has the result's shape and dtype, was made by a ufunc, and nothing views it."""
+    meta = program.metas[step.out]
+    if not meta.shape or not uses_ufunc(step, program):
+        return -1  # a 0-d result is a NumPy scalar, not a buffer
+    for a in step.args:
+        if (type(a) is int and a in fresh and last_use.get(a) == i and a not in held
+                and a not in viewed and program.metas[a] == meta):
+            return a  # type: ignore[return-value]
+    return -1
 
-    ready = [s for s in roots if s in producer and deps.get(s, 0) == 0]
-    while ready:
-        slot = ready.pop()
-        step = producer[slot]
-        ledger.live -= grad_of.pop(slot)
-        for s in _saved_slots(step):
-            ledger.unref(s)
-        if -1 in step.op.save_index:
-            ledger.drop_array(ledger.array[slot])
-        for s in edges(step):
-            if s not in producer:
-                deliver(s)
-                continue
-            add_pending(s)
-            deps[s] -= 1
-            if deps[s] == 0:
-                ready.append(s)
-    for name in program.grad_inputs:
-        slot = program.input_slots[name]
-        if slot not in leaf_grads:
-            deliver(slot)  # an unused input gets zeros
+
+def _price(program: Program) -> None:
+    """The static cost of every step, in total and by the client node it serves."""
+    metas = program.metas
+    flops = moved = 0
+    by_node: dict[str, int] = {}
+    for step in program.steps:
+        args = [metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
+                for a in step.args]
+        f, b = step.op.static_cost(args, metas[step.out], step.attrs)
+        flops += f
+        moved += b
+        key = step.origin or "<graph>"
+        by_node[key] = by_node.get(key, 0) + f + BYTE_COST * b
+    program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node

@@ -6,8 +6,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tensor import Tensor
-
 Literal = bool | int | float
 
 
@@ -44,12 +42,15 @@ class Limits:
     expr_max_depth: int = 100
     max_errors: int = 20  # errors reported from one validation pass
     memory_budget_bytes: int | None = None  # for the planned peak of the path that will run
+    compute_budget: float | None = None  # cost units (engine.graph.ir.Program.compute_cost)
+    max_inputs: int = 10_000
+    max_id_chars: int = 256  # node ids and input names
 
 
 @dataclass
 class RunResult:
-    outputs: dict[str, Tensor]
-    gradients: dict[str, Tensor] | None  # None for a forward-only run
+    outputs: dict[str, Any]  # arrays of the program's backend
+    gradients: dict[str, Any] | None  # None for a forward-only run
     peak_bytes: int  # measured by the engine's accounting
     planned_peak_bytes: int
     nodes: int  # op nodes executed, after `expr` expansion

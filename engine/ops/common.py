@@ -55,6 +55,8 @@ def unary(
     attrs: dict[str, Attr] | None = None,
     infer: Any = None,
     check_args: Any = None,
+    ufunc: str | None = None,
+    views_input: bool = False,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -68,6 +70,8 @@ def unary(
         attrs=attrs or {},
         float_result=float_result,
         check_args=check_args,
+        ufunc=ufunc,
+        views_input=views_input,
     )
 
 
@@ -95,6 +99,8 @@ def binary(
     args: tuple[str, str] = ("input", "other"),
     infer: Any = None,
     check_args: Any = None,
+    ufunc: str | None = None,
+    views_input: bool = False,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -108,4 +114,6 @@ def binary(
         promote=(0, 1),
         float_result=float_result,
         check_args=check_args,
+        ufunc=ufunc,
+        views_input=views_input,
     )

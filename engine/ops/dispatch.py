@@ -46,7 +46,7 @@ def _python_number(value: Any) -> Any:
 
 def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -> None:
     """Cast the promoted arguments to their common dtype (PyTorch's rules), in place."""
-    promoted: Sequence[int] = range(len(args)) if isinstance(op.promote, str) else op.promote
+    promoted = op.promoted(len(args))
     if len(promoted) == 2:
         a, b = raw[promoted[0]], raw[promoted[1]]
         # The common cases: equal dtypes, or a float array with a Python number.

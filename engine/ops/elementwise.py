@@ -8,7 +8,6 @@ from engine.dtypes import FLOATS, bool_
 from engine.errors import AttributeError_, DTypeError
 from engine.ops.common import dtype_name, is_number, unary
 from engine.ops.registry import Attr, Meta, promoted_dtype, register
-from engine.tensor import Tensor
 
 
 def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
@@ -37,9 +36,10 @@ def _refuse(name: str, kinds: str) -> tuple[Any, Any]:
 
 def _relu_vjp(F: Any, g: Any, r: Any) -> Any:
     # PyTorch's threshold_backward: the gradient passes where the result is not <= 0 (NaN
-    # included). Under create_graph it depends on the result with derivative 0 (so a second
-    # grad gives zeros, as there, not "does not require grad"): sign(r) * 0 is exactly 0.
-    zero = F.sign(r) * 0.0 if isinstance(g, Tensor) else 0.0
+    # included). When the backward is itself differentiated it depends on the result with
+    # derivative 0 (so a second grad gives zeros, as there, not "does not require grad"):
+    # sign(r) * 0 is exactly 0.
+    zero = F.sign(r) * 0.0 if F.create_graph else 0.0
     return F.where(r <= 0, zero, g)
 
 
@@ -127,31 +127,31 @@ _SOFTPLUS = _refuse("softplus", "float")
 
 register(
     unary("abs", "|x|; the gradient at 0 is 0 (PyTorch); not on bool.", lambda xp, x: xp.abs(x),
-          lambda F, g, x: g * F.sign(x), check_args=_ABS[0], infer=_ABS[1]),
+          lambda F, g, x: g * F.sign(x), check_args=_ABS[0], infer=_ABS[1], ufunc="absolute"),
     unary("sign", "-1, 0 or 1 (0 at NaN, as PyTorch); its gradient is 0 everywhere.", _sign,
-          lambda F, g: F.zeros_like(g), save=()),
+          lambda F, g: F.zeros_like(g), save=(), views_input=True),
     unary("exp", "e ** x.", lambda xp, x: xp.exp(x), lambda F, g, r: g * r,
-          save=("result",), float_result=True),
+          save=("result",), float_result=True, ufunc="exp"),
     unary("log", "Natural logarithm.", lambda xp, x: xp.log(x), lambda F, g, x: g / x,
-          float_result=True),
+          float_result=True, ufunc="log"),
     unary("log1p", "log(1 + x), accurate near 0.", lambda xp, x: xp.log1p(x),
-          lambda F, g, x: g / (x + 1.0), float_result=True),
+          lambda F, g, x: g / (x + 1.0), float_result=True, ufunc="log1p"),
     unary("expm1", "exp(x) - 1, accurate near 0.", lambda xp, x: xp.expm1(x),
-          lambda F, g, r: g * (r + 1.0), save=("result",), float_result=True),
+          lambda F, g, r: g * (r + 1.0), save=("result",), float_result=True, ufunc="expm1"),
     unary("sqrt", "Square root.", lambda xp, x: xp.sqrt(x), lambda F, g, r: g / (2.0 * r),
-          save=("result",), float_result=True),
+          save=("result",), float_result=True, ufunc="sqrt"),
     unary("square", "x * x (bool gives int64, as PyTorch).", _square,
           lambda F, g, x: g * (2.0 * x), infer=_square_infer),
     unary("reciprocal", "1 / x.", lambda xp, x: 1.0 / x, lambda F, g, r: -g * r * r,
           save=("result",), float_result=True),
     unary("sin", "Sine.", lambda xp, x: xp.sin(x), lambda F, g, x: g * F.cos(x),
-          float_result=True),
+          float_result=True, ufunc="sin"),
     unary("cos", "Cosine.", lambda xp, x: xp.cos(x), lambda F, g, x: -g * F.sin(x),
-          float_result=True),
+          float_result=True, ufunc="cos"),
     unary("tan", "Tangent.", lambda xp, x: xp.tan(x), lambda F, g, r: g * (1.0 + r * r),
-          save=("result",), float_result=True),
+          save=("result",), float_result=True, ufunc="tan"),
     unary("tanh", "Hyperbolic tangent.", lambda xp, x: xp.tanh(x),
-          lambda F, g, r: g * (1.0 - r * r), save=("result",), float_result=True),
+          lambda F, g, r: g * (1.0 - r * r), save=("result",), float_result=True, ufunc="tanh"),
     unary("sigmoid", "1 / (1 + exp(-x)), stable for large |x|.", _sigmoid,
           lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True),
     unary("relu", "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",

@@ -92,6 +92,7 @@ def _tensor_namespace() -> SimpleNamespace:
     ns.zeros_like = lambda x: Tensor(x._backend.xp.zeros_like(x.data), x._backend)
     ns.ones_like = lambda x: Tensor(x._backend.xp.ones_like(x.data), x._backend)
     ns.dtype_of = lambda x: x.dtype
+    ns.create_graph = True  # the VJPs' own ops are recorded: the backward is differentiable
     return ns
 
 
@@ -110,6 +111,7 @@ def raw_namespace(backend: Backend) -> SimpleNamespace:
     ns.zeros_like = xp.zeros_like
     ns.ones_like = xp.ones_like
     ns.dtype_of = backend.dtype_name
+    ns.create_graph = False
     return ns
 
 

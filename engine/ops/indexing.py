@@ -258,7 +258,7 @@ register(
     OpDef(
         name="slice", group="indexing",
         doc="Python slicing x[start:stop:step] on one dim (step > 0; bounds clamped).",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=_slice, infer=_slice_infer,
         vjp=(_slice_vjp,), save=("input",),
         attrs={

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from engine.dtypes import FLOATS
+from engine.dtypes import FLOATS, ITEMSIZE
 from engine.errors import DTypeError, ShapeError
 from engine.ops.common import dtype_name, is_number
-from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
+from engine.ops.registry import Attr, Meta, OpDef, nbytes, promoted_dtype, register
 from engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
-from engine.tensor import Tensor
 
 Shape = tuple[int, ...]
 
@@ -74,6 +73,27 @@ def _matmul(xp: Any, a: Any, b: Any) -> Any:
     if a.dtype == xp.bool:
         raise DTypeError(_BOOL_MATMUL)
     return xp.matmul(a, b)
+
+
+def _matmul_cost(metas: list[Meta], out: Meta) -> tuple[int, int]:
+    """A multiply and an add per output element and step of the shared dim."""
+    inner = metas[0].shape[-1] if metas[0].shape else 1
+    return 2 * numel(out.shape) * inner, sum(nbytes(m) for m in metas) + nbytes(out)
+
+
+def _factorization_cost(factor: float) -> Any:
+    """An LU factorisation's n^3 work (times `factor`) per matrix, plus the solves' n^2 per
+    right-hand column."""
+
+    def cost(metas: list[Meta], out: Meta) -> tuple[int, int]:
+        a = metas[0].shape
+        n = a[-1] if a else 1
+        matrices = numel(a[:-2])
+        columns = numel(out.shape) // max(numel(out.shape[:-2]), 1) if len(out.shape) > 1 else 1
+        flops = int(matrices * (factor * n**3 + 2 * n * n * columns))
+        return flops, sum(nbytes(m) for m in metas) + nbytes(out)
+
+    return cost
 
 
 def _as_matrices(F: Any, g: Any, a: Any, b: Any) -> tuple[Any, Any, Any]:
@@ -187,25 +207,73 @@ def _einsum_infer(metas: list[Meta], *, equation: str) -> Meta:
     return Meta(tuple(sizes[c] for c in out), dtype)
 
 
+class Contraction(NamedTuple):
+    """How an einsum is computed, decided from its subscripts alone."""
+
+    presum: list[tuple[int, ...]]  # per operand, the axes summed out first
+    equations: list[str]  # the einsum calls that follow, in order: one per pair, left to
+    # right, or one for a single operand (empty when the sums already give the result)
+
+
+def _contraction(subs: list[str], out: str, summable: bool) -> Contraction:
+    """PyTorch's order (without opt_einsum): each operand's letters that appear nowhere
+    else (not in the output, not in another operand, not twice in it) are summed out
+    first; then the operands are contracted left to right, one pair at a time, keeping the
+    letters needed later. Doing the same keeps infinities and NaNs where PyTorch puts them,
+    and makes the work known before running: `einsum('i,j->', a, b)` is two sums and a
+    product, not len(a) * len(b) products. `summable`: the dtype can be summed first
+    (not bool)."""
+    presum: list[tuple[int, ...]] = []
+    reduced: list[str] = []
+    for k, term in enumerate(subs):
+        elsewhere = set(out).union(*(s for j, s in enumerate(subs) if j != k))
+        axes = tuple(i for i, c in enumerate(term)
+                     if summable and c not in elsewhere and term.count(c) == 1)
+        presum.append(axes)
+        reduced.append("".join(c for i, c in enumerate(term) if i not in axes))
+    if len(reduced) == 1:
+        return Contraction(presum, [] if reduced[0] == out else [f"{reduced[0]}->{out}"])
+    equations, cur = [], reduced[0]
+    for k in range(1, len(reduced)):
+        later = set(out).union(*reduced[k + 1:])
+        target = out if k == len(reduced) - 1 else "".join(
+            dict.fromkeys(c for c in cur + reduced[k] if c in later))
+        equations.append(f"{cur},{reduced[k]}->{target}")
+        cur = target
+    return Contraction(presum, equations)
+
+
 def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
     _tensors_only(*operands)
     shapes = [tuple(o.shape) for o in operands]
     subs, out, _ = _parse_einsum(equation, shapes)
     names = [dtype_name(xp, o.dtype) for o in operands]
-    dtype = getattr(xp, _einsum_dtype(names, subs, out, shapes))
+    result = _einsum_dtype(names, subs, out, shapes)
+    dtype = getattr(xp, result)
     operands = tuple(o if o.dtype == dtype else xp.astype(o, dtype) for o in operands)
-    if len(operands) <= 2:
-        return xp.einsum(",".join(subs) + "->" + out, *operands)
-    # PyTorch (without opt_einsum) contracts left to right, one pair at a time; doing the
-    # same keeps infinities and NaNs where it puts them.
-    cur, cur_sub = operands[0], subs[0]
-    for k in range(1, len(operands)):
-        later = set(out).union(*subs[k + 1:])
-        target = out if k == len(operands) - 1 else "".join(
-            dict.fromkeys(c for c in cur_sub + subs[k] if c in later))
-        cur = xp.einsum(f"{cur_sub},{subs[k]}->{target}", cur, operands[k])
-        cur_sub = target
+    plan = _contraction(subs, out, result != "bool")
+    cur, *rest = (xp.sum(o, axis=axes) if axes else o
+                  for o, axes in zip(operands, plan.presum, strict=True))
+    if not plan.equations:
+        return cur if any(plan.presum) else xp.asarray(cur, copy=True)
+    for equation_k, other in zip(plan.equations, [*rest] or [None], strict=True):
+        cur = xp.einsum(equation_k, cur) if other is None else xp.einsum(equation_k, cur, other)
     return cur
+
+
+def _einsum_cost(metas: list[Meta], out: Meta, *, equation: str) -> tuple[int, int]:
+    """The work of the contraction `_einsum` runs: the first sums, then each einsum call at
+    the product of the sizes of its letters (a multiply and an add each)."""
+    subs, result, sizes = _parse_einsum(equation, [m.shape for m in metas])
+    plan = _contraction(subs, result, out.dtype != "bool")
+    flops = sum(numel(m.shape) for m, axes in zip(metas, plan.presum, strict=True) if axes)
+    moved = sum(nbytes(m) for m in metas) + nbytes(out)
+    for eq in plan.equations:
+        letters = set(eq.replace(",", "").replace("->", ""))
+        work = numel([sizes[c] for c in letters])
+        flops += 2 * work
+        moved += numel([sizes[c] for c in eq.partition("->")[2]]) * ITEMSIZE[out.dtype]
+    return flops, moved
 
 
 def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> list[Any]:
@@ -341,16 +409,17 @@ def _mT(F: Any, x: Any) -> Any:
 def _det_vjp(F: Any, g: Any, a: Any, result: Any) -> Any:
     # Jacobi's formula d det(A) = det(A) tr(A^-1 dA), as PyTorch: a singular matrix
     # (det exactly 0) gets 0, computed on the identity in its place so that inv never
-    # fails; with create_graph PyTorch gives it the cofactor matrix, and so do we.
+    # fails (decided per matrix from the data, never by looking at it on the host); when
+    # the backward is itself differentiated PyTorch gives it the cofactor matrix, and so
+    # do we.
     scale = F.reshape(g * result, shape=[*result.shape, 1, 1])
-    singular = result == 0
-    if not numel(tuple(a.shape)) or not int(F.sum(singular)):
+    if not numel(tuple(a.shape)):
         return scale * _mT(F, F.inv(a))
-    mask = F.reshape(singular, shape=[*result.shape, 1, 1])
+    mask = F.reshape(result == 0, shape=[*result.shape, 1, 1])
     eye = _positions(F, a, -1) == _positions(F, a, -2)
     safe = F.where(mask, F.where(eye, F.ones_like(a), F.zeros_like(a)), a)
     grad = scale * _mT(F, F.inv(safe))
-    if isinstance(g, Tensor) and a.shape[-1] <= _COFACTOR_MAX:
+    if F.create_graph and a.shape[-1] <= _COFACTOR_MAX:
         cofactor = _cofactors(F, a) * F.reshape(g, shape=[*result.shape, 1, 1])
         grad = F.where(mask, cofactor, grad)
     return grad
@@ -472,26 +541,27 @@ register(
         doc="Matrix product as torch.matmul: 1-D operands are vectors, batch dims broadcast; "
             "both operands must have one dtype.",
         args=("input", "other"), forward=_matmul, infer=_matmul_infer,
-        vjp=(_matmul_vjp_a, _matmul_vjp_b), save=("input", "other"),
+        vjp=(_matmul_vjp_a, _matmul_vjp_b), save=("input", "other"), cost=_matmul_cost,
     ),
     OpDef(
         name="einsum", group="linear algebra",
         doc="Einstein summation over the operands (letters, '...', explicit or implicit "
             "output), as torch.einsum.",
-        args=("operands",), forward=_einsum, infer=_einsum_infer, vjp=_einsum_vjp,
+        args=("operands",), views_input=True, forward=_einsum, infer=_einsum_infer,
+        vjp=_einsum_vjp, cost=_einsum_cost,
         save=("operands",), attrs={"equation": Attr("str", doc="e.g. 'ij,jk->ik'")},
         variadic=True, call_order=("equation", "*operands"),
     ),
     OpDef(
         name="transpose", group="linear algebra", doc="Swap two dims.",
-        args=("input",), forward=_transpose, infer=_transpose_infer,
+        args=("input",), views_input=True, forward=_transpose, infer=_transpose_infer,
         vjp=(lambda F, g, *, dim0, dim1: F.transpose(g, dim0=dim0, dim1=dim1),),
         attrs={"dim0": Attr("int", doc="a dim"), "dim1": Attr("int", doc="the other dim")},
         positional_attrs=("dim0", "dim1"),
     ),
     OpDef(
         name="permute", group="linear algebra", doc="Reorder all dims.",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=lambda xp, x, *, dims: xp.permute_dims(x, tuple(_permutation(x.ndim, dims))),
         infer=_permute_infer, vjp=(_permute_vjp,),
         attrs={"dims": Attr("ints", doc="the new order of the dims")},
@@ -501,19 +571,19 @@ register(
         name="det", group="linear algebra",
         doc="Determinant of (batches of) square matrices; the gradient needs A invertible.",
         args=("A",), forward=_det, infer=_det_infer,
-        vjp=(_det_vjp,), save=("A", "result"),
+        vjp=(_det_vjp,), save=("A", "result"), cost=_factorization_cost(2 / 3),
     ),
     OpDef(
         name="inv", group="linear algebra", doc="Inverse of (batches of) square matrices.",
         args=("A",), forward=_inv, infer=_inv_infer,
-        vjp=(_inv_vjp,), save=("result",),
+        vjp=(_inv_vjp,), save=("result",), cost=_factorization_cost(2),
     ),
     OpDef(
         name="solve", group="linear algebra",
         doc="X with A X = B, as torch.linalg.solve (B: matrices, or vectors shaped like A "
             "without its last dim, or 1-D).",
         args=("A", "B"), forward=_solve, infer=_solve_infer,
-        vjp=(_solve_vjp_a, _solve_vjp_b), save=("A", "result"),
+        vjp=(_solve_vjp_a, _solve_vjp_b), save=("A", "result"), cost=_factorization_cost(2 / 3),
     ),
     OpDef(
         name="cross", group="linear algebra",

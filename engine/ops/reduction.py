@@ -9,7 +9,6 @@ from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, bool_
 from engine.errors import DTypeError
 from engine.ops.registry import Attr, Meta, OpDef, register
 from engine.shapes import expand_reduced, normalize_dim, normalize_dims, numel, reduced_shape
-from engine.tensor import Tensor
 
 DIM = Attr("int|ints", None, "dim or dims to reduce; all when absent", nullable=True)
 KEEPDIM = Attr("bool", False, "keep reduced dims as size 1")
@@ -94,7 +93,10 @@ def _prod(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
 def _prod_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -> Any:
     """PyTorch's prod_backward: result / x when the input has no zero; otherwise the
     product of the others from exclusive cumulative products (no division), which is also
-    right to differentiate again. With several zeros and no create_graph, zeros (as there)."""
+    right to differentiate again; with several zeros over all dims, when the backward is
+    not itself differentiated, zeros (as there). Both are computed and the data selects
+    (no look at the data on the host): the quotient divides by x with its zeros replaced
+    by 1, so that the branch not taken holds no NaN that a second derivative could pick up."""
     shape = tuple(x.shape)
     if not shape:
         return g
@@ -102,11 +104,19 @@ def _prod_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -
     if not keepdim:
         g = _keep(F, g, shape, dims, keepdim)
         result = _keep(F, result, shape, dims, keepdim)
-    zeros = int(F.sum(x == 0)) if numel(shape) else 0
-    if zeros == 0:
+    if not numel(shape):
         return g * (result / x)
-    if dim is None and zeros > 1 and not isinstance(g, Tensor):
-        return F.zeros_like(x)
+    zero = x == 0
+    zeros = F.sum(zero)
+    quotient = g * (result / F.where(zero, 1.0, x))
+    grad = F.where(zeros == 0, quotient, g * _others_product(F, x, shape, dims))
+    if dim is None and not F.create_graph:
+        grad = F.where(zeros > 1, 0.0, grad)
+    return grad
+
+
+def _others_product(F: Any, x: Any, shape: tuple[int, ...], dims: tuple[int, ...]) -> Any:
+    """For each element, the product of the other elements of its reduced slice."""
     # The reduced dims moved to the end and merged into one: the products of the others.
     keep = [d for d in range(len(shape)) if d not in dims]
     order = keep + list(dims)
@@ -116,7 +126,7 @@ def _prod_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bool) -
     others = F.reshape(others, shape=[shape[d] for d in order])
     if order != list(range(len(shape))):
         others = F.permute(others, dims=[order.index(d) for d in range(len(shape))])
-    return g * others
+    return others
 
 
 def _scan_product(F: Any, x: Any, d: int, n: int, reverse: bool) -> Any:
@@ -332,7 +342,7 @@ register(
     OpDef(
         name="cumsum", group="reductions",
         doc="Inclusive cumulative sum along `dim` (integers as int64).",
-        args=("input",), forward=_cumsum, infer=_cumsum_infer, vjp=(_cumsum_vjp,),
+        args=("input",), views_input=True, forward=_cumsum, infer=_cumsum_infer, vjp=(_cumsum_vjp,),
         attrs={"dim": Attr("int", doc="the dim to accumulate along")}, positional_attrs=("dim",),
     ),
     _normalisation("softmax", "exp(x) / sum(exp(x)) along `dim`, stable (shifted by the max).",

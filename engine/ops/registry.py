@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.dtypes import DEFAULT_FLOAT, FLOATS, Scalar, check_dtype, result_type
+from engine.dtypes import DEFAULT_FLOAT, FLOATS, ITEMSIZE, Scalar, check_dtype, result_type
 from engine.errors import ArityError, AttributeError_, DTypeError
+from engine.shapes import numel
 
 Array = Any
 VJP = Callable[..., Any]
@@ -124,8 +125,25 @@ class OpDef:
     call_order: tuple[str, ...] | None = None
     # The forward returns its input array itself (detach): the memory plan counts it once.
     returns_input: bool = False
+    # The result may share memory with an input (a view, or the input itself): a compiled
+    # program never writes into that input's buffer while the result lives.
+    views_input: bool = False
     # A check of the arguments as given, before promotion casts them (`sub` refuses bool).
     check_args: Callable[..., None] | None = None
+    # The static cost of one call: `cost(metas, out, **attrs) -> (flops, bytes)`, from the
+    # arguments' and the result's metas. None: one operation per element read or written,
+    # and every input and output byte touched once (right for elementwise ops and
+    # reductions).
+    cost: Callable[..., tuple[int, int]] | None = None
+    # The backend ufunc that computes this op on operands already promoted to its result
+    # dtype (elementwise ops): compiled programs call it directly, and may let it write
+    # into the buffer of an operand that dies at this step.
+    ufunc: str | None = None
+    # A forward specialised on static metas, for compiled programs: `kernel(xp, metas,
+    # **attrs)` returns a callable on the step's arguments, or None to use `forward`. It
+    # computes exactly what `forward` does, with the decisions that depend only on shapes,
+    # dtypes and attributes made once.
+    kernel: Callable[..., Callable[..., Array] | None] | None = None
 
     # Derived once at registration.
     grad_fn_name: str = field(init=False)
@@ -157,6 +175,10 @@ class OpDef:
         picked = self._pick((*args, out))
         return picked if len(self.save_index) > 1 else (picked,)
 
+    def promoted(self, nargs: int) -> Sequence[int]:
+        """The argument positions that type promotion casts to one dtype."""
+        return range(nargs) if self.promote == "all" else self.promote  # type: ignore[return-value]
+
     @property
     def differentiable(self) -> bool:
         if self.vjp is None:
@@ -169,6 +191,15 @@ class OpDef:
         if self.variadic:
             return True
         return self.vjp[i] is not None  # type: ignore[index]
+
+    def static_cost(
+        self, metas: Sequence[Meta], out: Meta, attrs: dict[str, Any]
+    ) -> tuple[int, int]:
+        """(flops, bytes) of one call on these metas."""
+        if self.cost is not None:
+            return self.cost(metas, out, **attrs)
+        elements = numel(out.shape) + sum(numel(m.shape) for m in metas if not m.literal)
+        return elements, nbytes(out) + sum(nbytes(m) for m in metas if not m.literal)
 
     def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
         """Validate attributes against the declaration and fill in defaults."""
@@ -271,6 +302,11 @@ _LITERAL_METAS = {bool: Meta((), "bool", True), int: Meta((), "int64", True),
 def literal_meta(value: Scalar) -> Meta:
     """The Meta of a Python number literal (weak in type promotion)."""
     return _LITERAL_METAS[type(value)]
+
+
+def nbytes(meta: Meta) -> int:
+    """The bytes of a value with this meta."""
+    return numel(meta.shape) * ITEMSIZE[meta.dtype]
 
 
 def require_float(op: str, meta: Meta, what: str = "input") -> None:

@@ -57,7 +57,7 @@ def expand_target(shape: tuple[int, ...], target: Any) -> tuple[int, ...]:
 register(
     OpDef(
         name="reshape", group="shape", doc="Same elements in a new shape (one dim may be -1).",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=lambda xp, x, *, shape: xp.reshape(x, reshape_target(tuple(x.shape), shape)),
         infer=lambda metas, *, shape: Meta(reshape_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: F.reshape(g, shape=list(x.shape)),),
@@ -67,7 +67,7 @@ register(
     OpDef(
         name="expand", group="shape",
         doc="Broadcast to a larger shape (-1 keeps a dim); the gradient is summed back.",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=lambda xp, x, *, shape: xp.broadcast_to(x, expand_target(tuple(x.shape), shape)),
         infer=lambda metas, *, shape: Meta(expand_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: sum_to_shape(F, g, tuple(x.shape)),),
@@ -199,7 +199,8 @@ def _stack_infer(metas: list[Meta], *, dim: int) -> Meta:
                 f"stack expects each tensor to be equal size, but got {fmt(first)} at entry 0 "
                 f"and {fmt(s)} at entry {k}"
             )
-    return Meta(_unsqueeze_shape(first, dim), promoted_dtype(metas))
+    d = unsqueeze_dim(len(first), dim)
+    return Meta((*first[:d], len(metas), *first[d:]), promoted_dtype(metas))
 
 
 def _stack(xp: Any, *xs: Any, dim: int) -> Any:
@@ -229,7 +230,7 @@ register(
         name="squeeze", group="shape",
         doc="Remove size-1 dims: the named ones (int or list; dims of another size are kept), "
             "or all when dim is absent.",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=_squeeze,
         infer=lambda metas, *, dim: Meta(_squeeze_shape(metas[0].shape, dim), metas[0].dtype),
         vjp=(_to_shape_vjp,), save=("input",),
@@ -239,7 +240,7 @@ register(
     ),
     OpDef(
         name="unsqueeze", group="shape", doc="Insert a size-1 dim at `dim` (in [-ndim-1, ndim]).",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=lambda xp, x, *, dim: xp.expand_dims(x, axis=unsqueeze_dim(x.ndim, dim)),
         infer=lambda metas, *, dim: Meta(_unsqueeze_shape(metas[0].shape, dim), metas[0].dtype),
         # `dim` indexes the result, so the same dim squeezes the gradient back.
@@ -250,7 +251,7 @@ register(
     OpDef(
         name="flatten", group="shape",
         doc="Merge dims start_dim..end_dim into one (a 0-d tensor becomes shape (1,)).",
-        args=("input",),
+        args=("input",), views_input=True,
         forward=lambda xp, x, *, start_dim, end_dim: xp.reshape(
             x, flatten_shape(tuple(x.shape), start_dim, end_dim)
         ),
@@ -265,7 +266,7 @@ register(
     OpDef(
         name="cat", group="shape",
         doc="Concatenate tensors along an existing dim (dtypes promoted; no 0-d operands).",
-        args=("tensors",), variadic=True, promote="all",
+        args=("tensors",), views_input=True, variadic=True, promote="all",
         forward=_cat,
         infer=_cat_infer,
         vjp=_cat_vjp, save=("tensors",),

@@ -1,0 +1,261 @@
+"""The third namespace `F`: ops that emit IR steps with static metadata instead of computing.
+
+VJPs are written once against a namespace `F` (engine.ops.registry). On a plain backward
+`F` computes on arrays; with `create_graph` it records on Tensors; here it appends steps
+to a program under construction, each with its shape and dtype inferred by the op's own
+rule. So reverse mode is a transformation of the program: the backward is more steps of
+the same kind, planned and priced with the forward.
+
+`Sym` is a value of the program being built: a slot with its shape and dtype. It has
+PyTorch's operators, so that VJPs read the same on all three namespaces, and it refuses to
+be read as a Python number: the program is built before there is any data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
+from engine.errors import GradserveError
+from engine.graph.ir import BACKWARD, CAST, CONSTANT, NODE, Arg, Lit, Step
+from engine.ops.registry import OPS, Meta, OpDef, literal_meta, promoted_dtype
+
+Value = Any  # a Sym, or a Python number (a weak literal)
+
+# Ops that are the identity when their result has their input's meta: a derived backward
+# emits them freely (`sum_to_shape`, a cast back to the input's dtype), and they are
+# dropped when there is nothing to do. (Not permute or transpose: a square matrix keeps
+# its shape when transposed.)
+_IDENTITY_WHEN_SAME_META = frozenset({"cast", "reshape", "expand", "squeeze", "flatten"})
+
+
+class DataDependent(GradserveError):
+    """A program was asked for a value that only exists once it runs."""
+
+
+class Sym:
+    """A value of the program being built."""
+
+    __slots__ = ("b", "dtype", "shape", "slot")
+    __hash__ = object.__hash__  # `==` builds an `eq` step, as on Tensors
+
+    def __init__(self, b: Builder, slot: int, meta: Meta) -> None:
+        self.b = b
+        self.slot = slot
+        self.shape = meta.shape
+        self.dtype = meta.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def meta(self) -> Meta:
+        return Meta(self.shape, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Sym(slot={self.slot}, shape={self.shape}, dtype={self.dtype})"
+
+    def __add__(self, o: Value) -> Sym:
+        return self.b.call("add", self, o)
+
+    def __radd__(self, o: Value) -> Sym:
+        return self.b.call("add", o, self)
+
+    def __sub__(self, o: Value) -> Sym:
+        return self.b.call("sub", self, o)
+
+    def __rsub__(self, o: Value) -> Sym:
+        return self.b.call("sub", o, self)
+
+    def __mul__(self, o: Value) -> Sym:
+        return self.b.call("mul", self, o)
+
+    def __rmul__(self, o: Value) -> Sym:
+        return self.b.call("mul", o, self)
+
+    def __truediv__(self, o: Value) -> Sym:
+        return self.b.call("div", self, o)
+
+    def __rtruediv__(self, o: Value) -> Sym:
+        return self.b.call("div", o, self)
+
+    def __pow__(self, o: Value) -> Sym:
+        return self.b.call("pow", self, o)
+
+    def __rpow__(self, o: Value) -> Sym:
+        return self.b.call("pow", o, self)
+
+    def __matmul__(self, o: Value) -> Sym:
+        return self.b.call("matmul", self, o)
+
+    def __neg__(self) -> Sym:
+        return self.b.call("neg", self)
+
+    def __pos__(self) -> Sym:
+        return self
+
+    def __lt__(self, o: Value) -> Sym:
+        return self.b.call("lt", self, o)
+
+    def __le__(self, o: Value) -> Sym:
+        return self.b.call("le", self, o)
+
+    def __gt__(self, o: Value) -> Sym:
+        return self.b.call("gt", self, o)
+
+    def __ge__(self, o: Value) -> Sym:
+        return self.b.call("ge", self, o)
+
+    def __eq__(self, o: Value) -> Sym:  # type: ignore[override]
+        return self.b.call("eq", self, o)
+
+    def __ne__(self, o: Value) -> Sym:  # type: ignore[override]
+        return self.b.call("ne", self, o)
+
+    def _data(self, *_: Any) -> Any:
+        raise DataDependent("a value of a graph cannot be read while the graph is compiled; "
+                            "the decision must depend on shapes, dtypes or attributes only")
+
+    __bool__ = __int__ = __float__ = __index__ = _data
+
+
+class Builder:
+    """A program under construction, and the namespace `F` that emits into it.
+
+    `origin` is the client node the next steps serve (for errors and costs); `kind` what
+    they are; `create_graph` tells VJPs whether the backward they emit will itself be
+    differentiated (PyTorch's GradMode during backward); `simplify` drops identity steps
+    (on for derived steps only: a client's own `reshape` to the same shape is a node and
+    keeps its grad_fn).
+    """
+
+    def __init__(self) -> None:
+        self.metas: list[Meta] = []
+        self.steps: list[Step] = []
+        self.syms: list[Sym] = []
+        self.origin: str | None = None
+        self.kind = NODE
+        self.create_graph = False
+        self.simplify = False
+        self._calls: dict[str, Callable[..., Sym]] = {}
+
+    # ------------------------------------------------------------------ values
+    def value(self, meta: Meta) -> Sym:
+        """A new slot that no step writes (an input of the program)."""
+        slot = len(self.metas)
+        self.metas.append(meta)
+        sym = Sym(self, slot, meta)
+        self.syms.append(sym)
+        return sym
+
+    def arg(self, a: Arg) -> Value:
+        """A step argument as a VJP reads it: the Sym of a slot, or the literal's number."""
+        return self.syms[a] if type(a) is int else a.value  # type: ignore[union-attr]
+
+    def constant(self, value: bool | int | float, dtype: str) -> Sym:
+        """A 0-d constant (a literal that must be a tensor: an op on literals only)."""
+        kind, self.kind = self.kind, CONSTANT
+        try:
+            return self.emit(OPS["full"], [], {"shape": [], "value": value, "dtype": dtype})
+        finally:
+            self.kind = kind
+
+    # ------------------------------------------------------------------ emitting
+    def emit(self, op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> Sym:
+        """Append one step of `op`, with type promotion made explicit (cast steps), as
+        `engine.ops.dispatch.apply` promotes at run time. `attrs` must be complete (bound).
+        Raises the op's GradserveError when its shape rule refuses the arguments."""
+        metas = [a.meta if type(a) is Sym else literal_meta(a) for a in args]
+        out = op.infer(metas, **attrs)
+        if self.simplify and op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]:
+            return args[0]  # type: ignore[no-any-return]
+        values = list(args)
+        if args and not any(type(a) is Sym for a in args):
+            self._materialize(op, values, metas)
+        elif op.promote:
+            promoted = op.promoted(len(values))
+            target = promoted_dtype([metas[i] for i in promoted], op.float_result)
+            for i in promoted:
+                v = values[i]
+                if type(v) is Sym and v.dtype != target:
+                    values[i] = self._cast(v, target)
+        elif op.float_result:
+            for i, v in enumerate(values):
+                if type(v) is Sym and v.dtype not in FLOATS:
+                    values[i] = self._cast(v, DEFAULT_FLOAT)
+        step_args: tuple[Arg, ...] = tuple(
+            v.slot if type(v) is Sym else Lit(v) for v in values)
+        sym = self.value(out)
+        self.steps.append(Step(op, step_args, attrs, sym.slot, self.kind, self.origin))
+        return sym
+
+    def _cast(self, v: Sym, dtype: str) -> Sym:
+        kind, self.kind = self.kind, CAST if self.kind == NODE else self.kind
+        try:
+            return self.emit(OPS["cast"], [v], {"dtype": dtype})
+        finally:
+            self.kind = kind
+
+    def _materialize(self, op: OpDef, values: list[Value], metas: list[Meta]) -> None:
+        """An op on number literals alone computes on 0-d tensors, as `apply` does: the
+        first literal in its own default dtype, the promoted ones in their common dtype."""
+        promoted: Sequence[int] = ()
+        target = None
+        if op.promote:
+            promoted = op.promoted(len(values))
+            target = promoted_dtype([metas[i] for i in promoted], op.float_result)
+        for i, v in enumerate(values):
+            if i in promoted:
+                values[i] = self.constant(v, target)  # type: ignore[arg-type]
+            elif i == 0:
+                dtype = scalar_dtype(v)
+                if op.float_result and dtype not in FLOATS:
+                    dtype = DEFAULT_FLOAT
+                values[i] = self.constant(v, dtype)
+
+    # ------------------------------------------------------------------ the namespace F
+    def call(self, name: str, *args: Value, **attrs: Any) -> Sym:
+        """`F.<name>(...)` as VJPs call it: attributes by keyword, defaults filled in."""
+        op = OPS[name]
+        return self.emit(op, args, {**op.defaults, **attrs} if op.attrs else attrs)
+
+    def __getattr__(self, name: str) -> Callable[..., Sym]:
+        if name not in OPS:
+            raise AttributeError(name)
+        fn = self._calls.get(name)
+        if fn is None:
+            fn = self._calls[name] = lambda *args, **attrs: self.call(name, *args, **attrs)
+        return fn
+
+    def zeros_like(self, x: Sym) -> Sym:
+        return self.call("zeros", shape=list(x.shape), dtype=x.dtype)
+
+    def ones_like(self, x: Sym) -> Sym:
+        return self.call("ones", shape=list(x.shape), dtype=x.dtype)
+
+    @staticmethod
+    def dtype_of(x: Sym) -> str:
+        return x.dtype
+
+
+def derived(b: Builder, *, create_graph: bool) -> _Derived:
+    """`with derived(b, create_graph=...)`: emit the steps of a derived backward (kind
+    BACKWARD, identity steps dropped)."""
+    return _Derived(b, create_graph)
+
+
+class _Derived:
+    def __init__(self, b: Builder, create_graph: bool) -> None:
+        self.b, self.create_graph = b, create_graph
+
+    def __enter__(self) -> Builder:
+        b = self.b
+        self.saved = (b.kind, b.origin, b.create_graph, b.simplify)
+        b.kind, b.create_graph, b.simplify = BACKWARD, self.create_graph, True
+        return b
+
+    def __exit__(self, *exc: object) -> None:
+        b = self.b
+        b.kind, b.origin, b.create_graph, b.simplify = self.saved
