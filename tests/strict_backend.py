@@ -4,6 +4,7 @@ so that the CuPy path is not broken by a NumPy-only call), without a GPU."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import array_api_strict as xps
@@ -31,6 +32,7 @@ def make_strict_backend() -> Backend:
         scatter_add=_via_numpy(_scatter_add),
     )
     return Backend(
+        nbytes=lambda a: math.prod(a.shape) * np.dtype(str(a.dtype).rpartition(".")[2]).itemsize,
         device="cpu",
         xp=xp,
         to_host=lambda a: np.from_dlpack(a).copy() if hasattr(a, "__dlpack__") else np.asarray(a),

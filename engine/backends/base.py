@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ class Backend:
     # The module whose ufuncs (add, exp, ...) take `out=`, for compiled programs to call
     # directly and to write into dead buffers (NumPy, CuPy); None where there is none.
     ufuncs: Any = None
+    # An array's bytes (the array API standard has no `nbytes`; NumPy's and CuPy's arrays do).
+    nbytes: Callable[[Array], int] = operator.attrgetter("nbytes")
     _dtypes: dict[str, Any] = field(init=False, repr=False)
     _names: dict[Any, str] = field(init=False, repr=False)
     float_dtypes: frozenset[Any] = field(init=False, repr=False)

@@ -168,6 +168,21 @@ def compile_graph(
     return program
 
 
+def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], *,
+             device: str = "cpu") -> Program:
+    """A program from steps emitted by hand on `b` (the engine's own tests and transforms):
+    every step the outputs need runs, derived ones included."""
+    program = Program(
+        metas=b.metas, steps=b.steps, inputs={n: s.slot for n, s in inputs.items()},
+        grad_inputs={}, outputs=[(n, s.slot) for n, s in outputs.items()], gradients=[],
+        requires_grad=[False] * len(b.metas), grad_fn=[None] * len(b.metas),
+        no_grad=False, backward=False,
+    )
+    plan(program, ufuncs=_backend_ufuncs(device))
+    program.run = bind(program, device)
+    return program
+
+
 def _backend_ufuncs(device: str) -> bool:
     from engine.backends import get_backend
 

@@ -126,12 +126,22 @@ def execute(
     slots: list[Any] = [None] * len(program.metas)
     sizes = [0] * len(program.metas)
     live = 0
-    for name, slot in program.inputs.items():
-        slots[slot] = inputs[name]
-    for name, slot in program.grad_inputs.items():
-        slots[slot] = (grad_outputs or {})[name]
+    bound: Bound = program.run
+    backend = bound.backend
+    given = [(name, slot, inputs.get(name)) for name, slot in program.inputs.items()]
+    given += [(name, slot, (grad_outputs or {}).get(name))
+              for name, slot in program.grad_inputs.items()]
+    for name, slot, array in given:
+        meta = program.metas[slot]
+        if array is None or tuple(array.shape) != meta.shape \
+                or backend.dtype_name(array) != meta.dtype:
+            got = "nothing" if array is None else \
+                f"{fmt(tuple(array.shape))} {backend.dtype_name(array)}"
+            raise ShapeError(f"input {name!r} must be {fmt(meta.shape)} {meta.dtype} on "
+                             f"{backend.device}, as compiled; got {got}")
+        slots[slot] = array
     for slot in {*program.inputs.values(), *program.grad_inputs.values()}:
-        sizes[slot] = slots[slot].nbytes
+        sizes[slot] = backend.nbytes(slots[slot])
         live += sizes[slot]
 
     def check() -> None:
@@ -141,8 +151,6 @@ def execute(
             elapsed = time.monotonic() - started
             raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
 
-    bound: Bound = program.run
-    backend = bound.backend
     timings = {"plan": round(program.plan_ms, 3)}
     state = [live, live]  # live bytes, peak
     with backend.activate():
@@ -151,7 +159,7 @@ def execute(
         backend.synchronize()
         t1 = time.perf_counter()
         timings["forward"] = round((t1 - t0) * 1000, 3)
-        if program.backward:
+        if bound.backward:
             _loop(bound.backward, slots, sizes, state, check, program, verify,
                   len(bound.forward), backend)
             backend.synchronize()
@@ -173,6 +181,7 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
           check: Callable[[], None], program: Program, verify: bool, offset: int,
           backend: Backend) -> None:
     live, peak = state
+    nbytes = backend.nbytes
     k = 0
     try:
         for k, (code, fn, out, a0, a1, rest, frees) in enumerate(runs):
@@ -202,7 +211,7 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
                 sizes[out] = sizes[rest]
                 sizes[rest] = 0
             else:
-                sizes[out] = nb = r.nbytes
+                sizes[out] = nb = nbytes(r)
                 live += nb
                 if live > peak:
                     peak = live

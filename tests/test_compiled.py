@@ -1,0 +1,172 @@
+"""Every op sample through the compiled path (engine.graph): the static shape rule against
+the forward, values and gradients against the eager engine (bit for bit: the same kernels)
+and against PyTorch, second order by differentiating the program twice, planned against
+measured memory; on NumPy and again on array-api-strict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends import get_backend
+from engine.graph.autodiff import vjp
+from engine.graph.builder import Builder, Sym
+from engine.graph.compiler import assemble
+from engine.graph.executor import execute
+from engine.ops import OPS
+from engine.ops.registry import Meta
+from tests.op_samples import TORCH, Sample
+from tests.test_ops import _cases, _is_float_array, engine_args, run, torch_args
+
+
+def _program_inputs(name: str, sample: Sample, dtype: str) -> tuple[Builder, list[Any],
+                                                                       dict[str, Sym],
+                                                                       dict[str, np.ndarray]]:
+    """A builder holding the sample's arrays as program inputs (floats in `dtype`), and the
+    op's arguments: those inputs' Syms, and the literals as they are."""
+    b = Builder()
+    args: list[Any] = []
+    syms: dict[str, Sym] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for i, a in enumerate(sample.args):
+        if isinstance(a, np.ndarray):
+            array = a.astype(dtype) if _is_float_array(a) else a
+            sym = b.value(Meta(array.shape, str(array.dtype)))
+            syms[f"a{i}"], arrays[f"a{i}"] = sym, array
+            args.append(sym)
+        else:
+            args.append(a)
+    return b, args, syms, arrays
+
+
+def _differentiable(name: str, sample: Sample, syms: dict[str, Sym]) -> list[str]:
+    op = OPS[name]
+    return [k for k, s in syms.items()
+            if s.dtype.startswith("float") and op.arg_differentiable(int(k[1:]))]
+
+
+def _run(program: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """`execute` on the current CPU backend (NumPy, or array-api-strict), results on the host,
+    with every step's result checked against its shape rule."""
+    backend = get_backend("cpu")
+    result = execute(program, {k: backend.from_host(a) for k, a in arrays.items()}, verify=True)
+    result.outputs = {k: np.asarray(backend.to_host(v)) for k, v in result.outputs.items()}
+    return result
+
+
+def assert_same(got: Any, expected: Any) -> None:
+    got, expected = np.asarray(got), np.asarray(expected)
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (
+        got.shape, got.dtype, expected.shape, expected.dtype)
+    np.testing.assert_array_equal(got, expected)  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_forward_is_the_eager_forward(name: str, sample: Sample, dtype: str,
+                                      backend_name: str) -> None:
+    """One step: the shape rule equals the forward's shape and dtype (`verify`), the value
+    is the eager one bit for bit, and the planned peak is the measured one."""
+    op = OPS[name]
+    b, args, syms, arrays = _program_inputs(name, sample, dtype)
+    out = b.emit(op, args, op.bind_attrs(sample.attrs))
+    program = assemble(b, syms, {"out": out})
+    result = _run(program, arrays)
+    eager = run(name, engine_args(name, sample, dtype, False), sample.attrs)
+    assert_same(result.outputs["out"], eager.numpy())
+    assert result.peak_bytes == result.planned_peak_bytes
+
+
+def _with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str],
+                                                        np.ndarray]:
+    """The op and its VJP with upstream `v` as one program, in float64."""
+    op = OPS[name]
+    b, args, syms, arrays = _program_inputs(name, sample, "float64")
+    wrt = _differentiable(name, sample, syms)
+    if not wrt:
+        pytest.skip("no differentiable float input in this sample")
+    out = b.emit(op, args, op.bind_attrs(sample.attrs))
+    v = b.value(out.meta)
+    grads = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt])
+    outputs = {"out": out, **{f"d{k}": g for k, g in zip(wrt, grads, strict=True)
+                              if g is not None}}
+    program = assemble(b, {**syms, "v": v}, outputs)
+    upstream = np.random.default_rng(7).standard_normal(out.shape).astype(out.dtype)
+    arrays["v"] = upstream
+    return program, arrays, wrt, upstream
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_gradients_are_the_eager_gradients_and_torch(name: str, sample: Sample,
+                                                     backend_name: str) -> None:
+    program, arrays, wrt, upstream = _with_gradients(name, sample)
+    result = _run(program, arrays)
+    assert result.peak_bytes == result.planned_peak_bytes
+
+    eager_in = engine_args(name, sample, "float64", True)
+    eager = run(name, eager_in, sample.attrs)
+    eager.backward(np.asarray(upstream))
+    ref_in = torch_args(name, sample, "float64", True)
+    ref = TORCH[name](torch, *ref_in, **sample.attrs)
+    ref.backward(torch.tensor(upstream))
+    for k in wrt:
+        i = int(k[1:])
+        got = result.outputs.get(f"d{k}", np.zeros(arrays[k].shape))
+        # The same VJP rules: equal up to where the eager plain backward calls NumPy's
+        # operators and the program the op's kernel (pow's literal -0.5 is rsqrt there).
+        np.testing.assert_allclose(got, eager_in[i].grad.numpy(), rtol=1e-14, atol=1e-300,
+                                   equal_nan=True)
+        np.testing.assert_allclose(got, ref_in[i].grad.numpy(), rtol=1e-7, atol=1e-9,
+                                   equal_nan=True)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sample) -> None:
+    """d/dx ⟨∂f/∂x · v, w⟩: the derived backward is differentiated again, as a program,
+    against PyTorch's double backward."""
+    if not sample.second_order:
+        pytest.skip("PyTorch's double backward differs here on purpose (see the sample)")
+    op = OPS[name]
+    b, args, syms, arrays = _program_inputs(name, sample, "float64")
+    wrt = _differentiable(name, sample, syms)
+    if not wrt:
+        pytest.skip("no differentiable float input in this sample")
+    rng = np.random.default_rng(11)
+    out = b.emit(op, args, op.bind_attrs(sample.attrs))
+    v = b.value(out.meta)
+    ws = {k: b.value(syms[k].meta) for k in wrt}
+    firsts = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt],
+                 create_graph=True)
+    total: Any = b.constant(0.0, "float64")
+    for k, g in zip(wrt, firsts, strict=True):
+        if g is not None:
+            total = total + b.call("sum", g * ws[k])
+    seconds = vjp(b, list(b.steps), [(total.slot, b.constant(1.0, "float64"))],
+                  [syms[k].slot for k in wrt])
+    outputs = {f"d{k}": g for k, g in zip(wrt, seconds, strict=True) if g is not None}
+    if not outputs:
+        outputs = {"total": total}
+    program = assemble(b, {**syms, "v": v, **{f"w{k}": w for k, w in ws.items()}}, outputs)
+    arrays["v"] = rng.standard_normal(out.shape).astype(out.dtype)
+    arrays.update({f"w{k}": rng.standard_normal(syms[k].shape) for k in wrt})
+    result = _run(program, arrays)
+    assert result.peak_bytes == result.planned_peak_bytes
+
+    ref_in = torch_args(name, sample, "float64", True)
+    ref = TORCH[name](torch, *ref_in, **sample.attrs)
+    ref_wrt = [ref_in[int(k[1:])] for k in wrt]
+    ref_firsts = torch.autograd.grad(ref, ref_wrt, torch.tensor(arrays["v"]),
+                                     create_graph=True, allow_unused=True)
+    ref_total = sum((torch.sum(g * torch.tensor(arrays[f"w{k}"]))
+                     for g, k in zip(ref_firsts, wrt, strict=True)
+                     if g is not None and g.requires_grad), torch.tensor(0.0, dtype=torch.float64))
+    ref_seconds = (torch.autograd.grad(ref_total, ref_wrt, allow_unused=True)
+                   if ref_total.requires_grad else [None] * len(wrt))
+    for k, ref_g in zip(wrt, ref_seconds, strict=True):
+        expected = np.zeros(arrays[k].shape) if ref_g is None else ref_g.numpy(force=True)
+        got = result.outputs.get(f"d{k}", np.zeros(arrays[k].shape))
+        np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
+                                   err_msg=f"second derivative w.r.t. {k}")
