@@ -20,7 +20,6 @@ from engine.dtypes import bool_, float16, float32, float64, int32, int64
 from engine.errors import GradserveError
 from engine.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from engine.gradcheck import gradcheck
-from engine.memory import MemoryTracker
 from engine.ops import FUNCTIONS, OPS
 from engine.tensor import Tensor, from_numpy, tensor
 
@@ -34,7 +33,6 @@ def __getattr__(name: str) -> Any:  # for type checkers and a clear error on a t
 __all__ = [
     "OPS",
     "GradserveError",
-    "MemoryTracker",
     "Tensor",
     "available_devices",
     "backward",

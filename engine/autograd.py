@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad
-from engine.memory import MemoryTracker, current_tracker
-from engine.memory import _current as _current_tracker
 from engine.shapes import fmt, sum_to_shape
 from engine.tensor import Tensor
 
@@ -41,7 +39,7 @@ Input = tuple[Edge, tuple[int, ...], Any]  # an edge, and the input's shape and 
 class Node:
     """`grad_fn` of a tensor: the op that made it, its input edges and what its VJP reads."""
 
-    __slots__ = ("__weakref__", "attrs", "backend", "inputs", "op", "saved", "tracker")
+    __slots__ = ("__weakref__", "attrs", "backend", "inputs", "op", "saved")
 
     def __init__(
         self, op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend
@@ -67,9 +65,6 @@ class Node:
         # What the VJP reads: input Tensors or numbers, and the raw result (not the result
         # Tensor, which would be a reference cycle through its own grad_fn).
         self.saved: tuple[Any, ...] | None = op.pick_saved(args, out)
-        tracker = self.tracker = _current_tracker.get()
-        if tracker is not None and -1 in op.save_index:
-            tracker.retain(out)
 
     @property
     def edges(self) -> tuple[Edge, ...]:
@@ -91,10 +86,6 @@ class Node:
         return f"<{self.name()}>"
 
     def release(self) -> None:
-        if self.saved is None:
-            return
-        if self.tracker is not None and -1 in self.op.save_index:
-            self.tracker.release(self.saved[self.op.save_index.index(-1)])
         self.saved = None
 
     def apply(self, grad: Any, F: Any, create_graph: bool) -> list[Any]:
@@ -179,29 +170,6 @@ def _implicit_grad(output: Tensor, create_graph: bool) -> Any:
     return ones
 
 
-class _Pending:
-    """Gradients waiting at nodes and leaves, counted by the memory tracker (if any)."""
-
-    def __init__(self, tracker: MemoryTracker | None) -> None:
-        self.grads: dict[Any, Any] = {}
-        self.tracker = tracker
-
-    def add(self, key: Any, g: Any) -> None:
-        old = self.grads.get(key)
-        new = g if old is None else old + g
-        self.grads[key] = new
-        if self.tracker is not None:
-            if old is not None:
-                self.tracker.release(old)
-            self.tracker.retain(new)
-
-    def pop(self, key: Any) -> Any:
-        g = self.grads.pop(key)
-        if self.tracker is not None:
-            self.tracker.release(g)
-        return g
-
-
 def run_backward(
     outputs: Sequence[Tensor],
     grad_outputs: Sequence[Any] | None,
@@ -214,8 +182,7 @@ def run_backward(
     instead of accumulated into leaves' `.grad`. `check` runs before each node (a deadline)."""
     if grad_outputs is not None and len(grad_outputs) != len(outputs):
         raise BackwardError(f"got {len(grad_outputs)} gradients for {len(outputs)} outputs")
-    tracker = None if create_graph else current_tracker()
-    pending = _Pending(tracker)
+    grads: dict[Any, Any] = {}
     roots: list[Any] = []
     for k, out in enumerate(outputs):
         if not out.requires_grad:
@@ -226,7 +193,7 @@ def run_backward(
         g = (_implicit_grad(out, create_graph) if given is None
              else _as_grad(given, out, create_graph))
         key = out.grad_fn if out.grad_fn is not None else out
-        pending.add(key, g)
+        grads[key] = g if key not in grads else grads[key] + g
         roots.append(key)
     roots = list(dict.fromkeys(roots))
 
@@ -256,27 +223,23 @@ def run_backward(
             return
         _accumulate_leaf(leaf, g, create_graph)
 
-    grads = pending.grads
     # With create_graph the pass itself is recorded; otherwise it runs on raw arrays, which
     # record nothing whatever the grad mode.
     with enable_grad() if create_graph else nullcontext():
         for leaf in [r for r in roots if type(r) is not Node]:
-            deliver(leaf, pending.pop(leaf))
+            deliver(leaf, grads.pop(leaf))
         ready = [r for r in roots if type(r) is Node and deps[r] == 0]
         while ready:
             if check is not None:
                 check()
             node = ready.pop()
-            grad = grads.pop(node) if tracker is None else pending.pop(node)
+            grad = grads.pop(node)
             if wanted and id(node) in wanted:
                 results[wanted[id(node)]] = grad
             in_grads = node.apply(grad, F, create_graph)
             del grad
             if not retain_graph:
-                if node.tracker is None:
-                    node.saved = None
-                else:
-                    node.release()
+                node.saved = None
             for inp, g in zip(node.inputs, in_grads, strict=True):
                 if inp is None:
                     continue
@@ -286,10 +249,8 @@ def run_backward(
                         deliver(nxt, g)
                     continue
                 if g is not None:
-                    if tracker is None and nxt not in grads:
-                        grads[nxt] = g  # the common case, without the tracker's bookkeeping
-                    else:
-                        pending.add(nxt, g)
+                    old = grads.get(nxt)
+                    grads[nxt] = g if old is None else old + g
                 left = deps[nxt] - 1
                 deps[nxt] = left
                 if left == 0:

@@ -9,8 +9,6 @@ import numpy as np
 from engine.backends import Backend, get_backend
 from engine.dtypes import DTYPES, FLOATS, check_dtype
 from engine.errors import DTypeError, TensorDataError
-from engine.memory import MemoryTracker
-from engine.memory import _current as _current_tracker
 
 if TYPE_CHECKING:
     from engine.autograd import Node
@@ -20,7 +18,7 @@ class Tensor:
     """A value in the graph. Leaves are made by `tensor()`; every op result records the
     op that made it in `grad_fn` (when grad mode is on and an input requires grad)."""
 
-    __slots__ = ("__weakref__", "_backend", "_tracker", "data", "grad", "grad_fn", "requires_grad")
+    __slots__ = ("__weakref__", "_backend", "data", "grad", "grad_fn", "requires_grad")
     __hash__ = object.__hash__  # `==` builds an `eq` op, as in PyTorch; hashing stays by identity
 
     data: Any
@@ -40,14 +38,6 @@ class Tensor:
         self.requires_grad = requires_grad
         self.grad_fn = grad_fn
         self.grad = None
-        tracker = _current_tracker.get()
-        self._tracker: MemoryTracker | None = tracker
-        if tracker is not None:
-            tracker.retain(data)
-
-    def __del__(self) -> None:
-        if self._tracker is not None:
-            self._tracker.release(self.data)
 
     # ------------------------------------------------------------ properties
     @property

@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import torch
 
+import engine
 from engine.backends import get_backend
 from engine.graph.autodiff import vjp
 from engine.graph.builder import Builder, Sym
 from engine.graph.compiler import assemble
+from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from engine.graph.executor import execute
 from engine.ops import OPS
 from engine.ops.registry import Meta
-from tests.op_samples import TORCH, Sample
+from tests.op_samples import ERRORS, TORCH, Sample
 from tests.test_ops import _cases, _is_float_array, engine_args, run, torch_args
 
 
@@ -170,3 +172,70 @@ def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sa
         got = result.outputs.get(f"d{k}", np.zeros(arrays[k].shape))
         np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
                                    err_msg=f"second derivative w.r.t. {k}")
+
+
+# ---------------------------------------------------------------- the static rules, whole graphs
+
+
+def _compile(nodes: list[NodeSpec], inputs: dict[str, TensorSpec], **kw: Any) -> Any:
+    return compile_graph(GraphSpec(nodes=nodes, outputs=[nodes[-1].id]), inputs, **kw)
+
+
+def test_stack_gives_its_new_dim_the_operand_count() -> None:
+    x = TensorSpec((2, 3), "float32", True)
+    program = _compile([NodeSpec("s", expr="stack(x, y, x, dim=1)")], {"x": x, "y": x},
+                       backward=True, grad_outputs={"s": TensorSpec((2, 3, 3), "float32")})
+    assert program.metas[dict(program.outputs)["s"]].shape == (2, 3, 3)
+    program = _compile([NodeSpec("z", expr="transpose(stack(x, y), dim0=0, dim1=1) @ k")],
+                       {"x": x, "y": x, "k": TensorSpec((3, 4), "float32")})
+    assert program.metas[dict(program.outputs)["z"]].shape == (2, 2, 4)
+
+
+def test_stacking_many_copies_is_planned_at_its_size() -> None:
+    """Fifty copies of a 4 MB tensor are 200 MB, in the plan and in the run."""
+    n = 1 << 20
+    program = _compile([NodeSpec("s", "stack", ["x"] * 50)],
+                       {"x": TensorSpec((n,), "float32")}, no_grad=True)
+    assert program.planned_peak_bytes == 51 * 4 * n
+    result = execute(program, {"x": np.ones(n, np.float32)}, verify=True)
+    assert result.peak_bytes == program.planned_peak_bytes
+
+
+def test_detach_is_its_input_array_and_counted_once() -> None:
+    n = 1000
+    program = _compile([NodeSpec("d", "detach", ["x"]), NodeSpec("y", expr="d * 2")],
+                       {"x": TensorSpec((n,), "float64")}, no_grad=True)
+    assert program.planned_peak_bytes == 2 * 8 * n
+    result = execute(program, {"x": np.ones(n)}, verify=True)
+    assert result.peak_bytes == program.planned_peak_bytes
+
+
+_OPERATORS = {"sub": "__sub__", "neg": "__neg__", "abs": "__abs__"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, op in OPS.items()
+                                        if op.check_args and n in _OPERATORS))
+def test_operators_and_functions_check_the_same(name: str) -> None:
+    """`x - y` and `engine.sub(x, y)` run the same checks: each error sample of an op with
+    its own argument checks fails the same way through the op's operator."""
+    operators = _OPERATORS
+    for err in ERRORS[name]:
+        args = [engine.tensor(a) if isinstance(a, np.ndarray) else a for a in err.args]
+        if err.attrs or len(args) != len(OPS[name].args) or not isinstance(args[0], engine.Tensor):
+            continue
+        with pytest.raises(err.error) as by_function:
+            getattr(engine, name)(*args)
+        with pytest.raises(err.error) as by_operator:
+            getattr(args[0], operators[name])(*args[1:])
+        assert str(by_operator.value) == str(by_function.value)
+
+
+def test_a_hundred_thousand_node_chain_compiles_and_runs() -> None:
+    nodes = [NodeSpec("n0", "mul", ["x", 1.0])]
+    nodes += [NodeSpec(f"n{i}", "add" if i % 2 else "mul", [f"n{i - 1}", 0.5 if i % 2 else 1.0])
+              for i in range(1, 100_000)]
+    program = _compile(nodes, {"x": TensorSpec((), "float64", True)}, backward=True,
+                       limits=Limits(max_nodes=100_000))
+    result = execute(program, {"x": np.float64(2.0)})
+    assert result.outputs["n99999"] == 2.0 + 0.5 * 50_000
+    assert result.gradients["x"] == 1.0 and result.nodes == 100_000

@@ -63,6 +63,7 @@ def run(spec: GraphSpec, inputs: dict[str, Any], *, no_grad: bool = False, backw
                             grad_outputs={k: TensorSpec(a.shape, str(a.dtype))
                                           for k, a in go.items()})
     r = execute(program, arrays, grad_outputs=go, verify=True)
+    assert r.peak_bytes == r.planned_peak_bytes  # the plan is the run, on every graph here
     slots = dict(program.outputs)
     return Result(
         outputs={k: np.asarray(v) for k, v in r.outputs.items()},

@@ -15,12 +15,12 @@ of a program that already holds a `vjp`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from engine.dtypes import FLOATS
-from engine.graph.builder import Builder, Sym, derived
-from engine.graph.ir import Step
-from engine.ops.registry import Meta
+from engine.graph.builder import Builder, Memo, Sym, derived
+from engine.graph.ir import Lit, Step
+from engine.ops.registry import Meta, OpDef
 from engine.shapes import sum_to_shape
 
 
@@ -80,8 +80,74 @@ def _accumulate(b: Builder, pending: dict[int, Sym], slot: int, g: Sym) -> None:
     pending[slot] = g if old is None else b.call("add", old, g)
 
 
+class _Template(NamedTuple):
+    """The steps one VJP emitted, with their slots relative: a new slot as its offset from
+    the first slot the VJP made (>= 0), a value it was given as -1 - its place among the
+    upstream gradient and the saved values; and each active argument's gradient so."""
+
+    steps: tuple[tuple[OpDef, tuple[Any, ...], dict[str, Any], Meta, str], ...]
+    grads: tuple[tuple[int, int], ...]  # (argument slot's index in step.args, slot code)
+
+
+# A step's VJP emits the same steps whenever its op, arguments' metas (and which of them
+# are the same value), literals, attributes and upstream gradient's meta are the same: an
+# unrolled loop's steps are differentiated once and the template replayed.
+_TEMPLATES = Memo(1 << 13)
+
+
 def _step_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[int, Sym]]:
     """(argument slot, its gradient) for each active argument of `step`."""
+    args = step.args
+    metas = b.metas
+    key = (step.op, g.meta, b.create_graph,
+           *[(metas[a], a in active, args.index(a)) if type(a) is int
+             else (type(a.value), a.value) for a in args],  # type: ignore[union-attr]
+           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
+    given = [g.slot, *_saved_slots(step), step.out]
+    template = _TEMPLATES.get(key)
+    if template is None:
+        first_slot, first_step = len(metas), len(b.steps)
+        grads = _emit_vjp(b, step, g, active)
+        template = _record(b, first_slot, first_step, given, grads, args)
+        if template is not None:
+            _TEMPLATES.remember(key, template)
+        return grads
+    base = len(metas)
+    syms = b.syms
+    for op, refs, attrs, meta, kind in template.steps:
+        step_args = tuple([r if type(r) is Lit else (base + r if r >= 0 else given[-1 - r])
+                           for r in refs])
+        slot = b.value(meta).slot
+        b.steps.append(Step(op, step_args, attrs, slot, kind, b.origin))
+    return [(args[i], syms[base + r if r >= 0 else given[-1 - r]])  # type: ignore[misc]
+            for i, r in template.grads]
+
+
+def _saved_slots(step: Step) -> list[int]:
+    return [a for a in step.args if type(a) is int]  # type: ignore[misc]
+
+
+def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
+            grads: list[tuple[int, Sym]], args: tuple[Any, ...]) -> _Template | None:
+    """The template of the steps just emitted, or None if one reads a value it was not
+    given (it would not replay elsewhere)."""
+
+    def code(slot: int) -> int:
+        if slot >= first_slot:
+            return slot - first_slot
+        return -1 - given.index(slot)
+
+    try:
+        steps = tuple((s.op, tuple([a if type(a) is Lit else code(a)  # type: ignore[arg-type]
+                                    for a in s.args]), s.attrs, b.metas[s.out], s.kind)
+                      for s in b.steps[first_step:])
+        codes = tuple((args.index(slot), code(g.slot)) for slot, g in grads)
+    except ValueError:
+        return None
+    return _Template(steps, codes)
+
+
+def _emit_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[int, Sym]]:
     op = step.op
     args = step.args
     saved: list[Any] = []

@@ -37,22 +37,19 @@ class DataDependent(GradserveError):
 class Sym:
     """A value of the program being built."""
 
-    __slots__ = ("b", "dtype", "shape", "slot")
+    __slots__ = ("b", "dtype", "meta", "shape", "slot")
     __hash__ = object.__hash__  # `==` builds an `eq` step, as on Tensors
 
     def __init__(self, b: Builder, slot: int, meta: Meta) -> None:
         self.b = b
         self.slot = slot
+        self.meta = meta
         self.shape = meta.shape
         self.dtype = meta.dtype
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def meta(self) -> Meta:
-        return Meta(self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return f"Sym(slot={self.slot}, shape={self.shape}, dtype={self.dtype})"
@@ -166,30 +163,36 @@ class Builder:
     def emit(self, op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> Sym:
         """Append one step of `op`, with type promotion made explicit (cast steps), as
         `engine.ops.dispatch.apply` promotes at run time. `attrs` must be complete (bound).
-        Raises the op's GradserveError when its shape rule refuses the arguments."""
-        metas = [a.meta if type(a) is Sym else literal_meta(a) for a in args]
-        out = op.infer(metas, **attrs)
-        if self.simplify and op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]:
+        Raises the op's GradserveError when its shape rule refuses the arguments.
+
+        What the shape rule and promotion decide depends only on the op, the arguments'
+        metas and literal values, and the attributes: it is remembered by that signature,
+        so a graph that repeats a layer (an unrolled loop) works it out once."""
+        key = (op, *[a.meta if type(a) is Sym else (type(a), a) for a in args],
+               *[tuple(v) if type(v) is list else v for v in attrs.values()])
+        decided = _DECISIONS.get(key)
+        if decided is None:
+            if args and not any(type(a) is Sym for a in args):
+                return self._on_literals(op, list(args), attrs)
+            decided = _DECISIONS.remember(key, _decide(op, args, attrs))
+        out, casts, same_meta = decided
+        if same_meta and self.simplify:
             return args[0]  # type: ignore[no-any-return]
         values = list(args)
-        if args and not any(type(a) is Sym for a in args):
-            self._materialize(op, values, metas)
-        elif op.promote:
-            promoted = op.promoted(len(values))
-            target = promoted_dtype([metas[i] for i in promoted], op.float_result)
-            for i in promoted:
-                v = values[i]
-                if type(v) is Sym and v.dtype != target:
-                    values[i] = self._cast(v, target)
-        elif op.float_result:
-            for i, v in enumerate(values):
-                if type(v) is Sym and v.dtype not in FLOATS:
-                    values[i] = self._cast(v, DEFAULT_FLOAT)
-        step_args: tuple[Arg, ...] = tuple(
-            v.slot if type(v) is Sym else Lit(v) for v in values)
+        for i, dtype in casts:
+            values[i] = self._cast(values[i], dtype)
+        step_args: tuple[Arg, ...] = tuple([
+            v.slot if type(v) is Sym else Lit(v) for v in values])
         sym = self.value(out)
         self.steps.append(Step(op, step_args, attrs, sym.slot, self.kind, self.origin))
         return sym
+
+    def _on_literals(self, op: OpDef, values: list[Value], attrs: dict[str, Any]) -> Sym:
+        """An op on number literals alone: the literals become 0-d constants first."""
+        metas = [literal_meta(v) for v in values]
+        op.infer(metas, **attrs)  # the op's own error, before any constant is emitted
+        self._materialize(op, values, metas)
+        return self.emit(op, values, attrs)
 
     def _cast(self, v: Sym, dtype: str) -> Sym:
         kind, self.kind = self.kind, CAST if self.kind == NODE else self.kind
@@ -238,6 +241,44 @@ class Builder:
     @staticmethod
     def dtype_of(x: Sym) -> str:
         return x.dtype
+
+
+class Memo(dict[Any, Any]):
+    """Decisions remembered by signature, forgotten all at once past `limit` entries (the
+    signatures that matter repeat within a graph and across the graphs of one client)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, key: Any, value: Any) -> Any:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
+
+
+# (op, argument metas and literals, attributes) -> (result meta, casts, result == input meta)
+_DECISIONS = Memo(1 << 14)
+
+
+def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
+        Meta, tuple[tuple[int, str], ...], bool]:
+    """The shape rule's result, the casts that type promotion inserts (argument index and
+    dtype), and whether the result has the first argument's meta."""
+    metas = [a.meta if type(a) is Sym else literal_meta(a) for a in args]
+    out = op.infer(metas, **attrs)
+    casts: list[tuple[int, str]] = []
+    if op.promote:
+        promoted = op.promoted(len(args))
+        target = promoted_dtype([metas[i] for i in promoted], op.float_result)
+        casts = [(i, target) for i in promoted
+                 if type(args[i]) is Sym and metas[i].dtype != target]
+    elif op.float_result:
+        casts = [(i, DEFAULT_FLOAT) for i, a in enumerate(args)
+                 if type(a) is Sym and a.dtype not in FLOATS]
+    same = op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]
+    return out, tuple(casts), same
 
 
 def derived(b: Builder, *, create_graph: bool) -> _Derived:

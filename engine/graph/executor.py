@@ -21,8 +21,8 @@ from typing import Any
 
 from engine.backends import Backend, get_backend
 from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
+from engine.graph.builder import Memo
 from engine.graph.ir import BACKWARD, Lit, Program, Step
-from engine.graph.plan import uses_ufunc
 from engine.graph.spec import RunResult
 from engine.shapes import fmt
 
@@ -53,31 +53,28 @@ def bind(program: Program, device: str = "cpu") -> Bound:
     for i, step in enumerate(program.steps):
         if step.kind == BACKWARD and split == len(program.steps):
             split = i
-        runs.append(_run(step, program, backend, program.reuse[i], program.frees[i]))
+        runs.append(_run(step, program, backend, program.ufunc[i] and backend.ufuncs is not None,
+                         program.reuse[i], program.frees[i]))
     return Bound(backend, runs[:split], runs[split:])
 
 
-def _run(step: Step, program: Program, backend: Backend, reuse: int,
+def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int,
          frees: tuple[int, ...]) -> Run:
     op = step.op
     slots = step.slots
     if op.returns_input:
         return ALIAS, None, step.out, slots[0], 0, None, frees
-    if backend.ufuncs is not None and uses_ufunc(step, program):
-        fn = _with_literals(getattr(backend.ufuncs, op.ufunc), step.args,  # type: ignore[arg-type]
-                            into=reuse >= 0)
-        if reuse >= 0:
-            code = UNARY_INTO if len(slots) == 1 else BINARY_INTO
-            return code, fn, step.out, slots[0], slots[-1], reuse, frees
-    else:
-        xp = backend.xp
-        kernel = None
-        if op.kernel is not None:
-            metas = [program.metas[a] if type(a) is int else None for a in step.args]
-            kernel = op.kernel(xp, metas, **step.attrs)
-        if kernel is None:
-            kernel = partial(op.forward, xp, **step.attrs)
-        fn = _with_literals(kernel, step.args)
+    metas = program.metas
+    key = (backend, op, ufunc, reuse >= 0,
+           *[metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
+             for a in step.args],
+           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS.remember(key, _kernel(step, program, backend, ufunc, reuse >= 0))
+    if reuse >= 0:
+        code = UNARY_INTO if len(slots) == 1 else BINARY_INTO
+        return code, fn, step.out, slots[0], slots[-1], reuse, frees
     n = len(slots)
     if n == 0:
         return NULLARY, fn, step.out, 0, 0, None, frees
@@ -88,24 +85,68 @@ def _run(step: Step, program: Program, backend: Backend, reuse: int,
     return NARY, fn, step.out, 0, 0, slots, frees
 
 
-def _with_literals(fn: Kernel, args: Sequence[Any], into: bool = False) -> Kernel:
+# A kernel depends only on its op, argument metas, literals and attributes, and how it runs
+# (a ufunc, writing into a buffer): kernels are shared by steps and programs alike.
+_KERNELS = Memo(1 << 14)
+
+
+def _kernel(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool) -> Kernel:
+    op = step.op
+    if ufunc:
+        return _ufunc_kernel(backend, op.ufunc, step, program, into=into)  # type: ignore[arg-type]
+    kernel = None
+    if op.kernel is not None:
+        metas = [program.metas[a] if type(a) is int else None for a in step.args]
+        kernel = op.kernel(backend, metas, **step.attrs)
+    if kernel is None:
+        kernel = partial(op.forward, backend.xp, **step.attrs)
+    return _with_literals(kernel, step.args)
+
+
+# Ufuncs for which f(a, b) == f(b, a) bit for bit, so that a literal may be bound first.
+_COMMUTATIVE = frozenset({"add", "multiply", "maximum", "minimum"})
+
+
+def _ufunc_kernel(backend: Backend, name: str, step: Step, program: Program,
+                  into: bool) -> Kernel:
+    """A ufunc step's kernel. A number literal becomes a 0-d array of the result's dtype
+    (the value NumPy would convert it to, without converting it on every call) and is bound
+    first where that computes the same (a - v is a + (-v) exactly)."""
+    ufuncs, xp = backend.ufuncs, backend.xp
+    fn = getattr(ufuncs, name)
+    args = step.args
+    if len(args) != 2 or all(type(a) is int for a in args):
+        return fn
+    dtype = backend.dtype(program.metas[step.out].dtype)
+    lit, first = (args[1], False) if type(args[1]) is Lit else (args[0], True)
+    value = lit.value  # type: ignore[union-attr]
+    if not first and name == "subtract":
+        fn, value, first = ufuncs.add, -value, True
+    elif not first and name in _COMMUTATIVE:
+        first = True
+    v = xp.asarray(value, dtype=dtype)
+    if first:
+        return partial(fn, v)
+    return (lambda a, out: fn(a, v, out=out)) if into else (lambda a: fn(a, v))
+
+
+def _with_literals(fn: Kernel, args: Sequence[Any]) -> Kernel:
     """`fn` over all of a step's arguments, as a kernel over its slots alone: the number
-    literals are bound in. `into`: the kernel also takes `out=`, the buffer to write."""
+    literals are bound in."""
     if all(type(a) is int for a in args):
         return fn
     values = [a.value if type(a) is Lit else None for a in args]
     if len(args) == 2:
         if type(args[1]) is Lit:
             v = values[1]
-            return (lambda a, out: fn(a, v, out=out)) if into else (lambda a: fn(a, v))
+            return lambda a: fn(a, v)
         if type(args[0]) is Lit:
-            v = values[0]
-            return (lambda b, out: fn(v, b, out=out)) if into else (lambda b: fn(v, b))
+            return partial(fn, values[0])
     is_slot = [type(a) is int for a in args]
 
-    def kernel(*arrays: Any, **out: Any) -> Any:
+    def kernel(*arrays: Any) -> Any:
         it = iter(arrays)
-        return fn(*[next(it) if s else v for s, v in zip(is_slot, values, strict=True)], **out)
+        return fn(*[next(it) if s else v for s, v in zip(is_slot, values, strict=True)])
 
     return kernel
 

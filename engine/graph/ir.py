@@ -72,6 +72,7 @@ class Program:
     # Filled in by the planner (engine.graph.plan):
     frees: list[tuple[int, ...]] = field(default_factory=list)  # per step: slots last used
     reuse: list[int] = field(default_factory=list)  # per step: slot whose buffer it writes, or -1
+    ufunc: list[bool] = field(default_factory=list)  # per step: runs as the backend's ufunc
     planned_peak_bytes: int = 0
     flops: int = 0
     bytes_moved: int = 0

@@ -12,8 +12,10 @@ to it).
 
 from __future__ import annotations
 
+from engine.dtypes import ITEMSIZE
 from engine.graph.ir import BYTE_COST, Program, Step
-from engine.ops.registry import literal_meta, nbytes
+from engine.ops.registry import Meta, literal_meta
+from engine.shapes import numel
 
 # Result dtypes that compiled programs compute with the backend's ufuncs directly (the
 # others, float16 above all, keep the ops' own forwards: PyTorch computes float16 with
@@ -21,13 +23,14 @@ from engine.ops.registry import literal_meta, nbytes
 UFUNC_DTYPES = frozenset({"float32", "float64"})
 
 
-def uses_ufunc(step: Step, program: Program) -> bool:
+def uses_ufunc(step: Step, metas: list[Meta]) -> bool:
     """Whether `step` runs as a backend ufunc on operands of its result's dtype."""
     if step.op.ufunc is None:
         return False
-    dtype = program.metas[step.out].dtype
-    return dtype in UFUNC_DTYPES and all(
-        program.metas[a].dtype == dtype for a in step.args if type(a) is int)
+    dtype = metas[step.out].dtype
+    if dtype not in UFUNC_DTYPES:
+        return False
+    return all(metas[a].dtype == dtype for a in step.args if type(a) is int)
 
 
 def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
@@ -36,8 +39,8 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     metas = program.metas
     kept = _needed(program)
     program.steps = kept
-    held = {*program.inputs.values(), *program.grad_inputs.values(),
-            *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
+    given = {*program.inputs.values(), *program.grad_inputs.values()}
+    held = {*given, *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     if record:
         program.held = _saved(program, kept)
     held |= program.held
@@ -45,54 +48,65 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     end = len(kept)
     last_use: dict[int, int] = {}
     root: dict[int, int] = {}  # a slot that is another's very array (detach) -> that slot
+    viewed: set[int] = set()  # slots that some result may share memory with
     for i, step in enumerate(kept):
         for a in step.args:
             if type(a) is int:
                 last_use[a] = i
-        if step.op.returns_input:
-            base = step.args[0]
-            root[step.out] = root.get(base, base)  # type: ignore[arg-type]
+        op = step.op
+        if op.views_input:
+            viewed.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
+            if op.returns_input:
+                base = step.args[0]
+                root[step.out] = root.get(base, base)  # type: ignore[arg-type]
     for slot in held:
         last_use[slot] = end
     for alias, base in root.items():  # an array lives while any slot holding it does
         last_use[base] = max(last_use.get(base, -1), last_use.get(alias, -1))
-
-    sizes = [nbytes(m) for m in metas]
-    viewed = {a for s in kept if s.op.views_input for a in s.args if type(a) is int}
-    fresh: set[int] = set()  # slots whose buffer a ufunc made and nothing else shares
     frees: list[list[int]] = [[] for _ in kept]
     for slot, i in last_use.items():
         if i < end:
             frees[i].append(slot)
+
+    numels = [numel(m.shape) for m in metas]
+    sizes = [n * ITEMSIZE[m.dtype] for n, m in zip(numels, metas, strict=True)]
+    program.ufunc = ufunc = [ufuncs and uses_ufunc(step, metas) for step in kept]
+    fresh: set[int] = set()  # slots whose buffer a ufunc made and nothing else shares
     reuse = [-1] * end
     counted = [0] * len(metas)  # the bytes a slot releases when it is freed
-    live = sum(sizes[s] for s in {*program.inputs.values(), *program.grad_inputs.values()})
-    for s in {*program.inputs.values(), *program.grad_inputs.values()}:
-        counted[s] = sizes[s]
+    live = 0
+    for slot in given:
+        counted[slot] = sizes[slot]
+        live += sizes[slot]
     peak = live
     for i, step in enumerate(kept):
         out = step.out
-        if step.op.returns_input:
-            pass  # the same array: no new bytes
-        else:
-            r = _reusable(step, i, program, ufuncs, fresh, viewed, held, last_use) \
-                if ufuncs else -1
+        if not step.op.returns_input:  # (which adds no bytes: it is its input's array)
+            r = -1
+            if ufunc[i] and metas[out].shape:  # (a 0-d result is a scalar, not a buffer)
+                meta = metas[out]
+                for a in step.args:
+                    if (type(a) is int and a in fresh and last_use.get(a) == i
+                            and a not in held and metas[a] == meta):
+                        r = a
+                        break
+                if out not in viewed:
+                    fresh.add(out)
             if r >= 0:
                 reuse[i] = r
                 counted[out], counted[r] = counted[r], 0
             else:
                 counted[out] = sizes[out]
                 live += sizes[out]
-                peak = max(peak, live)
-            if ufuncs and uses_ufunc(step, program) and out not in viewed:
-                fresh.add(out)
-        for s in frees[i]:
-            live -= counted[s]
-            counted[s] = 0
+                if live > peak:
+                    peak = live
+        for slot in frees[i]:
+            live -= counted[slot]
+            counted[slot] = 0
     program.frees = [tuple(f) for f in frees]
     program.reuse = reuse
     program.planned_peak_bytes = peak
-    _price(program)
+    _price(program, numels, sizes)
 
 
 def _needed(program: Program) -> list[Step]:
@@ -126,29 +140,24 @@ def _saved(program: Program, steps: list[Step]) -> set[int]:
     return held
 
 
-def _reusable(step: Step, i: int, program: Program, ufuncs: bool, fresh: set[int],
-              viewed: set[int], held: set[int], last_use: dict[int, int]) -> int:
-    """An operand whose buffer this ufunc step may write its result into: it dies here,
-    has the result's shape and dtype, was made by a ufunc, and nothing views it."""
-    meta = program.metas[step.out]
-    if not meta.shape or not uses_ufunc(step, program):
-        return -1  # a 0-d result is a NumPy scalar, not a buffer
-    for a in step.args:
-        if (type(a) is int and a in fresh and last_use.get(a) == i and a not in held
-                and a not in viewed and program.metas[a] == meta):
-            return a  # type: ignore[return-value]
-    return -1
-
-
-def _price(program: Program) -> None:
+def _price(program: Program, numels: list[int], sizes: list[int]) -> None:
     """The static cost of every step, in total and by the client node it serves."""
     metas = program.metas
     flops = moved = 0
     by_node: dict[str, int] = {}
     for step in program.steps:
-        args = [metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
-                for a in step.args]
-        f, b = step.op.static_cost(args, metas[step.out], step.attrs)
+        op = step.op
+        if op.cost is None:  # the default rule, from the sizes already known
+            out = step.out
+            f, b = numels[out], sizes[out]
+            for a in step.args:
+                if type(a) is int:
+                    f += numels[a]
+                    b += sizes[a]
+        else:
+            args = [metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
+                    for a in step.args]
+            f, b = op.cost(args, metas[step.out], **step.attrs)
         flops += f
         moved += b
         key = step.origin or "<graph>"

@@ -57,6 +57,7 @@ def unary(
     check_args: Any = None,
     ufunc: str | None = None,
     views_input: bool = False,
+    kernel: Any = None,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -72,6 +73,7 @@ def unary(
         check_args=check_args,
         ufunc=ufunc,
         views_input=views_input,
+        kernel=kernel,
     )
 
 

@@ -141,6 +141,9 @@ def binary_operator(op: OpDef, reflected: bool) -> Any:
     general path, which is most of the per-op cost on small tensors."""
     forward = op.forward
     float_result = op.float_result
+    # Ops with their own argument checks (sub refuses bool) take `apply`'s one path, so
+    # that `x - y` and `engine.sub(x, y)` can never disagree.
+    checked = op.check_args is not None
 
     def method(self: Tensor, other: Any) -> Tensor:
         backend = self._backend
@@ -156,7 +159,7 @@ def binary_operator(op: OpDef, reflected: bool) -> Any:
             fast = kind is float and data.dtype in backend.float_dtypes
             other_raw = other
         args = (other, self) if reflected else (self, other)
-        if fast:
+        if fast and not checked:
             try:
                 out = (forward(backend.xp, other_raw, data) if reflected
                        else forward(backend.xp, data, other_raw))

@@ -64,8 +64,25 @@ def _square_infer(metas: list[Meta]) -> Meta:
 
 
 def _sigmoid(xp: Any, x: Any) -> Any:
-    e = xp.exp(-xp.abs(x))  # never overflows: exp of a non-positive number
-    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    # PyTorch's formula: exp(-x) may overflow to inf for very negative x, and then the
+    # result is exactly 0, as there.
+    return 1.0 / (1.0 + xp.exp(-x))
+
+
+def _sigmoid_kernel(backend: Any, metas: list[Meta]) -> Any:
+    """The same four operations, in one buffer."""
+    uf = backend.ufuncs
+    if uf is None or metas[0].dtype not in ("float32", "float64") or not metas[0].shape:
+        return None  # (a 0-d result is a NumPy scalar: no buffer to write into)
+    one = backend.xp.asarray(1.0, dtype=backend.dtype(metas[0].dtype))
+
+    def sigmoid(x: Any) -> Any:
+        t = uf.negative(x)
+        uf.exp(t, out=t)
+        uf.add(one, t, out=t)
+        return uf.divide(one, t, out=t)
+
+    return sigmoid
 
 
 _SOFTPLUS_THRESHOLD = 20.0  # PyTorch's default: above it softplus(x) is x
@@ -152,8 +169,9 @@ register(
           save=("result",), float_result=True, ufunc="tan"),
     unary("tanh", "Hyperbolic tangent.", lambda xp, x: xp.tanh(x),
           lambda F, g, r: g * (1.0 - r * r), save=("result",), float_result=True, ufunc="tanh"),
-    unary("sigmoid", "1 / (1 + exp(-x)), stable for large |x|.", _sigmoid,
-          lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True),
+    unary("sigmoid", "1 / (1 + exp(-x)), as PyTorch computes it.", _sigmoid,
+          lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True,
+          kernel=_sigmoid_kernel),
     unary("relu", "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",
           lambda xp, x: xp.where(x <= 0, xp.zeros_like(x), x),
           _relu_vjp, save=("result",),

@@ -96,6 +96,11 @@ def _factorization_cost(factor: float) -> Any:
     return cost
 
 
+def _matmul_kernel(backend: Any, metas: list[Meta | None]) -> Any:
+    # The checks (tensors of one dtype, not bool, shapes that match) were the shape rule's.
+    return backend.xp.matmul
+
+
 def _as_matrices(F: Any, g: Any, a: Any, b: Any) -> tuple[Any, Any, Any]:
     """The operands and the gradient with 1-D operands promoted to matrices, as matmul does."""
     sa, sb = tuple(a.shape), tuple(b.shape)
@@ -327,6 +332,26 @@ def _transpose(xp: Any, x: Any, *, dim0: int, dim1: int) -> Any:
     return xp.permute_dims(x, tuple(_transpose_dims(len(x.shape), dim0, dim1)))
 
 
+def _permute_kernel(xp: Any, perm: list[int]) -> Any:
+    """permute_dims with the permutation fixed (the identity is the input itself, as
+    NumPy's view; swapping the last two dims is the standard's `.mT`)."""
+    n = len(perm)
+    if perm == list(range(n)):
+        return lambda x: x
+    if n >= 2 and perm == [*range(n - 2), n - 1, n - 2]:
+        return lambda x: x.mT
+    axes, permute_dims = tuple(perm), xp.permute_dims
+    return lambda x: permute_dims(x, axes)
+
+
+def _transpose_kernel(backend: Any, metas: list[Meta], *, dim0: int, dim1: int) -> Any:
+    return _permute_kernel(backend.xp, _transpose_dims(len(metas[0].shape), dim0, dim1))
+
+
+def _permute_dims_kernel(backend: Any, metas: list[Meta], *, dims: list[int]) -> Any:
+    return _permute_kernel(backend.xp, _permutation(len(metas[0].shape), dims))
+
+
 def _transpose_infer(metas: list[Meta], *, dim0: int, dim1: int) -> Meta:
     (m,) = metas
     perm = _transpose_dims(len(m.shape), dim0, dim1)
@@ -542,6 +567,7 @@ register(
             "both operands must have one dtype.",
         args=("input", "other"), forward=_matmul, infer=_matmul_infer,
         vjp=(_matmul_vjp_a, _matmul_vjp_b), save=("input", "other"), cost=_matmul_cost,
+        kernel=_matmul_kernel,
     ),
     OpDef(
         name="einsum", group="linear algebra",
@@ -555,6 +581,7 @@ register(
     OpDef(
         name="transpose", group="linear algebra", doc="Swap two dims.",
         args=("input",), views_input=True, forward=_transpose, infer=_transpose_infer,
+        kernel=_transpose_kernel,
         vjp=(lambda F, g, *, dim0, dim1: F.transpose(g, dim0=dim0, dim1=dim1),),
         attrs={"dim0": Attr("int", doc="a dim"), "dim1": Attr("int", doc="the other dim")},
         positional_attrs=("dim0", "dim1"),
@@ -563,7 +590,7 @@ register(
         name="permute", group="linear algebra", doc="Reorder all dims.",
         args=("input",), views_input=True,
         forward=lambda xp, x, *, dims: xp.permute_dims(x, tuple(_permutation(x.ndim, dims))),
-        infer=_permute_infer, vjp=(_permute_vjp,),
+        infer=_permute_infer, kernel=_permute_dims_kernel, vjp=(_permute_vjp,),
         attrs={"dims": Attr("ints", doc="the new order of the dims")},
         positional_attrs=("dims",),
     ),

@@ -59,6 +59,18 @@ def _sum(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     return xp.sum(x, axis=axes, keepdims=keepdim, dtype=out_dtype)
 
 
+def _sum_kernel(backend: Any, metas: list[Meta], *, dim: Any, keepdim: bool) -> Any:
+    """A floating sum over axes fixed in advance (NumPy's sum is its add.reduce)."""
+    if metas[0].dtype not in FLOATS:
+        return None
+    axes = normalize_dims(dim, len(metas[0].shape))
+    if backend.ufuncs is not None:
+        reduce = backend.ufuncs.add.reduce
+        return lambda x: reduce(x, axis=axes, keepdims=keepdim)
+    total = backend.xp.sum
+    return lambda x: total(x, axis=axes, keepdims=keepdim)
+
+
 def _sum_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     shape = tuple(x.shape)
     return expand_reduced(F, g, shape, normalize_dims(dim, len(shape)), keepdim)
@@ -307,6 +319,7 @@ register(
         name="sum", group="reductions", doc="Sum over dims (integers sum as int64).",
         args=("input",), forward=_sum, infer=reduction_infer(_sum_dtype),
         vjp=(_sum_vjp,), save=("input",), attrs={"dim": DIM, "keepdim": KEEPDIM},
+        kernel=_sum_kernel,
         positional_attrs=("dim", "keepdim"),
     ),
     OpDef(

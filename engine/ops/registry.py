@@ -132,17 +132,18 @@ class OpDef:
     check_args: Callable[..., None] | None = None
     # The static cost of one call: `cost(metas, out, **attrs) -> (flops, bytes)`, from the
     # arguments' and the result's metas. None: one operation per element read or written,
-    # and every input and output byte touched once (right for elementwise ops and
-    # reductions).
+    # and every input and output byte touched once, right for elementwise ops and
+    # reductions (engine.graph.plan computes it from the sizes it already has).
     cost: Callable[..., tuple[int, int]] | None = None
     # The backend ufunc that computes this op on operands already promoted to its result
     # dtype (elementwise ops): compiled programs call it directly, and may let it write
     # into the buffer of an operand that dies at this step.
     ufunc: str | None = None
-    # A forward specialised on static metas, for compiled programs: `kernel(xp, metas,
-    # **attrs)` returns a callable on the step's arguments, or None to use `forward`. It
-    # computes exactly what `forward` does, with the decisions that depend only on shapes,
-    # dtypes and attributes made once.
+    # A forward specialised on static metas, for compiled programs: `kernel(backend, metas,
+    # **attrs)` returns a callable on the step's arguments (metas: None for a literal), or
+    # None to use `forward`. It computes exactly what `forward` does, with the decisions
+    # that depend only on shapes, dtypes and attributes made once (checks included: the
+    # compiler ran the shape rule).
     kernel: Callable[..., Callable[..., Array] | None] | None = None
 
     # Derived once at registration.
@@ -191,15 +192,6 @@ class OpDef:
         if self.variadic:
             return True
         return self.vjp[i] is not None  # type: ignore[index]
-
-    def static_cost(
-        self, metas: Sequence[Meta], out: Meta, attrs: dict[str, Any]
-    ) -> tuple[int, int]:
-        """(flops, bytes) of one call on these metas."""
-        if self.cost is not None:
-            return self.cost(metas, out, **attrs)
-        elements = numel(out.shape) + sum(numel(m.shape) for m in metas if not m.literal)
-        return elements, nbytes(out) + sum(nbytes(m) for m in metas if not m.literal)
 
     def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
         """Validate attributes against the declaration and fill in defaults."""
