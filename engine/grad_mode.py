@@ -2,7 +2,8 @@
 
 It lives in a ContextVar, not a threading.local: the server's thread pool
 reuses threads, and a thread-local flag set by one request leaks into the
-next request that lands on that thread (see PITFALLS.md).
+next request that lands on that thread. anyio runs each job in a copy of the
+caller's context, so a ContextVar set inside a job does not leak.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ with no traceback, logged with the request id.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from http import HTTPStatus
@@ -25,6 +26,7 @@ from engine.errors import (
     AttributeError_,
     BackwardError,
     Cancelled,
+    ComputeBudgetError,
     DeadlineExceeded,
     DeviceUnavailableError,
     DTypeError,
@@ -37,9 +39,16 @@ from engine.errors import (
     UnknownOpError,
     ValidationErrors,
 )
+from engine.graph.spec import Limits
 
 PROBLEM_JSON = "application/problem+json"
 TYPE_PREFIX = "urn:gradserve:problem:"
+
+# A problem echoes the request (ids, names, messages that quote them), and a request may
+# hold a megabyte-long id: what is echoed is capped, with the original length noted.
+MAX_TEXT_CHARS = 1000  # `detail`, each `errors[].msg`
+MAX_NAME_CHARS = 256  # `node`, each string in an `errors[].loc`
+MAX_ERRORS = Limits.max_errors  # as many as the engine reports from one validation pass
 
 # engine error class -> (status, problem type slug, title). Looked up along the MRO.
 ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
@@ -54,6 +63,7 @@ ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
     DeviceUnavailableError: (422, "device-unavailable", "Device unavailable"),
     BackwardError: (422, "backward", "Invalid backward request"),
     MemoryBudgetError: (422, "memory-budget", "Planned memory over budget"),
+    ComputeBudgetError: (422, "compute-budget", "Planned compute over budget"),
     DeadlineExceeded: (504, "timeout", "Request timed out"),
     Cancelled: (503, "cancelled", "Request cancelled"),
     GradserveError: (422, "invalid-request", "Invalid request"),
@@ -115,12 +125,12 @@ def problem_body(
         "type": TYPE_PREFIX + slug,
         "title": title,
         "status": status,
-        "detail": detail,
+        "detail": capped(detail, MAX_TEXT_CHARS),
     }
     if node is not None:
-        body["node"] = node
+        body["node"] = capped(node, MAX_NAME_CHARS)
     if errors is not None:
-        body["errors"] = list(errors)
+        body["errors"] = [_capped_error(e) for e in itertools.islice(errors, MAX_ERRORS)]
     body.update(extra)
     if request_id is not None:
         body["request_id"] = request_id
@@ -130,6 +140,22 @@ def problem_body(
         # orjson refuses integers past 64 bits: the planned bytes of a request that asks
         # for shape [2**31, 2**31] of float32 is 2**64. The standard library writes any int.
         return json.dumps(body, default=str, allow_nan=False).encode()
+
+
+def capped(text: str, limit: int) -> str:
+    """`text`, or its first `limit` characters and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text)} characters)"
+
+
+def _capped_error(error: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(error)
+    if isinstance(out.get("msg"), str):
+        out["msg"] = capped(out["msg"], MAX_TEXT_CHARS)
+    if isinstance(out.get("loc"), list | tuple):
+        out["loc"] = [capped(p, MAX_NAME_CHARS) if isinstance(p, str) else p for p in out["loc"]]
+    return out
 
 
 def problem_response(
@@ -180,6 +206,9 @@ def engine_problem(err: GradserveError) -> tuple[int, str, str, dict[str, Any]]:
     if isinstance(first, MemoryBudgetError):
         fields["planned_bytes"] = first.planned_bytes
         fields["budget_bytes"] = first.budget_bytes
+    if isinstance(first, ComputeBudgetError):
+        fields["compute_cost"] = first.cost
+        fields["compute_budget"] = first.budget
     return status, slug, title, fields
 
 
@@ -189,12 +218,22 @@ def engine_error_response(err: GradserveError, request_id: str | None) -> Respon
 
 
 def pydantic_errors(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:
-    """`{loc, msg}` pairs, without the union tags our schemas use to tell tensor forms apart."""
+    """`{loc, msg}` pairs, without the union tags our schemas use to tell tensor forms apart,
+    and in JSON's words for its containers."""
     out = []
     for e in exc.errors():
         loc = [part for part in e["loc"] if part not in _UNION_TAGS]
-        out.append({"loc": loc, "msg": e["msg"]})
+        out.append({"loc": loc, "msg": _JSON_WORDS.get(e["type"], e["msg"])})
     return out
+
+
+# Bodies are validated as the Python data their strict parse gave, where pydantic speaks
+# of dictionaries, model instances and lists; the client sent JSON objects and arrays.
+_JSON_WORDS = {
+    "model_type": "Input should be an object",
+    "dict_type": "Input should be an object",
+    "list_type": "Input should be a valid array",
+}
 
 
 # Tags of the tagged unions in schemas.py; they are not part of the user's document.

@@ -121,7 +121,10 @@ REJECTION_REASONS = (
     "concurrency",  # 503: all compute slots busy
     "inflight_memory",  # 503: the in-flight memory budget is full
     "memory_budget",  # 422: the plan is over the per-request budget
+    "compute_budget",  # 422: the plan's compute cost is over the budget
     "body_size",  # 413
     "unauthorized",  # 401
     "timeout",  # 504
+    "connections",  # 503: over the open-connection cap (service/protocol.py)
+    "request_timeout",  # 408: the request head or body came too slowly (service/protocol.py)
 )

@@ -21,9 +21,9 @@ import anyio
 import numpy as np
 from pydantic import ValidationError
 
-import engine
-from engine.backends import parse_device
+from engine.backends import get_backend, parse_device
 from engine.errors import (
+    ComputeBudgetError,
     DeadlineExceeded,
     GradserveError,
     MemoryBudgetError,
@@ -151,7 +151,7 @@ class Runner:
             started=started,
         )
         p.key = (req.graph.model_dump_json(), _spec_key(inputs), _spec_key(grad_outputs),
-                 p.no_grad, p.backward)
+                 p.no_grad, p.backward, p.device)
         p.program = self.programs.get(p.key)
         return p
 
@@ -160,7 +160,7 @@ class Runner:
             p.program = self._compile(
                 p.req.graph, _specs(p.inputs),
                 None if p.grad_outputs is None else _specs(p.grad_outputs),
-                p.no_grad, p.backward,
+                p.no_grad, p.backward, p.device,
             )
             self.programs.put(p.key, p.program)
         return self._execute(p, deadline, cancel)
@@ -176,12 +176,11 @@ class Runner:
             try:
                 result = execute(
                     program,
-                    _tensors(p.inputs, p.device),
+                    _arrays(p.inputs, p.device),
                     grad_outputs=None if p.grad_outputs is None
-                    else _tensors(p.grad_outputs, p.device),
+                    else _arrays(p.grad_outputs, p.device),
                     deadline=deadline,
                     cancel=cancel,
-                    device=p.device,
                 )
             except DeadlineExceeded:
                 self.metrics.rejected["timeout"].inc()
@@ -189,7 +188,7 @@ class Runner:
             measured.observe(result.peak_bytes)
             result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
             return encode_result(
-                result, device=p.device, no_grad=p.no_grad, encoding=p.req.encoding
+                program, result, device=p.device, no_grad=p.no_grad, encoding=p.req.encoding
             )
         finally:
             self.admission.release(program.planned_peak_bytes)
@@ -201,6 +200,7 @@ class Runner:
         grad_outputs: dict[str, TensorSpec] | None,
         no_grad: bool,
         backward: bool,
+        device: str,
     ) -> Program:
         s = self.settings
         budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
@@ -209,13 +209,19 @@ class Runner:
                 graph_spec(graph),
                 inputs,
                 limits=Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
-                              expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget),
+                              expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget,
+                              compute_budget=s.compute_budget, max_inputs=s.max_inputs,
+                              max_id_chars=s.max_id_chars),
                 no_grad=no_grad,
                 backward=backward,
                 grad_outputs=grad_outputs,
+                device=device,
             )
         except MemoryBudgetError:
             self.metrics.rejected["memory_budget"].inc()
+            raise
+        except ComputeBudgetError:
+            self.metrics.rejected["compute_budget"].inc()
             raise
 
 
@@ -271,16 +277,18 @@ class ProgramCache:
 
 
 def parse_body(body: bytes, model: type[ForwardRequest | BackwardRequest]) -> Any:
-    """One pass of pydantic-core over the raw bytes: malformed JSON is 400, schema 422."""
+    """Strict JSON (RFC 8259: no bare NaN or Infinity) parsed once by pydantic-core, then
+    validated: malformed JSON is 400, schema errors 422."""
     if not body or body.isspace():  # not `strip()`: a copy of a body that may be 64 MiB
         raise ProblemError("malformed-json", "the request body is empty; send a JSON object")
     try:
-        return model.model_validate_json(body)
+        data = codec.loads(body)
+    except codec.JSONError as exc:
+        raise ProblemError("malformed-json", f"the body is not valid JSON: {exc}",
+                           errors=[{"loc": [], "msg": str(exc)}]) from None
+    try:
+        return model.model_validate(data)
     except ValidationError as exc:
-        for e in exc.errors():
-            if e["type"] == "json_invalid":
-                raise ProblemError("malformed-json", f"the body is not valid JSON: {e['msg']}",
-                                   errors=[{"loc": [], "msg": e["msg"]}]) from None
         raise schema_problem(pydantic_errors(exc)) from None
 
 
@@ -328,24 +336,27 @@ def _spec_key(decoded: Decoded | None) -> Hashable:
     return tuple([(name, a.shape, a.dtype, rg) for name, (a, rg) in decoded.items()])
 
 
-def _tensors(decoded: Decoded, device: str) -> dict[str, engine.Tensor]:
-    return {
-        name: engine.from_numpy(a, requires_grad=rg, device=device)  # decoded: ours to share
-        for name, (a, rg) in decoded.items()
-    }
+def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
+    """The decoded host arrays on the request's device (on the CPU: the arrays themselves)."""
+    backend = get_backend(device)
+    return {name: backend.from_host(a) for name, (a, _) in decoded.items()}
 
 
-def encode_result(result: RunResult, *, device: str, no_grad: bool, encoding: str) -> bytes:
+def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
+                  encoding: str) -> bytes:
+    to_host = get_backend(device).to_host
+    slots = dict(program.outputs)
     outputs = {}
-    for name, t in result.outputs.items():
-        entry = codec.encode_tensor(t.numpy(), encoding)
-        entry["requires_grad"] = t.requires_grad
-        entry["grad_fn"] = t.grad_fn.name() if t.grad_fn is not None else None
+    for name, value in result.outputs.items():
+        entry = codec.encode_tensor(np.asarray(to_host(value)), encoding)
+        entry["requires_grad"] = program.requires_grad[slots[name]]
+        entry["grad_fn"] = program.grad_fn[slots[name]]
         outputs[name] = entry
     content: dict[str, Any] = {"outputs": outputs}
     if result.gradients is not None:
         content["gradients"] = {
-            name: codec.encode_tensor(g.numpy(), encoding) for name, g in result.gradients.items()
+            name: codec.encode_tensor(np.asarray(to_host(g)), encoding)
+            for name, g in result.gradients.items()
         }
     content["meta"] = {
         "device": device,
@@ -353,6 +364,7 @@ def encode_result(result: RunResult, *, device: str, no_grad: bool, encoding: st
         "nodes": result.nodes,
         "peak_bytes": result.peak_bytes,
         "planned_peak_bytes": result.planned_peak_bytes,
+        "compute_cost": program.compute_cost,
         "timings_ms": result.timings_ms,
     }
     return codec.dumps(content)

@@ -1,4 +1,4 @@
-"""Wire models (DESIGN.md's JSON shapes). Unknown fields are refused at every level, and
+"""Wire models (the JSON shapes of docs/contract.md). Unknown fields are refused at every level, and
 booleans are strict (`"true"` or `1` is not `true`): typos must not pass silently."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ TensorData = Annotated[
     Any,
     WithJsonSchema(
         {"anyOf": [_NUMBER_OR_NONFINITE, {"type": "array", "items": {}}],
-         "description": "a number, \"NaN\"/\"Infinity\"/\"-Infinity\", or nested lists of them"}
+         "description": "a number, \"NaN\"/\"Infinity\"/\"-Infinity\" (strings: bare NaN and "
+                        "Infinity are not JSON), or nested lists of them"}
     ),
 ]
 

@@ -1,4 +1,5 @@
-"""Service settings, read from `GRADSERVE_*` environment variables (DESIGN.md fixes the names)."""
+"""Service settings, read from `GRADSERVE_*` environment variables (the names are part of
+the contract: docs/contract.md)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,26 @@ class Settings(BaseSettings):
     # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
     default_device: str = "cpu"
+
+    # Compute: the static cost of a request's program (forward and backward), in cost units
+    # (flop-equivalents: floating-point operations plus 8 per byte read or written), is
+    # checked against this before anything runs. 5e12 is about 50 s of this 2-core
+    # machine's BLAS: what the default time limit could let run.
+    compute_budget: float = Field(5e12, gt=0)
+    # Compiled programs kept for repeated graphs, bounded by their estimated bytes.
+    program_cache_bytes: int = Field(256 * MiB, ge=0)
+    # Request shape limits (checked before compiling).
+    max_inputs: int = Field(10_000, ge=1)
+    max_id_chars: int = Field(256, ge=1)
+
+    # Connections (enforced by the HTTP protocol, before the app sees a request).
+    header_timeout_s: float = Field(10.0, gt=0)
+    body_timeout_s: float = Field(10.0, gt=0)
+    body_min_rate_bytes_s: int = Field(65536, ge=0)
+    max_connections: int = Field(512, ge=1)
+    # On SIGTERM: how long requests in flight may finish before they are cut off (503).
+    # Under `docker stop`'s 10 s, so they are cut off with an answer rather than killed.
+    graceful_shutdown_s: int = Field(8, ge=1)
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -1,5 +1,5 @@
-"""DESIGN.md's two seed examples as request bodies, shared by the API, integration and
-image tests."""
+"""The two seed examples of docs/contract.md as request bodies, shared by the API,
+integration and image tests."""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ import torch
 
 import engine
 from engine.backends import get_backend
+from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from engine.graph.autodiff import vjp
 from engine.graph.builder import Builder, Sym
 from engine.graph.compiler import assemble
-from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from engine.graph.executor import execute
 from engine.ops import OPS
 from engine.ops.registry import Meta

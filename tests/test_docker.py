@@ -4,7 +4,8 @@ The image is built once for this module (`docker build --network host --build-ar
 BASE_IMAGE=$GRADSERVE_TEST_BASE_IMAGE`) and run with host networking on a free
 loopback port. The tests skip where no base image is given or no Docker daemon
 answers; in CI (`CI=true`) with a base image given, a missing daemon or tool fails
-them instead. `.ci/run` provides the base image through `../shared/docker/local-base.sh`.
+them instead. `.ci/run` sets `GRADSERVE_TEST_BASE_IMAGE` where the CI environment provides
+a local base image.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ CATALOG = """add sub mul div pow neg maximum minimum abs sign exp log log1p expm
 reciprocal sin cos tan tanh sigmoid relu softplus clamp eq ne lt le gt ge where sum mean prod
 max min logsumexp var softmax log_softmax matmul einsum transpose permute det inv solve cross
 reshape expand squeeze unsqueeze flatten cat stack slice index_select gather scatter_add cast
-detach zeros ones full eye arange""".split()  # noqa: SIM905 - the catalog as DESIGN lists it
+detach zeros ones full eye arange""".split()  # noqa: SIM905 - as docs/contract.md lists it
 
 
 

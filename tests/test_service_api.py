@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import openapi_spec_validator
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
@@ -219,16 +220,67 @@ async def test_float32_json_uses_shortest_digits(client: httpx.AsyncClient) -> N
 
 
 async def test_non_finite_values_are_strict_json(client: httpx.AsyncClient) -> None:
-    # Bare tokens (as Python's json writes them) and the strings are both accepted.
+    # Non-finite values travel as strings, in lists and alone, both ways.
     content = (
         b'{"graph": {"nodes": [{"id": "z", "expr": "x * 1"}, {"id": "w", "expr": "s + 0"}],'
         b' "outputs": ["z", "w"]},'
-        b' "inputs": {"x": [1.5, NaN, Infinity, -Infinity, "NaN", "-Infinity"], "s": "Infinity"}}'
+        b' "inputs": {"x": [1.5, "NaN", "Infinity", "-Infinity"], "s": "Infinity"}}'
     )
     r = await client.post("/forward", content=content)
     out = strict_json(r)["outputs"]
-    assert out["z"]["data"] == [1.5, "NaN", "Infinity", "-Infinity", "NaN", "-Infinity"]
+    assert out["z"]["data"] == [1.5, "NaN", "Infinity", "-Infinity"]
     assert out["w"]["data"] == "Infinity"
+
+
+@pytest.mark.parametrize(("token", "column"), [
+    (b"NaN", 75), (b"Infinity", 75), (b"-Infinity", 76),  # where the parser stopped
+])
+async def test_bare_non_finite_tokens_are_malformed_json(
+    client: httpx.AsyncClient, token: bytes, column: int
+) -> None:
+    # Requests are strict JSON (RFC 8259) too: the bare tokens Python's json writes are
+    # refused with where they are, and the strings to use instead.
+    content = (b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": {"data": [1.5, '
+               + token + b"]}}}")
+    r = await client.post("/forward", content=content)
+    p = assert_problem(r, 400, "malformed-json", "NaN, Infinity and -Infinity are not JSON")
+    assert f"line 1 column {column}" in p["detail"]
+    assert '"NaN", "Infinity" and "-Infinity"' in p["detail"]
+    assert p["errors"] == [{"loc": [], "msg": p["detail"].removeprefix(
+        "the body is not valid JSON: ")}]
+
+
+@pytest.mark.parametrize("content", [
+    b'{"graph": {"nodes": [{"id": "z", "op": "add", "args": ["x", NaN]}], "outputs": ["z"]},'
+    b' "inputs": {"x": 1.0}}',  # a number literal argument
+    b'{"graph": {"nodes": [{"id": "z", "op": "clamp", "args": ["x"], "attrs": {"min": -Infinity}}],'
+    b' "outputs": ["z"]}, "inputs": {"x": 1.0}}',  # an attribute
+    b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": Infinity}}',  # a bare scalar
+    b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": {"data": [1], "shape": [NaN]}}}',
+    b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": 1.0}, "nope": NaN}',
+])
+async def test_bare_tokens_are_refused_wherever_they_are(
+    client: httpx.AsyncClient, content: bytes
+) -> None:
+    # Before any schema check: a field that is no number, or no field at all, still says 400.
+    assert_problem(await client.post("/backward", content=content), 400, "malformed-json",
+                   "not JSON numbers")
+
+
+async def test_non_finite_words_inside_strings_are_fine(client: httpx.AsyncClient) -> None:
+    # Ids that contain the words, and a literal past the float range (valid JSON: it reads
+    # as infinity, as in Python's json and torch.tensor), are not bare tokens.
+    content = (b'{"graph": {"nodes": [{"id": "NaN", "expr": "Infinity_x * 1e400"}],'
+               b' "outputs": ["NaN"]}, "inputs": {"Infinity_x": [1.0, "-Infinity"]}}')
+    r = await client.post("/forward", content=content)
+    assert r.status_code == 200, r.text
+    assert strict_json(r)["outputs"]["NaN"]["data"] == ["Infinity", "-Infinity"]
+
+
+async def test_other_malformed_json_is_not_blamed_on_tokens(client: httpx.AsyncClient) -> None:
+    p = assert_problem(await client.post("/forward", content=b'{"graph": [1, 2,]}'), 400,
+                       "malformed-json", "trailing comma at line 1 column 17")
+    assert "NaN" not in p["detail"]
 
 
 async def test_non_finite_gradient_is_a_string(client: httpx.AsyncClient) -> None:
@@ -304,8 +356,7 @@ async def test_docs_are_served_without_a_cdn(client: httpx.AsyncClient) -> None:
 
 
 async def test_openapi_document_is_valid(client: httpx.AsyncClient) -> None:
-    validator = pytest.importorskip("openapi_spec_validator")
-    validator.validate(strict_json(await client.get("/openapi.json")))
+    openapi_spec_validator.validate(strict_json(await client.get("/openapi.json")))
 
 
 # ----------------------------------------------------------------------- request ids and logs
@@ -327,6 +378,31 @@ async def test_request_id_echoed_or_generated(
 
 
 # ----------------------------------------------------------------------- the error table
+HUGE = "q" * 5_000_000
+
+
+@pytest.mark.parametrize("body", [
+    {"graph": {"nodes": [{"id": HUGE, "op": "nope", "args": ["x"]}], "outputs": [HUGE]},
+     "inputs": {"x": 1.0}},
+    {"graph": {"nodes": [{"id": HUGE, "expr": "x +"}], "outputs": [HUGE]}, "inputs": {"x": 1.0}},
+    {"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": 1.0, HUGE: [1, "oops"]}},
+    {"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": {"data": HUGE}}},
+    {"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": 1.0}, HUGE: 1},
+    {"graph": {"nodes": [{"id": f"n{i}", "op": "nope"} for i in range(100)], "outputs": ["x"]},
+     "inputs": {"x": 1.0}, **{f"{HUGE[:100_000]}{i}": 1 for i in range(50)}},
+], ids=["node-id", "expr-node-id", "input-name", "string-data", "unknown-field", "many-errors"])
+async def test_errors_do_not_echo_huge_strings(
+    client: httpx.AsyncClient, body: dict[str, Any]
+) -> None:
+    # A 5 MB id once made a 15 MB problem: every string echoed is capped, with its length.
+    r = await client.post("/forward", json=body)
+    assert 400 <= r.status_code < 500
+    p = assert_problem(r, r.status_code, strict_json(r)["type"].rpartition(":")[2])
+    assert len(r.content) < 10_000, r.content[:300]
+    assert "characters)" in r.text
+    assert len(p.get("errors", [])) <= 20
+
+
 async def test_400_malformed_json(client: httpx.AsyncClient) -> None:
     p = assert_problem(await client.post("/forward", content=b'{"graph": '), 400,
                        "malformed-json", "not valid JSON")
@@ -453,6 +529,16 @@ async def test_422_schema(client: httpx.AsyncClient, case: str) -> None:
     assert p["errors"][0]["loc"] == loc, p["errors"]
 
 
+async def test_422_schema_speaks_of_json_types(client: httpx.AsyncClient) -> None:
+    body = {"graph": {"nodes": "a", "outputs": ["x"]}, "inputs": [], "device": 3}
+    p = assert_problem(await client.post("/forward", json=body), 422, "invalid-request")
+    assert [e["msg"] for e in p["errors"]] == [
+        "Input should be a valid array", "Input should be an object",
+        "Input should be a valid string"]
+    assert_problem(await client.post("/forward", json=[1]), 422, "invalid-request",
+                   "body: Input should be an object")
+
+
 ENGINE_CASES = {
     "unknown op": ({"nodes": [{"id": "z", "op": "frobnicate", "args": ["x"]}]}, {"x": 1.0},
                    "unknown-op", "z"),
@@ -547,6 +633,19 @@ async def test_422_expr_limits_are_settings(make_client: Maker) -> None:
         deep = {**SEED_EXPR, "graph": graph("((((x))))")}
         assert_problem(await c.post("/backward", json=deep), 422, "expr", "more than 3 levels")
         assert (await c.post("/backward", json=SEED_EXPR)).status_code == 200
+
+
+@pytest.mark.parametrize(("expr", "detail"), [
+    ("sum(x, dim=0, keepdim=true)", "'true'; did you mean True?"),
+    ("x + " + "9" * 9000, "is too long for int64"),
+])
+async def test_422_expr_mistakes_say_what_to_write(
+    client: httpx.AsyncClient, expr: str, detail: str
+) -> None:
+    r = await client.post("/forward", json={"graph": graph(expr), "inputs": {"x": [1.0]}})
+    p = assert_problem(r, 422, "expr", detail)
+    assert p["node"] == "z" and p["errors"][0]["loc"] == ["graph", "nodes", 0, "expr"]
+    assert "set_int_max_str_digits" not in r.text and len(r.content) < 1000
 
 
 async def test_422_memory_budget_lower_for_no_grad(make_client: Maker) -> None:

@@ -24,6 +24,7 @@ from engine.errors import (
     MemoryBudgetError,
     UnknownOpError,
     ValidationErrors,
+    quoted,
 )
 from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
@@ -76,13 +77,6 @@ def _loc_of(err: GradserveError, index: int) -> tuple[str | int, ...]:
     return _node_loc(index, *(err.loc or ()))
 
 
-def _shown(name: str, limit: int = 64) -> str:
-    """A client-supplied name quoted for a message, shortened when it is long."""
-    if len(name) <= limit:
-        return repr(name)
-    return f"{name[:limit]!r}... ({len(name)} characters)"
-
-
 def compile_graph(
     spec: GraphSpec,
     inputs: Mapping[str, TensorSpec],
@@ -105,7 +99,7 @@ def compile_graph(
         keys[name] = len(keys)
         if tspec.requires_grad and tspec.dtype not in FLOATS:
             errors.add(GradserveError(
-                f"input {_shown(name)} has dtype {tspec.dtype}: only floating point tensors "
+                f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
                 "can require gradients", loc=("inputs", name, "requires_grad")))
 
     nodes = _check_ids(spec.nodes, keys, errors)
@@ -203,12 +197,12 @@ def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limi
     for name in inputs:
         if len(name) > limits.max_id_chars:
             errors.add(GraphError(
-                f"input name {_shown(name)} is longer than {limits.max_id_chars} characters",
+                f"input name {quoted(name)} is longer than {limits.max_id_chars} characters",
                 loc=("inputs", name[:limits.max_id_chars])))
     for index, node in enumerate(spec.nodes):
         if isinstance(node.id, str) and len(node.id) > limits.max_id_chars:
             errors.add(GraphError(
-                f"node id {_shown(node.id)} is longer than {limits.max_id_chars} characters",
+                f"node id {quoted(node.id)} is longer than {limits.max_id_chars} characters",
                 node=node.id[:limits.max_id_chars], loc=_node_loc(index, "id")))
     errors.raise_if_any()
 
@@ -279,7 +273,7 @@ def _check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
         raise ComputeBudgetError(
             f"the planned compute of this request is {cost:.3g} cost units (floating-point "
             f"operations plus {BYTE_COST} per byte moved, forward and backward); the budget is "
-            f"{limits.compute_budget:.3g}. The most expensive node is {_shown(node)} "
+            f"{limits.compute_budget:.3g}. The most expensive node is {quoted(node)} "
             f"({worst:.3g})", cost=cost, budget=int(limits.compute_budget),
             node=None if node == "<graph>" else node)
 
@@ -296,11 +290,11 @@ def _check_ids(
             errors.add(GraphError("node id must be a non-empty string", loc=_node_loc(index, "id")))
             continue
         if nid in seen:
-            errors.add(GraphError(f"duplicate node id {nid!r}", node=nid,
+            errors.add(GraphError(f"duplicate node id {quoted(nid)}", node=nid,
                                   loc=_node_loc(index, "id")))
             continue
         if nid in inputs:
-            errors.add(GraphError(f"node id {nid!r} is also the name of an input", node=nid,
+            errors.add(GraphError(f"node id {quoted(nid)} is also the name of an input", node=nid,
                                   loc=_node_loc(index, "id")))
             continue
         seen.add(nid)
@@ -375,7 +369,7 @@ def _resolve_aliases(
             elif name in slots:
                 target = slots[name]
             else:
-                errors.add(GraphError(f"unknown reference {name!r}", node=start,
+                errors.add(GraphError(f"unknown reference {quoted(name)}", node=start,
                                       loc=_node_loc(index, "expr")))
                 continue
             for link in chain:
@@ -395,8 +389,8 @@ def _bind(
     for node, origin, index in raw:
         op = OPS.get(node.op) if isinstance(node.op, str) else None
         if op is None:
-            errors.add(UnknownOpError(f"unknown op {node.op!r} (see GET /ops)", node=origin,
-                                      loc=_node_loc(index, "op")))
+            errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))} (see GET /ops)",
+                                      node=origin, loc=_node_loc(index, "op")))
             continue
         args: list[tuple[bool, Any]] = []
         ok = True
@@ -404,8 +398,8 @@ def _bind(
             if isinstance(arg, str):
                 slot = aliases.get(arg, slots.get(arg))
                 if slot is None:
-                    errors.add(GraphError(f"unknown reference {arg!r}", node=origin, op=op.name,
-                                          loc=_node_loc(index, "args", j)))
+                    errors.add(GraphError(f"unknown reference {quoted(arg)}", node=origin,
+                                          op=op.name, loc=_node_loc(index, "args", j)))
                     ok = False
                     continue
                 args.append((True, slot))
@@ -481,7 +475,7 @@ def _outputs(names: Any, slots: dict[str, int], aliases: dict[str, int],
     for k, name in enumerate(names):
         slot = aliases.get(name, slots.get(name)) if isinstance(name, str) else None
         if slot is None:
-            errors.add(GraphError(f"output {name!r} is not a node id or an input name",
+            errors.add(GraphError(f"output {quoted(name)} is not a node id or an input name",
                                   node=name if isinstance(name, str) else None,
                                   loc=("graph", "outputs", k)))
             continue
@@ -529,13 +523,13 @@ def _check_backward(program: Program, inputs: Mapping[str, TensorSpec],
     names = dict(program.outputs)
     for name, tspec in grad_outputs.items():
         if name not in names:
-            errors.add(BackwardError(f"grad_outputs names {_shown(name)}, which is not an "
+            errors.add(BackwardError(f"grad_outputs names {quoted(name)}, which is not an "
                                      "output", node=name, loc=("grad_outputs", name)))
             continue
         meta = program.metas[names[name]]
         if tuple(tspec.shape) != meta.shape:
             errors.add(BackwardError(
-                f"grad_outputs[{_shown(name)}] has shape {fmt(tspec.shape)} but the output "
+                f"grad_outputs[{quoted(name)}] has shape {fmt(tspec.shape)} but the output "
                 f"has shape {fmt(meta.shape)}", node=name, loc=("grad_outputs", name)))
     roots = []
     for name, slot in program.outputs:
@@ -544,8 +538,8 @@ def _check_backward(program: Program, inputs: Mapping[str, TensorSpec],
         meta = program.metas[slot]
         if name not in grad_outputs and numel(meta.shape) != 1:
             errors.add(BackwardError(
-                f"output {_shown(name)} has shape {fmt(meta.shape)}: only a one-element output "
-                f"gets the implicit gradient 1; give grad_outputs[{_shown(name)}]",
+                f"output {quoted(name)} has shape {fmt(meta.shape)}: only a one-element output "
+                f"gets the implicit gradient 1; give grad_outputs[{quoted(name)}]",
                 node=name, loc=("grad_outputs", name)))
             continue
         roots.append(name)

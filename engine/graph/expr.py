@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import ExprError
+from engine.errors import ExprError, quoted
 from engine.graph.spec import NodeSpec
 from engine.ops import OPS
 
@@ -34,6 +34,14 @@ _DESCRIBE = {
 
 Value = str | bool | int | float  # a reference (input or node id) or a number literal
 
+# The most significant digits of an integer literal within int64, by base (-2**63
+# included: 2**63 takes 22 octal and 64 binary digits).
+_INT64_DIGITS = {"0x": 16, "0o": 22, "0b": 64}
+_INT64_DECIMAL_DIGITS = 19
+
+# JSON's spellings of Python's constants, for a hint where a literal is expected.
+_JSON_CONSTANTS = {"true": "True", "false": "False", "null": "None"}
+
 
 @dataclass
 class Expansion:
@@ -44,8 +52,11 @@ class Expansion:
     alias: str | None = None
 
 
-def _bracket_depth(text: str) -> int:
+def _scan_tokens(text: str) -> tuple[int, str | None]:
+    """The deepest bracket nesting, and the first integer literal too long for int64 (or
+    None): both are checked on the tokens, before `ast.parse` can choke on them."""
     depth = deepest = 0
+    too_long = None
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
             if tok.type == tokenize.OP and tok.string in "([{":
@@ -53,9 +64,28 @@ def _bracket_depth(text: str) -> int:
                 deepest = max(deepest, depth)
             elif tok.type == tokenize.OP and tok.string in ")]}":
                 depth -= 1
+            elif tok.type == tokenize.NUMBER and too_long is None and _too_long(tok.string):
+                too_long = tok.string
     except (tokenize.TokenError, SyntaxError):
         pass  # ast.parse reports the syntax error itself
-    return deepest
+    return deepest, too_long
+
+
+def _too_long(number: str) -> bool:
+    """Whether a NUMBER token is an integer with more digits than any int64 has. Such a
+    literal is refused from its text: Python would not even convert one of over 4,300
+    decimal digits (`ast.parse` suggests `sys.set_int_max_str_digits`), and whatever its
+    value, it is outside PyTorch's integer range. A shorter one past int64 is refused by
+    the op that takes it."""
+    digits = number.replace("_", "").lower()
+    limit = _INT64_DIGITS.get(digits[:2])
+    if limit is not None:
+        digits = digits[2:]
+    elif any(c in digits for c in ".ej"):
+        return False  # a float or an imaginary number
+    else:
+        limit = _INT64_DECIMAL_DIGITS
+    return len(digits.lstrip("0")) > limit
 
 
 def _ast_depth(root: ast.AST) -> int:
@@ -81,13 +111,11 @@ class _Compiler:
         self.new_id = new_id
         self.nodes: list[NodeSpec] = []
 
-    def fail(self, message: str, piece: ast.AST | None = None) -> ExprError:
+    def fail(self, message: str, piece: ast.AST | None = None, hint: str = "") -> ExprError:
         if piece is not None:
             segment = ast.get_source_segment(self.text, piece) or ""
-            if len(segment) > 40:
-                segment = segment[:37] + "..."
-            message = f"{message}: {segment!r}" if segment else message
-        return ExprError(message, node=self.node_id, loc=("expr",))
+            message = f"{message}: {quoted(segment, 40)}" if segment else message
+        return ExprError(message + hint, node=self.node_id, loc=("expr",))
 
     def refuse(self, piece: ast.AST) -> ExprError:
         what = _DESCRIBE.get(type(piece), f"a {type(piece).__name__} expression")
@@ -103,7 +131,7 @@ class _Compiler:
         # silently reference another value.
         raw = ast.get_source_segment(self.text, piece)
         if raw != piece.id:
-            raise self.fail(f"identifier {raw!r} is not in normal form", piece)
+            raise self.fail(f"identifier {quoted(raw or '')} is not in normal form", piece)
         return piece.id
 
     def number(self, piece: ast.AST) -> bool | int | float | None:
@@ -133,8 +161,11 @@ class _Compiler:
             if all(isinstance(v, int) and not isinstance(v, bool) for v in items):
                 return items
             raise self.fail("attribute lists may hold integers only", piece)
+        hint = ""
+        if isinstance(piece, ast.Name) and piece.id in _JSON_CONSTANTS:
+            hint = f"; did you mean {_JSON_CONSTANTS[piece.id]}?"  # `keepdim=true`, as in JSON
         raise self.fail("attribute values must be literals (numbers, strings, lists of ints)",
-                        piece)
+                        piece, hint)
 
     def compile(self, root: ast.AST) -> Value:
         """Post-order over the AST with an explicit stack (no recursion on depth)."""
@@ -187,7 +218,7 @@ class _Compiler:
             raise self.fail("only catalog ops can be called", call.func)
         name = self.name(call.func)
         if name not in OPS:
-            raise self.fail(f"unknown op {name!r} (see GET /ops)", call.func)
+            raise self.fail(f"unknown op {quoted(name)} (see GET /ops)", call.func)
         return name
 
     def build(self, piece: ast.AST, done: dict[int, Value]) -> Value:
@@ -219,7 +250,7 @@ class _Compiler:
             if kw.arg is None:
                 raise self.fail("'**' arguments are not allowed", kw.value)
             if kw.arg in attrs:
-                raise self.fail(f"attribute {kw.arg!r} given twice", kw.value)
+                raise self.fail(f"attribute {quoted(kw.arg)} given twice", kw.value)
             attrs[kw.arg] = self.attribute(kw.value)
         args = [done[id(a)] for a in piece.args if not _is_string(a)]
         return self.emit(name, args, attrs)
@@ -240,8 +271,12 @@ def expand_expr(
                         node=node_id, loc=("expr",))
     too_deep = ExprError(f"expr is nested more than {max_depth} levels deep",
                          node=node_id, loc=("expr",))
-    if _bracket_depth(text) > max_depth:
+    depth, too_long = _scan_tokens(text)
+    if depth > max_depth:
         raise too_deep
+    if too_long is not None:
+        raise ExprError(f"integer literal {quoted(too_long, 24)} is too long for int64 "
+                        "(PyTorch's integer range)", node=node_id, loc=("expr",))
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:

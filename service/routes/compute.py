@@ -4,7 +4,7 @@ Both routes are `ComputeRoute`s: FastAPI still matches them, documents them and 
 their errors (every exception reaches the app's handlers), but a request skips FastAPI's
 per-request machinery (a `Request`, two exit stacks, dependency solving, a `Response`),
 which costs more than the seed example's compute. The handler reads the raw body, hands it
-to the runner (which parses it once, with DESIGN's statuses) and sends the bytes back.
+to the runner (which parses it once, with the contract's statuses) and sends the bytes back.
 The endpoint functions below do the same through FastAPI's own path, and are what the
 OpenAPI document describes.
 """
@@ -73,7 +73,8 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"description": why, "content": {"application/problem+json": {
         "schema": {"$ref": "#/components/schemas/Problem"}}}}
     for status, why in {
-        400: "The body is not JSON, is empty, or is nested too deeply",
+        400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or is "
+             "nested too deeply",
         401: "An API key is required",
         413: "The body is larger than the limit",
         415: "The body is not JSON",
@@ -85,7 +86,7 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _body_schema(model: type) -> dict[str, Any]:
-    # The body is parsed by hand (once, by pydantic-core, with DESIGN's statuses), so
+    # The body is parsed by hand (once, by pydantic-core, with the contract's statuses), so
     # FastAPI cannot see it: describe it here. The schema itself is registered in app.py.
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
