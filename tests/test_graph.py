@@ -551,3 +551,32 @@ def test_runtime_op_errors_name_the_node() -> None:
     with pytest.raises(engine.GradserveError) as info:
         run(spec, {"x": [0, 1]})
     assert info.value.node == "p"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789abcdefxob_.()[]{}+-*/@ ,=eEjJ", max_size=60))
+def test_the_fast_expr_scan_agrees_with_the_tokenizer(text: str) -> None:
+    """Text without strings is scanned without Python's tokenizer: the bracket depth and the
+    first integer literal too long for int64 must be what the tokenizer finds."""
+    from engine.graph import expr
+
+    assert expr._scan_tokens(text) == expr._scan_with_tokenizer(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.from_regex(r"[a-c0-9+\-*/@(),= \[\]]{1,40}", fullmatch=True))
+def test_the_ast_depth_walk_agrees_with_ast_itself(text: str) -> None:
+    import ast
+
+    from engine.graph import expr
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError):
+        return
+    deepest, stack = 0, [(tree.body, 1)]
+    while stack:  # the generic walk over every expression child
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in expr._expressions(node))
+    assert expr._ast_depth(tree.body) == deepest

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,9 +53,31 @@ class Expansion:
     alias: str | None = None
 
 
+# In text without strings, brackets and integer literals are found without the tokenizer
+# (which costs more than the parse): an integer is digits not touching a name or a '.'.
+_BRACKETS = re.compile(r"[()\[\]{}]")
+_INTEGERS = re.compile(r"(?<![\w.])(?:0[xXoObB][0-9a-fA-F_]*|[0-9][0-9_]*)(?![\w.])")
+
+
 def _scan_tokens(text: str) -> tuple[int, str | None]:
     """The deepest bracket nesting, and the first integer literal too long for int64 (or
     None): both are checked on the tokens, before `ast.parse` can choke on them."""
+    depth = deepest = 0
+    if text.isascii() and '"' not in text and "'" not in text and "#" not in text:
+        for bracket in _BRACKETS.findall(text):
+            if bracket in "([{":
+                depth += 1
+                deepest = max(deepest, depth)
+            else:
+                depth -= 1
+        literal = next((m.group() for m in _INTEGERS.finditer(text) if _too_long(m.group())),
+                       None)
+        return deepest, literal
+    return _scan_with_tokenizer(text)
+
+
+def _scan_with_tokenizer(text: str) -> tuple[int, str | None]:
+    """`_scan_tokens` for any text, on Python's own tokens."""
     depth = deepest = 0
     too_long = None
     try:
@@ -95,19 +118,43 @@ def _ast_depth(root: ast.AST) -> int:
     stack = [(root, 1)]
     while stack:
         node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.keyword):
-                child = child.value
-            if isinstance(child, ast.expr):
-                stack.append((child, depth + 1))
+        if depth > deepest:
+            deepest = depth
+        children = _CHILDREN.get(type(node))
+        for child in children(node) if children else _expressions(node):
+            stack.append((child, depth + 1))
     return deepest
+
+
+def _expressions(node: ast.AST) -> list[ast.AST]:
+    """The expressions directly inside `node` (a keyword stands for its value)."""
+    out = []
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.keyword):
+            child = child.value
+        if isinstance(child, ast.expr):
+            out.append(child)
+    return out
+
+
+# The same children as `_expressions`, for the pieces expr allows, without ast's generic walk.
+_CHILDREN: dict[type, Callable[[Any], list[ast.AST]]] = {
+    ast.Name: lambda n: [],
+    ast.Constant: lambda n: [],
+    ast.BinOp: lambda n: [n.left, n.right],
+    ast.UnaryOp: lambda n: [n.operand],
+    ast.Compare: lambda n: [n.left, *n.comparators],
+    ast.Call: lambda n: [n.func, *n.args, *(k.value for k in n.keywords)],
+    ast.List: lambda n: list(n.elts),
+    ast.Tuple: lambda n: list(n.elts),
+}
 
 
 class _Compiler:
     def __init__(self, node_id: str, text: str, new_id: Callable[[], str]) -> None:
         self.node_id = node_id
         self.text = text
+        self.ascii = text.isascii()
         self.new_id = new_id
         self.nodes: list[NodeSpec] = []
 
@@ -128,7 +175,9 @@ class _Compiler:
 
     def name(self, piece: ast.Name) -> str:
         # Python NFKC-normalises identifiers ('ｘ' reads as 'x'): refuse rather than
-        # silently reference another value.
+        # silently reference another value. (ASCII is its own normal form.)
+        if self.ascii:
+            return piece.id
         raw = ast.get_source_segment(self.text, piece)
         if raw != piece.id:
             raise self.fail(f"identifier {quoted(raw or '')} is not in normal form", piece)
