@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from engine.backends import parse_device
 from service.errors import install_handlers
 from service.metrics import Metrics
 from service.middleware import Gateway
+from service.protocol import POLICY_STATE, ConnectionPolicy
 from service.routes import catalog, compute, health, operation_id
 from service.runner import Runner
 from service.schemas import BackwardRequest, ForwardRequest, Problem
@@ -30,14 +32,6 @@ DESCRIPTION = (
     "Gradient computation over JSON expression graphs, with PyTorch's autograd semantics. "
     "Errors are application/problem+json (RFC 9457)."
 )
-# The seed example of DESIGN.md, run once at startup so the first request pays for no
-# lazy import or first call.
-_WARMUP = (
-    b'{"graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},'
-    b' "inputs": {"x": {"data": 2.0, "requires_grad": true},'
-    b' "y": {"data": 3.0, "requires_grad": true}}}'
-)
-
 
 def _version() -> str:
     try:
@@ -47,17 +41,35 @@ def _version() -> str:
 
 
 @asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     parse_device(settings.default_device)  # fail at startup, not on the first request
     runner: Runner = app.state.runner
-    await anyio.to_thread.run_sync(runner.warm_up, _WARMUP)
+    # The seed example, run once at startup so the first request pays for no lazy import.
+    await anyio.to_thread.run_sync(runner.warm_up)
+    metrics: Metrics = app.state.metrics
+
+    def drain() -> None:
+        # Called by the HTTP protocol as soon as the server's shutdown begins (once per
+        # open connection): /readyz answers 503 from then on.
+        if app.state.ready:
+            app.state.ready = False
+            log.info("shutting down: /readyz now answers 503 while requests drain")
+
+    # The connection limits, for the HTTP protocol: handed over in the lifespan state,
+    # which uvicorn gives every connection of this server.
+    policy = ConnectionPolicy.from_settings(
+        settings, count=lambda reason: metrics.rejected[reason].inc(), drain=drain
+    )
+    housekeeping = asyncio.create_task(runner.housekeeping())
     app.state.ready = True
     log.info("gradserve ready (default device %s)", parse_device(settings.default_device))
     try:
-        yield
+        yield {POLICY_STATE: policy}
     finally:
         app.state.ready = False
+        housekeeping.cancel()
+        await anyio.to_thread.run_sync(runner.close)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -21,8 +21,6 @@ from pydantic import ValidationError
 from service.settings import Settings
 
 OPENAPI_PATH = Path("openapi") / "openapi.json"
-# Under `docker stop`'s 10 s: requests still running then are cut off rather than killed.
-GRACEFUL_SHUTDOWN_S = 8
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve_forever(flags: dict[str, Any]) -> int:
     import uvicorn
 
+    from service.protocol import GradserveProtocol
+
     for name, value in flags.items():
         os.environ[f"GRADSERVE_{name.upper()}"] = str(value)
     try:
@@ -70,7 +70,9 @@ def serve_forever(flags: dict[str, Any]) -> int:
         log_level=settings.log_level,
         log_config=log_config(settings.log_level),
         access_log=False,  # gradserve.access writes the line, with the request id
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # uvicorn's own protocol, plus head and body deadlines and a connection cap.
+        http=GradserveProtocol,
+        timeout_graceful_shutdown=settings.graceful_shutdown_s,
     )
     return 0
 

@@ -90,7 +90,9 @@ _STATUS_SLUGS = {status: slug for slug, (status, _) in SERVICE_PROBLEMS.items()
 
 
 class ProblemError(Exception):
-    """A refusal by the service itself; rendered by `problem_response`."""
+    """A refusal by the service itself; rendered by `problem_response`. `status` and
+    `title` come from SERVICE_PROBLEMS by slug unless given (an engine error carried
+    across from a worker process)."""
 
     def __init__(
         self,
@@ -99,15 +101,37 @@ class ProblemError(Exception):
         *,
         errors: Sequence[Mapping[str, Any]] | None = None,
         headers: Mapping[str, str] | None = None,
+        status: int | None = None,
+        title: str | None = None,
         **extra: Any,
     ) -> None:
         super().__init__(detail)
         self.slug = slug
-        self.status, self.title = SERVICE_PROBLEMS[slug]
+        self.status, self.title = (SERVICE_PROBLEMS[slug] if status is None
+                                   else (status, title or HTTPStatus(status).phrase))
         self.detail = detail
         self.errors = errors
         self.headers = dict(headers or {})
         self.extra = extra
+
+    def to_wire(self) -> tuple[Any, ...]:
+        """Plain data, for crossing between processes (exceptions with keyword-only
+        arguments do not unpickle)."""
+        return (self.slug, self.detail, self.status, self.title, self.errors, self.headers,
+                self.extra)
+
+    @classmethod
+    def from_wire(cls, data: tuple[Any, ...]) -> ProblemError:
+        slug, detail, status, title, errors, headers, extra = data
+        return cls(slug, detail, errors=errors, headers=headers, status=status, title=title,
+                   **extra)
+
+
+def as_problem(err: GradserveError) -> ProblemError:
+    """An engine error as the problem it is rendered as."""
+    status, slug, title, fields = engine_problem(err)
+    errors = fields.pop("errors", None)
+    return ProblemError(slug, str(err), errors=errors, status=status, title=title, **fields)
 
 
 def problem_body(

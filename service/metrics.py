@@ -71,6 +71,15 @@ class Metrics:
             "gradserve_inflight_planned_bytes",
             "planned bytes reserved by running computations", registry=r,
         )
+        self.cache_evictions = Counter(
+            "gradserve_program_cache_evictions",
+            "compiled programs evicted from a program cache (every process's)", registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "gradserve_program_cache_bytes",
+            "estimated bytes of the compiled programs cached, summed over the processes",
+            registry=r,
+        )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
         )
@@ -119,7 +128,7 @@ class Metrics:
 
 REJECTION_REASONS = (
     "concurrency",  # 503: all compute slots busy
-    "inflight_memory",  # 503: the in-flight memory budget is full
+    "inflight_memory",  # 503: the in-flight memory budget is full (body, parse or plan)
     "memory_budget",  # 422: the plan is over the per-request budget
     "compute_budget",  # 422: the plan's compute cost is over the budget
     "body_size",  # 413

@@ -2,10 +2,15 @@
 body-size limit (declared and streamed), metrics, the access log line, and the last-resort
 500. Pure ASGI rather than BaseHTTPMiddleware: it neither buffers nor wraps the body, and
 costs a few microseconds per request.
+
+Two ends that are not errors: a client that goes away (`ClientDisconnect`) is counted as
+499, nginx's "client closed request", and nothing is sent; a request still running when
+the server's graceful shutdown runs out (uvicorn cancels its task) gets a 503 `cancelled`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -13,9 +18,17 @@ import re
 import time
 from collections.abc import Sequence
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PROBLEM_JSON, ProblemError, internal_error_body, problem_body
+from engine.errors import Cancelled
+from service.errors import (
+    ENGINE_PROBLEMS,
+    PROBLEM_JSON,
+    ProblemError,
+    internal_error_body,
+    problem_body,
+)
 from service.metrics import METHODS, Metrics
 
 access_log = logging.getLogger("gradserve.access")
@@ -25,6 +38,32 @@ error_log = logging.getLogger("gradserve.errors")
 AUTH_EXEMPT = frozenset({"/healthz", "/readyz"})
 # An incoming id is echoed only if it is short and printable (it goes into logs and headers).
 _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:/+=@-]{1,128}$")
+# Set in a request's scope state by the HTTP protocol (service/protocol.py) when it timed
+# the request out: the app then sees a disconnect, which is counted as 408, not 499.
+TIMED_OUT = "gradserve.timed_out"
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection first
+_CANCELLED_STATUS, _CANCELLED_SLUG, _CANCELLED_TITLE = ENGINE_PROBLEMS[Cancelled]
+
+
+def loggable(text: str) -> str:
+    """`text` (anything a client chose: path, method, header) made safe for one log line:
+    control characters (C0, DEL, C1) and anything else not printable become \\xNN,
+    \\uNNNN or \\UNNNNNNNN, and a backslash or a double quote (which delimits the request
+    in the access line) is escaped too, so a client can neither start a forged line, nor
+    send terminal escapes, nor forge an escape sequence."""
+    if text.isprintable() and "\\" not in text and '"' not in text:
+        return text  # the usual case: one pass in C
+    return "".join(_ESCAPES.get(c) or (c if c.isprintable() else _escape(c)) for c in text)
+
+
+_ESCAPES = {"\\": "\\\\", '"': "\\x22"}
+
+
+def _escape(c: str) -> str:
+    code = ord(c)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 class Gateway:
@@ -60,6 +99,7 @@ class Gateway:
         sent = 0
         received = 0
         started = False
+        head = scope["method"] == "HEAD"  # the server sends no body, whatever the app gives
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status, sent, started
@@ -67,7 +107,7 @@ class Gateway:
                 started = True
                 status = message["status"]
                 message["headers"] = [*message.get("headers", ()), rid_header]
-            elif message["type"] == "http.response.body":
+            elif message["type"] == "http.response.body" and not head:
                 sent += len(message.get("body", b""))
             await send(message)
 
@@ -89,6 +129,20 @@ class Gateway:
                 await self._send_problem(send_wrapper, refusal, rid)
             else:
                 await self.app(scope, receive_wrapper, send_wrapper)
+        except ClientDisconnect:
+            # The client left (mid-upload, or while its request computed), or the protocol
+            # timed its body out and has answered 408 itself: either way nobody is listening.
+            status = 408 if scope["state"].get(TIMED_OUT) else CLIENT_CLOSED
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when its graceful shutdown runs out
+            # (and nothing else cancels a request task). Answer, and end the task here:
+            # re-raised, uvicorn would log a traceback and send a plain-text 500.
+            if not started:
+                detail = "the server is shutting down and stopped this request; retry it"
+                body = problem_body(_CANCELLED_STATUS, _CANCELLED_SLUG, _CANCELLED_TITLE,
+                                    detail, request_id=rid)
+                await _send_json(send_wrapper, _CANCELLED_STATUS, body, PROBLEM_JSON,
+                                 {"Retry-After": "1"})
         except Exception as exc:
             error_log.error("unhandled error in request %s", rid, exc_info=exc)
             if started:
@@ -156,12 +210,15 @@ class Gateway:
             self.metrics.rejected["unauthorized"].inc()
         if access_log.isEnabledFor(logging.INFO):
             client = scope.get("client")
+            # Everything a client chose is escaped: the path (percent-decoded by the
+            # server), the method, and the client address (which uvicorn takes from
+            # X-Forwarded-For when the peer is a trusted proxy). The id is checked above.
             access_log.info(
                 '%s %s "%s %s HTTP/%s" %d %dB %.2fms',
                 rid,
-                f"{client[0]}:{client[1]}" if client else "-",
-                method,
-                scope["path"],
+                loggable(f"{client[0]}:{client[1]}") if client else "-",
+                loggable(method),
+                loggable(scope["path"]),
                 scope.get("http_version", "1.1"),
                 status,
                 sent,

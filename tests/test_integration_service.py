@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,18 +46,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(tmp: Path, **env: str) -> Server:
+def _start(tmp: Path, preexec_fn: Callable[[], None] | None = None, **env: str) -> Server:
     port = _free_port()
     log = tmp / f"server-{port}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-        cwd=ROOT,
-        # One BLAS thread: the long computation leaves a core to the event loop.
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-             "MKL_NUM_THREADS": "1", **env},
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    with log.open("wb") as out:  # the server writes to its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            cwd=ROOT,
+            # One BLAS thread: the long computation leaves a core to the event loop.
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                 "MKL_NUM_THREADS": "1", **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,  # e.g. a lower open-file limit (tests/test_connections.py)
+        )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -694,11 +694,11 @@ async def test_422_grad_outputs_errors_name_the_output(client: httpx.AsyncClient
 
 async def test_503_when_all_slots_are_busy(make_client: Maker) -> None:
     async with make_client(max_concurrency=1) as (c, app):
-        app.state.runner.admission.enter()  # a computation holds the only slot
+        slot = app.state.runner.admission.enter()  # a computation holds the only slot
         r = await c.post("/backward", json=SEED_OP)
         assert_problem(r, 503, "overloaded", "compute slots")
         assert r.headers["retry-after"] == "1"
-        app.state.runner.admission.leave()
+        app.state.runner.admission.leave(slot)
         assert (await c.post("/backward", json=SEED_OP)).status_code == 200
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_rejections_total{reason="concurrency"} 1.0' in metrics
@@ -706,11 +706,15 @@ async def test_503_when_all_slots_are_busy(make_client: Maker) -> None:
 
 async def test_503_when_in_flight_memory_is_full(make_client: Maker) -> None:
     async with make_client(memory_budget_bytes=10_000, no_grad_memory_budget_bytes=10_000,
-                           inflight_memory_bytes=10_000) as (c, app):
-        with app.state.runner.admission.reserve(9_990):  # other requests hold most of it
-            r = await c.post("/backward", json=SEED_OP)
-            p = assert_problem(r, 503, "overloaded", "in-flight")
-            assert r.headers["retry-after"] == "1" and p["planned_bytes"] > 10
+                           inflight_memory_bytes=100_000) as (c, app):
+        runner = app.state.runner
+        slot = runner.admission.enter()
+        runner.ledger.reserve(slot, 99_990)  # another request holds most of it
+        r = await c.post("/backward", json=SEED_OP)
+        p = assert_problem(r, 503, "overloaded", "in-flight")
+        assert r.headers["retry-after"] == "1" and p["planned_bytes"] > 10
+        runner.ledger.release(slot)
+        runner.admission.leave(slot)
         assert (await c.post("/backward", json=SEED_OP)).status_code == 200
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_rejections_total{reason="inflight_memory"} 1.0' in metrics
@@ -730,7 +734,7 @@ async def test_500_hides_the_traceback(
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr("service.runner.execute", boom)
+    monkeypatch.setattr("service.compute.execute", boom)
     with caplog.at_level(logging.ERROR, logger="gradserve.errors"):
         r = await client.post("/backward", json=SEED_OP, headers={"X-Request-ID": "r-500"})
     p = assert_problem(r, 500, "internal", "r-500")
@@ -744,7 +748,7 @@ async def test_500_hides_the_traceback(
 # ----------------------------------------------------------------------- program cache, client
 async def test_program_cache_reuses_plans_per_graph_and_specs(make_client: Maker) -> None:
     async with make_client() as (c, app):
-        cache = app.state.runner.programs
+        cache = app.state.runner.compute.programs
         before = len(cache._items)
         for x in (1.0, 2.0, 3.0):
             r = await c.post("/backward", json={**SEED_EXPR, "inputs": {

@@ -128,7 +128,7 @@ def _ast_depth(root: ast.AST) -> int:
 
 def _expressions(node: ast.AST) -> list[ast.AST]:
     """The expressions directly inside `node` (a keyword stands for its value)."""
-    out = []
+    out: list[ast.AST] = []
     for child in ast.iter_child_nodes(node):
         if isinstance(child, ast.keyword):
             child = child.value

@@ -86,6 +86,12 @@ class Program:
         return sum(1 for s in self.steps if s.kind == NODE)
 
     @property
+    def estimated_bytes(self) -> int:
+        """What the program itself takes in memory (measured: ~370 bytes a step with its
+        kernel tuple, the metas shared), for caches bounded by bytes."""
+        return 400 * len(self.steps) + 64 * len(self.metas) + 4096
+
+    @property
     def compute_cost(self) -> int:
         """Cost units (flop-equivalents): floating-point operations, plus BYTE_COST per byte
         read or written."""

@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -37,16 +36,17 @@ class ComputeRoute(APIRoute):
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
-        self.request_model: type[ForwardRequest | BackwardRequest] = endpoint.request_model  # type: ignore[attr-defined]
+        self.kind: str = endpoint.request_kind  # type: ignore[attr-defined]
         self._allow = ", ".join(self.methods or ())
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.methods and scope["method"] not in self.methods:
             raise HTTPException(status_code=405, headers={"Allow": self._allow})
-        _check_content_type(_header(scope["headers"], b"content-type"))
-        body = await _read_body(receive)
+        headers = scope["headers"]
+        _check_content_type(_header(headers, b"content-type"))
         runner: Runner = scope["app"].state.runner
-        content = await runner.run(body, self.request_model)
+        content = await runner.serve(self.kind, receive, _content_length(headers),
+                                     scope.get("state", {}).get("request_id", "-"))
         await send({
             "type": "http.response.start",
             "status": 200,
@@ -55,11 +55,11 @@ class ComputeRoute(APIRoute):
         await send({"type": "http.response.body", "body": content})
 
 
-def parses(model: type[ForwardRequest | BackwardRequest]) -> Callable[[F], F]:
-    """Mark an endpoint with the request model its `ComputeRoute` parses."""
+def parses(kind: str) -> Callable[[F], F]:
+    """Mark an endpoint with the kind of request its `ComputeRoute` serves."""
 
     def mark(endpoint: F) -> F:
-        endpoint.request_model = model  # type: ignore[attr-defined]
+        endpoint.request_kind = kind  # type: ignore[attr-defined]
         return endpoint
 
     return mark
@@ -100,21 +100,10 @@ def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
     return None
 
 
-async def _read_body(receive: Receive) -> bytes:
-    """The whole body, as Starlette's `Request.body()` reads it (the Gateway's receive
-    counts the bytes and refuses a body over the limit as it streams in)."""
-    chunks: list[bytes] = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.request":
-            chunk = message.get("body", b"")
-            if chunk:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        elif message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The declared body length (the Gateway has refused one that is not a number)."""
+    value = _header(headers, b"content-length")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _check_content_type(value: str | None) -> None:
@@ -136,11 +125,10 @@ def _check_content_type(value: str | None) -> None:
     responses=PROBLEM_RESPONSES,
     openapi_extra=_body_schema(ForwardRequest),
 )
-@parses(ForwardRequest)
+@parses("forward")
 async def forward(request: Request) -> Response:
-    _check_content_type(request.headers.get("content-type"))
-    content = await runner_of(request).run(await request.body(), ForwardRequest)
-    return Response(content, media_type="application/json")
+    # What the OpenAPI document describes; requests are served by ComputeRoute.handle.
+    return await _serve(request, "forward")
 
 
 @router.post(
@@ -150,8 +138,14 @@ async def forward(request: Request) -> Response:
     responses=PROBLEM_RESPONSES,
     openapi_extra=_body_schema(BackwardRequest),
 )
-@parses(BackwardRequest)
+@parses("backward")
 async def backward(request: Request) -> Response:
+    return await _serve(request, "backward")
+
+
+async def _serve(request: Request, kind: str) -> Response:
     _check_content_type(request.headers.get("content-type"))
-    content = await runner_of(request).run(await request.body(), BackwardRequest)
+    content = await runner_of(request).serve(
+        kind, request.receive, _content_length(request.scope["headers"]),
+        request.scope.get("state", {}).get("request_id", "-"))
     return Response(content, media_type="application/json")

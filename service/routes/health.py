@@ -1,4 +1,8 @@
-"""Liveness, readiness and metrics: cheap, on the event loop, never behind the compute slots."""
+"""Liveness, readiness and metrics: cheap, on the event loop, never behind the compute slots.
+
+`HEAD /healthz` and `HEAD /readyz` answer as GET does (status and headers, no body); they
+are left out of the OpenAPI document, as FastAPI would give each a duplicate operation id.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,13 @@ from service.schemas import Health
 router = APIRouter(tags=["health"], generate_unique_id_function=operation_id)
 
 
+@router.head("/healthz", include_in_schema=False)
 @router.get("/healthz", summary="Liveness: the process serves HTTP", response_model=Health)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.head("/readyz", include_in_schema=False)
 @router.get(
     "/readyz",
     summary="Readiness: started and not shutting down",

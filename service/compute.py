@@ -1,0 +1,398 @@
+"""One request's computation, wherever it runs: the body in, the response bytes out.
+
+The steps: parse (strict JSON, once), check the request's size limits, decode its
+tensors, find or compile its program (cached by a hash of the graph and the inputs'
+specs), reserve its planned bytes in the in-flight memory, run it, encode the result.
+The front process runs these for tiny requests; worker processes run them for the rest
+(service/workers.py). Each process has its own `Compute` and program cache.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+from pydantic import ValidationError
+
+from engine.backends import get_backend, parse_device
+from engine.errors import GradserveError, GraphError, TensorDataError, ValidationErrors
+from engine.graph import (
+    GraphSpec,
+    Limits,
+    NodeSpec,
+    Program,
+    RunResult,
+    TensorSpec,
+    compile_graph,
+    execute,
+)
+from service import codec
+from service.errors import ProblemError, pydantic_errors, schema_problem
+from service.schemas import BackwardRequest, ForwardRequest, Graph, TensorIn
+from service.settings import Settings
+
+Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
+Model = type[ForwardRequest | BackwardRequest]
+MODELS: dict[str, Model] = {"forward": ForwardRequest, "backward": BackwardRequest}
+
+
+@dataclass
+class Stats:
+    """What a computation tells the front process's metrics (workers have none)."""
+
+    path: str = "grad"  # "grad" or "no_grad"
+    planned_peak_bytes: int | None = None
+    peak_bytes: int | None = None
+    rejected: str | None = None  # a rejection reason of the metrics, if refused
+    cache_evictions: int = 0
+    cache_bytes: int = 0  # of the cache of the process that computed
+    pid: int = 0  # that process, when a worker
+
+
+@dataclass(eq=False)
+class Prepared:
+    """A parsed, decoded request, with its program when the cache had it."""
+
+    req: ForwardRequest | BackwardRequest
+    device: str
+    inputs: Decoded
+    grad_outputs: Decoded | None
+    no_grad: bool
+    backward: bool
+    started: float  # perf_counter() when parsing began
+    key: Hashable = None
+    program: Program | None = None
+    stats: Stats = field(default_factory=Stats)
+
+
+Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
+
+
+class Compute:
+    """A process's request computation, with its program cache."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.programs = ProgramCache(settings.program_cache_bytes)
+        self._devices: dict[str | None, str] = {}  # request's device -> canonical name
+
+    def device(self, spec: str | None) -> str:
+        """`parse_device`, remembered: the devices of a process do not change while it
+        runs. Only names that parsed are kept, and only a few (clients choose them)."""
+        name = self._devices.get(spec)
+        if name is None:
+            name = parse_device(spec, self.settings.default_device)
+            if len(self._devices) < 16:
+                self._devices[spec] = name
+        return name
+
+    def run(self, body: bytes, model: Model, deadline: float, reserve: Reserve,
+            stats: Stats | None = None) -> bytes:
+        """The whole computation; `stats` (if given) is filled in as it goes, also when it
+        ends in an error."""
+        p = self.prepare(body, model, stats)
+        if p.program is None:
+            self.compile(p)
+        return self.execute(p, deadline, reserve, None)
+
+    def prepare(self, body: bytes, model: Model, stats: Stats | None = None) -> Prepared:
+        """Parse, check limits, decode, and look the program up in the cache."""
+        started = time.perf_counter()
+        # The parse makes only acyclic objects, by the hundred thousand in a large body:
+        # the cycle collector would walk them again and again for nothing.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            data = parse_json(body)
+            check_sizes(data, self.settings)
+            req = validate(data, model)
+            errors: list[GradserveError] = []
+            inputs = _decode_all("inputs", req.inputs, errors)
+            grad_outputs = (
+                _decode_all("grad_outputs", req.grad_outputs, errors)
+                if isinstance(req, BackwardRequest) and req.grad_outputs is not None else None
+            )
+        finally:
+            if collecting:
+                gc.enable()
+        if errors:
+            raise ValidationErrors(errors)
+        p = Prepared(
+            req=req, device=self.device(req.device), inputs=inputs, grad_outputs=grad_outputs,
+            no_grad=isinstance(req, ForwardRequest) and req.no_grad,
+            backward=isinstance(req, BackwardRequest), started=started,
+            stats=stats or Stats(),
+        )
+        p.stats.path = "no_grad" if p.no_grad else "grad"
+        p.key = (graph_key(data["graph"]), _spec_key(inputs), _spec_key(grad_outputs),
+                 p.no_grad, p.backward, p.device)
+        p.program = self.programs.get(p.key)
+        return p
+
+    def compile(self, p: Prepared) -> None:
+        s = self.settings
+        budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
+        try:
+            p.program = compile_graph(
+                graph_spec(p.req.graph),
+                _specs(p.inputs),
+                limits=Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
+                              expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget,
+                              compute_budget=s.compute_budget, max_inputs=s.max_inputs,
+                              max_id_chars=s.max_id_chars),
+                no_grad=p.no_grad,
+                backward=p.backward,
+                grad_outputs=None if p.grad_outputs is None else _specs(p.grad_outputs),
+                device=p.device,
+            )
+        except GradserveError as err:
+            p.stats.rejected = _REJECTIONS.get(type(err).__name__)
+            raise
+        p.stats.cache_evictions = self.programs.put(p.key, p.program)
+        p.stats.cache_bytes = self.programs.bytes
+
+    def execute(self, p: Prepared, deadline: float, reserve: Reserve,
+                cancel: threading.Event | None) -> bytes:
+        program = p.program
+        assert program is not None
+        plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
+        p.stats.planned_peak_bytes = program.planned_peak_bytes
+        reserve(program.planned_peak_bytes + _output_bytes(program, p.req.encoding))
+        try:
+            result = execute(
+                program,
+                _arrays(p.inputs, p.device),
+                grad_outputs=None if p.grad_outputs is None
+                else _arrays(p.grad_outputs, p.device),
+                deadline=deadline,
+                cancel=cancel,
+            )
+        except GradserveError as err:
+            p.stats.rejected = _REJECTIONS.get(type(err).__name__)
+            raise
+        p.stats.peak_bytes = result.peak_bytes
+        result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
+        return encode_result(program, result, device=p.device, no_grad=p.no_grad,
+                             encoding=p.req.encoding)
+
+
+# The contract's seed example: warms a process's imports, first calls and memos.
+WARM_UP = (
+    b'{"graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},'
+    b' "inputs": {"x": {"data": 2.0, "requires_grad": true},'
+    b' "y": {"data": 3.0, "requires_grad": true}}}'
+)
+
+
+def warm_up(settings: Settings, body: bytes = WARM_UP) -> None:
+    """Run one small request end to end, with limits that a tiny configured one (in a
+    test) cannot trip, and no bookkeeping."""
+    roomy = settings.model_copy(update={
+        "max_nodes": 100_000, "memory_budget_bytes": 1 << 20,
+        "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
+        "compute_budget": 1e9, "max_inputs": 16, "max_id_chars": 64,
+    })
+    Compute(roomy).run(body, MODELS["backward"], time.monotonic() + 60, lambda _: None)
+
+
+# Engine errors that count as a rejection in the metrics, by class name.
+_REJECTIONS = {"MemoryBudgetError": "memory_budget", "ComputeBudgetError": "compute_budget",
+               "DeadlineExceeded": "timeout"}
+
+# A JSON text of tensor data takes up to ~20 characters a number; base64 4/3 a byte.
+_TEXT_PER_BYTE = {"json": 5, "base64": 2}
+
+
+def _output_bytes(program: Program, encoding: str) -> int:
+    """What encoding the outputs and gradients may take, on top of the program's plan."""
+    metas = program.metas
+    raw = sum(program_bytes(metas[s]) for _, s in [*program.outputs, *program.gradients])
+    return raw * _TEXT_PER_BYTE.get(encoding, 2)
+
+
+def program_bytes(meta: Any) -> int:
+    n = 1
+    for d in meta.shape:
+        n *= d
+    return n * np.dtype(meta.dtype).itemsize
+
+
+class ProgramCache:
+    """Compiled programs by a hash of their graph and their inputs' specs, bounded by
+    their estimated bytes, least recently used first out.
+
+    Clients send the same graph again and again with new data; validation, the derived
+    backward, planning and kernel binding depend only on the graph and the inputs' shapes,
+    dtypes and requires_grad, so a hit skips them all. A Program is read-only to `execute`,
+    so one serves many threads.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.evictions = 0
+        self._items: OrderedDict[Hashable, Program] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Program | None:
+        with self._lock:
+            program = self._items.get(key)
+            if program is not None:
+                self._items.move_to_end(key)
+            return program
+
+    def put(self, key: Hashable, program: Program) -> int:
+        """Keep `program` (unless it alone is over the bound); returns how many were
+        evicted to make room."""
+        size = program.estimated_bytes
+        if size > self.max_bytes:
+            return 0
+        evicted = 0
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= old.estimated_bytes
+            self._items[key] = program
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, gone = self._items.popitem(last=False)
+                self.bytes -= gone.estimated_bytes
+                evicted += 1
+            self.evictions += evicted
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def graph_key(graph: Any) -> str:
+    """A hash of the graph's canonical form: JSON with sorted keys and no whitespace, so
+    neither key order nor spacing changes it (and not the inputs' data)."""
+    try:
+        canonical = orjson.dumps(graph, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # an integer past 64 bits (which compiling will refuse)
+        canonical = json.dumps(graph, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON (RFC 8259: no bare NaN or Infinity), parsed once by pydantic-core:
+    malformed JSON is 400."""
+    if not body or body.isspace():  # not `strip()`: a copy of a body that may be 64 MiB
+        raise ProblemError("malformed-json", "the request body is empty; send a JSON object")
+    try:
+        return codec.loads(body)
+    except codec.JSONError as exc:
+        raise ProblemError("malformed-json", f"the body is not valid JSON: {exc}",
+                           errors=[{"loc": [], "msg": str(exc)}]) from None
+
+
+def check_sizes(data: Any, settings: Settings) -> None:
+    """The request's counts, before its objects are built: a body of a million tiny
+    inputs is refused before it becomes a million models."""
+    if not isinstance(data, dict):
+        return  # validation says what is wrong
+    for where in ("inputs", "grad_outputs"):
+        tensors = data.get(where)
+        if isinstance(tensors, dict) and len(tensors) > settings.max_inputs:
+            raise GraphError(f"the request has {len(tensors)} {where.replace('_', ' ')}; the "
+                             f"limit is {settings.max_inputs}", loc=(where,))
+    graph = data.get("graph")
+    nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    if isinstance(nodes, list) and len(nodes) > settings.max_nodes:
+        raise GraphError(f"the graph has {len(nodes)} nodes; the limit is {settings.max_nodes}",
+                         loc=("graph", "nodes"))
+
+
+def validate(data: Any, model: Model) -> ForwardRequest | BackwardRequest:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise schema_problem(pydantic_errors(exc)) from None
+
+
+def graph_spec(graph: Graph) -> GraphSpec:
+    return GraphSpec(
+        nodes=[
+            NodeSpec(id=n.id, op=n.op, args=n.args or (), attrs=n.attrs or {}, expr=n.expr)
+            for n in graph.nodes
+        ],
+        outputs=graph.outputs,
+    )
+
+
+def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError]) -> Decoded:
+    out: Decoded = {}
+    for name, value in tensors.items():
+        try:
+            if isinstance(value, TensorIn):
+                array = codec.decode_tensor(
+                    (where, name), data=value.data, b64=value.b64,
+                    dtype=value.dtype, shape=value.shape,
+                )
+                requires_grad = value.requires_grad
+            else:
+                array = codec.decode_tensor((where, name), data=value)
+                requires_grad = False
+        except TensorDataError as err:
+            errors.append(err)
+            continue
+        out[name] = (array, requires_grad)  # requires_grad on an int: compile_graph refuses
+    return out
+
+
+def _specs(decoded: Decoded) -> dict[str, TensorSpec]:
+    return {
+        name: TensorSpec(shape=a.shape, dtype=codec.dtype_name(a), requires_grad=rg)
+        for name, (a, rg) in decoded.items()
+    }
+
+
+def _spec_key(decoded: Decoded | None) -> Hashable:
+    """What `_specs` would say, as a cache key, without making the specs."""
+    if decoded is None:
+        return None
+    return tuple([(name, a.shape, a.dtype, rg) for name, (a, rg) in decoded.items()])
+
+
+def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
+    """The decoded host arrays on the request's device (on the CPU: the arrays themselves)."""
+    backend = get_backend(device)
+    return {name: backend.from_host(a) for name, (a, _) in decoded.items()}
+
+
+def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
+                  encoding: str) -> bytes:
+    to_host = get_backend(device).to_host
+    slots = dict(program.outputs)
+    outputs = {}
+    for name, value in result.outputs.items():
+        entry = codec.encode_tensor(np.asarray(to_host(value)), encoding)
+        entry["requires_grad"] = program.requires_grad[slots[name]]
+        entry["grad_fn"] = program.grad_fn[slots[name]]
+        outputs[name] = entry
+    content: dict[str, Any] = {"outputs": outputs}
+    if result.gradients is not None:
+        content["gradients"] = {
+            name: codec.encode_tensor(np.asarray(to_host(g)), encoding)
+            for name, g in result.gradients.items()
+        }
+    content["meta"] = {
+        "device": device,
+        "no_grad": no_grad,
+        "nodes": result.nodes,
+        "peak_bytes": result.peak_bytes,
+        "planned_peak_bytes": result.planned_peak_bytes,
+        "compute_cost": program.compute_cost,
+        "timings_ms": result.timings_ms,
+    }
+    return codec.dumps(content)

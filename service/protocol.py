@@ -1,0 +1,524 @@
+"""uvicorn's HTTP protocol with the connection limits uvicorn lacks.
+
+uvicorn times out an idle keep-alive connection, but nothing else: a client that connects
+and never sends, or sends its request a byte a second, holds a connection (a file
+descriptor) forever, and nothing caps how many connections are open. These subclasses of
+uvicorn's two protocol classes (`GradserveProtocol` is the one uvicorn's "auto" would
+pick) add, per worker process:
+
+- a head deadline: a request head must be complete `header_timeout_s` after the
+  connection opened or the previous response finished;
+- a body rate: the body must be complete `body_timeout_s` after the head, extended by one
+  second per `body_min_rate_bytes_s` bytes received (mod_reqtimeout's
+  `body=10,MinRate=...`): past the first `body_timeout_s`, it must keep up that rate;
+- on either timeout: a 408 problem (when no response has started), one info line, and
+  the connection is closed;
+- a cap of `max_connections` open connections. At the cap, a new connection first takes
+  the place of the one that has waited longest (at least `EVICT_AFTER_S`) for a request
+  without sending a byte of one, as nginx reuses idle keep-alive connections; failing
+  that, `PROBE_RESERVE` more connections may each ask `/healthz` or `/readyz` once (so
+  probes still answer while the cap is full of busy connections), anything else on them
+  gets a 503, and past the reserve a new connection gets a canned 503 problem at once;
+- readiness false from the moment uvicorn's shutdown begins (see `_Guard.shutdown`).
+
+A 408 or 503 written by the protocol half-closes the connection and drops what the client
+still sends for up to `LINGER_S`, so the client reads the answer rather than a reset.
+The deadlines are checked by one timer per server, once a second (`TICK_S`), over all its
+connections: a request pays for a byte counter, a few attribute reads and a dict insert
+and delete, not for timers. The app hands its settings and metrics over in the lifespan
+state (`POLICY_STATE`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from service.errors import SERVICE_PROBLEMS, problem_body
+from service.middleware import AUTH_EXEMPT, TIMED_OUT, loggable
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Windows: the cap is taken as it is
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger("gradserve.connections")
+
+# The lifespan state key under which the app hands its `ConnectionPolicy` to the protocol.
+POLICY_STATE = "gradserve.connection_policy"
+# The paths a connection in the probe reserve may ask for.
+PROBE_PATHS = AUTH_EXEMPT
+# Connections past the cap that may still serve one probe each: liveness and readiness
+# probes and a load balancer's check, with room to spare.
+PROBE_RESERVE = 8
+# How often the deadlines are checked; during a shutdown, how often idle connections are
+# looked at (they close once no request is left running).
+TICK_S = 1.0
+DRAIN_TICK_S = 0.1
+# A refused or timed-out connection is half-closed (our FIN after the answer) and what the
+# client still sends is read and dropped for up to this long (1 to 2 s, at the tick), so
+# the client reads the answer rather than a reset (closing a socket with unread input
+# sends RST at once, and the peer may drop the answer it has not read yet).
+LINGER_S = 1.0
+# At most this many connections linger at once; past it they are closed at once.
+LINGER_MAX = 64
+# File descriptors kept for everything but connections: the listening socket, log
+# files, pipes, the event loop's own, imports; and per compute slot, its worker process's
+# pipes and sentinel and the shared memory of its body and response.
+FD_MARGIN = 64
+FDS_PER_SLOT = 8
+# A refusal summary is logged at most this often while connections are being refused.
+REFUSAL_LOG_S = 10.0
+# At the cap, a connection that has waited this long for a request, without sending a byte
+# of one, may be closed to make room for a new one (not sooner: it had no time to send).
+EVICT_AFTER_S = 1.0
+
+
+@dataclass(frozen=True)
+class ConnectionPolicy:
+    """What the protocol enforces, and where it reports (set up in the app's lifespan)."""
+
+    header_timeout_s: float
+    body_timeout_s: float
+    body_min_rate_bytes_s: int
+    max_connections: int  # the effective cap: the setting, or less if file descriptors are short
+    count: Callable[[str], None] = lambda reason: None  # a rejection, by metrics reason
+    drain: Callable[[], None] = lambda: None  # shutdown began: readiness goes false
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        count: Callable[[str], None] = lambda reason: None,
+        drain: Callable[[], None] = lambda: None,
+    ) -> ConnectionPolicy:
+        """The policy for `settings`, with the cap fitted to the open-file limit."""
+        return cls(
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            body_min_rate_bytes_s=settings.body_min_rate_bytes_s,
+            max_connections=fit_open_file_limit(
+                settings.max_connections, slots=settings.max_concurrency
+            ),
+            count=count,
+            drain=drain,
+        )
+
+
+@cache
+def _fallback_policy() -> ConnectionPolicy:
+    # An app without our lifespan (or lifespan off): the limits still hold, unreported.
+    return ConnectionPolicy.from_settings(Settings())
+
+
+def fit_open_file_limit(max_connections: int, *, slots: int = 0) -> int:
+    """Raise the soft RLIMIT_NOFILE as far as `max_connections` needs (up to the hard
+    limit), besides what is open now and what `slots` compute slots may open, and return
+    the cap that fits under it: `max_connections`, or less (with a warning) when even the
+    hard limit is too low."""
+    if resource is None:
+        return max_connections
+    in_use = _open_fds()
+    overhead = in_use + FD_MARGIN + FDS_PER_SLOT * slots + PROBE_RESERVE + LINGER_MAX
+    need = max_connections + overhead
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # e.g. a container that forbids raising it
+            log.warning("could not raise the open-file limit from %d to %d: %s",
+                        soft, target, exc)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    cap = max(1, soft - overhead)
+    log.warning(
+        "GRADSERVE_MAX_CONNECTIONS=%d does not fit under the open-file limit (soft %d, "
+        "hard %s; %d open, %d kept for files, workers, probes and closing connections): "
+        "serving at most %d connections; raise the limit (ulimit -n) to allow more",
+        max_connections, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        in_use, overhead - in_use, cap,
+    )
+    return cap
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no procfs (macOS): assume a few dozen
+        return 32
+
+
+# ------------------------------------------------------------------------------ responses
+def _response(
+    status: int, reason: bytes, body: bytes, rid: str, server: list[tuple[bytes, bytes]],
+    extra: bytes = b"",
+) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, with uvicorn's default
+    headers (`server`: date and server) as on every other response."""
+    return b"".join([
+        b"HTTP/1.1 %d %s\r\n" % (status, reason),
+        *(b"%s: %s\r\n" % header for header in server),
+        b"content-type: application/problem+json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"x-request-id: ", rid.encode(), b"\r\n",
+        extra,
+        b"connection: close\r\n\r\n",
+        body,
+    ])
+
+
+def _timeout_response(rid: str, detail: str, server: list[tuple[bytes, bytes]]) -> bytes:
+    body = problem_body(408, "request-timeout", "Request timeout", detail, request_id=rid)
+    return _response(408, b"Request Timeout", body, rid, server)
+
+
+_OVERLOADED_STATUS, _OVERLOADED_TITLE = SERVICE_PROBLEMS["overloaded"]
+_TOO_MANY = "the server has too many open connections; retry shortly"
+
+
+def _refusal_response(rid: str, server: list[tuple[bytes, bytes]]) -> bytes:
+    body = problem_body(_OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE, _TOO_MANY,
+                        request_id=rid)
+    return _response(_OVERLOADED_STATUS, b"Service Unavailable", body, rid, server,
+                     b"retry-after: 1\r\n")
+
+
+def _closing(app: ASGIApp) -> ASGIApp:
+    """`app`, with `Connection: close` on its responses: uvicorn closes after them."""
+
+    async def closing(scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_closing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
+            await send(message)
+
+        await app(scope, receive, send_closing)
+
+    return closing
+
+
+def _probes_only(app: ASGIApp, policy: ConnectionPolicy) -> ASGIApp:
+    """For a connection in the probe reserve: the health routes, else the 503."""
+    closing = _closing(app)
+
+    async def probes_only(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
+            policy.count("connections")
+            rid = os.urandom(16).hex()
+            body = problem_body(_OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE,
+                                _TOO_MANY, request_id=rid)
+            await send({"type": "http.response.start", "status": _OVERLOADED_STATUS, "headers": [
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", b"%d" % len(body)),
+                (b"x-request-id", rid.encode()), (b"retry-after", b"1"),
+                (b"connection", b"close"),
+            ]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await closing(scope, receive, send)
+
+    return probes_only
+
+
+# ------------------------------------------------------------------------------ the watchdog
+class _Watchdog:
+    """One per server: the connection counts, the connections waiting for a request, and
+    the timer that checks the deadlines."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.members: set[_Guard] = set()
+        # Admitted connections waiting for a request with no byte of it yet (just opened,
+        # or idle after a response), oldest first: the ones closed to make room at the cap.
+        self.waiting: dict[_Guard, None] = {}
+        self.admitted = 0  # connections served (within the cap, or in the probe reserve)
+        self.lingering = 0
+        self.draining = False
+        self.cap = 0
+        self.refused = 0  # since the last summary line
+        self.evicted = 0  # likewise
+        self.logged_at = -REFUSAL_LOG_S
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, conn: _Guard) -> None:
+        self.members.add(conn)
+        if self._timer is None:
+            self._timer = self.loop.call_later(TICK_S, self._sweep)
+
+    def make_room(self, now: float) -> bool:
+        """Close the connection that has waited longest for a request without sending a
+        byte of one (as nginx reuses idle keep-alive connections when it runs out), so that
+        idle connections cannot keep anyone else out. False if none has waited
+        `EVICT_AFTER_S`."""
+        oldest = next(iter(self.waiting), None)  # insertion order is `_idle_since` order
+        if oldest is None or now - oldest._idle_since < EVICT_AFTER_S:
+            return False
+        oldest.evict()
+        self.evicted += 1
+        return True
+
+    def drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            if self._timer is not None:  # look at idle connections sooner from now on
+                self._timer.cancel()
+            self._timer = self.loop.call_later(DRAIN_TICK_S, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for conn in list(self.members):
+            conn.check(now)
+        if (self.refused or self.evicted) and now - self.logged_at >= REFUSAL_LOG_S:
+            log.warning(
+                "at the cap of %d open connections: closed %d idle connection(s) to make "
+                "room, refused %d connection(s)", self.cap, self.evicted, self.refused,
+            )
+            self.refused = self.evicted = 0
+            self.logged_at = now
+        self._timer = (
+            self.loop.call_later(DRAIN_TICK_S if self.draining else TICK_S, self._sweep)
+            if self.members else None
+        )
+
+
+_watchdogs: weakref.WeakKeyDictionary[ServerState, _Watchdog] = weakref.WeakKeyDictionary()
+
+
+def _watchdog(state: ServerState, loop: asyncio.AbstractEventLoop) -> _Watchdog:
+    dog = _watchdogs.get(state)
+    if dog is None:
+        dog = _watchdogs[state] = _Watchdog(loop)
+    return dog
+
+
+# ------------------------------------------------------------------------------ the protocol
+class _UvicornHTTP(asyncio.Protocol):
+    """What `_Guard` uses of uvicorn's protocol classes (for the type checker only)."""
+
+    app: Any
+    app_state: dict[str, Any]
+    server_state: ServerState
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    flow: Any
+    cycle: Any
+    client: tuple[str, int] | None
+    tasks: set[asyncio.Task[None]]
+
+    def on_response_complete(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+if TYPE_CHECKING:
+    _Base = _UvicornHTTP
+else:
+    _Base = asyncio.Protocol
+
+
+class _Guard(_Base):
+    """The limits, on top of either uvicorn protocol class (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._policy: ConnectionPolicy = self.app_state.get(POLICY_STATE) or _fallback_policy()
+        self._dog = _watchdog(self.server_state, self.loop)
+        self._admitted = False
+        self._waiting = False  # in `_dog.waiting`
+        self._closing = False  # answered and half-closed: input is dropped
+        self._linger_until = 0.0
+        self._draining = False  # idle at shutdown, kept open while other requests run
+        self._received = 0  # bytes, head and body, on this connection
+        self._idle_since = 0.0  # when the current request head could begin
+        self._cycle_seen: Any = None  # the request whose body deadline is set
+        self._body_since = 0.0
+        self._body_base = 0  # `_received` when its head was complete
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        dog = self._dog
+        dog.cap = cap = self._policy.max_connections
+        dog.add(self)
+        self._idle_since = now = self.loop.time()
+        if dog.admitted >= cap and not dog.make_room(now):
+            if dog.admitted >= cap + PROBE_RESERVE:
+                self._policy.count("connections")
+                dog.refused += 1
+                self._finish(_refusal_response(os.urandom(16).hex(),
+                                               self.server_state.default_headers))
+                return
+            self.app = _probes_only(self.app, self._policy)
+        dog.admitted += 1
+        self._admitted = True
+        self._wait()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._dog.members.discard(self)
+        self._leave()
+        if self._linger_until:
+            self._linger_until = 0.0
+            self._dog.lingering -= 1
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self._waiting:
+            self._waiting = False
+            del self._dog.waiting[self]
+        before = self._received
+        self._received = before + len(data)
+        super().data_received(data)
+        if self.cycle is not self._cycle_seen:  # a request head was completed
+            self._cycle_seen = self.cycle
+            self._body_since = self.loop.time()
+            self._body_base = before
+
+    # -- uvicorn's protocol interface
+    def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()
+        super().on_response_complete()
+        if self.cycle.response_complete and not self.transport.is_closing():
+            self._wait()  # no pipelined request started: idle, waiting for the next one
+
+    def shutdown(self) -> None:
+        """uvicorn's shutdown has begun: it has stopped accepting connections, and now
+        closes each idle one and lets each busy one finish its request. Readiness goes
+        false here, and an idle keep-alive connection stays open while other requests still
+        run, so a request on it (a load balancer's readiness check on its pooled
+        connection) is answered, with `Connection: close`, rather than refused."""
+        self._policy.drain()
+        self._dog.drain()
+        if self._closing:  # already answered: its lingering ends now
+            self.transport.close()
+            return
+        idle = self.cycle is None or self.cycle.response_complete
+        if idle and self.tasks:
+            self._draining = True
+            self._unwait()  # not to be evicted: it is on its way out
+            self.app = _closing(self.app)
+            return
+        super().shutdown()
+
+    # -- bookkeeping
+    def _wait(self) -> None:
+        if self._admitted and not self._waiting and not self._draining:
+            self._waiting = True
+            self._dog.waiting[self] = None
+
+    def _unwait(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            del self._dog.waiting[self]
+
+    def _leave(self) -> None:
+        """No longer counted against the cap (closed, or about to be)."""
+        self._unwait()
+        if self._admitted:
+            self._admitted = False
+            self._dog.admitted -= 1
+
+    def evict(self) -> None:
+        """Closed to make room for a new connection (see `_Watchdog.make_room`)."""
+        self._leave()
+        self._closing = True
+        self.transport.close()
+
+    # -- the deadlines, checked by the watchdog
+    def check(self, now: float) -> None:
+        if self not in self.server_state.connections:  # handed over to a WebSocket protocol
+            self._dog.members.discard(self)
+            self._leave()
+            return
+        if self._closing:
+            if now >= self._linger_until:
+                self.transport.close()
+            return
+        cycle = self.cycle
+        if cycle is not self._cycle_seen:  # a pipelined request started
+            self._cycle_seen = cycle
+            self._body_since, self._body_base = now, self._received
+        if cycle is None or cycle.response_complete:
+            if self._draining and not self.tasks:
+                self.transport.close()
+            elif now - self._idle_since >= self._policy.header_timeout_s:
+                self._time_out(None, "the request head")
+        elif cycle.more_body and not cycle.response_started and not self.flow.read_paused:
+            p = self._policy
+            allowed = p.body_timeout_s
+            if p.body_min_rate_bytes_s:
+                allowed += (self._received - self._body_base) / p.body_min_rate_bytes_s
+            if now - self._body_since >= allowed:
+                self._time_out(cycle, "the request body")
+
+    def _time_out(self, cycle: Any, what: str) -> None:
+        self._policy.count("request_timeout")
+        state = cycle.scope.get("state", {}) if cycle is not None else {}
+        rid = state.get("request_id") or os.urandom(16).hex()
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+        if cycle is None:
+            detail = f"{what} did not arrive within {self._policy.header_timeout_s:g} s"
+            where = ""
+        else:
+            rate = self._policy.body_min_rate_bytes_s
+            detail = (f"{what} did not arrive in time (within {self._policy.body_timeout_s:g} "
+                      f"s, and then at {rate} bytes/s or more)")
+            scope = cycle.scope
+            where = f' "{loggable(scope["method"])} {loggable(scope["path"])}"'
+            # The app is waiting for the body: it sees a disconnect, and the middleware,
+            # finding this mark, counts a 408 rather than a client that went away.
+            state[TIMED_OUT] = True
+            cycle.disconnected = True  # nothing more from the app reaches the socket
+            cycle.message_event.set()
+        log.info("%s %s%s request timeout: %s; answered 408", rid, loggable(client), where, detail)
+        self._finish(_timeout_response(rid, detail, self.server_state.default_headers))
+
+    def _finish(self, response: bytes) -> None:
+        """Send `response` and close: half-close and linger, so it is read, not reset."""
+        self._leave()
+        self.transport.write(response)
+        self._closing = True
+        dog = self._dog
+        if not self.transport.can_write_eof() or dog.lingering >= LINGER_MAX:
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger_until = self.loop.time() + LINGER_S
+        dog.lingering += 1
+
+
+class HttpToolsGuard(_Guard, HttpToolsProtocol):
+    """uvicorn's httptools protocol, with the limits."""
+
+
+class H11Guard(_Guard, H11Protocol):
+    """uvicorn's h11 protocol, with the limits."""
+
+
+def _auto() -> type[asyncio.Protocol]:
+    # As uvicorn's "auto": httptools when it is installed.
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # pragma: no cover
+        return H11Guard
+    return HttpToolsGuard
+
+
+GradserveProtocol: type[asyncio.Protocol] = _auto()

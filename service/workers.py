@@ -1,0 +1,367 @@
+"""Computation in worker processes that are stopped, and replaced, at their deadline.
+
+A request past its time limit must stop burning CPU even inside one long kernel, and a
+thread cannot be interrupted inside NumPy: so requests compute in a pool of worker
+processes (pebble), and a task that passes its deadline, or whose client has gone, is
+stopped by terminating its worker (pebble starts another). The front process keeps the
+I/O, admission and the tiny requests, so its event loop always answers.
+
+- Bodies and responses of a MiB or more cross through shared memory, not pickles.
+- The in-flight memory budget is one for all processes: a `Ledger` of the bytes each
+  compute slot holds, in a small shared file, changed under an `flock` (the kernel
+  releases it should a worker die holding it).
+- Workers fork from a forkserver that has already imported the engine (a replacement
+  costs milliseconds of CPU, not a Python start), die at once on SIGTERM (even inside a
+  kernel), run at a lower priority than the front process, give their free memory back to
+  the system after large tasks, and are recycled after a number of tasks; the whole pool
+  stops when idle and starts again on demand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import itertools
+import logging
+import mmap
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
+
+from engine.errors import GradserveError
+from service.admission import RETRY_AFTER_S
+from service.compute import MODELS, Compute, Stats, warm_up
+from service.errors import ProblemError, as_problem
+from service.settings import Settings
+
+log = logging.getLogger("gradserve.workers")
+
+SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the pool's pipe
+TASKS_PER_WORKER = 200  # then the worker is replaced, with whatever its heap held
+IDLE_STOP_S = 10.0  # a pool with nothing to do for this long stops its workers
+TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
+WORKER_NICENESS = 5  # below the front process, whose event loop answers health checks
+
+
+# ---------------------------------------------------------------- the shared in-flight memory
+
+
+class Ledger:
+    """The bytes held in flight, shared by the front process and its workers: one int64
+    per compute slot, and one (`BODIES`, after them) for the bodies still arriving, in a
+    file mapped by all, read and changed under an exclusive `flock` of that file. Each
+    process opens the file itself: flock excludes across open files, and is released by
+    the kernel when its holder dies."""
+
+    def __init__(self, path: str, slots: int, limit: int) -> None:
+        self.path, self.slots, self.limit = path, slots, limit
+        self.bodies = slots  # the line of the bodies being received
+        self._fd = os.open(path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, 8 * (slots + 1))
+        self._values = memoryview(self._map).cast("q")
+
+    @classmethod
+    def create(cls, directory: str, slots: int, limit: int) -> Ledger:
+        path = os.path.join(directory, "ledger")
+        with open(path, "wb") as f:
+            f.write(bytes(8 * (slots + 1)))
+        return cls(path, slots, limit)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def reserve(self, slot: int, nbytes: int) -> bool:
+        """Set `slot`'s bytes to `nbytes` if all slots together stay within the limit."""
+        with self._locked():
+            values = self._values
+            if sum(values) - values[slot] + nbytes > self.limit:
+                return False
+            values[slot] = nbytes
+            return True
+
+    def grow(self, line: int, nbytes: int) -> bool:
+        """Add `nbytes` to `line` if all lines together stay within the limit."""
+        with self._locked():
+            values = self._values
+            if sum(values) + nbytes > self.limit:
+                return False
+            values[line] += nbytes
+            return True
+
+    def shrink(self, line: int, nbytes: int) -> None:
+        with self._locked():
+            self._values[line] -= nbytes
+
+    def held(self, slot: int) -> int:
+        return self._values[slot]
+
+    def release(self, slot: int) -> None:
+        with self._locked():
+            self._values[slot] = 0
+
+    def total(self) -> int:
+        return sum(self._values)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._values.release()
+        self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+
+# ---------------------------------------------------------------- payloads
+
+
+Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's name and size
+
+
+def pack(data: bytes, name: str) -> Payload:
+    """`data` for another process: in a shared memory segment `name` when it is large (the
+    receiver copies it out; whoever made `name` is not who unlinks it: see `unlink`)."""
+    if len(data) < SHM_MIN_BYTES:
+        return data
+    try:
+        shm = SharedMemory(name=name, create=True, size=len(data))
+    except OSError:  # no room in /dev/shm: the pipe still works
+        return data
+    try:
+        memoryview(shm.buf)[: len(data)] = data  # type: ignore[arg-type]
+    finally:
+        _untrack(shm)
+        shm.close()
+    return (name, len(data))
+
+
+def unpack(payload: Payload) -> bytes:
+    if isinstance(payload, bytes):
+        return payload
+    name, size = payload
+    shm = SharedMemory(name=name)
+    try:
+        return bytes(memoryview(shm.buf)[:size])  # type: ignore[arg-type]
+    finally:
+        _untrack(shm)
+        shm.close()
+
+
+def unlink(name: str) -> None:
+    """Remove segment `name` if it exists (the front process owns every segment's end, so
+    that none is left behind when a worker is killed)."""
+    try:
+        shm = SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    _untrack(shm)
+    shm.close()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
+def _untrack(shm: SharedMemory) -> None:
+    # Python < 3.13 registers every segment it opens with the resource tracker, which
+    # would unlink segments still in use, or warn of "leaks", when a process exits.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the task, in a worker
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str  # "forward" or "backward"
+    body: Payload
+    slot: int  # the compute slot, in the ledger
+    held: int  # bytes the front process reserved for the body
+    deadline: float  # time.monotonic() (one clock for all processes of a host)
+    out_name: str  # the shared memory segment a large response goes into
+    request_id: str
+
+
+# (status "ok", response payload, stats) or ("problem", ProblemError.to_wire(), stats)
+Reply = tuple[str, Any, Stats]
+
+_compute: Compute | None = None
+_ledger: Ledger | None = None
+
+
+def _start_worker(settings_json: str, ledger_path: str, slots: int, limit: int) -> None:
+    """The worker's initializer: die at once on SIGTERM (pebble's handler would wait for
+    the kernel in progress to return), step aside for the front process, and warm up."""
+    global _compute, _ledger
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
+    settings = Settings.model_validate_json(settings_json)
+    _compute = Compute(settings)
+    _ledger = Ledger(ledger_path, slots, limit)
+    warm_up(settings)
+
+
+def run_task(task: Task) -> Reply:
+    """A request's computation in a worker: the same `Compute` as in the front process,
+    with its reservation in the shared ledger."""
+    assert _compute is not None and _ledger is not None
+    ledger = _ledger
+    stats = Stats()
+
+    def reserve(nbytes: int) -> None:
+        if not ledger.reserve(task.slot, task.held + nbytes):
+            stats.rejected = "inflight_memory"
+            raise overloaded(nbytes, ledger)
+
+    try:
+        content = _compute.run(unpack(task.body), MODELS[task.kind], task.deadline, reserve,
+                               stats)
+    except ProblemError as err:
+        return "problem", err.to_wire(), stats
+    except GradserveError as err:
+        return "problem", as_problem(err).to_wire(), stats
+    finally:
+        if (stats.planned_peak_bytes or 0) >= TRIM_AFTER_BYTES:
+            trim_memory()
+    stats.pid = os.getpid()
+    return "ok", pack(content, task.out_name), stats
+
+
+def overloaded(nbytes: int, ledger: Ledger) -> ProblemError:
+    """503: the in-flight memory has no room for `nbytes` more now."""
+    return ProblemError(
+        "overloaded",
+        f"the server's in-flight memory is full: this request needs {nbytes} bytes and "
+        f"{ledger.total()} of {ledger.limit} are taken; retry shortly",
+        headers={"Retry-After": str(RETRY_AFTER_S)}, planned_bytes=nbytes,
+    )
+
+
+def trim_memory() -> None:
+    """Give the allocator's free memory back to the system (glibc keeps freed arenas)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+_libc = ctypes.util.find_library("c")
+_malloc_trim = getattr(ctypes.CDLL(_libc), "malloc_trim", None) if _libc else None
+
+
+
+# ---------------------------------------------------------------- the pool, in the front
+
+
+class Pool:
+    """The worker pool of one front process: started on first use, stopped when idle."""
+
+    def __init__(self, settings: Settings, slots: int) -> None:
+        self.settings = settings
+        self.slots = slots
+        self._dir = tempfile.mkdtemp(prefix="gradserve-", dir=_shm_dir())
+        self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
+        self._pool: ProcessPool | None = None
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+        self.active = 0
+        self._idle_since = time.monotonic()
+        self.started = 0  # pools started, for tests and logs
+
+    def segment(self) -> str:
+        """A new, unique shared memory name."""
+        return f"gs{os.getpid()}-{next(self._names)}"
+
+    def _ensure(self) -> ProcessPool:
+        with self._lock:
+            if self._pool is None:
+                context = multiprocessing.get_context("forkserver")
+                context.set_forkserver_preload(["service.workers"])
+                self._pool = ProcessPool(
+                    max_workers=self.slots, max_tasks=TASKS_PER_WORKER,
+                    initializer=_start_worker,
+                    initargs=(self.settings.model_dump_json(), self.ledger.path, self.slots,
+                              self.settings.inflight_memory_bytes),
+                    context=context,
+                )
+                self.started += 1
+            return self._pool
+
+    async def submit(self, task: Task) -> Reply:
+        """Run `task` in a worker; its deadline and the caller's cancellation (a client
+        gone, a shutdown) stop the worker."""
+        pool = self._pool if self._pool is not None else await asyncio.to_thread(self._ensure)
+        self.active += 1
+        try:
+            remaining = max(task.deadline - time.monotonic(), 0.001)
+            future = pool.schedule(run_task, args=(task,), timeout=remaining)
+            try:
+                return await asyncio.wrap_future(future)  # cancelling this cancels the task
+            except TimeoutError:
+                raise GradserveTimeout(task.deadline) from None
+            except ProcessExpired as exc:
+                raise WorkerDied(exc.exitcode) from None
+            except CancelledError:
+                raise asyncio.CancelledError from None
+        finally:
+            self.active -= 1
+            self._idle_since = time.monotonic()
+
+    def stop_if_idle(self) -> bool:
+        """Stop the workers when nothing has run for IDLE_STOP_S (called periodically);
+        whether it did."""
+        if self._pool is None or self.active or \
+                time.monotonic() - self._idle_since < IDLE_STOP_S:
+            return False
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is None:
+            return False
+        pool.stop()
+        pool.join(timeout=5)
+        log.info("stopped the idle worker pool")
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.stop()
+            pool.join(timeout=5)
+        self.ledger.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class GradserveTimeout(Exception):
+    def __init__(self, deadline: float) -> None:
+        super().__init__("the request ran past its time limit")
+        self.deadline = deadline
+
+
+class WorkerDied(Exception):
+    def __init__(self, exitcode: int | None) -> None:
+        super().__init__(f"the worker computing this request died (exit code {exitcode})")
+        self.exitcode = exitcode
+
+
+def _shm_dir() -> str | None:
+    """Shared memory for the ledger's file when the host has it (it is RAM, and writable
+    in containers whose root is read-only); else the temporary directory."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
