@@ -140,11 +140,11 @@ Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's nam
 def pack(data: bytes, name: str) -> Payload:
     """`data` for another process: in a shared memory segment `name` when it is large (the
     receiver copies it out; whoever made `name` is not who unlinks it: see `unlink`)."""
-    if len(data) < SHM_MIN_BYTES:
+    if len(data) < SHM_MIN_BYTES or not _shm_has_room(len(data)):
         return data
     try:
         shm = SharedMemory(name=name, create=True, size=len(data))
-    except OSError:  # no room in /dev/shm: the pipe still works
+    except OSError:  # the pipe still works
         return data
     try:
         memoryview(shm.buf)[: len(data)] = data  # type: ignore[arg-type]
@@ -152,6 +152,17 @@ def pack(data: bytes, name: str) -> Payload:
         _untrack(shm)
         shm.close()
     return (name, len(data))
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    """Whether /dev/shm has room for `nbytes` (twice over, for another segment at the same
+    time): a segment is created sparse, and writing past the room there kills the
+    process with SIGBUS (Docker gives 64 MiB by default: see --shm-size)."""
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= 2 * nbytes
 
 
 def unpack(payload: Payload) -> bytes:
