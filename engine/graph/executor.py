@@ -35,14 +35,17 @@ Run = tuple[int, Kernel | None, int, int, int, Any, tuple[int, ...]]
 
 
 class Bound:
-    """A program's run on one backend: the step tuples, forward then backward."""
+    """A program's run on one backend: the step tuples, forward then backward, and what
+    it is given (name, slot, shape, dtype, and whether it is an upstream gradient)."""
 
-    __slots__ = ("backend", "backward", "forward")
+    __slots__ = ("backend", "backward", "forward", "given")
 
-    def __init__(self, backend: Backend, forward: list[Run], backward: list[Run]) -> None:
+    def __init__(self, backend: Backend, forward: list[Run], backward: list[Run],
+                 given: list[tuple[str, int, tuple[int, ...], str, bool]]) -> None:
         self.backend = backend
         self.forward = forward
         self.backward = backward
+        self.given = given
 
 
 def bind(program: Program, device: str = "cpu") -> Bound:
@@ -55,7 +58,12 @@ def bind(program: Program, device: str = "cpu") -> Bound:
             split = i
         runs.append(_run(step, program, backend, program.ufunc[i] and backend.ufuncs is not None,
                          program.reuse[i], program.frees[i]))
-    return Bound(backend, runs[:split], runs[split:])
+    metas = program.metas
+    given = [(name, slot, metas[slot].shape, metas[slot].dtype, False)
+             for name, slot in program.inputs.items()]
+    given += [(name, slot, metas[slot].shape, metas[slot].dtype, True)
+              for name, slot in program.grad_inputs.items()]
+    return Bound(backend, runs[:split], runs[split:], given)
 
 
 def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int,
@@ -164,53 +172,51 @@ def execute(
     `time.monotonic()` value; setting `cancel` stops the run at its next check. `verify`
     checks every result against its planned shape and dtype (tests)."""
     started = time.monotonic()
+    bound: Bound = program.run
+    backend = bound.backend
     slots: list[Any] = [None] * len(program.metas)
     sizes = [0] * len(program.metas)
     live = 0
-    bound: Bound = program.run
-    backend = bound.backend
-    given = [(name, slot, inputs.get(name)) for name, slot in program.inputs.items()]
-    given += [(name, slot, (grad_outputs or {}).get(name))
-              for name, slot in program.grad_inputs.items()]
-    for name, slot, array in given:
-        meta = program.metas[slot]
-        if array is None or tuple(array.shape) != meta.shape \
-                or backend.dtype_name(array) != meta.dtype:
+    given = grad_outputs or {}
+    for name, slot, shape, dtype, upstream in bound.given:
+        array = (given if upstream else inputs).get(name)
+        if array is None or array.shape != shape or backend.dtype_name(array) != dtype:
             got = "nothing" if array is None else \
                 f"{fmt(tuple(array.shape))} {backend.dtype_name(array)}"
-            raise ShapeError(f"input {name!r} must be {fmt(meta.shape)} {meta.dtype} on "
+            raise ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on "
                              f"{backend.device}, as compiled; got {got}")
-        slots[slot] = array
-    for slot in {*program.inputs.values(), *program.grad_inputs.values()}:
-        sizes[slot] = backend.nbytes(slots[slot])
-        live += sizes[slot]
+        if slots[slot] is None:  # (a name given twice is one array, counted once)
+            slots[slot] = array
+            sizes[slot] = nbytes = backend.nbytes(array)
+            live += nbytes
 
-    def check() -> None:
-        if cancel is not None and cancel.is_set():
-            raise Cancelled("the request was cancelled")
-        if deadline is not None and time.monotonic() > deadline:
-            elapsed = time.monotonic() - started
-            raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
+    check = None
+    if deadline is not None or cancel is not None:
 
-    timings = {"plan": round(program.plan_ms, 3)}
+        def check() -> None:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("the request was cancelled")
+            if deadline is not None and time.monotonic() > deadline:
+                elapsed = time.monotonic() - started
+                raise DeadlineExceeded(f"the request ran past its time limit ({elapsed:.2f} s)")
+
     state = [live, live]  # live bytes, peak
     with backend.activate():
         t0 = time.perf_counter()
         _loop(bound.forward, slots, sizes, state, check, program, verify, 0, backend)
         backend.synchronize()
         t1 = time.perf_counter()
-        timings["forward"] = round((t1 - t0) * 1000, 3)
         if bound.backward:
             _loop(bound.backward, slots, sizes, state, check, program, verify,
                   len(bound.forward), backend)
             backend.synchronize()
-            timings["backward"] = round((time.perf_counter() - t1) * 1000, 3)
-    outputs = {name: slots[slot] for name, slot in program.outputs}
-    gradients = ({name: slots[slot] for name, slot in program.gradients}
-                 if program.backward else None)
+    timings = {"plan": round(program.plan_ms, 3), "forward": round((t1 - t0) * 1000, 3)}
+    if bound.backward:
+        timings["backward"] = round((time.perf_counter() - t1) * 1000, 3)
     return RunResult(
-        outputs=outputs,
-        gradients=gradients,
+        outputs={name: slots[slot] for name, slot in program.outputs},
+        gradients=({name: slots[slot] for name, slot in program.gradients}
+                   if program.backward else None),
         peak_bytes=state[1],
         planned_peak_bytes=program.planned_peak_bytes,
         nodes=program.nodes,
@@ -219,14 +225,14 @@ def execute(
 
 
 def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
-          check: Callable[[], None], program: Program, verify: bool, offset: int,
+          check: Callable[[], None] | None, program: Program, verify: bool, offset: int,
           backend: Backend) -> None:
     live, peak = state
     nbytes = backend.nbytes
     k = 0
     try:
         for k, (code, fn, out, a0, a1, rest, frees) in enumerate(runs):
-            if not k % CHECK_EVERY:
+            if check is not None and not k % CHECK_EVERY:
                 check()
             if code == BINARY:
                 r = fn(s[a0], s[a1])  # type: ignore[misc]

@@ -73,17 +73,13 @@ class Program:
     frees: list[tuple[int, ...]] = field(default_factory=list)  # per step: slots last used
     reuse: list[int] = field(default_factory=list)  # per step: slot whose buffer it writes, or -1
     ufunc: list[bool] = field(default_factory=list)  # per step: runs as the backend's ufunc
+    nodes: int = 0  # op nodes of the client's graph that run (after `expr` expansion)
     planned_peak_bytes: int = 0
     flops: int = 0
     bytes_moved: int = 0
     cost_by_node: dict[str, int] = field(default_factory=dict)
     plan_ms: float = 0.0
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
-
-    @property
-    def nodes(self) -> int:
-        """Op nodes of the client's graph that run (after `expr` expansion)."""
-        return sum(1 for s in self.steps if s.kind == NODE)
 
     @property
     def estimated_bytes(self) -> int:

@@ -13,7 +13,7 @@ to it).
 from __future__ import annotations
 
 from engine.dtypes import ITEMSIZE
-from engine.graph.ir import BYTE_COST, Program, Step
+from engine.graph.ir import BYTE_COST, NODE, Program, Step
 from engine.ops.registry import Meta, literal_meta
 from engine.shapes import numel
 
@@ -21,6 +21,9 @@ from engine.shapes import numel
 # others, float16 above all, keep the ops' own forwards: PyTorch computes float16 with
 # float literals in float32).
 UFUNC_DTYPES = frozenset({"float32", "float64"})
+# A buffer is worth taking over from 32 KiB: below, NumPy's allocator hands out recycled
+# small blocks for less than the `out=` argument costs to pass.
+REUSE_MIN_BYTES = 32 << 10
 
 
 def uses_ufunc(step: Step, metas: list[Meta]) -> bool:
@@ -39,6 +42,7 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     metas = program.metas
     kept = _needed(program)
     program.steps = kept
+    program.nodes = sum(1 for step in kept if step.kind == NODE)
     given = {*program.inputs.values(), *program.grad_inputs.values()}
     held = {*given, *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     if record:
@@ -83,7 +87,7 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
         out = step.out
         if not step.op.returns_input:  # (which adds no bytes: it is its input's array)
             r = -1
-            if ufunc[i] and metas[out].shape:  # (a 0-d result is a scalar, not a buffer)
+            if ufunc[i] and sizes[out] >= REUSE_MIN_BYTES:  # (never 0-d: a scalar, no buffer)
                 meta = metas[out]
                 for a in step.args:
                     if (type(a) is int and a in fresh and last_use.get(a) == i

@@ -81,6 +81,18 @@ def _mean(xp: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     return xp.mean(x, axis=_axes(x, dim), keepdims=keepdim)
 
 
+def _mean_kernel(backend: Any, metas: list[Meta], *, dim: Any, keepdim: bool) -> Any:
+    """NumPy's mean is its add.reduce divided by the count (float16 aside, which it sums in
+    float32): the same, without its Python bookkeeping on every call."""
+    m = metas[0]
+    if backend.ufuncs is None or m.dtype not in ("float32", "float64"):
+        return None
+    axes = normalize_dims(dim, len(m.shape))
+    count = numel([m.shape[d] for d in axes])
+    reduce, divide = backend.ufuncs.add.reduce, backend.ufuncs.divide
+    return lambda x: divide(reduce(x, axis=axes, keepdims=keepdim), count)
+
+
 def _mean_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     shape = tuple(x.shape)
     dims = normalize_dims(dim, len(shape))
@@ -326,6 +338,7 @@ register(
         name="mean", group="reductions", doc="Mean over dims (floating point inputs only).",
         args=("input",), forward=_mean, infer=reduction_infer(_float_only("mean")),
         vjp=(_mean_vjp,), save=("input",), attrs={"dim": DIM, "keepdim": KEEPDIM},
+        kernel=_mean_kernel,
         positional_attrs=("dim", "keepdim"),
     ),
     _reduction(

@@ -54,6 +54,16 @@ def expand_target(shape: tuple[int, ...], target: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _fixed_shape(fn_name: str, target_of: Any) -> Any:
+    """A kernel calling the namespace's `fn_name` with a target shape worked out once."""
+
+    def kernel(backend: Any, metas: list[Meta], *, shape: Any) -> Any:
+        fn, target = getattr(backend.xp, fn_name), target_of(metas[0].shape, shape)
+        return lambda x: fn(x, target)
+
+    return kernel
+
+
 register(
     OpDef(
         name="reshape", group="shape", doc="Same elements in a new shape (one dim may be -1).",
@@ -62,7 +72,7 @@ register(
         infer=lambda metas, *, shape: Meta(reshape_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: F.reshape(g, shape=list(x.shape)),),
         save=("input",), attrs={"shape": Attr("shape", doc="the new shape")},
-        positional_attrs=("shape",),
+        positional_attrs=("shape",), kernel=_fixed_shape("reshape", reshape_target),
     ),
     OpDef(
         name="expand", group="shape",
@@ -72,7 +82,7 @@ register(
         infer=lambda metas, *, shape: Meta(expand_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: sum_to_shape(F, g, tuple(x.shape)),),
         save=("input",), attrs={"shape": Attr("shape", doc="the target shape")},
-        positional_attrs=("shape",),
+        positional_attrs=("shape",), kernel=_fixed_shape("broadcast_to", expand_target),
     ),
 )
 
