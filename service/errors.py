@@ -12,11 +12,9 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -40,6 +38,10 @@ from engine.errors import (
     ValidationErrors,
 )
 from engine.graph.spec import Limits
+
+if TYPE_CHECKING:  # the web framework is not imported by the worker processes (memory)
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
 
 PROBLEM_JSON = "application/problem+json"
 TYPE_PREFIX = "urn:gradserve:problem:"
@@ -282,6 +284,8 @@ def _service_problem_response(exc: ProblemError, request_id: str | None) -> Resp
 
 
 def install_handlers(app: FastAPI) -> None:
+    from fastapi.exceptions import RequestValidationError
+
     async def on_problem(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProblemError)
         return _service_problem_response(exc, request_id_of(request))

@@ -117,7 +117,16 @@ class Runner:
                     content = self._inline(kind, body, slot, deadline)
                     if content is not None:
                         return content
-                return await self._in_worker(kind, body, slot, deadline, receive, request_id)
+                name = self.pool.segment()
+                large = len(body) >= TRIM_AFTER_BODY_BYTES
+                payload = pack(body, name)
+                del body  # a large body is in shared memory now: this process keeps no copy
+                try:
+                    return await self._in_worker(kind, payload, name, slot, deadline, receive,
+                                                 request_id)
+                finally:
+                    if large:
+                        trim_memory()
             finally:
                 self.ledger.release(slot)
                 self.admission.leave(slot)
@@ -188,16 +197,13 @@ class Runner:
         finally:
             self._count(p.stats)
 
-    async def _in_worker(self, kind: str, body: bytes, slot: int, deadline: float,
+    async def _in_worker(self, kind: str, payload: Any, name: str, slot: int, deadline: float,
                          receive: Receive, request_id: str) -> bytes:
-        name = self.pool.segment()
-        task = Task(kind=kind, body=pack(body, name), slot=slot,
-                    held=self.ledger.held(slot), deadline=deadline, out_name=name + "o",
-                    request_id=request_id)
-        large = len(body) >= TRIM_AFTER_BODY_BYTES
-        del body
+        task = Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
+                    deadline=deadline, out_name=name + "o", request_id=request_id)
+        del payload
         try:
-            status, payload, stats = await _until_disconnect(self.pool.submit(task), receive)
+            status, reply, stats = await _until_disconnect(self.pool.submit(task), receive)
         except GradserveTimeout:
             self.metrics.rejected["timeout"].inc()
             elapsed = self.settings.request_timeout_s - (deadline - time.monotonic())
@@ -208,14 +214,12 @@ class Runner:
             log.error("request %s: %s", request_id, exc)
             raise ProblemError("internal", f"{exc}; the request was not completed") from None
         finally:
-            unlink(name)
-            if large:
-                trim_memory()
+            unlink(name)  # (the worker removes it once read, unless it died first)
         try:
             self._count(stats)
             if status == "problem":
-                raise ProblemError.from_wire(payload)
-            return unpack(payload)
+                raise ProblemError.from_wire(reply)
+            return unpack(reply)
         finally:
             unlink(name + "o")
 

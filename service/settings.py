@@ -3,6 +3,7 @@ the contract: docs/contract.md)."""
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Annotated, Literal
 
@@ -29,6 +30,10 @@ class Settings(BaseSettings):
     no_grad_memory_budget_bytes: int = Field(1 * GiB, ge=1)
     inflight_memory_bytes: int = Field(8 * GiB, ge=1)
     max_concurrency: int = Field(8, ge=1)
+    # Worker processes computing (None: one per CPU, at least 2, at most max_concurrency):
+    # more processes than cores only add memory; admitted requests beyond them wait their
+    # turn inside their deadline.
+    compute_workers: int | None = Field(None, ge=1)
     request_timeout_s: float = Field(60.0, gt=0)
     # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()
@@ -65,6 +70,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return tuple(SecretStr(k.strip()) for k in value.split(",") if k.strip())
         return value
+
+    @property
+    def workers_for_compute(self) -> int:
+        if self.compute_workers is not None:
+            return min(self.compute_workers, self.max_concurrency)
+        return min(self.max_concurrency, max(2, os.cpu_count() or 2))
 
     @model_validator(mode="after")
     def _budgets_fit(self) -> Settings:

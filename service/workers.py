@@ -55,7 +55,7 @@ SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the pool's pipe
 TASKS_PER_WORKER = 200  # then the worker is replaced, with whatever its heap held
 IDLE_STOP_S = 10.0  # a pool with nothing to do for this long stops its workers
 TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
-WORKER_NICENESS = 5  # below the front process, whose event loop answers health checks
+WORKER_NICENESS = 10  # below the front process, whose event loop answers health checks
 
 
 # ---------------------------------------------------------------- the shared in-flight memory
@@ -165,7 +165,9 @@ def _shm_has_room(nbytes: int) -> bool:
     return stat.f_bavail * stat.f_frsize >= 2 * nbytes
 
 
-def unpack(payload: Payload) -> bytes:
+def unpack(payload: Payload, consume: bool = False) -> bytes:
+    """The bytes of a payload; `consume`: remove its segment once read (its memory goes
+    back at once; the front process's own `unlink` then finds nothing)."""
     if isinstance(payload, bytes):
         return payload
     name, size = payload
@@ -173,8 +175,12 @@ def unpack(payload: Payload) -> bytes:
     try:
         return bytes(memoryview(shm.buf)[:size])  # type: ignore[arg-type]
     finally:
-        _untrack(shm)
         shm.close()
+        if consume:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()  # (which also forgets it in the resource tracker)
+        else:
+            _untrack(shm)
 
 
 def unlink(name: str) -> None:
@@ -184,10 +190,9 @@ def unlink(name: str) -> None:
         shm = SharedMemory(name=name)
     except FileNotFoundError:
         return
-    _untrack(shm)
     shm.close()
     with contextlib.suppress(FileNotFoundError):
-        shm.unlink()
+        shm.unlink()  # (which also forgets it in the resource tracker)
 
 
 def _untrack(shm: SharedMemory) -> None:
@@ -244,8 +249,8 @@ def run_task(task: Task) -> Reply:
             raise overloaded(nbytes, ledger)
 
     try:
-        content = _compute.run(unpack(task.body), MODELS[task.kind], task.deadline, reserve,
-                               stats)
+        content = _compute.run(unpack(task.body, consume=True), MODELS[task.kind],
+                               task.deadline, reserve, stats)
     except ProblemError as err:
         return "problem", err.to_wire(), stats
     except GradserveError as err:
@@ -306,7 +311,7 @@ class Pool:
                 context = multiprocessing.get_context("forkserver")
                 context.set_forkserver_preload(["service.workers"])
                 self._pool = ProcessPool(
-                    max_workers=self.slots, max_tasks=TASKS_PER_WORKER,
+                    max_workers=self.settings.workers_for_compute, max_tasks=TASKS_PER_WORKER,
                     initializer=_start_worker,
                     initargs=(self.settings.model_dump_json(), self.ledger.path, self.slots,
                               self.settings.inflight_memory_bytes),
@@ -347,6 +352,7 @@ class Pool:
             return False
         pool.stop()
         pool.join(timeout=5)
+        _stop_forkserver()
         log.info("stopped the idle worker pool")
         return True
 
@@ -356,8 +362,19 @@ class Pool:
         if pool is not None:
             pool.stop()
             pool.join(timeout=5)
+            _stop_forkserver()
         self.ledger.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _stop_forkserver() -> None:
+    """Stop the forkserver too (it holds the imported engine, ~50 MB): the next pool starts
+    a new one. Python exposes no public call for it; its own tests use this one, and if it
+    is ever gone the server simply stays up."""
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(Exception):
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 class GradserveTimeout(Exception):
