@@ -275,7 +275,9 @@ def _long_request(n: int) -> dict[str, Any]:
 
 
 def test_docker_stop_with_a_request_in_flight(image: str) -> None:
-    c = _start(image, "-e", "GRADSERVE_REQUEST_TIMEOUT_S=600")
+    # A long request the compute budget lets through: the shutdown is what stops it.
+    c = _start(image, "-e", "GRADSERVE_REQUEST_TIMEOUT_S=600",
+               "-e", "GRADSERVE_COMPUTE_BUDGET=1e16")
     outcome: list[str] = []
 
     def client() -> None:

@@ -64,8 +64,8 @@ def _sum_kernel(backend: Any, metas: list[Meta], *, dim: Any, keepdim: bool) -> 
     if metas[0].dtype not in FLOATS:
         return None
     axes = normalize_dims(dim, len(metas[0].shape))
-    if backend.ufuncs is not None:
-        reduce = backend.ufuncs.add.reduce
+    reduce = getattr(getattr(backend.ufuncs, "add", None), "reduce", None)
+    if reduce is not None:
         return lambda x: reduce(x, axis=axes, keepdims=keepdim)
     total = backend.xp.sum
     return lambda x: total(x, axis=axes, keepdims=keepdim)
@@ -85,11 +85,12 @@ def _mean_kernel(backend: Any, metas: list[Meta], *, dim: Any, keepdim: bool) ->
     """NumPy's mean is its add.reduce divided by the count (float16 aside, which it sums in
     float32): the same, without its Python bookkeeping on every call."""
     m = metas[0]
-    if backend.ufuncs is None or m.dtype not in ("float32", "float64"):
+    reduce = getattr(getattr(backend.ufuncs, "add", None), "reduce", None)
+    if reduce is None or m.dtype not in ("float32", "float64"):
         return None
     axes = normalize_dims(dim, len(m.shape))
     count = numel([m.shape[d] for d in axes])
-    reduce, divide = backend.ufuncs.add.reduce, backend.ufuncs.divide
+    divide = backend.ufuncs.divide
     return lambda x: divide(reduce(x, axis=axes, keepdims=keepdim), count)
 
 

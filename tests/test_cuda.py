@@ -1,0 +1,122 @@
+"""The CUDA path, where a GPU and CuPy are present (marker `cuda`): every op sample and its
+gradients through compiled programs on the GPU against the same programs on the CPU, and
+the service's `/devices` and seed example on `cuda`. On a host without a GPU these skip,
+saying so: the CPU suite guards the CUDA path by running on array-api-strict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backends import available_devices, get_backend
+from engine.graph.autodiff import vjp
+from engine.graph.builder import Builder
+from engine.graph.compiler import assemble
+from engine.graph.executor import execute
+from engine.ops import OPS
+from engine.ops.registry import Meta
+from tests.op_samples import Sample
+from tests.test_ops import _cases, _is_float_array
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif("cuda:0" not in available_devices(), reason="no CUDA device here"),
+]
+
+TOLERANCE = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def _program(name: str, sample: Sample, dtype: str, device: str,
+             grads: bool) -> tuple[Any, dict[str, np.ndarray]]:
+    """The op (and, with `grads`, its VJP with an upstream gradient) as a program."""
+    op = OPS[name]
+    b = Builder()
+    args: list[Any] = []
+    inputs: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for i, a in enumerate(sample.args):
+        if isinstance(a, np.ndarray):
+            array = a.astype(dtype) if _is_float_array(a) else a
+            sym = b.value(Meta(array.shape, str(array.dtype)))
+            inputs[f"a{i}"], arrays[f"a{i}"] = sym, array
+            args.append(sym)
+        else:
+            args.append(a)
+    out = b.emit(op, args, op.bind_attrs(sample.attrs))
+    outputs = {"out": out}
+    if grads:
+        wrt = [k for k, s in inputs.items()
+               if s.dtype.startswith("float") and op.arg_differentiable(int(k[1:]))]
+        v = b.value(out.meta)
+        inputs["v"] = v
+        arrays["v"] = np.random.default_rng(5).standard_normal(out.shape).astype(out.dtype)
+        found = vjp(b, list(b.steps), [(out.slot, v)], [inputs[k].slot for k in wrt])
+        outputs.update({f"d{k}": g for k, g in zip(wrt, found, strict=True) if g is not None})
+    return assemble(b, inputs, outputs, device=device), arrays
+
+
+def _run(name: str, sample: Sample, dtype: str, grads: bool) -> None:
+    results = []
+    for device in ("cpu", "cuda:0"):
+        program, arrays = _program(name, sample, dtype, device, grads)
+        backend = get_backend(device)
+        r = execute(program, {k: backend.from_host(a) for k, a in arrays.items()}, verify=True)
+        assert r.peak_bytes == r.planned_peak_bytes
+        results.append({k: np.asarray(backend.to_host(v)) for k, v in r.outputs.items()})
+    cpu, gpu = results
+    for key in cpu:
+        assert gpu[key].shape == cpu[key].shape and gpu[key].dtype == cpu[key].dtype, key
+        tol = TOLERANCE.get(str(cpu[key].dtype), 0)  # integers and bools: exact
+        np.testing.assert_allclose(gpu[key], cpu[key], rtol=tol, atol=tol, equal_nan=True,
+                                   err_msg=key)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_forward_on_the_gpu_is_the_cpu_forward(name: str, sample: Sample, dtype: str) -> None:
+    _run(name, sample, dtype, grads=False)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_gradients_on_the_gpu_are_the_cpu_gradients(name: str, sample: Sample) -> None:
+    _run(name, sample, "float64", grads=True)
+
+
+def test_the_service_lists_the_gpu_and_computes_on_it() -> None:
+    import anyio
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    from service.app import create_app
+    from service.settings import Settings
+    from tests.seeds import SEED_OP
+
+    async def check() -> None:
+        app = create_app(Settings())
+        async with LifespanManager(app) as manager, httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test"
+        ) as c:
+            devices = (await c.get("/devices")).json()["devices"]
+            gpu = next(d for d in devices if d["name"] == "cuda:0")
+            assert gpu["kind"] == "cuda" and gpu["memory_bytes"] > 0
+            assert gpu["uuid"].startswith("GPU-") and gpu["model"]
+            for device in ("cuda", "cuda:0", "auto"):
+                r = (await c.post("/backward", json={**SEED_OP, "device": device})).json()
+                assert r["meta"]["device"] == "cuda:0"
+                assert r["outputs"]["z"]["data"] == -5.0
+                assert r["gradients"]["x"]["data"] == 4.0
+                assert r["gradients"]["y"]["data"] == -6.0
+            # A large body computes in a worker process, on the GPU too.
+            x = np.linspace(-1, 1, 5000)
+            body = {"graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}],
+                              "outputs": ["z"]}, "device": "cuda",
+                    "inputs": {"x": {"data": x.tolist(), "dtype": "float64",
+                                     "requires_grad": True}}}
+            r = (await c.post("/backward", json=body)).json()
+            assert r["meta"]["device"] == "cuda:0"
+            np.testing.assert_allclose(r["outputs"]["z"]["data"], np.sum(np.sin(x) * x))
+            np.testing.assert_allclose(r["gradients"]["x"]["data"], np.sin(x) + x * np.cos(x))
+
+    anyio.run(check)
