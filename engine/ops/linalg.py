@@ -509,10 +509,15 @@ def _solve(xp: Any, a: Any, b: Any) -> Any:
     _check_arrays(a, b)
     _float_array(xp, a)
     _solve_shape(tuple(a.shape), tuple(b.shape))
-    if _solve_vector_case(tuple(a.shape), tuple(b.shape)):
-        # The array API reads only a 1-D B as a vector: solve a column, then drop it.
-        return xp.linalg.solve(a, xp.expand_dims(b, axis=-1))[..., 0]
-    return xp.linalg.solve(a, b)
+    vector = _solve_vector_case(tuple(a.shape), tuple(b.shape))
+    if vector:  # the array API reads only a 1-D B as a vector: solve a column, then drop it
+        b = xp.expand_dims(b, axis=-1)
+    # The batch dims broadcast here: not every backend's solve broadcasts them (CuPy's does not).
+    batch = broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    a = xp.broadcast_to(a, (*batch, *a.shape[-2:]))
+    b = xp.broadcast_to(b, (*batch, *b.shape[-2:]))
+    x = xp.linalg.solve(a, b)
+    return x[..., 0] if vector else x
 
 
 def _solve_vjp_b(F: Any, g: Any, a: Any, result: Any) -> Any:

@@ -254,8 +254,15 @@ def _logsumexp_vjp(F: Any, g: Any, x: Any, result: Any, *, dim: Any, keepdim: bo
 
 
 def _var(xp: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
+    """Spelt out (NumPy's own steps: the mean, the squared deviations, their sum over
+    max(0, count - correction)), so that every backend gives PyTorch's answer at no
+    degrees of freedom, inf or NaN (CuPy's var gives NaN for inf)."""
     _check_float(xp, "var", x)
-    return xp.var(x, axis=_axes(x, dim), correction=correction, keepdims=keepdim)
+    axes = _axes(x, dim)
+    count = numel([x.shape[a] for a in axes])
+    deviation = x - xp.mean(x, axis=axes, keepdims=True)
+    squares = xp.sum(deviation * deviation, axis=axes, keepdims=keepdim)
+    return squares / max(count - correction, 0)
 
 
 def _var_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool, correction: float) -> Any:
