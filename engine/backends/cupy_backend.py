@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import cupy
-import cupyx
 import numpy as np
 from array_api_compat import cupy as xp_cupy
 
@@ -44,7 +43,7 @@ def make_cupy_backend(index: int) -> Backend:
             grid = [cupy.arange(n).reshape([n if k == d else 1 for k in range(ndim)])
                     for d, n in enumerate(index_.shape)]
             grid[dim] = index_
-            cupyx.scatter_add(out, tuple(grid), src[tuple(slice(0, n) for n in index_.shape)])
+            cupy.add.at(out, tuple(grid), src[tuple(slice(0, n) for n in index_.shape)])
             return out
 
     def from_host(a: np.ndarray) -> Array:
