@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import fcntl
+import gc
 import itertools
 import logging
 import mmap
@@ -234,6 +235,7 @@ def _start_worker(settings_json: str, ledger_path: str, slots: int, limit: int) 
     _compute = Compute(settings)
     _ledger = Ledger(ledger_path, slots, limit)
     warm_up(settings)
+    gc.freeze()  # the imported engine, out of the cycle collector's sight
 
 
 def run_task(task: Task) -> Reply:
