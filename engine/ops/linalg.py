@@ -450,28 +450,23 @@ def _det_vjp(F: Any, g: Any, a: Any, result: Any) -> Any:
     return grad
 
 
-_COFACTOR_MAX = 8  # n^2 determinants of (n-1) x (n-1) minors: only for small matrices
+_COFACTOR_MAX = 8  # the recurrence below loses digits on larger matrices
 
 
 def _cofactors(F: Any, a: Any) -> Any:
-    """The cofactor matrix C_ij = (-1)^(i+j) det(minor_ij): the gradient of det, also at a
-    singular matrix, built from slices so that it is differentiable again."""
+    """The cofactor matrix (the gradient of det, also at a singular matrix): the
+    transposed adjugate, by the Faddeev-LeVerrier recurrence M_1 = I,
+    M_k+1 = A M_k - tr(A M_k) / k I, adj(A) = (-1)^(n-1) M_n. Matmuls and traces only, so
+    that it is exact at a singular matrix and differentiates again without determinants."""
     n = a.shape[-1]
-    if n == 1:
-        return F.ones_like(a)
-
-    def without(x: Any, k: int, dim: int) -> Any:
-        parts = [F.slice(x, dim=dim, start=0, stop=k, step=1),
-                 F.slice(x, dim=dim, start=k + 1, stop=n, step=1)]
-        return F.cat(*(p for p in parts if p.shape[dim % len(p.shape)]), dim=dim)
-
-    entries = []
-    for i in range(n):
-        rows = without(a, i, -2)
-        for j in range(n):
-            minor = F.det(without(rows, j, -1))
-            entries.append(minor if (i + j) % 2 == 0 else -minor)
-    return F.reshape(F.stack(*entries, dim=-1), shape=list(a.shape))
+    eye = F.where(_positions(F, a, -1) == _positions(F, a, -2), F.ones_like(a),
+                  F.zeros_like(a))
+    m = eye
+    for k in range(1, n):
+        am = F.matmul(a, m)
+        trace = F.sum(am * eye, dim=[-2, -1], keepdim=True)
+        m = am - trace / k * eye
+    return _mT(F, m if n % 2 else -m)
 
 
 def _inv_vjp(F: Any, g: Any, result: Any) -> Any:
@@ -518,6 +513,27 @@ def _solve(xp: Any, a: Any, b: Any) -> Any:
     b = xp.broadcast_to(b, (*batch, *b.shape[-2:]))
     x = xp.linalg.solve(a, b)
     return x[..., 0] if vector else x
+
+
+def _solve_kernel(backend: Any, metas: list[Meta | None]) -> Any:
+    """`_solve` with its decisions made once from the shapes (the checks were the shape
+    rule's): the vector case, and a broadcast only where the batch dims differ."""
+    a, b = (m.shape for m in metas)  # type: ignore[union-attr]
+    xp = backend.xp
+    vector = _solve_vector_case(a, b)
+    b_mat = (*b, 1) if vector else b
+    batch = broadcast_shapes(a[:-2], b_mat[:-2])
+    solve = xp.linalg.solve
+    if a[:-2] != batch or b_mat[:-2] != batch:
+        return None
+    if vector:
+        return lambda a, b: solve(a, b[..., None])[..., 0]
+    return solve
+
+
+def _linalg_kernel(name: str) -> Any:
+    """The backend's function itself (the dtype check was the shape rule's)."""
+    return lambda backend, metas: getattr(backend.xp.linalg, name)
 
 
 def _solve_vjp_b(F: Any, g: Any, a: Any, result: Any) -> Any:
@@ -602,19 +618,19 @@ register(
     OpDef(
         name="det", group="linear algebra",
         doc="Determinant of (batches of) square matrices; the gradient needs A invertible.",
-        args=("A",), forward=_det, infer=_det_infer,
+        args=("A",), forward=_det, infer=_det_infer, kernel=_linalg_kernel("det"),
         vjp=(_det_vjp,), save=("A", "result"), cost=_factorization_cost(2 / 3),
     ),
     OpDef(
         name="inv", group="linear algebra", doc="Inverse of (batches of) square matrices.",
-        args=("A",), forward=_inv, infer=_inv_infer,
+        args=("A",), forward=_inv, infer=_inv_infer, kernel=_linalg_kernel("inv"),
         vjp=(_inv_vjp,), save=("result",), cost=_factorization_cost(2),
     ),
     OpDef(
         name="solve", group="linear algebra",
         doc="X with A X = B, as torch.linalg.solve (B: matrices, or vectors shaped like A "
             "without its last dim, or 1-D).",
-        args=("A", "B"), forward=_solve, infer=_solve_infer,
+        args=("A", "B"), forward=_solve, infer=_solve_infer, kernel=_solve_kernel,
         vjp=(_solve_vjp_a, _solve_vjp_b), save=("A", "result"), cost=_factorization_cost(2 / 3),
     ),
     OpDef(
