@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from engine.backends import get_backend, parse_device
 from engine.errors import GradserveError, GraphError, TensorDataError, ValidationErrors
 from engine.graph import (
+    BodySpec,
     GraphSpec,
     Limits,
     NodeSpec,
@@ -37,7 +38,7 @@ from engine.graph import (
 )
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
-from service.schemas import BackwardRequest, ForwardRequest, Graph, TensorIn
+from service.schemas import BackwardRequest, ForwardRequest, Graph, Node, TensorIn
 from service.settings import Settings
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
@@ -321,13 +322,16 @@ def validate(data: Any, model: Model) -> ForwardRequest | BackwardRequest:
 
 
 def graph_spec(graph: Graph) -> GraphSpec:
-    return GraphSpec(
-        nodes=[
-            NodeSpec(id=n.id, op=n.op, args=n.args or (), attrs=n.attrs or {}, expr=n.expr)
-            for n in graph.nodes
-        ],
-        outputs=graph.outputs,
-    )
+    return GraphSpec(nodes=_node_specs(graph.nodes), outputs=graph.outputs)
+
+
+def _node_specs(nodes: list[Node]) -> list[NodeSpec]:
+    return [NodeSpec(id=n.id, op=n.op, args=n.args or (), attrs=n.attrs or {}, expr=n.expr,
+                     body=None if n.body is None else BodySpec(
+                         carry=n.body.carry, xs=n.body.xs, nodes=_node_specs(n.body.nodes),
+                         next=n.body.next),
+                     results=n.results)
+            for n in nodes]
 
 
 def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError]) -> Decoded:

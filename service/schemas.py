@@ -68,13 +68,18 @@ Arg = Annotated[
 
 
 class Node(Wire):
-    """One graph node: `op` with `args` and `attrs`, or an infix `expr`."""
+    """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` node
+    also has `body` and `results`."""
 
     id: str = Field(min_length=1)
     op: str | None = None
     args: list[Arg] | None = None
     attrs: dict[str, Any] | None = None
     expr: str | None = None
+    body: Body | None = Field(None, description="scan only: the loop body")
+    results: dict[str, str] | None = Field(
+        None, description="scan only: new id -> a carry name (its final value) or a body "
+                          "node id (its value at every step, stacked on a new dim 0)")
 
     @model_validator(mode="after")
     def _op_or_expr(self) -> Node:
@@ -82,7 +87,24 @@ class Node(Wire):
             raise ValueError("a node needs exactly one of 'op' and 'expr'")
         if self.expr is not None and (self.args is not None or self.attrs is not None):
             raise ValueError("an 'expr' node takes no 'args' or 'attrs'")
+        if (self.op == "scan") != (self.body is not None):
+            raise ValueError("'body' belongs to, and is required by, op 'scan'")
+        if (self.op == "scan") != (self.results is not None):
+            raise ValueError("'results' belongs to, and is required by, op 'scan'")
         return self
+
+
+class Body(Wire):
+    """A scan's body: carries and per-step slices by name, nodes in their own scope, and
+    each carry's next value."""
+
+    carry: list[str]
+    xs: list[str] = []
+    nodes: list[Node] = []
+    next: dict[str, str]
+
+
+Node.model_rebuild()
 
 
 class Graph(Wire):
@@ -162,6 +184,10 @@ class OpInfo(BaseModel):
     attrs: dict[str, AttrInfo]
     differentiable: bool
     doc: str
+    min_args: int | None = Field(None, description="node kinds (`grad`, `jvp`, `scan`): the "
+                                 "arguments that must be given; the rest are optional")
+    fields: dict[str, str] | None = Field(None, description="node kinds: the node's keys "
+                                          "beyond id, op, args and attrs")
 
 
 class OpsResponse(BaseModel):

@@ -18,6 +18,7 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
 import engine
+from engine.graph.transforms import TRANSFORMS
 from service.app import create_app
 from service.settings import Settings
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
@@ -294,7 +295,8 @@ async def test_ops_catalog(client: httpx.AsyncClient) -> None:
     r = await client.get("/ops")
     assert r.status_code == 200
     ops = {op["name"]: op for op in strict_json(r)["ops"]}
-    assert ops == {name: op.describe() for name, op in engine.OPS.items()}
+    assert ops == {name: op.describe() for name, op in [*engine.OPS.items(),
+                                                        *TRANSFORMS.items()]}
     for name in ["add", "matmul", "einsum", "log_softmax", "scatter_add", "arange", "detach"]:
         assert name in ops
     assert set(ops["sum"]) == {"name", "group", "args", "variadic", "attrs", "differentiable",

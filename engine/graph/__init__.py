@@ -17,9 +17,10 @@ of its device and returns outputs, gradients, the measured peak bytes and timing
 from engine.graph.compiler import compile_graph
 from engine.graph.executor import execute
 from engine.graph.ir import Program
-from engine.graph.spec import GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
+from engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
 
 __all__ = [
+    "BodySpec",
     "GraphSpec",
     "Limits",
     "NodeSpec",

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 from engine.dtypes import FLOATS
 from engine.graph.builder import Builder, Memo, Sym, derived
-from engine.graph.ir import Lit, Step
+from engine.graph.ir import BACKWARD, Lit, Step
+from engine.graph.scan import SCAN, Body, emit_scan, stacked
 from engine.ops.registry import Meta, OpDef
 from engine.shapes import sum_to_shape
 
@@ -31,6 +32,9 @@ def active_slots(b: Builder, steps: Iterable[Step], wrt: Iterable[int]) -> set[i
     metas = b.metas
     for step in steps:
         op = step.op
+        if op is SCAN:
+            active.update(_scan_active(b, step, active)[1])
+            continue
         if op.vjp is None or metas[step.out].dtype not in FLOATS:
             continue
         mask = op.diff_mask
@@ -48,21 +52,53 @@ def vjp(
     wrt: Sequence[int],
     *,
     create_graph: bool = False,
+    kind: str = BACKWARD,
 ) -> list[Sym | None]:
     """The vector-Jacobian product of `steps` (a prefix of `b.steps`, in run order): for
     each slot in `wrt`, the sum over `cotangents` (slot, upstream gradient) of
     gradientᵀ · ∂slot_value/∂wrt, or None where no cotangent reaches it. `create_graph`:
     the emitted backward will itself be differentiated (PyTorch's grad mode during
-    backward; some VJPs answer differently then, as PyTorch's do)."""
-    active = active_slots(b, steps, wrt)
-    wanted = set(wrt)
+    backward; some VJPs answer differently then, as PyTorch's do). `kind`: what the emitted
+    steps are (the request's own backward, or the derivative that a node asks for)."""
+    found = _derive(b, steps, cotangents, active_slots(b, steps, wrt), set(wrt), create_graph,
+                    kind)
+    return [found.get(s) for s in wrt]
+
+
+def vjp_all(
+    b: Builder,
+    steps: Sequence[Step],
+    cotangents: Sequence[tuple[int, Sym]],
+    *,
+    create_graph: bool = False,
+    kind: str = BACKWARD,
+) -> dict[int, Sym]:
+    """The cotangent of every floating value that a cotangent reaches, by slot: what one
+    derivation gives every `grad` over the same target (dead-code elimination then drops
+    the ones no one uses)."""
+    floating = {s for s, m in enumerate(b.metas) if m.dtype in FLOATS}
+    return _derive(b, steps, cotangents, floating, floating, create_graph, kind)
+
+
+def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, Sym]],
+            active: set[int], wanted: set[int], create_graph: bool,
+            kind: str) -> dict[int, Sym]:
     captured: dict[int, Sym] = {}
     pending: dict[int, Sym] = {}
-    with derived(b, create_graph=create_graph):
+    with derived(b, create_graph=create_graph, kind=kind):
         for slot, g in cotangents:
             if slot in active:
                 _accumulate(b, pending, slot, g)
         for step in reversed(steps):
+            if step.op is SCAN:
+                cts = [pending.pop(o, None) for o in step.outs]
+                if any(g is not None for g in cts):
+                    captured.update((o, g) for o, g in zip(step.outs, cts, strict=True)
+                                    if g is not None and o in wanted)
+                    b.origin = step.origin
+                    for slot, grad in _scan_vjp(b, step, cts, active):
+                        _accumulate(b, pending, slot, grad)
+                continue
             if step.out not in pending:
                 continue
             g = pending.pop(step.out)
@@ -72,7 +108,99 @@ def vjp(
             for slot, grad in _step_vjp(b, step, g, active):
                 _accumulate(b, pending, slot, grad)
     captured.update((s, g) for s, g in pending.items() if s in wanted)
-    return [captured.get(s) for s in wrt]
+    return captured
+
+
+def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], list[int]]:
+    """For a scan step: the body slots that depend on a differentiated value (a carry is
+    one when its initial value is, or when its next value depends on one at some step),
+    and the step's results that do."""
+    body: Body = step.attrs["body"]
+    bb, metas = body.b, body.b.metas
+    inner_wrt = {inner for inner, outer in zip(body.inputs, step.args, strict=True)
+                 if outer in active and metas[inner].dtype in FLOATS}
+    while True:
+        inner = active_slots(bb, body.steps, inner_wrt)
+        more = {c for c, n in zip(body.carries, body.nexts, strict=True)
+                if n in inner and c not in inner_wrt and metas[c].dtype in FLOATS}
+        if not more:
+            break
+        inner_wrt |= more
+    nc = len(body.carries)
+    outs = [o for o, c in zip(step.outs, body.carries, strict=False) if c in inner_wrt]
+    outs += [o for o, y in zip(step.outs[nc:], body.ys, strict=True) if y in inner]
+    return inner_wrt, outs
+
+
+def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
+              active: set[int]) -> list[tuple[int, Sym]]:
+    """The VJP of a scan step: a scan the other way over the VJP of its body, emitted on
+    `b` (engine.graph.scan). Its carries are the carries' cotangents and a running sum of
+    each closure's; per step it reads the results' cotangents, the sequences, and the body
+    values the VJP needs (stacked by this step as extra results)."""
+    body: Body = step.attrs["body"]
+    bb = body.b
+    nc, nx = len(body.carries), len(body.xs)
+    args: tuple[int, ...] = step.slots
+    wanted_args = [a in active and b.metas[a].dtype in FLOATS for a in args]
+    if not any(wanted_args):
+        return []
+    inner_wrt, _ = _scan_active(b, step, {a for a, w in zip(args, wanted_args, strict=True)
+                                          if w})
+    inner = active_slots(bb, body.steps, inner_wrt)
+    first = len(bb.steps)
+    ct_carries = {k: bb.value(bb.metas[c]) for k, c in enumerate(body.carries)
+                  if c in inner_wrt}
+    ct_ys = {j: bb.value(bb.metas[y]) for j, y in enumerate(body.ys)
+             if cts[nc + j] is not None and y in inner}
+    found = _derive(bb, body.steps,
+                    [*((body.nexts[k], g) for k, g in ct_carries.items()),
+                     *((body.ys[j], g) for j, g in ct_ys.items())],
+                    inner, inner_wrt, b.create_graph, b.kind)
+    closures = [i for i in range(len(body.closures)) if wanted_args[nc + nx + i]]
+    xs = [i for i in range(nx) if wanted_args[nc + i]]
+    with derived(bb, create_graph=b.create_graph, kind=b.kind):
+        sums = {i: bb.value(bb.metas[body.closures[i]]) for i in closures}
+        nexts = [found[c] if c in found else bb.zeros_like(bb.syms[c])
+                 for c in (body.carries[k] for k in ct_carries)]
+        nexts += [sums[i] + found[body.closures[i]] if body.closures[i] in found else sums[i]
+                  for i in closures]
+        ys = [found[body.xs[i]] if body.xs[i] in found else bb.zeros_like(bb.syms[body.xs[i]])
+              for i in xs]
+    steps = bb.steps[first:]
+    # What the VJP reads of the forward: a sequence's slice and a closure are given as
+    # they are; any other value (a carry, a value the body computed) is stacked.
+    computed = {o for st in body.steps for o in st.outs} | set(body.carries)
+    made_here = {st.out for st in steps}
+    reads = list(dict.fromkeys(a for st in steps for a in st.slots if a not in made_here))
+    residuals = [a for a in reads if a in computed]
+    read_xs = [i for i, x in enumerate(body.xs) if x in reads]
+    read_closures = [i for i, z in enumerate(body.closures) if z in reads]
+    reverse = Body(
+        b=bb, steps=steps,
+        carries=[*(g.slot for g in ct_carries.values()), *(g.slot for g in sums.values())],
+        xs=[*(g.slot for g in ct_ys.values()), *residuals, *(body.xs[i] for i in read_xs)],
+        closures=[body.closures[i] for i in read_closures],
+        nexts=[g.slot for g in nexts], ys=[g.slot for g in ys], length=body.length,
+        reverse=not body.reverse)
+    syms = b.syms
+    inits = [cts[k] if cts[k] is not None else b.zeros_like(syms[step.outs[k]])
+             for k in ct_carries]
+    inits += [b.zeros_like(syms[args[nc + nx + i]]) for i in closures]
+    sequences = [cts[nc + j] for j in ct_ys]
+    sequences += stacked(b, step, residuals)
+    sequences += [syms[args[nc + i]] for i in read_xs]
+    outs = emit_scan(b, reverse, inits, sequences,  # type: ignore[arg-type]
+                     [syms[args[nc + nx + i]] for i in read_closures])
+    grads: list[tuple[int, Sym]] = []
+    for k, out in zip(ct_carries, outs, strict=False):
+        if wanted_args[k]:
+            grads.append((args[k], out))
+    grads += [(args[nc + nx + i], out) for i, out in zip(closures, outs[len(ct_carries):],
+                                                       strict=False)]
+    grads += [(args[nc + i], out) for i, out in zip(xs, outs[len(ct_carries) + len(closures):],
+                                                   strict=True)]
+    return grads
 
 
 def _accumulate(b: Builder, pending: dict[int, Sym], slot: int, g: Sym) -> None:
@@ -99,7 +227,7 @@ def _step_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[in
     """(argument slot, its gradient) for each active argument of `step`."""
     args = step.args
     metas = b.metas
-    key = (step.op, g.meta, b.create_graph,
+    key = (step.op, g.meta, b.create_graph, b.kind,
            *[(metas[a], a in active, args.index(a)) if type(a) is int
              else (type(a.value), a.value) for a in args],  # type: ignore[union-attr]
            *[tuple(v) if type(v) is list else v for v in step.attrs.values()])

@@ -281,20 +281,20 @@ def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
     return out, tuple(casts), same
 
 
-def derived(b: Builder, *, create_graph: bool) -> _Derived:
-    """`with derived(b, create_graph=...)`: emit the steps of a derived backward (kind
-    BACKWARD, identity steps dropped)."""
-    return _Derived(b, create_graph)
+def derived(b: Builder, *, create_graph: bool, kind: str = BACKWARD) -> _Derived:
+    """`with derived(b, create_graph=...)`: emit the steps of a derivative (of `kind`,
+    identity steps dropped)."""
+    return _Derived(b, create_graph, kind)
 
 
 class _Derived:
-    def __init__(self, b: Builder, create_graph: bool) -> None:
-        self.b, self.create_graph = b, create_graph
+    def __init__(self, b: Builder, create_graph: bool, kind: str) -> None:
+        self.b, self.create_graph, self.kind = b, create_graph, kind
 
     def __enter__(self) -> Builder:
         b = self.b
         self.saved = (b.kind, b.origin, b.create_graph, b.simplify)
-        b.kind, b.create_graph, b.simplify = BACKWARD, self.create_graph, True
+        b.kind, b.create_graph, b.simplify = self.kind, self.create_graph, True
         return b
 
     def __exit__(self, *exc: object) -> None:

@@ -10,18 +10,21 @@ backward's steps all come from the op registry.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.dtypes import FLOATS
+from engine.dtypes import FLOATS, scalar_dtype
 from engine.errors import (
+    ArityError,
+    AttributeError_,
     BackwardError,
     ComputeBudgetError,
     DTypeError,
     GradserveError,
     GraphError,
     MemoryBudgetError,
+    ShapeError,
     UnknownOpError,
     ValidationErrors,
     quoted,
@@ -30,9 +33,20 @@ from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
 from engine.graph.executor import bind
 from engine.graph.expr import expand_expr
-from engine.graph.ir import BYTE_COST, NODE, Program
+from engine.graph.ir import BYTE_COST, DERIVED, NODE, Program
 from engine.graph.plan import plan
+from engine.graph.scan import SCAN, Body, emit_scan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
+from engine.graph.transforms import (
+    GRAD,
+    JVP,
+    SCAN_NODE,
+    TRANSFORMS,
+    Derivations,
+    Transform,
+    emit_grad,
+    emit_jvp,
+)
 from engine.ops import OPS
 from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, OpDef
 from engine.shapes import fmt, numel
@@ -41,11 +55,18 @@ _NUMBER = (bool, int, float)
 
 
 class _Errors:
+    """Errors collected over one validation pass. Inside a loop body, each message says
+    which scan's body it is in (`within`, outermost first)."""
+
     def __init__(self, limit: int) -> None:
         self.items: list[GradserveError] = []
         self.limit = limit
+        self.within: list[str] = []
 
     def add(self, err: GradserveError) -> None:
+        if self.within:
+            scans = " > ".join(quoted(s) for s in self.within)
+            err.message = f"in the body of scan {scans}: {err.message}"
         self.items.append(err)
         if len(self.items) >= self.limit:
             raise ValidationErrors(self.items)
@@ -57,24 +78,67 @@ class _Errors:
 
 @dataclass(slots=True, eq=False)
 class _Node:
-    """One op node of the client's graph (after `expr` expansion), resolved."""
+    """One op node of the client's graph or of a loop body (after `expr` expansion),
+    resolved."""
 
     id: str  # the node id (generated for the inner nodes of an `expr`)
     origin: str  # the client's node id, for error messages
-    index: int  # position of the client's node in `graph.nodes`, for error locations
-    key: int  # its value's number among the graph's values (inputs first)
-    op: OpDef
+    loc: tuple[str | int, ...]  # where the client's node is in the request
+    key: int  # its value's number among the request's values (inputs first)
+    op: OpDef | Transform
     args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
     attrs: dict[str, Any]
+    loop: _LoopGraph | None = None  # a scan node's body
+
+    def reads(self) -> list[int]:
+        refs = [v for is_ref, v in self.args if is_ref]
+        return refs if self.loop is None else [*refs, *self.loop.closures]
+
+    def writes(self) -> list[int]:
+        return [self.key] if self.loop is None else [self.key, *self.loop.result_keys]
 
 
-def _node_loc(index: int, *rest: str | int) -> tuple[str | int, ...]:
-    return ("graph", "nodes", index, *rest)
+@dataclass(slots=True, eq=False)
+class _LoopGraph:
+    """A scan node's body, resolved in its own scope."""
+
+    carries: list[int]  # keys of the carry names
+    xs: list[int]  # keys of the sequence slices' names
+    nodes: list[_Node]  # in run order
+    nexts: list[tuple[int, tuple[str | int, ...]]]  # per carry: its next value's key, loc
+    closures: list[int]  # outer keys the body reads
+    results: list[tuple[int, int]]  # (outer key, carry number or -1 - body key)
+
+    @property
+    def result_keys(self) -> list[int]:
+        return [key for key, _ in self.results]
 
 
-def _loc_of(err: GradserveError, index: int) -> tuple[str | int, ...]:
-    """An error's location inside the client's node (errors from expr point at the expr)."""
-    return _node_loc(index, *(err.loc or ()))
+class _Scope:
+    """The names one graph level sees: its own (inputs or carries and slices, node ids,
+    aliases, results), then its enclosing levels'."""
+
+    def __init__(self, parent: _Scope | None, loc: tuple[str | int, ...]) -> None:
+        self.parent = parent
+        self.loc = loc  # the location of this level's `nodes` list
+        self.names: dict[str, int] = {}
+        self.depth: int = 0 if parent is None else parent.depth + 1
+
+    def find(self, name: str) -> int | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            key = scope.names.get(name)
+            if key is not None:
+                return key
+            scope = scope.parent
+        return None
+
+    def outer(self, name: str) -> bool:
+        """Whether an enclosing level has `name` (no shadowing: a 422)."""
+        return self.parent is not None and self.parent.find(name) is not None
+
+    def node_loc(self, index: int, *rest: str | int) -> tuple[str | int, ...]:
+        return (*self.loc, index, *rest)
 
 
 def compile_graph(
@@ -94,42 +158,29 @@ def compile_graph(
     errors = _Errors(limits.max_errors)
     _check_sizes(spec, inputs, limits, errors)
 
-    keys: dict[str, int] = {}
+    resolver = _Resolver(limits, errors)
+    scope = _Scope(None, ("graph", "nodes"))
     for name, tspec in inputs.items():
-        keys[name] = len(keys)
+        scope.names[name] = resolver.new_key()
         if tspec.requires_grad and tspec.dtype not in FLOATS:
             errors.add(GradserveError(
                 f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
                 "can require gradients", loc=("inputs", name, "requires_grad")))
-
-    nodes = _check_ids(spec.nodes, keys, errors)
-    raw, aliases = _expand(nodes, keys, limits, errors)
-    if len(raw) > limits.max_nodes:
-        errors.add(GraphError(
-            f"the graph expands to {len(raw)} op nodes; the limit is {limits.max_nodes}",
-            loc=("graph", "nodes")))
-    errors.raise_if_any()
-
-    for node, _, _ in raw:
-        keys[node.id] = len(keys)
-    resolved = _resolve_aliases(aliases, keys, nodes, errors)
-    graph = _bind(raw, keys, resolved, errors)
-    errors.raise_if_any()
-    order = _topological(graph, len(keys), errors)
-    named_outputs = _outputs(spec.outputs, keys, resolved, errors)
+    graph = resolver.graph(spec.nodes, scope)
+    named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
 
     b = Builder()
-    syms: list[Sym | None] = [None] * len(keys)
+    syms: dict[int, Sym] = {}
     for name, tspec in inputs.items():
-        syms[keys[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
+        syms[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
     grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
                  for name, t in (grad_outputs or {}).items()}
-    _emit(b, _run_order(graph, order, named_outputs), syms, errors)
+    _emit(b, _run_order(graph, [key for _, key in named_outputs]), syms, errors)
     errors.raise_if_any()
 
-    input_slots = {name: syms[keys[name]].slot for name in inputs}  # type: ignore[union-attr]
-    outputs = [(name, syms[key].slot) for name, key in named_outputs]  # type: ignore[union-attr]
+    input_slots = {name: syms[scope.names[name]].slot for name in inputs}
+    outputs = [(name, syms[key].slot) for name, key in named_outputs]
     wrt = [] if no_grad else [input_slots[n] for n, t in inputs.items() if t.requires_grad]
     active = active_slots(b, b.steps, wrt)
     requires_grad = [False] * len(b.metas)
@@ -138,16 +189,11 @@ def compile_graph(
     if no_grad:  # the inputs keep their flag; nothing computed under no_grad has one
         for name, tspec in inputs.items():
             requires_grad[input_slots[name]] = bool(tspec.requires_grad)
-    grad_fn: list[str | None] = [None] * len(b.metas)
-    for step in b.steps:
-        if step.kind == NODE and requires_grad[step.out]:
-            grad_fn[step.out] = step.op.grad_fn_name
-
     program = Program(
         metas=b.metas, steps=b.steps, inputs=input_slots,
         grad_inputs={name: sym.slot for name, sym in grad_syms.items()},
-        outputs=outputs, gradients=[], requires_grad=requires_grad, grad_fn=grad_fn,
-        no_grad=no_grad, backward=backward,
+        outputs=outputs, gradients=[], requires_grad=requires_grad,
+        grad_fn=_grad_fns(b, requires_grad), no_grad=no_grad, backward=backward,
     )
     if backward:
         roots = _check_backward(program, inputs, grad_outputs or {}, errors)
@@ -160,6 +206,27 @@ def compile_graph(
     program.run = bind(program, device)
     program.plan_ms = (time.perf_counter() - started) * 1000
     return program
+
+
+def _grad_fns(b: Builder, requires_grad: list[bool]) -> list[str | None]:
+    """The `grad_fn` each value would report: its node's op (a `grad` or `jvp` node's
+    value is a derived step's); a loop's stacked result is a stack, its final carry what
+    the body's last step made it."""
+    grad_fn: list[str | None] = [None] * len(b.metas)
+    for step in b.steps:
+        if step.kind not in (NODE, DERIVED):
+            continue
+        if step.op is SCAN:
+            body: Body = step.attrs["body"]
+            made = {s.out: s.op.grad_fn_name for s in body.steps}
+            nc = len(body.carries)
+            for k, slot in enumerate(step.outs):
+                if requires_grad[slot]:
+                    grad_fn[slot] = (made.get(body.nexts[k]) if k < nc and body.length
+                                     else "StackBackward" if k >= nc else None)
+        elif requires_grad[step.out]:
+            grad_fn[step.out] = step.op.grad_fn_name
+    return grad_fn
 
 
 def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], *,
@@ -203,18 +270,20 @@ def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limi
         if isinstance(node.id, str) and len(node.id) > limits.max_id_chars:
             errors.add(GraphError(
                 f"node id {quoted(node.id)} is longer than {limits.max_id_chars} characters",
-                node=node.id[:limits.max_id_chars], loc=_node_loc(index, "id")))
+                node=node.id[:limits.max_id_chars], loc=("graph", "nodes", index, "id")))
     errors.raise_if_any()
 
 
-def _emit(b: Builder, order: list[_Node], syms: list[Sym | None], errors: _Errors) -> None:
-    """Emit each node's step (shape and dtype inferred, promotion made explicit). A node
-    downstream of a refused one is skipped: its error was already reported."""
+def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors) -> None:
+    """Emit each node's step (shape and dtype inferred, promotion made explicit), the
+    steps of a `grad` or `jvp` node, or a loop. A node downstream of a refused one is
+    skipped: its error was already reported."""
+    derivations = Derivations()
     for node in order:
         args = []
         for is_ref, v in node.args:
             if is_ref:
-                sym = syms[v]
+                sym = syms.get(v)
                 if sym is None:
                     break
                 args.append(sym)
@@ -222,13 +291,99 @@ def _emit(b: Builder, order: list[_Node], syms: list[Sym | None], errors: _Error
                 args.append(v)
         else:
             b.origin = node.origin
+            op = node.op
             try:
-                syms[node.key] = b.emit(node.op, args, node.attrs)
+                if node.loop is not None:
+                    _emit_loop(b, node, args, syms, errors)
+                elif op is GRAD:
+                    syms[node.key] = emit_grad(b, derivations, args)
+                elif op is JVP:
+                    syms[node.key] = emit_jvp(b, args)
+                else:
+                    syms[node.key] = b.emit(op, args, node.attrs)  # type: ignore[arg-type]
             except GradserveError as err:
                 err.at(node=node.origin, op=node.op.name)
-                err.loc = _node_loc(node.index)
+                if not err.loc or err.loc[0] != "graph":  # (a loop's own errors say where)
+                    err.loc = node.loc
                 errors.add(err)
     b.origin = None
+
+
+def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
+               errors: _Errors) -> None:
+    """A scan node: its body emitted once on a Builder of its own, then one loop step."""
+    loop = node.loop
+    assert loop is not None
+    nc = len(loop.carries)
+    inits = [a if type(a) is Sym else b.constant(a, scalar_dtype(a)) for a in args[:nc]]
+    xs = args[nc:]
+    length = node.attrs["length"]
+    for j, x in enumerate(xs):
+        if type(x) is not Sym or not x.shape:
+            raise ShapeError(f"sequence {j} (argument {nc + j}) must be a tensor with a "
+                             "leading dim to loop over", loc=(*node.loc, "args", nc + j))
+        if length is None:
+            length = x.shape[0]
+        elif x.shape[0] != length:
+            what = "attrs.length" if node.attrs["length"] is not None else "sequence 0"
+            raise ShapeError(f"sequence {j} has {x.shape[0]} steps but {what} has {length}",
+                             loc=(*node.loc, "args", nc + j))
+    if length is None:
+        raise AttributeError_("a scan without sequences needs attrs.length, the number of "
+                              "steps", loc=(*node.loc, "attrs", "length"))
+    if length < 0:
+        raise AttributeError_(f"attrs.length must be >= 0, got {length}",
+                              loc=(*node.loc, "attrs", "length"))
+    closures = [syms.get(k) for k in loop.closures]
+    if any(c is None for c in closures):
+        return  # an outer value it reads was refused: that error is reported
+    bb = Builder()
+    inner: dict[int, Sym] = {}
+    for key, init in zip(loop.carries, inits, strict=True):
+        inner[key] = bb.value(init.meta)
+    for key, x in zip(loop.xs, xs, strict=True):
+        inner[key] = bb.value(Meta(x.shape[1:], x.dtype))
+    for key, c in zip(loop.closures, closures, strict=True):
+        inner[key] = bb.value(c.meta)  # type: ignore[union-attr]
+    reported = len(errors.items)
+    errors.within.append(node.origin)
+    try:
+        _emit(bb, loop.nodes, inner, errors)
+        nexts = []
+        for (key, loc), carry in zip(loop.nexts, loop.carries, strict=True):
+            value = inner.get(key)
+            if value is None:
+                continue
+            meta = inner[carry].meta
+            if value.shape != meta.shape or value.dtype != meta.dtype:
+                kind = ShapeError if value.shape != meta.shape else DTypeError
+                producer = _producer(loop, key)
+                errors.add(kind(
+                    f"the carry {quoted(str(loc[-1]))} is {fmt(meta.shape)} {meta.dtype} but "
+                    f"its next value is {fmt(value.shape)} {value.dtype}: a carry keeps its "
+                    "shape and dtype", node=producer or node.origin, loc=loc))
+                continue
+            nexts.append(value.slot)
+    finally:
+        errors.within.pop()
+    if len(errors.items) > reported or len(nexts) < nc:
+        return
+    ys: list[int] = []
+    for _, which in loop.results:
+        if which < 0 and inner[-1 - which].slot not in ys:
+            ys.append(inner[-1 - which].slot)
+    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k].slot for k in loop.carries],
+                xs=[inner[k].slot for k in loop.xs],
+                closures=[inner[k].slot for k in loop.closures], nexts=nexts, ys=ys,
+                length=length)
+    outs = emit_scan(b, body, inits, xs, closures)  # type: ignore[arg-type]
+    for key, which in loop.results:
+        syms[key] = outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which].slot)]
+
+
+def _producer(loop: _LoopGraph, key: int) -> str | None:
+    """The body node that makes value `key` (None for a carry, a slice or an outer value)."""
+    return next((n.origin for n in loop.nodes if n.key == key), None)
 
 
 def _derive_backward(b: Builder, program: Program, roots: list[str],
@@ -278,238 +433,388 @@ def _check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
             node=None if node == "<graph>" else node)
 
 
-def _check_ids(
-    nodes: Any, inputs: Mapping[str, int], errors: _Errors
-) -> list[tuple[int, NodeSpec]]:
-    """Unique, non-empty ids that are not input names; returns (index, node) pairs to keep."""
-    seen: set[str] = set()
-    kept = []
-    for index, node in enumerate(nodes):
-        nid = node.id
-        if not isinstance(nid, str) or not nid:
-            errors.add(GraphError("node id must be a non-empty string", loc=_node_loc(index, "id")))
-            continue
-        if nid in seen:
-            errors.add(GraphError(f"duplicate node id {quoted(nid)}", node=nid,
-                                  loc=_node_loc(index, "id")))
-            continue
-        if nid in inputs:
-            errors.add(GraphError(f"node id {quoted(nid)} is also the name of an input", node=nid,
-                                  loc=_node_loc(index, "id")))
-            continue
-        seen.add(nid)
-        kept.append((index, node))
-    return kept
+class _Resolver:
+    """Resolves the nodes of one graph level (the request's graph, or a loop body, which
+    it resolves in turn): ids, `expr` expansion, references, arity and attributes, and
+    the order of the level's nodes. Every value gets a key, numbered across levels."""
 
+    def __init__(self, limits: Limits, errors: _Errors) -> None:
+        self.limits = limits
+        self.errors = errors
+        self.keys = 0
+        self.expanded = 0  # op nodes after `expr` expansion, over all levels
+        self.loops: dict[int, list[str]] = {}  # a scan node's key -> its result ids
 
-def _expand(
-    nodes: list[tuple[int, NodeSpec]], inputs: Mapping[str, int], limits: Limits, errors: _Errors
-) -> tuple[list[tuple[NodeSpec, str, int]], dict[str, tuple[str, int]]]:
-    """Op-form nodes (node, client id, client index), and aliases (`expr` that is a name)."""
-    taken = set(inputs) | {node.id for _, node in nodes}
-    raw: list[tuple[NodeSpec, str, int]] = []
-    aliases: dict[str, tuple[str, int]] = {}
-    for index, node in nodes:
-        if (node.op is None) == (node.expr is None):
-            errors.add(GraphError("a node needs exactly one of 'op' or 'expr'", node=node.id,
-                                  loc=_node_loc(index)))
-            continue
-        if node.op is not None:
-            raw.append((node, node.id, index))
-            continue
-        counter = 0
+    def new_key(self) -> int:
+        self.keys += 1
+        return self.keys - 1
 
-        def new_id(origin: str = node.id) -> str:
-            nonlocal counter
-            while True:  # generated ids never collide with the client's ids or inputs
-                counter += 1
-                candidate = f"{origin}#{counter}"
-                if candidate not in taken:
-                    taken.add(candidate)
-                    return candidate
+    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope) -> list[_Node]:
+        """The level's nodes in a topological order; errors reported."""
+        errors = self.errors
+        kept = self._check_ids(nodes, scope)
+        raw, aliases = self._expand(kept, scope)
+        self.expanded += len(raw)
+        if self.expanded > self.limits.max_nodes:
+            errors.add(GraphError(
+                f"the graph expands to {self.expanded} op nodes; the limit is "
+                f"{self.limits.max_nodes} (a loop's body counts once)",
+                loc=("graph", "nodes")))
+        errors.raise_if_any()
+        for node, _, _ in raw:
+            scope.names[node.id] = self.new_key()
+        for _, node in kept:
+            if node.op == "scan" and node.results is not None:
+                self.loops[scope.names[node.id]] = list(node.results)
+                for result in node.results:
+                    scope.names[result] = self.new_key()
+        self._resolve_aliases(aliases, scope)
+        bound = self._bind(raw, scope)
+        errors.raise_if_any()
+        return _topological(bound, errors)
 
-        try:
-            expansion = expand_expr(node.id, node.expr or "", new_id=new_id,
-                                    max_chars=limits.expr_max_chars,
-                                    max_depth=limits.expr_max_depth)
-        except GradserveError as err:
-            err.loc = _loc_of(err, index)
-            errors.add(err)
-            continue
-        if expansion.alias is not None:
-            aliases[node.id] = (expansion.alias, index)
-        raw.extend((sub, node.id, index) for sub in expansion.nodes)
-    return raw, aliases
+    def ref(self, name: str, scope: _Scope, loc: tuple[str | int, ...], origin: str,
+            op: str | None = None) -> int | None:
+        """The key of a reference, or None with the error reported."""
+        key = scope.find(name)
+        if key is None:
+            self.errors.add(GraphError(f"unknown reference {quoted(name)}", node=origin,
+                                       op=op, loc=loc))
+        elif key in self.loops:
+            results = ", ".join(quoted(r) for r in self.loops[key]) or "none"
+            self.errors.add(GraphError(
+                f"{quoted(name)} is a scan node, not a value: use its results ({results})",
+                node=origin, op=op, loc=loc))
+            return None
+        return key
 
-
-def _resolve_aliases(
-    aliases: dict[str, tuple[str, int]], slots: dict[str, int], nodes: Any, errors: _Errors
-) -> dict[str, int]:
-    """Each alias's final slot, following chains of aliases; reports unknowns and cycles."""
-    resolved: dict[str, int] = {}
-    broken: set[str] = set()  # on a reported cycle: reported once, not once per member
-    for start, (_, index) in aliases.items():
-        if start in broken:
-            continue
-        chain = [start]
-        name = start
-        while name in aliases and name not in resolved:
-            name = aliases[name][0]
-            if name in chain or name in broken:
-                if name in chain:
-                    cycle = " -> ".join([*chain[chain.index(name):], name])
-                    errors.add(GraphError(f"cycle: {cycle}", node=start,
-                                          loc=_node_loc(index, "expr")))
-                broken.update(chain)
-                break
-            chain.append(name)
-        else:
-            if name in resolved:
-                target = resolved[name]
-            elif name in slots:
-                target = slots[name]
-            else:
-                errors.add(GraphError(f"unknown reference {quoted(name)}", node=start,
-                                      loc=_node_loc(index, "expr")))
+    def _check_ids(self, nodes: Sequence[NodeSpec], scope: _Scope) -> list[tuple[int, NodeSpec]]:
+        """Unique, non-empty ids that no other name of the level or an enclosing one has;
+        returns (index, node) pairs to keep."""
+        errors = self.errors
+        seen: set[str] = set()
+        kept = []
+        for index, node in enumerate(nodes):
+            nid = node.id
+            if not isinstance(nid, str) or not nid:
+                errors.add(GraphError("node id must be a non-empty string",
+                                      loc=scope.node_loc(index, "id")))
                 continue
-            for link in chain:
-                if link in aliases:
-                    resolved[link] = target
-    return resolved
+            clash = self._clash(nid, seen, scope)
+            if clash:
+                text = (f"duplicate node id {quoted(nid)}" if nid in seen
+                        else f"node id {quoted(nid)} {clash}")
+                errors.add(GraphError(text, node=nid, loc=scope.node_loc(index, "id")))
+                continue
+            seen.add(nid)
+            if node.op == "scan" and node.results is not None:
+                for result in node.results:
+                    clash = self._clash(result, seen, scope)
+                    if clash:
+                        errors.add(GraphError(f"result id {quoted(result)} {clash}", node=nid,
+                                              loc=scope.node_loc(index, "results", result)))
+                    seen.add(result)
+            kept.append((index, node))
+        return kept
 
+    @staticmethod
+    def _clash(name: str, seen: set[str], scope: _Scope) -> str:
+        if name in seen:
+            return "is used twice"
+        if name in scope.names:
+            return ("is also the name of an input" if scope.parent is None
+                    else "is also a carry or sequence name of this body")
+        if scope.outer(name):
+            return "is also a name of the enclosing graph (names are never shadowed)"
+        return ""
 
-def _bind(
-    raw: list[tuple[NodeSpec, str, int]],
-    slots: dict[str, int],
-    aliases: dict[str, int],
-    errors: _Errors,
-) -> list[_Node]:
-    """Resolve ops, references, arity and attributes."""
-    steps = []
-    for node, origin, index in raw:
-        op = OPS.get(node.op) if isinstance(node.op, str) else None
-        if op is None:
-            errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))} (see GET /ops)",
-                                      node=origin, loc=_node_loc(index, "op")))
-            continue
-        args: list[tuple[bool, Any]] = []
-        ok = True
-        for j, arg in enumerate(node.args):
-            if isinstance(arg, str):
-                slot = aliases.get(arg, slots.get(arg))
-                if slot is None:
-                    errors.add(GraphError(f"unknown reference {quoted(arg)}", node=origin,
-                                          op=op.name, loc=_node_loc(index, "args", j)))
-                    ok = False
+    def _expand(
+        self, nodes: list[tuple[int, NodeSpec]], scope: _Scope,
+    ) -> tuple[list[tuple[NodeSpec, str, int]], dict[str, tuple[str, int]]]:
+        """Op-form nodes (node, client id, client index), and aliases (`expr` that is a
+        name)."""
+        limits, errors = self.limits, self.errors
+        taken = {node.id for _, node in nodes}
+        raw: list[tuple[NodeSpec, str, int]] = []
+        aliases: dict[str, tuple[str, int]] = {}
+        for index, node in nodes:
+            if (node.op is None) == (node.expr is None):
+                errors.add(GraphError("a node needs exactly one of 'op' or 'expr'", node=node.id,
+                                      loc=scope.node_loc(index)))
+                continue
+            if node.op is not None:
+                raw.append((node, node.id, index))
+                continue
+            counter = 0
+
+            def new_id(origin: str = node.id) -> str:
+                nonlocal counter
+                while True:  # generated ids never collide with the client's ids or inputs
+                    counter += 1
+                    candidate = f"{origin}#{counter}"
+                    if candidate not in taken and scope.find(candidate) is None:
+                        taken.add(candidate)
+                        return candidate
+
+            try:
+                expansion = expand_expr(node.id, node.expr or "", new_id=new_id,
+                                        max_chars=limits.expr_max_chars,
+                                        max_depth=limits.expr_max_depth)
+            except GradserveError as err:
+                err.loc = scope.node_loc(index, *(err.loc or ()))
+                errors.add(err)
+                continue
+            if expansion.alias is not None:
+                aliases[node.id] = (expansion.alias, index)
+            raw.extend((sub, node.id, index) for sub in expansion.nodes)
+        return raw, aliases
+
+    def _resolve_aliases(self, aliases: dict[str, tuple[str, int]], scope: _Scope) -> None:
+        """Each alias's final key, following chains of aliases, into the scope; reports
+        unknowns and cycles."""
+        errors = self.errors
+        resolved: dict[str, int] = {}
+        broken: set[str] = set()  # on a reported cycle: reported once, not once per member
+        for start, (_, index) in aliases.items():
+            if start in broken:
+                continue
+            chain = [start]
+            name = start
+            while name in aliases and name not in resolved:
+                name = aliases[name][0]
+                if name in chain or name in broken:
+                    if name in chain:
+                        cycle = " -> ".join([*chain[chain.index(name):], name])
+                        errors.add(GraphError(f"cycle: {cycle}", node=start,
+                                              loc=scope.node_loc(index, "expr")))
+                    broken.update(chain)
+                    break
+                chain.append(name)
+            else:
+                if name in resolved:
+                    target: int | None = resolved[name]
+                else:
+                    target = self.ref(name, scope, scope.node_loc(index, "expr"), start)
+                if target is None:
                     continue
-                args.append((True, slot))
-            elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
-                errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
-                                      node=origin, op=op.name, loc=_node_loc(index, "args", j)))
-                ok = False
-            elif isinstance(arg, _NUMBER):
-                args.append((False, arg))
+                for link in chain:
+                    if link in aliases:
+                        resolved[link] = target
+        scope.names.update(resolved)
+
+    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope) -> list[_Node]:
+        """Resolve ops, references, arity and attributes (and loop bodies)."""
+        errors = self.errors
+        steps = []
+        for node, origin, index in raw:
+            op: OpDef | Transform | None = None
+            if isinstance(node.op, str):
+                op = OPS.get(node.op) or TRANSFORMS.get(node.op)
+            if op is None:
+                errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))} (see GET /ops)",
+                                          node=origin, loc=scope.node_loc(index, "op")))
+                continue
+            args: list[tuple[bool, Any]] = []
+            ok = True
+            for j, arg in enumerate(node.args):
+                loc = scope.node_loc(index, "args", j)
+                if isinstance(arg, str):
+                    key = self.ref(arg, scope, loc, origin, op.name)
+                    if key is None:
+                        ok = False
+                        continue
+                    args.append((True, key))
+                elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
+                    errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
+                                          node=origin, op=op.name, loc=loc))
+                    ok = False
+                elif isinstance(arg, _NUMBER):
+                    args.append((False, arg))
+                else:
+                    errors.add(GraphError(
+                        f"argument {j} must be a node id, an input name or a number, got {arg!r}",
+                        node=origin, op=op.name, loc=loc))
+                    ok = False
+            try:
+                op.check_arity(len(node.args))
+                attrs = op.bind_attrs(dict(node.attrs))
+            except GradserveError as err:
+                err.at(node=origin, op=op.name)
+                err.loc = scope.node_loc(index, *(err.loc or ("args",)))
+                errors.add(err)
+                continue
+            loop = None
+            if op is SCAN_NODE:
+                loop = self._loop(node, scope.node_loc(index), scope)
+                ok = ok and loop is not None
+            if ok:
+                steps.append(_Node(node.id, origin, scope.node_loc(index), scope.names[node.id],
+                                   op, args, attrs, loop))
+        return steps
+
+    def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
+        """A scan node's body, resolved in a scope of its own."""
+        errors = self.errors
+        body, results = node.body, node.results
+        if body is None or results is None:
+            errors.add(GraphError("a scan node needs 'body' and 'results'", node=node.id,
+                                  loc=loc))
+            return None
+        if scope.depth >= self.limits.max_loop_depth:
+            errors.add(GraphError(f"scans are nested more than {self.limits.max_loop_depth} "
+                                  "deep", node=node.id, loc=(*loc, "body")))
+            return None
+        want = len(body.carry) + len(body.xs)
+        if len(node.args) != want:
+            errors.add(ArityError(
+                f"takes {want} arguments (the initial values of {len(body.carry)} carries, "
+                f"then {len(body.xs)} sequences, as body.carry and body.xs list them), got "
+                f"{len(node.args)}", node=node.id, op="scan", loc=(*loc, "args")))
+            return None
+        inner = _Scope(scope, (*loc, "body", "nodes"))
+        reported = len(errors.items)
+        for field_name, names in (("carry", body.carry), ("xs", body.xs)):
+            for j, name in enumerate(names):
+                clash = self._clash(name, set(), inner) if isinstance(name, str) and name \
+                    else "must be a non-empty string"
+                if clash:
+                    errors.add(GraphError(f"{field_name} name {quoted(str(name))} {clash}",
+                                          node=node.id, loc=(*loc, "body", field_name, j)))
+                    continue
+                inner.names[name] = self.new_key()
+        if len(errors.items) > reported:
+            return None
+        carries = [inner.names[n] for n in body.carry]
+        xs = [inner.names[n] for n in body.xs]
+        errors.within.append(node.id)
+        try:
+            nodes = self.graph(body.nodes, inner)
+        finally:
+            errors.within.pop()
+        nexts: list[tuple[int, tuple[str | int, ...]]] = []
+        for name in body.next:
+            if name not in body.carry:
+                errors.add(GraphError(f"body.next names {quoted(name)}, which is not a carry",
+                                      node=node.id, loc=(*loc, "body", "next", name)))
+        for name in body.carry:
+            where = (*loc, "body", "next", name)
+            if name not in body.next:
+                errors.add(GraphError(f"body.next gives no next value for the carry "
+                                      f"{quoted(name)}", node=node.id, loc=where))
+                continue
+            key = self.ref(body.next[name], inner, where, node.id)
+            if key is not None:
+                nexts.append((key, where))
+        locals_ = set(inner.names.values())
+        out: list[tuple[int, int]] = []
+        for result, value in results.items():
+            where = (*loc, "results", result)
+            if value in body.carry:
+                out.append((scope.names[result], body.carry.index(value)))
+            elif value in inner.names and value not in body.xs:
+                out.append((scope.names[result], -1 - inner.names[value]))
             else:
                 errors.add(GraphError(
-                    f"argument {j} must be a node id, an input name or a number, got {arg!r}",
-                    node=origin, op=op.name, loc=_node_loc(index, "args", j)))
-                ok = False
-        try:
-            op.check_arity(len(node.args))
-            attrs = op.bind_attrs(dict(node.attrs))
-        except GradserveError as err:
-            err.at(node=origin, op=op.name)
-            err.loc = _node_loc(index, *(err.loc or ("args",)))
-            errors.add(err)
-            continue
-        if ok:
-            steps.append(_Node(node.id, origin, index, slots[node.id], op, args, attrs))
-    return steps
+                    f"results[{quoted(result)}] is {quoted(str(value))}, which is neither a "
+                    "carry nor a node of the body", node=node.id, loc=where))
+        if not results:
+            errors.add(GraphError("a scan node must declare at least one result",
+                                  node=node.id, loc=(*loc, "results")))
+        if len(errors.items) > reported:
+            return None
+        closures = [k for n in nodes for k in n.reads() if k not in locals_]
+        closures += [k for k, _ in nexts if k not in locals_]
+        return _LoopGraph(carries=carries, xs=xs,
+                          nodes=_run_order(nodes, [*(k for k, _ in nexts),
+                                                   *(-1 - w for _, w in out if w < 0)]),
+                          nexts=nexts, closures=list(dict.fromkeys(closures)), results=out)
 
 
-def _topological(steps: list[_Node], nslots: int, errors: _Errors) -> list[_Node]:
-    """Kahn's algorithm over all steps; on a cycle, report one with its whole path."""
-    by_slot = {s.key: s for s in steps}
-    indegree = {s.key: 0 for s in steps}
+def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
+    """Kahn's algorithm over one level's nodes; on a cycle, report one with its whole
+    path."""
+    by_key = {k: s for s in steps for k in s.writes()}
+    indegree = {id(s): 0 for s in steps}
     consumers: dict[int, list[_Node]] = {}
     for step in steps:
-        for is_ref, slot in step.args:
-            if is_ref and slot in by_slot:
-                indegree[step.key] += 1
-                consumers.setdefault(slot, []).append(step)
-    ready = [s for s in steps if indegree[s.key] == 0]
+        for key in step.reads():
+            if key in by_key:
+                indegree[id(step)] += 1
+                consumers.setdefault(id(by_key[key]), []).append(step)
+    ready = [s for s in steps if indegree[id(s)] == 0]
     order: list[_Node] = []
     while ready:
         step = ready.pop()
         order.append(step)
-        for consumer in consumers.get(step.key, ()):
-            indegree[consumer.key] -= 1
-            if indegree[consumer.key] == 0:
+        for consumer in consumers.get(id(step), ()):
+            indegree[id(consumer)] -= 1
+            if indegree[id(consumer)] == 0:
                 ready.append(consumer)
     if len(order) < len(steps):
-        stuck = next(s for s in steps if indegree[s.key] > 0)
+        stuck = next(s for s in steps if indegree[id(s)] > 0)
         path: list[_Node] = []
         on_path: dict[int, int] = {}
         node = stuck
-        while node.key not in on_path:  # walk unfinished producers until one repeats
-            on_path[node.key] = len(path)
+        while id(node) not in on_path:  # walk unfinished producers until one repeats
+            on_path[id(node)] = len(path)
             path.append(node)
-            node = next(by_slot[slot] for is_ref, slot in node.args
-                        if is_ref and slot in by_slot and indegree[slot] > 0)
-        cycle = path[on_path[node.key]:]
+            node = next(by_key[key] for key in node.reads()
+                        if key in by_key and indegree[id(by_key[key])] > 0)
+        cycle = path[on_path[id(node)]:]
         names = [s.origin for s in reversed(cycle)]
         names = [n for k, n in enumerate(names) if k == 0 or n != names[k - 1]]
         text = " -> ".join([*names, names[0]]) if len(names) > 1 else f"{names[0]} -> {names[0]}"
-        errors.add(GraphError(f"cycle: {text}", node=cycle[-1].origin,
-                              loc=_node_loc(cycle[-1].index)))
+        errors.add(GraphError(f"cycle: {text}", node=cycle[-1].origin, loc=cycle[-1].loc))
         errors.raise_if_any()
     return order
 
 
-def _outputs(names: Any, slots: dict[str, int], aliases: dict[str, int],
+def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
              errors: _Errors) -> list[tuple[str, int]]:
     if not names:
         errors.add(GraphError("graph.outputs must name at least one node or input",
                               loc=("graph", "outputs")))
     out: dict[str, int] = {}
     for k, name in enumerate(names):
-        slot = aliases.get(name, slots.get(name)) if isinstance(name, str) else None
-        if slot is None:
+        loc = ("graph", "outputs", k)
+        if isinstance(name, str) and name in resolver.loops.keys() | set():
+            pass
+        key = scope.find(name) if isinstance(name, str) else None
+        if key is None:
             errors.add(GraphError(f"output {quoted(name)} is not a node id or an input name",
-                                  node=name if isinstance(name, str) else None,
-                                  loc=("graph", "outputs", k)))
+                                  node=name if isinstance(name, str) else None, loc=loc))
             continue
-        out[name] = slot
+        if resolver.ref(name, scope, loc, name) is None:
+            continue
+        out[name] = key
     return list(out.items())
 
 
-
-
-def _run_order(graph: list[_Node], topo: list[_Node],
-               outputs: list[tuple[str, int]]) -> list[_Node]:
-    """The order steps are emitted, hence run: depth-first post-order from the outputs, so
-    that each value is computed close to its use and few are alive at once; then, for
-    validation only, the nodes no output needs (planning drops them)."""
-    by_key = {n.key: n for n in graph}
+def _run_order(graph: list[_Node], roots: list[int]) -> list[_Node]:
+    """The order steps are emitted, hence run: depth-first post-order from the roots (the
+    outputs), so that each value is computed close to its use and few are alive at once;
+    then, for validation only, the nodes no root needs (planning drops them)."""
+    by_key = {k: n for n in graph for k in n.writes()}
     order: list[_Node] = []
-    done: set[int] = set()
-    for _, root in outputs:
-        stack: list[tuple[int, int]] = [(root, 0)]
+    done: set[int] = set()  # ids of the nodes emitted
+    for root in roots:
+        if root not in by_key:
+            continue
+        stack: list[tuple[_Node, int]] = [(by_key[root], 0)]
         while stack:
-            key, k = stack.pop()
-            if key in done or key not in by_key:
+            node, k = stack.pop()
+            if id(node) in done:
                 continue
-            node = by_key[key]
-            refs = [v for is_ref, v in node.args if is_ref]
-            while k < len(refs) and (refs[k] in done or refs[k] not in by_key):
+            refs = [by_key[r] for r in node.reads() if r in by_key]
+            while k < len(refs) and id(refs[k]) in done:
                 k += 1
             if k < len(refs):
-                stack.append((key, k + 1))
+                stack.append((node, k + 1))
                 stack.append((refs[k], 0))
                 continue
-            done.add(key)
+            done.add(id(node))
             order.append(node)
-    order.extend(n for n in topo if n.key not in done)
+    order.extend(n for n in graph if id(n) not in done)
     return order
 
 

@@ -20,14 +20,16 @@ from functools import partial
 from typing import Any
 
 from engine.backends import Backend, get_backend
+from engine.dtypes import ITEMSIZE
 from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
 from engine.graph.builder import Memo
 from engine.graph.ir import BACKWARD, Lit, Program, Step
+from engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
 from engine.graph.spec import RunResult
-from engine.shapes import fmt
+from engine.shapes import fmt, numel
 
 # Step codes: how many slots the kernel reads, or how it runs.
-NULLARY, UNARY, BINARY, NARY, ALIAS, UNARY_INTO, BINARY_INTO = range(7)
+NULLARY, UNARY, BINARY, NARY, ALIAS, LOOP, UNARY_INTO, BINARY_INTO = range(8)
 CHECK_EVERY = 8  # steps between two deadline and cancel checks
 
 Kernel = Callable[..., Any]
@@ -50,7 +52,10 @@ class Bound:
 
 def bind(program: Program, device: str = "cpu") -> Bound:
     """Prebind every step's kernel for `device`."""
-    backend = get_backend(device)
+    return _bind(program, get_backend(device))
+
+
+def _bind(program: Program, backend: Backend) -> Bound:
     runs: list[Run] = []
     split = len(program.steps)
     for i, step in enumerate(program.steps):
@@ -72,6 +77,8 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
     slots = step.slots
     if op.returns_input:
         return ALIAS, None, step.out, slots[0], 0, None, frees
+    if op is SCAN:
+        return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
     metas = program.metas
     key = (backend, op, ufunc, reuse >= 0,
            *[metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
@@ -249,6 +256,19 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
                     sizes[f] = 0
                     s[f] = None
                 continue
+            elif code == LOOP:
+                held, results = rest.run(s, check, verify, backend)
+                peak = max(peak, live + held)
+                for slot, r in results:
+                    s[slot] = r
+                    sizes[slot] = nb = nbytes(r)
+                    live += nb
+                peak = max(peak, live)
+                for f in frees:
+                    live -= sizes[f]
+                    sizes[f] = 0
+                    s[f] = None
+                continue
             elif code == NULLARY:
                 r = fn()  # type: ignore[misc]
             else:
@@ -276,6 +296,94 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
         raise GradserveError(f"{type(exc).__name__}: {exc}", node=step.origin,
                              op=step.op.name) from None
     state[0], state[1] = live, peak
+
+
+class _Loop:
+    """A scan step bound: its body's runs, and how its arguments and results map to the
+    body's slots."""
+
+    __slots__ = ("args", "body", "bound", "carries", "distinct", "given", "nexts", "results",
+                 "sizes", "sources", "xs", "ys")
+
+    def __init__(self, step: Step, backend: Backend) -> None:
+        body: Body = step.attrs["body"]
+        self.body = body
+        program = body.program
+        assert program is not None, "a scan is bound after its body is planned"
+        bound = _bind(program, backend)
+        self.bound = bound.forward + bound.backward
+        self.args = step.slots
+        nc = len(body.carries)
+        self.carries = nc
+        self.xs = len(body.xs)
+        self.nexts = body.nexts
+        self.ys = [(k, y) for k, y in enumerate(body.ys) if body.wanted[nc + k]]
+        # (outer slot, carry number) or (outer slot, -1 - stacked result number)
+        self.results = [(slot, k) for k, slot in enumerate(step.outs[:nc]) if body.wanted[k]]
+        self.results += [(step.outs[nc + k], -1 - n) for n, (k, _) in enumerate(self.ys)]
+        self.sources, roots = carry_sources(body, program)
+        # The arrays have the shapes they were compiled for (`verify` checks it): the bytes
+        # of the body's inputs are known, and of its carries when each next value is a new
+        # array of its own (else they are counted by array, as they are shared).
+        metas = program.metas
+        self.sizes = [0] * len(metas)
+        for slot in (*body.carries, *body.xs):
+            self.sizes[slot] = numel(metas[slot].shape) * ITEMSIZE[metas[slot].dtype]
+        self.given = sum(self.sizes)
+        distinct = all(s == MADE for s in self.sources) and len(set(roots)) == len(roots)
+        self.distinct = sum(numel(metas[r].shape) * ITEMSIZE[metas[r].dtype]
+                            for r in roots) if distinct else None
+
+    def run(self, s: list[Any], check: Callable[[], None] | None, verify: bool,
+            backend: Backend) -> tuple[int, list[tuple[int, Any]]]:
+        """Run the loop on the outer slots `s`: the most bytes it held beyond what the
+        outer program counts, and its results (outer slot, array)."""
+        body, program = self.body, self.body.program
+        assert program is not None
+        xp, nbytes = backend.xp, backend.nbytes
+        metas = program.metas
+        args = [s[a] for a in self.args]
+        nc, nx = self.carries, self.xs
+        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:]
+        length = body.length
+        stacks = {k: xp.empty((length, *metas[y].shape), dtype=backend.dtype(metas[y].dtype))
+                  for k, y in self.ys}
+        held = sum(nbytes(a) for a in stacks.values())
+        template: list[Any] = [None] * len(metas)
+        template_sizes = self.sizes.copy()
+        for slot, array in zip(body.closures, closures, strict=True):
+            template[slot] = array
+            template_sizes[slot] = nbytes(array)
+        given = self.given + sum(template_sizes[slot] for slot in body.closures)
+        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, self.nexts, self.ys, \
+            self.bound
+        sources, distinct = self.sources, self.distinct
+        outer = [True] * nc  # per carry: an array the outer program counts
+        made = 0  # bytes of the carries the body made, held into the next step
+        most = 0
+        for t in (range(length - 1, -1, -1) if body.reverse else range(length)):
+            slots = template.copy()
+            for slot, array in zip(carry_slots, carries, strict=True):
+                slots[slot] = array
+            for slot, seq in zip(x_slots, xs, strict=True):
+                slots[slot] = seq[t]
+            state = [given, given]
+            _loop(runs, slots, template_sizes.copy(), state, check, program, verify, 0, backend)
+            if made + state[1] - given > most:
+                most = made + state[1] - given
+            for k, y in ys:
+                stacks[k][t] = slots[y]
+            carries = [slots[n] for n in nexts]
+            if distinct is not None:
+                made = distinct
+            else:
+                outer = [src == OUTER or (src >= 0 and outer[src]) for src in sources]
+                made = sum(nbytes(a) for a in {id(a): a for a, o in zip(carries, outer,
+                                                                         strict=True)
+                                               if not o}.values())
+        results = [(slot, carries[k] if k >= 0 else stacks[self.ys[-1 - k][0]])
+                   for slot, k in self.results]
+        return held + most, results
 
 
 def _verify(program: Program, index: int, result: Any, backend: Backend) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.errors import ExprError, quoted
 from engine.graph.spec import NodeSpec
+from engine.graph.transforms import TRANSFORMS
 from engine.ops import OPS
 
 _BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
@@ -266,8 +267,10 @@ class _Compiler:
         if not isinstance(call.func, ast.Name):
             raise self.fail("only catalog ops can be called", call.func)
         name = self.name(call.func)
-        if name not in OPS:
+        if name not in OPS and name not in TRANSFORMS:
             raise self.fail(f"unknown op {quoted(name)} (see GET /ops)", call.func)
+        if name == "scan":
+            raise self.fail("scan takes a body and results: write it as an op node", call.func)
         return name
 
     def build(self, piece: ast.AST, done: dict[int, Value]) -> Value:
@@ -286,13 +289,14 @@ class _Compiler:
 
     def call(self, piece: ast.Call, done: dict[int, Value]) -> Value:
         name = self.callee(piece)
-        op = OPS[name]
+        op = OPS.get(name)
         attrs: dict[str, Any] = {}
         strings = [a for a in piece.args if _is_string(a)]
         if strings:
             # A leading string is the op's string attribute, as in einsum("ij,jk->ik", a, b).
-            first = (op.call_order or ("",))[0]
-            if len(strings) > 1 or piece.args[0] is not strings[0] or first not in op.attrs:
+            first = (op.call_order or ("",))[0] if op is not None else ""
+            if (op is None or len(strings) > 1 or piece.args[0] is not strings[0]
+                    or first not in op.attrs):
                 raise self.fail("strings are only allowed as attribute values", strings[0])
             attrs[first] = strings[0].value  # type: ignore[attr-defined]
         for kw in piece.keywords:

@@ -2,9 +2,10 @@
 
 A slot holds one array while a program runs; its Meta (shape and dtype) is known before
 anything runs. A step applies one op of the registry to slots and number literals and
-writes one new slot. The backward pass is more steps of the same kind, derived from the
-forward ones (`engine.graph.autodiff`), so that one liveness analysis plans the memory of
-the whole run, and one cost rule per op prices it.
+writes one new slot (a loop, `scan`, writes several: engine.graph.scan). The backward
+pass is more steps of the same kind, derived from the forward ones
+(`engine.graph.autodiff`), so that one liveness analysis plans the memory of the whole
+run, and one cost rule per op prices it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ class Lit:
 Arg = int | Lit
 
 # What a step is there for: a node of the client's graph (after `expr` expansion), a cast
-# that type promotion inserted before an op, a constant, or a step of the derived backward.
-NODE, CAST, CONSTANT, BACKWARD = "node", "cast", "constant", "backward"
+# that type promotion inserted before an op, a constant, a step of the request's derived
+# backward, or a step of a derivative a node asks for (`grad`, `jvp`: part of the forward).
+NODE, CAST, CONSTANT, BACKWARD, DERIVED = "node", "cast", "constant", "backward", "derived"
 
 # A byte read or written costs about as much time as this many floating-point operations
 # (memory moves ~10 GB/s per core where arithmetic runs ~100 GFLOP/s): cost units are
@@ -47,6 +49,11 @@ class Step:
     out: int
     kind: str
     origin: str | None  # the client's node id it serves (errors, and cost by node)
+    more: tuple[int, ...] = ()  # the slots it writes after `out` (a `scan` step's results)
+
+    @property
+    def outs(self) -> tuple[int, ...]:
+        return (self.out, *self.more) if self.more else (self.out,)
 
     @property
     def slots(self) -> tuple[int, ...]:

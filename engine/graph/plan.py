@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from engine.dtypes import ITEMSIZE
 from engine.graph.ir import BYTE_COST, NODE, Program, Step
+from engine.graph.scan import OUTER, SCAN, Body, carry_sources
 from engine.ops.registry import Meta, literal_meta
 from engine.shapes import numel
 
@@ -40,9 +41,13 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     """Plan `program` in place. `ufuncs`: the backend has ufuncs that write into a given
     buffer. `record`: a forward with grad recording, which holds what its graph saves."""
     metas = program.metas
-    kept = _needed(program)
+    kept, needed = _needed(program)
     program.steps = kept
-    program.nodes = sum(1 for step in kept if step.kind == NODE)
+    transient: dict[int, int] = {}  # scan step index -> what it holds while it runs
+    for i, step in enumerate(kept):
+        if step.op is SCAN:
+            transient[i] = _plan_body(step, needed, ufuncs)
+    program.nodes = sum(_nodes(step) for step in kept)
     given = {*program.inputs.values(), *program.grad_inputs.values()}
     held = {*given, *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     if record:
@@ -85,7 +90,14 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     peak = live
     for i, step in enumerate(kept):
         out = step.out
-        if not step.op.returns_input:  # (which adds no bytes: it is its input's array)
+        if i in transient:  # a loop: what it holds while it runs, then its results
+            peak = max(peak, live + transient[i])
+            for slot in step.outs:
+                if slot in needed:
+                    counted[slot] = sizes[slot]
+                    live += sizes[slot]
+            peak = max(peak, live)
+        elif not step.op.returns_input:  # (which adds no bytes: it is its input's array)
             r = -1
             if ufunc[i] and sizes[out] >= REUSE_MIN_BYTES:  # (never 0-d: a scalar, no buffer)
                 meta = metas[out]
@@ -113,16 +125,79 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
     _price(program, numels, sizes)
 
 
-def _needed(program: Program) -> list[Step]:
-    """The steps the outputs and gradients need, in run order (dead code eliminated)."""
+def _needed(program: Program) -> tuple[list[Step], set[int]]:
+    """The steps the outputs and gradients need, in run order (dead code eliminated), and
+    the slots they need."""
     needed = {*(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     kept = []
     for step in reversed(program.steps):
-        if step.out in needed:
+        if step.out in needed or (step.more and not needed.isdisjoint(step.more)):
             kept.append(step)
             needed.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
     kept.reverse()
-    return kept
+    return kept, needed
+
+
+def _nodes(step: Step) -> int:
+    """The client's op nodes a step runs: itself, or a loop's body nodes (counted once)."""
+    if step.op is SCAN:
+        body: Body = step.attrs["body"]
+        return body.program.nodes  # type: ignore[union-attr]
+    return 1 if step.kind == NODE else 0
+
+
+def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
+    """Plan a scan step's body for the results the program uses; returns what the step
+    holds while it runs: the stacked results, the body's peak beyond its inputs, and
+    the carries the body made at the step before (the executor counts the same)."""
+    body: Body = step.attrs["body"]
+    body.wanted = [slot in needed for slot in step.outs]
+    stacked = body.wanted[len(body.carries):]
+    program = Program(
+        metas=body.b.metas, steps=body.steps,
+        inputs={f"in{k}": slot for k, slot in enumerate(body.inputs)}, grad_inputs={},
+        outputs=[*((f"next{k}", slot) for k, slot in enumerate(body.nexts)),
+                 *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k])],
+        gradients=[], requires_grad=[], grad_fn=[], no_grad=True, backward=False)
+    plan(program, ufuncs=ufuncs)
+    body.program = program
+    metas = body.b.metas
+    stacks = sum(_bytes(metas[y]) for y, want in zip(body.ys, stacked, strict=True)
+                 if want) * body.length
+    if body.length == 0:
+        return stacks
+    beyond_inputs = program.planned_peak_bytes - sum(_bytes(metas[s]) for s in body.inputs)
+    return stacks + beyond_inputs + _made_carries(body, program)
+
+
+def _made_carries(body: Body, program: Program) -> int:
+    """The most bytes of carries that the body made at one step and the next step holds
+    (a carry may also be an input passed on, or a value made some steps before and passed
+    from carry to carry): simulated step by step until the pattern repeats."""
+    sources, roots = carry_sources(body, program)
+    metas = body.b.metas
+    # Each carry holds an outer array (None) or one the body made: (root slot, steps ago).
+    state: tuple[tuple[int, int] | None, ...] = (None,) * len(body.carries)
+    seen = {state}
+    worst = 0
+    for _ in range(body.length - 1):
+        new: list[tuple[int, int] | None] = []
+        for source, slot in zip(sources, roots, strict=True):
+            if source >= 0:
+                held = state[source]
+                new.append(None if held is None else (held[0], held[1] + 1))
+            else:
+                new.append(None if source == OUTER else (slot, 0))
+        state = tuple(new)
+        worst = max(worst, sum(_bytes(metas[r]) for r, _ in {h for h in state if h}))
+        if state in seen:
+            break
+        seen.add(state)
+    return worst
+
+
+def _bytes(meta: Meta) -> int:
+    return numel(meta.shape) * ITEMSIZE[meta.dtype]
 
 
 def _saved(program: Program, steps: list[Step]) -> set[int]:
@@ -131,9 +206,12 @@ def _saved(program: Program, steps: list[Step]) -> set[int]:
     held: set[int] = set()
     rg = program.requires_grad
     for step in steps:
-        if not rg[step.out]:
+        if not any(rg[o] for o in step.outs):
             continue
         op = step.op
+        if op is SCAN:  # (its VJP reads its arguments, and values of its body)
+            held.update(step.slots)
+            continue
         for i in op.save_index:
             if i < 0:
                 held.add(step.out)

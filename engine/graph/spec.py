@@ -11,13 +11,27 @@ Literal = bool | int | float
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One node: either an op with args and attrs, or an infix `expr` string."""
+    """One node: either an op with args and attrs, or an infix `expr` string. A `scan`
+    node also has its `body` and the `results` it declares (new id -> carry or body id)."""
 
     id: str
     op: str | None = None
     args: Sequence[str | Literal] = ()
     attrs: Mapping[str, Any] = field(default_factory=dict)
     expr: str | None = None
+    body: BodySpec | None = None
+    results: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class BodySpec:
+    """A `scan` node's loop body: the carries' and the per-step slices' names, its nodes,
+    and each carry's next value."""
+
+    carry: Sequence[str]
+    xs: Sequence[str]
+    nodes: Sequence[NodeSpec]
+    next: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class Limits:
     compute_budget: float | None = None  # cost units (engine.graph.ir.Program.compute_cost)
     max_inputs: int = 10_000
     max_id_chars: int = 256  # node ids and input names
+    max_loop_depth: int = 16  # scans inside scans
 
 
 @dataclass

@@ -197,41 +197,7 @@ class OpDef:
         """Validate attributes against the declaration and fill in defaults."""
         if not given and len(self.defaults) == len(self.attrs):
             return self.defaults
-        for key in given:
-            if key not in self.attrs:
-                known = ", ".join(self.attrs) or "none"
-                raise AttributeError_(
-                    f"unknown attribute {key!r}; {self.name} takes: {known}",
-                    op=self.name,
-                    loc=("attrs", key),
-                )
-        out = dict(self.defaults)
-        for key, spec in self.attrs.items():
-            if key not in given:
-                if spec.required:
-                    raise AttributeError_(
-                        f"missing required attribute {key!r}", op=self.name, loc=("attrs", key)
-                    )
-                continue
-            value = given[key]
-            if value is None and (spec.nullable or spec.default is None):
-                out[key] = None
-                continue
-            if not _TYPE_CHECKS[spec.type](value):
-                raise AttributeError_(_type_message(key, spec.type, value), op=self.name,
-                                      loc=("attrs", key))
-            if spec.type == "dtype":
-                value = check_dtype(value)
-            if isinstance(value, tuple):
-                value = list(value)
-            if spec.choices is not None and value not in spec.choices:
-                raise AttributeError_(
-                    f"attribute {key!r} must be one of {list(spec.choices)}, got {value!r}",
-                    op=self.name,
-                    loc=("attrs", key),
-                )
-            out[key] = value
-        return out
+        return bind_attributes(self.name, self.attrs, self.defaults, given)
 
     def check_arity(self, n: int) -> None:
         if self.variadic:
@@ -253,6 +219,40 @@ class OpDef:
             "differentiable": self.differentiable,
             "doc": self.doc,
         }
+
+
+def bind_attributes(op: str, declared: dict[str, Attr], defaults: dict[str, Any],
+                    given: dict[str, Any]) -> dict[str, Any]:
+    """`given` checked against the `declared` attributes of `op`, defaults filled in."""
+    for key in given:
+        if key not in declared:
+            known = ", ".join(declared) or "none"
+            raise AttributeError_(f"unknown attribute {key!r}; {op} takes: {known}", op=op,
+                                  loc=("attrs", key))
+    out = dict(defaults)
+    for key, spec in declared.items():
+        if key not in given:
+            if spec.required:
+                raise AttributeError_(f"missing required attribute {key!r}", op=op,
+                                      loc=("attrs", key))
+            continue
+        value = given[key]
+        if value is None and (spec.nullable or spec.default is None):
+            out[key] = None
+            continue
+        if not _TYPE_CHECKS[spec.type](value):
+            raise AttributeError_(_type_message(key, spec.type, value), op=op,
+                                  loc=("attrs", key))
+        if spec.type == "dtype":
+            value = check_dtype(value)
+        if isinstance(value, tuple):
+            value = list(value)
+        if spec.choices is not None and value not in spec.choices:
+            raise AttributeError_(
+                f"attribute {key!r} must be one of {list(spec.choices)}, got {value!r}",
+                op=op, loc=("attrs", key))
+        out[key] = value
+    return out
 
 
 OPS: dict[str, OpDef] = {}

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 import engine
 from engine.backends import available_devices, parse_device
+from engine.graph.transforms import TRANSFORMS
 from service.codec import dumps
 from service.deps import SettingsDep
 from service.routes import operation_id
@@ -25,7 +26,8 @@ async def ops() -> Response:
 
 @cache  # the registry is fixed once the engine is imported: encode it once
 def _ops_body() -> bytes:
-    return dumps({"ops": [op.describe() for op in engine.OPS.values()]})
+    return dumps({"ops": [*(op.describe() for op in engine.OPS.values()),
+                          *(t.describe() for t in TRANSFORMS.values())]})
 
 
 @router.get(

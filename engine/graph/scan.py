@@ -1,0 +1,164 @@
+"""Loops without unrolling: the `scan` step.
+
+A scan step runs a body, a program of its own, once per step of a loop over the leading
+axis of its sequences (as `jax.lax.scan`). Its arguments are the initial carries, the
+sequences and the outer values the body reads (closures); it writes several slots: the
+final carries, then each stacked result. The body lives in a Builder of its own, so a
+`grad` inside it differentiates one step of the loop, not its history.
+
+Reverse mode transposes a scan into another scan that runs the other way
+(engine.graph.autodiff): its body is the VJP of this one's, and it reads, per step, the
+values that VJP needs. The forward scan stacks those values (residuals) as extra results,
+added when the derivation asks for them, so that a loop nothing differentiates keeps
+none. All the bodies derived from one loop share its Builder (one slot space), so that
+the VJP of a VJP finds the values it reads.
+
+Memory: a scan step holds its stacked results from its start, the carries the body made
+at the previous step, and the body's own peak; the planner and the executor count the
+same three (engine.graph.plan, engine.graph.executor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.dtypes import ITEMSIZE
+from engine.graph.builder import Builder, Sym
+from engine.graph.ir import BYTE_COST, Program, Step
+from engine.ops.registry import Meta, OpDef
+from engine.shapes import numel
+
+# Cost units charged per body step per iteration, whatever the step computes: what
+# running it costs the loop (so that a long loop of tiny steps is priced as work).
+ITERATION_STEP_COST = 1000
+
+
+@dataclass(eq=False)
+class Body:
+    """A loop body: its steps in the shared Builder `b`, the slots that stand for the
+    carries, the current slices of the sequences and the closures, each carry's next value
+    and the values stacked as results."""
+
+    b: Builder
+    steps: list[Step]
+    carries: list[int]
+    xs: list[int]
+    closures: list[int]
+    nexts: list[int]
+    ys: list[int]
+    length: int
+    reverse: bool = False
+    # Set by the planner: which of the step's results (final carries, then stacked ones)
+    # the program uses, and the body planned for them.
+    wanted: list[bool] = field(default_factory=list)
+    program: Program | None = None
+
+    @property
+    def inputs(self) -> list[int]:
+        return [*self.carries, *self.xs, *self.closures]
+
+
+def _no_forward(*_: Any, **__: Any) -> Any:
+    raise AssertionError("a scan step runs in the executor's loop, never as a kernel")
+
+
+def _no_infer(*_: Any, **__: Any) -> Meta:
+    raise AssertionError("a scan step's results are typed when it is emitted")
+
+
+def _cost(metas: list[Meta], out: Meta, *, body: Body) -> tuple[int, int]:
+    """The body's planned cost once per step, each step also charged ITERATION_STEP_COST,
+    and the stacked results written once."""
+    program = body.program
+    assert program is not None, "a scan is priced after its body is planned"
+    metas = body.b.metas
+    nc = len(body.carries)
+    stacked = sum(numel(metas[y].shape) * ITEMSIZE[metas[y].dtype]
+                  for y, want in zip(body.ys, body.wanted[nc:], strict=True) if want)
+    overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
+    return (body.length * program.flops,
+            body.length * (program.bytes_moved + stacked + overhead))
+
+
+SCAN = OpDef(
+    name="scan", group="transforms", args=(), variadic=True, forward=_no_forward,
+    infer=_no_infer, cost=_cost,
+    # A result may be an argument itself (a carry of a loop of length 0).
+    views_input=True,
+    doc="A loop over the leading axis of its sequences (a step of a compiled program).")
+
+
+# Where a carry's next value comes from, per carry: an array the outer program counts (a
+# slice of a sequence, or a closure), one the body makes, or the value of carry j (>= 0).
+OUTER, MADE = -1, -2
+
+
+def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:
+    """Per carry, where its next value comes from (OUTER, MADE or a carry number), and the
+    slot whose array it is (through steps that return their input, as detach does)."""
+    made_by = {step.out: step for step in program.steps}
+    carry_index = {slot: k for k, slot in enumerate(body.carries)}
+    outer = set(body.xs) | set(body.closures)
+    sources, roots = [], []
+    for slot in body.nexts:
+        while slot in made_by and made_by[slot].op.returns_input:
+            slot = made_by[slot].args[0]  # type: ignore[assignment]
+        roots.append(slot)
+        sources.append(carry_index.get(slot, OUTER if slot in outer else MADE))
+    return sources, roots
+
+
+def emit_scan(b: Builder, body: Body, inits: list[Sym], xs: list[Sym],
+              closures: list[Sym]) -> list[Sym]:
+    """Append the scan step of `body` to `b`: its final carries (metas of the initial
+    ones) and its stacked results, as Syms of `b`. The body's steps that read nothing
+    that changes from step to step run once, before the loop (their values become
+    closures)."""
+    closures = _hoist(b, body, list(closures))
+    metas = body.b.metas
+    outs = [b.value(init.meta) for init in inits]
+    outs += [b.value(Meta((body.length, *metas[y].shape), metas[y].dtype)) for y in body.ys]
+    slots = tuple(o.slot for o in outs)
+    b.steps.append(Step(SCAN, tuple(v.slot for v in (*inits, *xs, *closures)),
+                        {"body": body}, slots[0], b.kind, b.origin, slots[1:]))
+    return outs
+
+
+def _hoist(b: Builder, body: Body, closures: list[Sym]) -> list[Sym]:
+    """Move the loop-invariant steps of `body` (that read only closures, literals and each
+    other: a transposed weight, a constant) onto `b`; returns the closures extended with
+    their values."""
+    outer = dict(zip(body.closures, closures, strict=True))
+    kept = []
+    for step in body.steps:
+        if step.op is SCAN or not all(a in outer for a in step.slots):
+            kept.append(step)
+            continue
+        sym = b.value(body.b.metas[step.out])
+        b.steps.append(Step(step.op, tuple(outer[a].slot if type(a) is int else a
+                                           for a in step.args),
+                            step.attrs, sym.slot, b.kind, step.origin))
+        outer[step.out] = sym
+        body.closures.append(step.out)
+        closures.append(sym)
+    body.steps = kept
+    return closures
+
+
+def stacked(b: Builder, step: Step, slots: list[int]) -> list[Sym]:
+    """The stacked results of `step` for the body values `slots` (residuals a derivation
+    reads), added to the step where it does not stack them yet."""
+    body: Body = step.attrs["body"]
+    metas = body.b.metas
+    out = []
+    for slot in slots:
+        if slot in body.ys:
+            result = step.outs[len(body.carries) + body.ys.index(slot)]
+            out.append(b.syms[result])
+            continue
+        body.ys.append(slot)
+        sym = b.value(Meta((body.length, *metas[slot].shape), metas[slot].dtype))
+        step.more = (*step.more, sym.slot)
+        out.append(sym)
+    return out
