@@ -53,3 +53,15 @@ def test_objectives_are_the_tests_objectives(monkeypatch: pytest.MonkeyPatch) ->
         ours = [(n["id"], n.get("op"), list(n.get("args", ())), n.get("attrs", {}),
                  n.get("expr")) for n in nodes]
         assert ours == [(n.id, n.op, list(n.args), dict(n.attrs), n.expr) for n in theirs], name
+
+
+def test_transform_benchmarks_agree_with_torch() -> None:
+    """bench/bench_transforms.py: the scan, the unrolled loop and PyTorch agree on the RNN's
+    gradients, and every objective's in-graph HVP and JVP on PyTorch's double backward and
+    torch.func.jvp."""
+    from bench import bench_transforms as bt
+
+    bt.check_rnn(steps=20)
+    for name in bt.OBJECTIVES:
+        bt.check_hvp(name)
+        bt.check_jvp(name)
