@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import ValidationErrors
+from engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
 from engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from engine.graph.executor import execute
 from engine.graph.ir import Program
@@ -501,3 +501,23 @@ def test_body_nodes_count_once_against_the_node_limit() -> None:
     assert program.nodes == 5
     with pytest.raises(ValidationErrors, match="expands to 6 op nodes; the limit is 5"):
         compile_graph(GraphSpec(nodes, ["r"]), spec_of(arrays), limits=Limits(max_nodes=5))
+
+
+def test_a_loop_over_the_budgets_is_refused_before_it_runs() -> None:
+    """The residuals a differentiated loop keeps count in its planned memory, and its
+    steps times its length in its cost."""
+    arrays = rnn_arrays(steps=2000)
+    specs = spec_of(arrays, ["u"])
+    graph = GraphSpec(rnn_nodes(), ["loss"])
+    planned = compile_graph(graph, specs, backward=True).planned_peak_bytes
+    forward = compile_graph(graph, specs, no_grad=True).planned_peak_bytes
+    assert planned > forward + 2000 * 2 * 4 * 8  # at least one stacked carry per step
+    with pytest.raises(MemoryBudgetError):
+        compile_graph(graph, specs, backward=True,
+                      limits=Limits(memory_budget_bytes=(planned + forward) // 2))
+    body = BodySpec(carry=["c"], xs=[], nodes=[NodeSpec("c2", expr="c + 1.0")],
+                    next={"c": "c2"})
+    endless = GraphSpec([NodeSpec("loop", op="scan", args=[0.0], body=body,
+                                  results={"end": "c"}, attrs={"length": 10**12})], ["end"])
+    with pytest.raises(ComputeBudgetError, match="'loop'"):
+        compile_graph(endless, {}, limits=Limits(compute_budget=5e12))

@@ -3,7 +3,10 @@ and the problem each kind of bad node gets."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -141,3 +144,42 @@ async def test_body_and_results_belong_to_scan(client: httpx.AsyncClient) -> Non
         "graph": {"nodes": [{"id": "y", "op": "neg", "args": ["w"], "body": RNN["body"]}],
                   "outputs": ["y"]}, "inputs": {"w": 1.0}})
     assert_problem(r, 422, "invalid-request", "'body' belongs to")
+
+
+def readme_examples() -> list[dict[str, Any]]:
+    """The request bodies of the README's section on these nodes, in order."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Derivatives and loops inside graphs")[1].split("\n## ")[0]
+    return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", section, re.S)]
+
+
+async def test_readme_examples_compute_what_they_say(client: httpx.AsyncClient) -> None:
+    hvp, newton, jacobian, scan, unrolled = readme_examples()
+    out = strict_json(await client.post("/forward", json=hvp))["outputs"]
+    w, x, v = (torch.tensor(hvp["inputs"][k], requires_grad=k == "w") for k in "wxv")
+    (g,) = torch.autograd.grad((torch.exp(w) * x).sum() + (w ** 3).sum() / 3, w,
+                               create_graph=True)
+    (hv,) = torch.autograd.grad((g * v).sum(), w)
+    np.testing.assert_allclose(out["hv"]["data"], hv.numpy(), rtol=1e-6)
+
+    out = strict_json(await client.post("/forward", json=newton))["outputs"]
+    a, b, w0 = (np.array(newton["inputs"][k], dtype=np.float64) for k in ("A", "b", "w"))
+    grad = a.T @ (a @ w0 - b) + w0 ** 3
+    hessian = a.T @ a + np.diag(3 * w0 ** 2)
+    np.testing.assert_allclose(out["w_next"]["data"], w0 - np.linalg.solve(hessian, grad),
+                               rtol=1e-5)
+
+    out = strict_json(await client.post("/forward", json=jacobian))["outputs"]
+    m = torch.tensor(jacobian["inputs"]["M"])
+    expected = torch.func.jacfwd(lambda x: torch.tanh(m @ x) * x.sum())(
+        torch.tensor(jacobian["inputs"]["x"]))
+    np.testing.assert_allclose(out["J"]["data"], expected.numpy(), rtol=1e-5, atol=1e-7)
+
+    looped = strict_json(await client.post("/backward", json=scan))
+    flat = strict_json(await client.post("/backward", json=unrolled))
+    np.testing.assert_allclose(looped["outputs"]["loss"]["data"],
+                               flat["outputs"]["loss"]["data"], rtol=1e-6)
+    assert set(looped["gradients"]) == set(flat["gradients"]) == {"w", "u"}
+    for name in ("w", "u"):
+        np.testing.assert_allclose(looped["gradients"][name]["data"],
+                                   flat["gradients"][name]["data"], rtol=1e-5)
