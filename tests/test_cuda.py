@@ -120,3 +120,43 @@ def test_the_service_lists_the_gpu_and_computes_on_it() -> None:
             np.testing.assert_allclose(r["gradients"]["x"]["data"], np.sin(x) + x * np.cos(x))
 
     anyio.run(check)
+
+
+def test_scan_and_derivative_nodes_on_the_gpu_are_the_cpu_ones() -> None:
+    """A differentiated scan (an RNN, with a grad node in a second loop's body) and an
+    in-graph HVP, compiled for each device: the loop's stacking and slicing run on CuPy."""
+    from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
+
+    rng = np.random.default_rng(3)
+    arrays = {"xs": rng.standard_normal((50, 4, 8)), "w": rng.standard_normal((8, 8)) * 0.3,
+              "u": rng.standard_normal((8, 8)) * 0.3, "b": rng.standard_normal(8),
+              "h0": rng.standard_normal((4, 8)), "v": rng.standard_normal((8, 8))}
+    rnn = BodySpec(carry=["h"], xs=["x"], nodes=[NodeSpec("h2", expr="tanh(x @ w + h @ u + b)")],
+                   next={"h": "h2"})
+    descent = BodySpec(carry=["p"], xs=[], nodes=[
+        NodeSpec("f", expr="sum((p - h_last) ** 2) + sum(p ** 4) / 4"),
+        NodeSpec("p2", expr="p - 0.1 * grad(f, p)")], next={"p": "p2"})
+    nodes = [NodeSpec("rnn", op="scan", args=["h0", "xs"], body=rnn,
+                      results={"h_last": "h", "hs": "h2"}),
+             NodeSpec("gd", op="scan", args=["h0"], body=descent, results={"p_end": "p"},
+                      attrs={"length": 5}),
+             NodeSpec("loss", expr="sum(hs * hs) + sum(p_end * p_end)"),
+             NodeSpec("g", expr="grad(loss, w)"), NodeSpec("hv", expr="grad(sum(g * v), w)")]
+    specs = {k: TensorSpec(a.shape, str(a.dtype), k in ("w", "u", "h0"))
+             for k, a in arrays.items()}
+    results = []
+    for device in ("cpu", "cuda:0"):
+        program = compile_graph(GraphSpec(nodes, ["loss", "hv"]), specs, backward=True,
+                                grad_outputs={"hv": TensorSpec((8, 8), "float64")},
+                                device=device)
+        backend = get_backend(device)
+        r = execute(program, {k: backend.from_host(a) for k, a in arrays.items()},
+                    grad_outputs={"hv": backend.from_host(np.ones((8, 8)))}, verify=True)
+        assert r.peak_bytes == r.planned_peak_bytes
+        results.append({**{k: np.asarray(backend.to_host(v)) for k, v in r.outputs.items()},
+                        **{f"d{k}": np.asarray(backend.to_host(v))
+                           for k, v in (r.gradients or {}).items()}})
+    cpu, gpu = results
+    assert set(cpu) == {"loss", "hv", "dw", "du", "dh0"}
+    for key in cpu:
+        np.testing.assert_allclose(gpu[key], cpu[key], rtol=1e-9, atol=1e-9, err_msg=key)

@@ -521,3 +521,37 @@ def test_a_loop_over_the_budgets_is_refused_before_it_runs() -> None:
                                   results={"end": "c"}, attrs={"length": 10**12})], ["end"])
     with pytest.raises(ComputeBudgetError, match="'loop'"):
         compile_graph(endless, {}, limits=Limits(compute_budget=5e12))
+
+
+def test_loops_and_derivatives_on_a_strict_array_api_backend(backend_name: str) -> None:
+    """A differentiated scan with a grad node in its body, and an in-graph HVP, on NumPy
+    and on array-api-strict (which stands in for CuPy on hosts without a GPU)."""
+    from engine.backends import get_backend
+
+    arrays = {**rnn_arrays(steps=5), "v": RNG.standard_normal((3, 4))}
+    body = BodySpec(carry=["h"], xs=["x"], nodes=[
+        NodeSpec("e", expr="sum(tanh(x @ w + h @ u + b) ** 2)"),
+        NodeSpec("h2", expr="h - 0.1 * grad(e, h)")], next={"h": "h2"})
+    nodes = [NodeSpec("loop", op="scan", args=["h0", "xs"], body=body,
+                      results={"hs": "h2"}),
+             NodeSpec("loss", expr="sum(hs * hs)"),
+             NodeSpec("g", expr="grad(loss, w)"), NodeSpec("hv", expr="grad(sum(g * v), w)")]
+    program = compile_graph(GraphSpec(nodes, ["hv"]), spec_of(arrays, ["u"]), backward=True,
+                            grad_outputs=spec_of({"hv": np.ones((3, 4))}))
+    backend = get_backend("cpu")
+    result = execute(program, {k: backend.from_host(a) for k, a in arrays.items()},
+                     grad_outputs={"hv": backend.from_host(np.ones((3, 4)))}, verify=True)
+    assert result.peak_bytes == result.planned_peak_bytes
+    t = tensors(arrays)
+    h, hs = t["h0"], []
+    for x in t["xs"]:
+        e = (torch.tanh(x @ t["w"] + h @ t["u"] + t["b"]) ** 2).sum()
+        (gh,) = torch.autograd.grad(e, h, create_graph=True)
+        h = h - 0.1 * gh
+        hs.append(h)
+    loss = (torch.stack(hs) ** 2).sum()
+    (g,) = torch.autograd.grad(loss, t["w"], create_graph=True)
+    (hv,) = torch.autograd.grad((g * t["v"]).sum(), t["w"], create_graph=True)
+    (gu,) = torch.autograd.grad(hv.sum(), t["u"])
+    close(np.asarray(backend.to_host(result.outputs["hv"])), hv)
+    close(np.asarray(backend.to_host(result.gradients["u"])), gu)

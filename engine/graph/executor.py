@@ -366,13 +366,13 @@ class _Loop:
             for slot, array in zip(carry_slots, carries, strict=True):
                 slots[slot] = array
             for slot, seq in zip(x_slots, xs, strict=True):
-                slots[slot] = seq[t]
+                slots[slot] = seq[t, ...]  # (the array API indexes every dim)
             state = [given, given]
             _loop(runs, slots, template_sizes.copy(), state, check, program, verify, 0, backend)
             if made + state[1] - given > most:
                 most = made + state[1] - given
             for k, y in ys:
-                stacks[k][t] = slots[y]
+                stacks[k][t, ...] = slots[y]
             carries = [slots[n] for n in nexts]
             if distinct is not None:
                 made = distinct
