@@ -486,6 +486,8 @@ def test_scan_errors_name_the_scan_and_the_body_node() -> None:
     assert "has 6 steps but attrs.length has 5" in str(err)
     err = scan_error(BodySpec(carry=["h"], xs=[], nodes=[], next={"h": "h"}), args=["h0"])
     assert "needs attrs.length" in str(err)
+    err = scan_error(body(), attrs={"length": -1})
+    assert "attrs.length must be >= 0" in str(err) and err.loc[-1] == "length"
     err = scan_error(body(next={}))
     assert "no next value for the carry 'h'" in str(err)
     err = scan_error(body(), results={"r": "x"})
@@ -555,3 +557,18 @@ def test_loops_and_derivatives_on_a_strict_array_api_backend(backend_name: str) 
     (gu,) = torch.autograd.grad(hv.sum(), t["u"])
     close(np.asarray(backend.to_host(result.outputs["hv"])), hv)
     close(np.asarray(backend.to_host(result.gradients["u"])), gu)
+
+
+def test_body_aliases_of_outer_values_are_closures() -> None:
+    """A body node that is just an outer name (an alias), read by another body node, given
+    as a carry's next value, and declared as a result."""
+    body = BodySpec(carry=["c", "k"], xs=["x"], nodes=[
+        NodeSpec("a", expr="w"), NodeSpec("c2", expr="c + x * a")],
+        next={"c": "c2", "k": "a"})
+    nodes = [NodeSpec("loop", op="scan", args=["c0", "c0", "xs"], body=body,
+                      results={"end": "c", "k_end": "k", "ws": "a"})]
+    arrays = {"c0": np.array(1.0), "w": np.array(2.0), "xs": np.arange(3.0)}
+    _, result = run(nodes, ["end", "k_end", "ws"], arrays)
+    close(result.outputs["end"], 1.0 + 2.0 * (0 + 1 + 2))
+    close(result.outputs["k_end"], 2.0)
+    close(result.outputs["ws"], [2.0, 2.0, 2.0])

@@ -318,6 +318,9 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
     inits = [a if type(a) is Sym else b.constant(a, scalar_dtype(a)) for a in args[:nc]]
     xs = args[nc:]
     length = node.attrs["length"]
+    if length is not None and length < 0:
+        raise AttributeError_(f"attrs.length must be >= 0, got {length}",
+                              loc=(*node.loc, "attrs", "length"))
     for j, x in enumerate(xs):
         if type(x) is not Sym or not x.shape:
             raise ShapeError(f"sequence {j} (argument {nc + j}) must be a tensor with a "
@@ -331,9 +334,6 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
     if length is None:
         raise AttributeError_("a scan without sequences needs attrs.length, the number of "
                               "steps", loc=(*node.loc, "attrs", "length"))
-    if length < 0:
-        raise AttributeError_(f"attrs.length must be >= 0, got {length}",
-                              loc=(*node.loc, "attrs", "length"))
     closures = [syms.get(k) for k in loop.closures]
     if any(c is None for c in closures):
         return  # an outer value it reads was refused: that error is reported
@@ -705,7 +705,8 @@ class _Resolver:
             key = self.ref(body.next[name], inner, where, node.id)
             if key is not None:
                 nexts.append((key, where))
-        locals_ = set(inner.names.values())
+        # The values made in this body (an alias may name an outer value: that is a closure).
+        locals_ = {*carries, *xs, *(k for n in nodes for k in n.writes())}
         out: list[tuple[int, int]] = []
         for result, value in results.items():
             where = (*loc, "results", result)
@@ -724,6 +725,7 @@ class _Resolver:
             return None
         closures = [k for n in nodes for k in n.reads() if k not in locals_]
         closures += [k for k, _ in nexts if k not in locals_]
+        closures += [-1 - w for _, w in out if w < 0 and -1 - w not in locals_]
         return _LoopGraph(carries=carries, xs=xs,
                           nodes=_run_order(nodes, [*(k for k, _ in nexts),
                                                    *(-1 - w for _, w in out if w < 0)]),
