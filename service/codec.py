@@ -81,12 +81,16 @@ def decode_tensor(
     *,
     data: Any = None,
     b64: str | None = None,
+    binary: memoryview | None = None,
     dtype: str | None = None,
     shape: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """A host array from one wire tensor; `loc` is e.g. ("inputs", "x")."""
+    """A host array from one wire tensor; `loc` is e.g. ("inputs", "x"). `binary`: its
+    bytes from a binary body's tail (the array is a read-only view on them)."""
     if shape is not None:
         _check_shape(loc, shape, _LE[dtype].itemsize if dtype is not None else 8)
+    if binary is not None:
+        return _from_raw(loc, binary, dtype, shape, "binary_data_size")
     if b64 is not None:
         return _decode_b64(loc, b64, dtype, shape)
     if type(data) is float and (dtype is None or dtype == "float32") and not shape:
@@ -136,18 +140,28 @@ def _decode_b64(loc: Loc, text: str, dtype: str | None, shape: Sequence[int] | N
         raw = pybase64.b64decode(text, validate=True)
     except ValueError as exc:
         raise _error(loc, "b64", f"invalid base64: {exc}") from None
+    return _from_raw(loc, raw, dtype, shape, "b64")
+
+
+def _from_raw(loc: Loc, raw: bytes | memoryview, dtype: str | None,
+              shape: Sequence[int] | None, field: str) -> np.ndarray:
+    """An array on raw little-endian bytes (a view: no copy on a little-endian host)."""
+    if dtype is None:
+        raise _error(loc, "dtype", f"{field} needs a dtype")
+    if shape is None:
+        raise _error(loc, "shape", f"{field} needs a shape")
     itemsize = _LE[dtype].itemsize
     count = math.prod(shape)
     if len(raw) != count * itemsize:
         raise _error(
-            loc, "b64",
+            loc, field,
             f"{len(raw)} bytes do not hold shape {list(shape)} of {dtype} "
             f"({count * itemsize} bytes expected)",
         )
     if dtype == "bool":
         octets = np.frombuffer(raw, dtype=np.uint8)
         if octets.size and octets.max() > 1:
-            raise _error(loc, "b64", "bool data must be bytes 0 or 1")
+            raise _error(loc, field, "bool data must be bytes 0 or 1")
     array = np.frombuffer(raw, dtype=_LE[dtype]).reshape(tuple(shape))
     return array.astype(dtype, copy=False)  # to native byte order (a no-op on little-endian)
 
@@ -244,11 +258,19 @@ def dtype_name(array: np.ndarray) -> str:
     return _NAMES[array.dtype]  # `dtype.name` is computed in Python on every access
 
 
-def encode_tensor(array: np.ndarray, encoding: str) -> dict[str, Any]:
-    """`dtype`, `shape` and `data` or `b64` for a response; values are orjson-ready."""
+def encode_tensor(array: np.ndarray, encoding: str,
+                  tail: list[memoryview] | None = None) -> dict[str, Any]:
+    """`dtype`, `shape` and `data`, `b64` or `binary_data_size` for a response; values are
+    orjson-ready. With the binary encoding the array's bytes are appended to `tail` (a
+    view on them: no copy of a contiguous little-endian array)."""
     name = dtype_name(array)
     out: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
-    if encoding == "base64":
+    if encoding == "binary":
+        assert tail is not None
+        raw = np.ascontiguousarray(array, dtype=_LE[name]).reshape(-1).view(np.uint8)
+        tail.append(memoryview(raw))  # type: ignore[arg-type]  # (a buffer from 3.12's PEP 688)
+        out["binary_data_size"] = raw.nbytes
+    elif encoding == "base64":
         le = np.ascontiguousarray(array, dtype=_LE[name])
         # Straight from the array's buffer into the document: no bytes or str copies.
         raw = le.reshape(-1).view(np.uint8)  # a buffer (PEP 688 types it only from 3.12)

@@ -1,10 +1,12 @@
-"""One request's computation, wherever it runs: the body in, the response bytes out.
+"""One request's computation, wherever it runs: the body in, the response body out.
 
-The steps: parse (strict JSON, once), check the request's size limits, decode its
-tensors, find or compile its program (cached by a hash of the graph and the inputs'
-specs), reserve its planned bytes in the in-flight memory, run it, encode the result.
-The front process runs these for tiny requests; worker processes run them for the rest
-(service/workers.py). Each process has its own `Compute` and program cache.
+The steps: split a binary body (a JSON header, then raw tensor bytes: the Open Inference
+Protocol's binary extension), parse (strict JSON, once), check the request's size limits,
+find its graph (sent, or held by id), decode its tensors, find or compile its program
+(cached by the graph's id and the inputs' specs), reserve its planned bytes in the
+in-flight memory, run it, encode the result. The front process runs these for tiny
+requests; worker processes run them for the rest (service/workers.py). Each process has
+its own `Compute`, graph-id cache and program cache.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import orjson
 from pydantic import ValidationError
 
 from engine.backends import get_backend, parse_device
-from engine.errors import GradserveError, GraphError, TensorDataError, ValidationErrors
+from engine.errors import GradserveError, GraphError, TensorDataError, ValidationErrors, quoted
 from engine.graph import (
     BodySpec,
     GraphSpec,
@@ -56,7 +58,21 @@ class Stats:
     rejected: str | None = None  # a rejection reason of the metrics, if refused
     cache_evictions: int = 0
     cache_bytes: int = 0  # of the cache of the process that computed
+    graph_evictions: int = 0
     pid: int = 0  # that process, when a worker
+
+
+@dataclass(eq=False)
+class Reply:
+    """A response body: its parts in order (a binary body's JSON header, then each
+    tensor's bytes, viewed where they lie), and that header's length (None: a JSON body)."""
+
+    parts: list[bytes | memoryview]
+    header_length: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in self.parts)
 
 
 @dataclass(eq=False)
@@ -64,6 +80,8 @@ class Prepared:
     """A parsed, decoded request, with its program when the cache had it."""
 
     req: ForwardRequest | BackwardRequest
+    graph_id: str
+    graph: Graph | None  # None: sent by id, and this process does not hold it
     device: str
     inputs: Decoded
     grad_outputs: Decoded | None
@@ -84,6 +102,7 @@ class Compute:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.programs = ProgramCache(settings.program_cache_bytes)
+        self.graphs = GraphCache(settings.graph_cache_bytes)
         self._devices: dict[str | None, str] = {}  # request's device -> canonical name
 
     def device(self, spec: str | None) -> str:
@@ -97,29 +116,34 @@ class Compute:
         return name
 
     def run(self, body: bytes, model: Model, deadline: float, reserve: Reserve,
-            stats: Stats | None = None) -> bytes:
+            stats: Stats | None = None, header_length: int | None = None) -> Reply:
         """The whole computation; `stats` (if given) is filled in as it goes, also when it
-        ends in an error."""
-        p = self.prepare(body, model, stats)
+        ends in an error. `header_length`: the body is binary (its JSON header's length)."""
+        p = self.prepare(body, model, stats, header_length)
         if p.program is None:
             self.compile(p)
         return self.execute(p, deadline, reserve, None)
 
-    def prepare(self, body: bytes, model: Model, stats: Stats | None = None) -> Prepared:
-        """Parse, check limits, decode, and look the program up in the cache."""
+    def prepare(self, body: bytes, model: Model, stats: Stats | None = None,
+                header_length: int | None = None) -> Prepared:
+        """Split a binary body, parse, check limits, find the graph, decode, and look the
+        program up in the cache."""
         started = time.perf_counter()
+        header, tail = split_binary(body, header_length)
         # The parse makes only acyclic objects, by the hundred thousand in a large body:
         # the cycle collector would walk them again and again for nothing.
         collecting = gc.isenabled()
         gc.disable()
         try:
-            data = parse_json(body)
+            data = parse_json(header)
             check_sizes(data, self.settings)
             req = validate(data, model)
+            graph_id, graph = self._graph(data, req)
+            binary = binary_tensors(data, tail)
             errors: list[GradserveError] = []
-            inputs = _decode_all("inputs", req.inputs, errors)
+            inputs = _decode_all("inputs", req.inputs, errors, binary)
             grad_outputs = (
-                _decode_all("grad_outputs", req.grad_outputs, errors)
+                _decode_all("grad_outputs", req.grad_outputs, errors, binary)
                 if isinstance(req, BackwardRequest) and req.grad_outputs is not None else None
             )
         finally:
@@ -128,23 +152,48 @@ class Compute:
         if errors:
             raise ValidationErrors(errors)
         p = Prepared(
-            req=req, device=self.device(req.device), inputs=inputs, grad_outputs=grad_outputs,
+            req=req, graph_id=graph_id, graph=graph, device=self.device(req.device),
+            inputs=inputs, grad_outputs=grad_outputs,
             no_grad=isinstance(req, ForwardRequest) and req.no_grad,
             backward=isinstance(req, BackwardRequest), started=started,
             stats=stats or Stats(),
         )
         p.stats.path = "no_grad" if p.no_grad else "grad"
-        p.key = (graph_key(data["graph"]), _spec_key(inputs), _spec_key(grad_outputs),
-                 p.no_grad, p.backward, p.device)
+        p.key = (graph_id, _spec_key(inputs), _spec_key(grad_outputs), p.no_grad, p.backward,
+                 p.device)
         p.program = self.programs.get(p.key)
+        if p.program is not None and graph is not None:
+            p.stats.graph_evictions = self.graphs.put(graph_id, graph)
         return p
+
+    def _graph(self, data: Any, req: ForwardRequest | BackwardRequest
+               ) -> tuple[str, Graph | None]:
+        """The request's graph id, and its graph: sent (it must be the id's, if an id is
+        sent with it), or held by id (None if this process does not hold it: only a
+        program cached for these inputs can serve it then)."""
+        if req.graph is None:
+            assert req.graph_id is not None
+            return req.graph_id, self.graphs.get(req.graph_id)
+        graph_id = graph_key(data["graph"])
+        if req.graph_id is not None and req.graph_id != graph_id:
+            raise ProblemError(
+                "invalid-request", f"graph_id {quoted(req.graph_id)} is not the id of the "
+                f"graph sent with it ({graph_id}); send one or the other, or both matching",
+                errors=[{"loc": ["graph_id"], "msg": "does not match the graph"}])
+        return graph_id, req.graph
 
     def compile(self, p: Prepared) -> None:
         s = self.settings
         budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
+        if p.graph is None:
+            raise ProblemError(
+                "graph-unknown", f"this server does not hold graph {quoted(p.graph_id)} (a "
+                "server holds the graphs it was sent recently, per process, and forgets them "
+                "on restart): send the graph itself, which it then holds under that id",
+                errors=[{"loc": ["graph_id"], "msg": "unknown here"}])
         try:
             p.program = compile_graph(
-                graph_spec(p.req.graph),
+                graph_spec(p.graph),
                 _specs(p.inputs),
                 limits=Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
                               expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget,
@@ -160,9 +209,10 @@ class Compute:
             raise
         p.stats.cache_evictions = self.programs.put(p.key, p.program)
         p.stats.cache_bytes = self.programs.bytes
+        p.stats.graph_evictions = self.graphs.put(p.graph_id, p.graph)
 
     def execute(self, p: Prepared, deadline: float, reserve: Reserve,
-                cancel: threading.Event | None) -> bytes:
+                cancel: threading.Event | None) -> Reply:
         program = p.program
         assert program is not None
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
@@ -183,7 +233,7 @@ class Compute:
         p.stats.peak_bytes = result.peak_bytes
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
-                             encoding=p.req.encoding)
+                             encoding=p.req.encoding, graph_id=p.graph_id)
 
 
 # The contract's seed example: warms a process's imports, first calls and memos.
@@ -209,8 +259,9 @@ def warm_up(settings: Settings, body: bytes = WARM_UP) -> None:
 _REJECTIONS = {"MemoryBudgetError": "memory_budget", "ComputeBudgetError": "compute_budget",
                "DeadlineExceeded": "timeout"}
 
-# A JSON text of tensor data takes up to ~20 characters a number; base64 4/3 a byte.
-_TEXT_PER_BYTE = {"json": 5, "base64": 2}
+# A JSON text of tensor data takes up to ~20 characters a number; base64 4/3 a byte; the
+# binary encoding views the arrays (a copy only of one that is not contiguous).
+_TEXT_PER_BYTE = {"json": 5, "base64": 2, "binary": 1}
 
 
 def _output_bytes(program: Program, encoding: str) -> int:
@@ -275,14 +326,117 @@ class ProgramCache:
         return len(self._items)
 
 
+class GraphCache:
+    """Graphs by id (`meta.graph_id`), for requests that send the id instead, bounded by
+    their canonical JSON's bytes, least recently used first out. Per process and
+    forgotten on restart: a miss is 409 graph-unknown, and the client sends the graph."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[Graph, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, graph_id: str) -> Graph | None:
+        with self._lock:
+            item = self._items.get(graph_id)
+            if item is None:
+                return None
+            self._items.move_to_end(graph_id)
+            return item[0]
+
+    def put(self, graph_id: str, graph: Graph) -> int:
+        """Hold `graph` (unless it alone is over the bound); returns how many were evicted
+        to make room."""
+        evicted = 0
+        with self._lock:
+            if graph_id in self._items:
+                self._items.move_to_end(graph_id)
+                return 0
+            size = _graph_bytes(graph)
+            if size > self.max_bytes:
+                return 0
+            self._items[graph_id] = (graph, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, gone) = self._items.popitem(last=False)
+                self.bytes -= gone
+                evicted += 1
+        return evicted
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _graph_bytes(graph: Graph) -> int:
+    """What a held graph takes: its models, about 1 KB a node (the canonical JSON is far
+    smaller, but the models are what is held)."""
+    return 1024 * (1 + _count_nodes(graph.nodes))
+
+
+def _count_nodes(nodes: list[Node]) -> int:
+    return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
+
+
 def graph_key(graph: Any) -> str:
-    """A hash of the graph's canonical form: JSON with sorted keys and no whitespace, so
-    neither key order nor spacing changes it (and not the inputs' data)."""
+    """The graph's id: a BLAKE2b-128 hash (32 hex digits) of its canonical form, JSON with
+    keys sorted, no whitespace, and numbers as orjson writes them (shortest round-trip
+    digits), so that neither key order nor spacing changes it, nor the inputs' data."""
     try:
         canonical = orjson.dumps(graph, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # an integer past 64 bits (which compiling will refuse)
         canonical = json.dumps(graph, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+BINARY_HEADER = "inference-header-content-length"
+
+
+def split_binary(body: bytes, header_length: int | None) -> tuple[bytes, memoryview | None]:
+    """A binary body's JSON header and its tail (a view: no copy), or the body as it is."""
+    if header_length is None:
+        return body, None
+    if header_length > len(body):
+        raise ProblemError(
+            "malformed-body", f"Inference-Header-Content-Length is {header_length}, past the "
+            f"body's {len(body)} bytes",
+            errors=[{"loc": ["headers", BINARY_HEADER], "msg": "past the body"}])
+    view = memoryview(body)
+    return bytes(view[:header_length]), view[header_length:]
+
+
+def binary_tensors(data: Any, tail: memoryview | None) -> dict[tuple[str, str], memoryview]:
+    """Each tensor given by `binary_data_size`, by (where, name): its bytes of the tail,
+    taken in the order such tensors appear in the header. The sizes must add up to the
+    tail exactly."""
+    found: dict[tuple[str, str], memoryview] = {}
+    offset = 0
+    for where, tensors in data.items():  # (a dict keeps the document's order)
+        if where not in ("inputs", "grad_outputs") or not isinstance(tensors, dict):
+            continue
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, dict) or tensor.get("binary_data_size") is None:
+                continue
+            size = tensor["binary_data_size"]
+            loc = [where, name, "binary_data_size"]
+            if tail is None:
+                raise ProblemError(
+                    "malformed-body", f"{where}[{quoted(name)}] has binary_data_size, but the "
+                    "body is not binary (no Inference-Header-Content-Length header)",
+                    errors=[{"loc": loc, "msg": "needs a binary body"}])
+            if offset + size > len(tail):
+                raise ProblemError(
+                    "malformed-body", f"{where}[{quoted(name)}] has binary_data_size {size}, "
+                    f"but the binary tail has {len(tail) - offset} bytes left",
+                    errors=[{"loc": loc, "msg": "past the end of the body"}])
+            found[(where, name)] = tail[offset:offset + size]
+            offset += size
+    if tail is not None and offset != len(tail):
+        raise ProblemError(
+            "malformed-body", f"the binary tail has {len(tail) - offset} bytes after the "
+            f"last tensor's ({offset} of {len(tail)} are given a tensor by binary_data_size)",
+            errors=[{"loc": ["body"], "msg": "bytes left over"}])
+    return found
 
 
 def parse_json(body: bytes) -> Any:
@@ -334,14 +488,15 @@ def _node_specs(nodes: list[Node]) -> list[NodeSpec]:
             for n in nodes]
 
 
-def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError]) -> Decoded:
+def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError],
+                binary: Mapping[tuple[str, str], memoryview]) -> Decoded:
     out: Decoded = {}
     for name, value in tensors.items():
         try:
             if isinstance(value, TensorIn):
                 array = codec.decode_tensor(
                     (where, name), data=value.data, b64=value.b64,
-                    dtype=value.dtype, shape=value.shape,
+                    binary=binary.get((where, name)), dtype=value.dtype, shape=value.shape,
                 )
                 requires_grad = value.requires_grad
             else:
@@ -375,23 +530,27 @@ def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
 
 
 def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
-                  encoding: str) -> bytes:
+                  encoding: str, graph_id: str) -> Reply:
+    """The response: JSON, or with the binary encoding a JSON header whose tensors say
+    `binary_data_size`, followed by their bytes in the order they appear in it."""
     to_host = get_backend(device).to_host
+    tail: list[memoryview] = []
     slots = dict(program.outputs)
     outputs = {}
     for name, value in result.outputs.items():
-        entry = codec.encode_tensor(np.asarray(to_host(value)), encoding)
+        entry = codec.encode_tensor(np.asarray(to_host(value)), encoding, tail)
         entry["requires_grad"] = program.requires_grad[slots[name]]
         entry["grad_fn"] = program.grad_fn[slots[name]]
         outputs[name] = entry
     content: dict[str, Any] = {"outputs": outputs}
     if result.gradients is not None:
         content["gradients"] = {
-            name: codec.encode_tensor(np.asarray(to_host(g)), encoding)
+            name: codec.encode_tensor(np.asarray(to_host(g)), encoding, tail)
             for name, g in result.gradients.items()
         }
     content["meta"] = {
         "device": device,
+        "graph_id": graph_id,
         "no_grad": no_grad,
         "nodes": result.nodes,
         "peak_bytes": result.peak_bytes,
@@ -399,4 +558,7 @@ def encode_result(program: Program, result: RunResult, *, device: str, no_grad: 
         "compute_cost": program.compute_cost,
         "timings_ms": result.timings_ms,
     }
-    return codec.dumps(content)
+    header = codec.dumps(content)
+    if encoding != "binary":
+        return Reply([header])
+    return Reply([header, *tail], header_length=len(header))

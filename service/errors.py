@@ -74,12 +74,14 @@ ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
 # The service's own problem types: slug -> (status, title).
 SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
     "malformed-json": (400, "Malformed JSON"),
+    "malformed-body": (400, "Malformed binary body"),
     "bad-request": (400, "Bad request"),
     "unauthorized": (401, "Unauthorized"),
     "not-found": (404, "Not found"),
     "method-not-allowed": (405, "Method not allowed"),
     "body-too-large": (413, "Request body too large"),
     "unsupported-media-type": (415, "Unsupported media type"),
+    "graph-unknown": (409, "Graph unknown"),
     "invalid-request": (422, "Invalid request"),
     "overloaded": (503, "Server busy"),
     "not-ready": (503, "Not ready"),
@@ -88,7 +90,8 @@ SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
 
 # Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status.
 _STATUS_SLUGS = {status: slug for slug, (status, _) in SERVICE_PROBLEMS.items()
-                 if slug not in ("malformed-json", "invalid-request", "not-ready")}
+                 if slug not in ("malformed-json", "malformed-body", "invalid-request",
+                                 "not-ready", "graph-unknown")}
 
 
 class ProblemError(Exception):

@@ -75,6 +75,11 @@ class Metrics:
             "gradserve_program_cache_evictions",
             "compiled programs evicted from a program cache (every process's)", registry=r,
         )
+        self.graph_evictions = Counter(
+            "gradserve_graph_cache_evictions",
+            "graphs evicted from a graph-id cache (every process's): a later request by "
+            "that id gets 409 graph-unknown", registry=r,
+        )
         self.cache_bytes = Gauge(
             "gradserve_program_cache_bytes",
             "estimated bytes of the compiled programs cached, summed over the processes",

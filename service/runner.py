@@ -26,7 +26,7 @@ from starlette.types import Message, Receive
 
 from engine.errors import DeadlineExceeded, GradserveError
 from service.admission import Admission
-from service.compute import MODELS, WARM_UP, Compute, Stats, warm_up
+from service.compute import MODELS, WARM_UP, Compute, Reply, Stats, warm_up
 from service.errors import ProblemError
 from service.metrics import Metrics
 from service.settings import Settings
@@ -60,8 +60,11 @@ PARSE_BYTES_PER_OBJECT = 2048
 TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
 
 
-def parse_reservation(body: bytes) -> int:
-    """The bytes a body holds in flight while it is parsed, decoded and compiled."""
+def parse_reservation(body: bytes, header_length: int | None = None) -> int:
+    """The bytes a body holds in flight while it is parsed, decoded and compiled (a binary
+    body's tail is decoded into views on it: only its JSON header is parsed)."""
+    if header_length is not None:
+        return len(body) + parse_reservation(body[:header_length])
     return (2 * len(body) + PARSE_BYTES_PER_COMMA * body.count(b",")
             + PARSE_BYTES_PER_BRACKET * body.count(b"[")
             + PARSE_BYTES_PER_OBJECT * body.count(b"{"))
@@ -96,8 +99,9 @@ class Runner:
 
     # ------------------------------------------------------------------ a request
     async def serve(self, kind: str, receive: Receive, declared: int | None,
-                    request_id: str) -> bytes:
-        """The response body of one compute request ("forward" or "backward")."""
+                    request_id: str, header_length: int | None = None) -> Reply:
+        """The response body of one compute request ("forward" or "backward");
+        `header_length`: the body is binary, with a JSON header of that many bytes."""
         deadline = time.monotonic() + self.settings.request_timeout_s
         # The body is held in flight from its first byte, on the bodies' line of the
         # ledger: an upload takes memory but no compute slot (a slow client holds none).
@@ -112,9 +116,9 @@ class Runner:
             try:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
-                self._hold(slot, parse_reservation(body), refuse_at_limit=True)
+                self._hold(slot, parse_reservation(body, header_length), refuse_at_limit=True)
                 if len(body) <= INLINE_MAX_BODY_BYTES:
-                    content = self._inline(kind, body, slot, deadline)
+                    content = self._inline(kind, body, slot, deadline, header_length)
                     if content is not None:
                         return content
                 name = self.pool.segment()
@@ -123,7 +127,7 @@ class Runner:
                 del body  # a large body is in shared memory now: this process keeps no copy
                 try:
                     return await self._in_worker(kind, payload, name, slot, deadline, receive,
-                                                 request_id)
+                                                 request_id, header_length)
                 finally:
                     if large:
                         trim_memory()
@@ -178,9 +182,10 @@ class Runner:
             raise
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), counted
 
-    def _inline(self, kind: str, body: bytes, slot: int, deadline: float) -> bytes | None:
+    def _inline(self, kind: str, body: bytes, slot: int, deadline: float,
+                header_length: int | None) -> Reply | None:
         """Compute a tiny request here; None when it is not tiny after all."""
-        p = self.compute.prepare(body, MODELS[kind])
+        p = self.compute.prepare(body, MODELS[kind], None, header_length)
         held = self.ledger.held(slot)
 
         def reserve(nbytes: int) -> None:
@@ -188,7 +193,7 @@ class Runner:
 
         try:
             if p.program is None:
-                if len(p.req.graph.nodes) > INLINE_MAX_COMPILE_NODES:
+                if p.graph is not None and len(p.graph.nodes) > INLINE_MAX_COMPILE_NODES:
                     return None
                 self.compute.compile(p)
             if p.program is None or p.program.compute_cost > INLINE_MAX_COST:
@@ -198,9 +203,10 @@ class Runner:
             self._count(p.stats)
 
     async def _in_worker(self, kind: str, payload: Any, name: str, slot: int, deadline: float,
-                         receive: Receive, request_id: str) -> bytes:
+                         receive: Receive, request_id: str, header_length: int | None) -> Reply:
         task = Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
-                    deadline=deadline, out_name=name + "o", request_id=request_id)
+                    deadline=deadline, out_name=name + "o", request_id=request_id,
+                    header_length=header_length)
         del payload
         try:
             status, reply, stats = await _until_disconnect(self.pool.submit(task), receive)
@@ -219,7 +225,8 @@ class Runner:
             self._count(stats)
             if status == "problem":
                 raise ProblemError.from_wire(reply)
-            return unpack(reply)
+            content, binary_header = reply
+            return Reply([unpack(content)], binary_header)
         finally:
             unlink(name + "o")
 
@@ -234,6 +241,8 @@ class Runner:
             self.metrics.rejected[stats.rejected].inc()
         if stats.cache_evictions:
             self.metrics.cache_evictions.inc(stats.cache_evictions)
+        if stats.graph_evictions:
+            self.metrics.graph_evictions.inc(stats.graph_evictions)
         if stats.pid:
             self._worker_cache_bytes[stats.pid] = stats.cache_bytes
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic.json_schema import WithJsonSchema
 
 DType = Literal["float16", "float32", "float64", "int32", "int64", "bool"]
-Encoding = Literal["json", "base64"]
+Encoding = Literal["json", "base64", "binary"]
 
 _NUMBER_OR_NONFINITE = {
     "anyOf": [
@@ -35,18 +35,23 @@ class Wire(BaseModel):
 
 
 class TensorIn(Wire):
-    """A tensor as an object: `data` (JSON) or `b64` (raw little-endian bytes)."""
+    """A tensor as an object: `data` (JSON), `b64` (raw little-endian bytes), or
+    `binary_data_size` (that many raw bytes of a binary body's tail)."""
 
     data: TensorData | None = None
     b64: str | None = None
+    binary_data_size: int | None = Field(
+        None, ge=0, description="in a binary body (Inference-Header-Content-Length): the "
+                                "tensor is the next this many bytes of the tail")
     dtype: DType | None = None
     shape: list[Annotated[int, Field(ge=0)]] | None = None
     requires_grad: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> TensorIn:
-        if (self.data is None) == (self.b64 is None):
-            raise ValueError("a tensor needs exactly one of 'data' and 'b64'")
+        if sum(v is not None for v in (self.data, self.b64, self.binary_data_size)) != 1:
+            raise ValueError("a tensor needs exactly one of 'data', 'b64' and "
+                             "'binary_data_size'")
         return self
 
 
@@ -113,10 +118,20 @@ class Graph(Wire):
 
 
 class _ComputeRequest(Wire):
-    graph: Graph
+    graph: Graph | None = None
+    graph_id: str | None = Field(
+        None, description="instead of `graph`: the `meta.graph_id` of an earlier response "
+                          "(409 graph-unknown if this server does not hold it); with "
+                          "`graph`, it must be that graph's id")
     inputs: dict[str, Tensor] = {}
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     encoding: Encoding = "json"
+
+    @model_validator(mode="after")
+    def _a_graph(self) -> _ComputeRequest:
+        if self.graph is None and self.graph_id is None:
+            raise ValueError("a request needs 'graph' or 'graph_id'")
+        return self
 
 
 class ForwardRequest(_ComputeRequest):
@@ -133,6 +148,8 @@ class TensorOut(BaseModel):
     shape: list[int]
     data: TensorData | None = Field(None, description="with encoding json")
     b64: str | None = Field(None, description="with encoding base64")
+    binary_data_size: int | None = Field(None, description="with encoding binary: the "
+                                         "tensor's bytes in the body's tail, in order")
 
 
 class OutputTensor(TensorOut):
@@ -142,6 +159,7 @@ class OutputTensor(TensorOut):
 
 class Meta(BaseModel):
     device: str
+    graph_id: str = Field(description="send it as `graph_id` instead of the graph")
     no_grad: bool
     nodes: int
     peak_bytes: int

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     compute_budget: float = Field(5e12, gt=0)
     # Compiled programs kept for repeated graphs, bounded by their estimated bytes.
     program_cache_bytes: int = Field(256 * MiB, ge=0)
+    # Graphs held by id (`meta.graph_id`), per process, bounded by their canonical bytes.
+    graph_cache_bytes: int = Field(64 * MiB, ge=0)
     # Request shape limits (checked before compiling).
     max_inputs: int = Field(10_000, ge=1)
     max_id_chars: int = Field(256, ge=1)

@@ -138,21 +138,30 @@ class Ledger:
 Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's name and size
 
 
-def pack(data: bytes, name: str) -> Payload:
-    """`data` for another process: in a shared memory segment `name` when it is large (the
-    receiver copies it out; whoever made `name` is not who unlinks it: see `unlink`)."""
-    if len(data) < SHM_MIN_BYTES or not _shm_has_room(len(data)):
-        return data
+def pack(data: bytes | list[bytes | memoryview], name: str) -> Payload:
+    """`data` (bytes, or parts written one after another) for another process: in a
+    shared memory segment `name` when it is large (the receiver copies it out; whoever
+    made `name` is not who unlinks it: see `unlink`)."""
+    parts = [data] if isinstance(data, bytes) else data
+    size = sum(len(memoryview(p).cast("B")) for p in parts)
+    if size < SHM_MIN_BYTES or not _shm_has_room(size):
+        return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
     try:
-        shm = SharedMemory(name=name, create=True, size=len(data))
+        shm = SharedMemory(name=name, create=True, size=max(size, 1))
     except OSError:  # the pipe still works
-        return data
+        return b"".join(parts)
     try:
-        memoryview(shm.buf)[: len(data)] = data  # type: ignore[arg-type]
+        buf = memoryview(shm.buf)  # type: ignore[arg-type]
+        at = 0
+        for part in parts:  # each straight into the segment: no joined copy
+            raw = memoryview(part).cast("B")
+            buf[at:at + len(raw)] = raw
+            at += len(raw)
+        del buf, raw
     finally:
         _untrack(shm)
         shm.close()
-    return (name, len(data))
+    return (name, size)
 
 
 def _shm_has_room(nbytes: int) -> bool:
@@ -215,9 +224,11 @@ class Task:
     deadline: float  # time.monotonic() (one clock for all processes of a host)
     out_name: str  # the shared memory segment a large response goes into
     request_id: str
+    header_length: int | None = None  # a binary body's JSON header's length
 
 
-# (status "ok", response payload, stats) or ("problem", ProblemError.to_wire(), stats)
+# (status "ok", (response payload, its binary header's length), stats), or
+# ("problem", ProblemError.to_wire(), stats)
 Reply = tuple[str, Any, Stats]
 
 _compute: Compute | None = None
@@ -252,7 +263,7 @@ def run_task(task: Task) -> Reply:
 
     try:
         content = _compute.run(unpack(task.body, consume=True), MODELS[task.kind],
-                               task.deadline, reserve, stats)
+                               task.deadline, reserve, stats, task.header_length)
     except ProblemError as err:
         return "problem", err.to_wire(), stats
     except GradserveError as err:
@@ -261,7 +272,7 @@ def run_task(task: Task) -> Reply:
         if (stats.planned_peak_bytes or 0) >= TRIM_AFTER_BYTES:
             trim_memory()
     stats.pid = os.getpid()
-    return "ok", pack(content, task.out_name), stats
+    return "ok", (pack(content.parts, task.out_name), content.header_length), stats
 
 
 def overloaded(nbytes: int, ledger: Ledger) -> ProblemError:

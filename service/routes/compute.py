@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.compute import BINARY_HEADER
 from service.deps import runner_of
 from service.errors import ProblemError
 from service.routes import operation_id
@@ -27,6 +28,7 @@ from service.runner import Runner
 from service.schemas import BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse
 
 _JSON_HEADER = (b"content-type", b"application/json")
+_BINARY_HEADER = (b"content-type", b"application/octet-stream")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -43,16 +45,22 @@ class ComputeRoute(APIRoute):
         if self.methods and scope["method"] not in self.methods:
             raise HTTPException(status_code=405, headers={"Allow": self._allow})
         headers = scope["headers"]
-        _check_content_type(_header(headers, b"content-type"))
+        header_length = _binary_header_length(headers)
+        _check_content_type(_header(headers, b"content-type"), binary=header_length is not None)
         runner: Runner = scope["app"].state.runner
-        content = await runner.serve(self.kind, receive, _content_length(headers),
-                                     scope.get("state", {}).get("request_id", "-"))
+        reply = await runner.serve(self.kind, receive, _content_length(headers),
+                                   scope.get("state", {}).get("request_id", "-"), header_length)
+        start = [_JSON_HEADER] if reply.header_length is None else [
+            _BINARY_HEADER, (BINARY_HEADER.encode(), b"%d" % reply.header_length)]
         await send({
             "type": "http.response.start",
             "status": 200,
-            "headers": [_JSON_HEADER, (b"content-length", b"%d" % len(content))],
+            "headers": [*start, (b"content-length", b"%d" % reply.nbytes)],
         })
-        await send({"type": "http.response.body", "body": content})
+        parts = reply.parts
+        for k, part in enumerate(parts):  # each tensor's bytes as they lie: no joined copy
+            await send({"type": "http.response.body", "body": part,
+                        "more_body": k < len(parts) - 1})
 
 
 def parses(kind: str) -> Callable[[F], F]:
@@ -74,10 +82,12 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
         "schema": {"$ref": "#/components/schemas/Problem"}}}}
     for status, why in {
         400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or is "
-             "nested too deeply",
+             "nested too deeply; or a binary body's sizes do not add up",
         401: "An API key is required",
         413: "The body is larger than the limit",
-        415: "The body is not JSON",
+        409: "graph_id names a graph this server does not hold (graph-unknown): send the "
+             "graph itself",
+        415: "The body is not JSON (or, with Inference-Header-Content-Length, octet-stream)",
         422: "Invalid request, graph, tensor data, or memory plan over budget",
         503: "The server is at its concurrency or in-flight memory limit (see Retry-After)",
         504: "The request ran past its time limit",
@@ -85,11 +95,40 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+BINARY_BODY = (
+    "A binary body (the Open Inference Protocol's binary tensor extension): the JSON request "
+    "as its header, then the raw little-endian bytes of every tensor that gives "
+    "`binary_data_size` instead of `data` or `b64`, one after another in the order they "
+    "appear in the header. The `Inference-Header-Content-Length` header gives the JSON "
+    "header's length. With `\"encoding\": \"binary\"` the response is framed the same "
+    "way (`application/octet-stream`, the same header).")
+
+
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Outputs (and gradients); with encoding binary, framed as a binary "
+                         "body", "content": {"application/octet-stream": {
+                             "schema": {"type": "string", "format": "binary",
+                                        "description": BINARY_BODY}}}},
+    **PROBLEM_RESPONSES,
+}
+
+
 def _body_schema(model: type) -> dict[str, Any]:
     # The body is parsed by hand (once, by pydantic-core, with the contract's statuses), so
     # FastAPI cannot see it: describe it here. The schema itself is registered in app.py.
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": ref},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary", "description": BINARY_BODY}},
+        }},
+        "parameters": [{
+            "name": "Inference-Header-Content-Length", "in": "header", "required": False,
+            "schema": {"type": "integer", "minimum": 0},
+            "description": "present: the body is binary, its JSON header this many bytes",
+        }],
+    }
 
 
 def _header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
@@ -106,23 +145,41 @@ def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _check_content_type(value: str | None) -> None:
+def _check_content_type(value: str | None, binary: bool = False) -> None:
+    """JSON types; and for a binary body (Inference-Header-Content-Length), also
+    application/octet-stream, as Triton takes it."""
     if value is None:
         return  # a body without a content type is read as JSON
     media = value.partition(";")[0].strip().lower()
     structured = media.startswith("application/") and media.endswith("+json")
+    if binary and media == "application/octet-stream":
+        return
     if media != "application/json" and not structured:
         raise ProblemError(
             "unsupported-media-type",
-            f"the body must be application/json, not {media or 'an empty content type'}",
+            f"the body must be application/json (or, with Inference-Header-Content-Length, "
+            f"application/octet-stream), not {media or 'an empty content type'}",
         )
+
+
+def _binary_header_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """Inference-Header-Content-Length: the body is a JSON header of that many bytes, then
+    the raw bytes of the tensors that give `binary_data_size`."""
+    value = _header(headers, BINARY_HEADER.encode())
+    if value is None:
+        return None
+    if not value.strip().isdigit():
+        raise ProblemError(
+            "malformed-body", f"Inference-Header-Content-Length must be a byte count, not "
+            f"{value[:64]!r}", errors=[{"loc": ["headers", BINARY_HEADER], "msg": "not a count"}])
+    return int(value)
 
 
 @router.post(
     "/forward",
     summary="Evaluate a graph (no_grad: the inference-only path)",
     response_model=ForwardResponse,
-    responses=PROBLEM_RESPONSES,
+    responses=RESPONSES,
     openapi_extra=_body_schema(ForwardRequest),
 )
 @parses("forward")
@@ -135,7 +192,7 @@ async def forward(request: Request) -> Response:
     "/backward",
     summary="Evaluate a graph and back-propagate: outputs and gradients",
     response_model=BackwardResponse,
-    responses=PROBLEM_RESPONSES,
+    responses=RESPONSES,
     openapi_extra=_body_schema(BackwardRequest),
 )
 @parses("backward")
@@ -144,8 +201,13 @@ async def backward(request: Request) -> Response:
 
 
 async def _serve(request: Request, kind: str) -> Response:
-    _check_content_type(request.headers.get("content-type"))
-    content = await runner_of(request).serve(
+    header_length = _binary_header_length(request.scope["headers"])
+    _check_content_type(request.headers.get("content-type"), binary=header_length is not None)
+    reply = await runner_of(request).serve(
         kind, request.receive, _content_length(request.scope["headers"]),
-        request.scope.get("state", {}).get("request_id", "-"))
-    return Response(content, media_type="application/json")
+        request.scope.get("state", {}).get("request_id", "-"), header_length)
+    content = b"".join(reply.parts)
+    if reply.header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type="application/octet-stream",
+                    headers={BINARY_HEADER: str(reply.header_length)})
