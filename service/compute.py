@@ -69,6 +69,7 @@ class Reply:
 
     parts: list[bytes | memoryview]
     header_length: int | None = None
+    release: Callable[[], object] | None = None  # lets the parts' memory go, once sent
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +92,7 @@ class Prepared:
     key: Hashable = None
     program: Program | None = None
     stats: Stats = field(default_factory=Stats)
+    release: Callable[[], object] | None = None  # lets the body go once inputs are done
 
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
@@ -115,16 +117,21 @@ class Compute:
                 self._devices[spec] = name
         return name
 
-    def run(self, body: bytes, model: Model, deadline: float, reserve: Reserve,
-            stats: Stats | None = None, header_length: int | None = None) -> Reply:
+    def run(self, body: bytes | memoryview, model: Model, deadline: float, reserve: Reserve,
+            stats: Stats | None = None, header_length: int | None = None,
+            release: Callable[[], object] | None = None) -> Reply:
         """The whole computation; `stats` (if given) is filled in as it goes, also when it
-        ends in an error. `header_length`: the body is binary (its JSON header's length)."""
+        ends in an error. `header_length`: the body is binary (its JSON header's length).
+        `release`: called once the inputs are no longer needed (before the answer is
+        encoded), to let the body's memory go."""
         p = self.prepare(body, model, stats, header_length)
+        del body
         if p.program is None:
             self.compile(p)
+        p.release = release
         return self.execute(p, deadline, reserve, None)
 
-    def prepare(self, body: bytes, model: Model, stats: Stats | None = None,
+    def prepare(self, body: bytes | memoryview, model: Model, stats: Stats | None = None,
                 header_length: int | None = None) -> Prepared:
         """Split a binary body, parse, check limits, find the graph, decode, and look the
         program up in the cache."""
@@ -231,6 +238,9 @@ class Compute:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         p.stats.peak_bytes = result.peak_bytes
+        p.inputs, p.grad_outputs = {}, None  # (views on a binary body: let it go first)
+        if p.release is not None:
+            p.release()
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
                              encoding=p.req.encoding, graph_id=p.graph_id)
@@ -392,10 +402,11 @@ def graph_key(graph: Any) -> str:
 BINARY_HEADER = "inference-header-content-length"
 
 
-def split_binary(body: bytes, header_length: int | None) -> tuple[bytes, memoryview | None]:
+def split_binary(body: bytes | memoryview, header_length: int | None
+                 ) -> tuple[bytes, memoryview | None]:
     """A binary body's JSON header and its tail (a view: no copy), or the body as it is."""
     if header_length is None:
-        return body, None
+        return bytes(body), None  # (a no-op on bytes)
     if header_length > len(body):
         raise ProblemError(
             "malformed-body", f"Inference-Header-Content-Length is {header_length}, past the "

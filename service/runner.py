@@ -31,15 +31,18 @@ from service.errors import ProblemError
 from service.metrics import Metrics
 from service.settings import Settings
 from service.workers import (
+    SHM_MIN_BYTES,
     GradserveTimeout,
     Pool,
     Task,
     WorkerDied,
+    create_segment,
+    open_payload,
     overloaded,
     pack,
+    payload_head,
     trim_memory,
     unlink,
-    unpack,
 )
 
 log = logging.getLogger("gradserve")
@@ -106,24 +109,35 @@ class Runner:
         # The body is held in flight from its first byte, on the bodies' line of the
         # ledger: an upload takes memory but no compute slot (a slow client holds none).
         body_bytes = 0
+        name = self.pool.segment()
         try:
             if declared:
                 self._grow_bodies(declared)
                 body_bytes = declared
-            body, counted = await self._read_body(receive, declared)
-            body_bytes = max(body_bytes, counted)
+            direct = None
+            if header_length is not None and declared and declared >= SHM_MIN_BYTES:
+                # A large binary body goes straight into shared memory as it arrives: this
+                # process never holds it, and the worker decodes views on it.
+                direct = await self._read_into_segment(receive, declared, name)
+            if direct is not None:
+                assert declared is not None and header_length is not None
+                body: bytes = b""
+                reservation = declared + parse_reservation(payload_head(direct, header_length))
+            else:
+                body, counted = await self._read_body(receive, declared)
+                body_bytes = max(body_bytes, counted)
+                reservation = parse_reservation(body, header_length)
             slot = self.admission.enter()
             try:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
-                self._hold(slot, parse_reservation(body, header_length), refuse_at_limit=True)
-                if len(body) <= INLINE_MAX_BODY_BYTES:
+                self._hold(slot, reservation, refuse_at_limit=True)
+                if direct is None and len(body) <= INLINE_MAX_BODY_BYTES:
                     content = self._inline(kind, body, slot, deadline, header_length)
                     if content is not None:
                         return content
-                name = self.pool.segment()
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
-                payload = pack(body, name)
+                payload = direct or pack(body, name)
                 del body  # a large body is in shared memory now: this process keeps no copy
                 try:
                     return await self._in_worker(kind, payload, name, slot, deadline, receive,
@@ -134,9 +148,43 @@ class Runner:
             finally:
                 self.ledger.release(slot)
                 self.admission.leave(slot)
+        except BaseException:
+            unlink(name)
+            raise
         finally:
             if body_bytes:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
+
+    async def _read_into_segment(self, receive: Receive, size: int, name: str
+                                 ) -> tuple[str, int] | None:
+        """The body written into a new shared memory segment as it arrives (its
+        `Content-Length` is `size`), or None, having read nothing, if /dev/shm has no room."""
+        shm = create_segment(name, size)
+        if shm is None:
+            return None
+        buf = memoryview(shm.buf)  # type: ignore[arg-type]
+        at = 0
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.request":
+                    chunk = message.get("body", b"")
+                    if at + len(chunk) > size:
+                        raise ProblemError("bad-request", "the body is longer than its "
+                                           f"Content-Length ({size} bytes)")
+                    buf[at:at + len(chunk)] = chunk
+                    at += len(chunk)
+                    if not message.get("more_body", False):
+                        break
+                elif message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+            if at != size:
+                raise ProblemError("bad-request", f"the body ended after {at} of its "
+                                   f"Content-Length's {size} bytes")
+        finally:
+            buf.release()
+            shm.close()
+        return (name, size)
 
     def _grow_bodies(self, nbytes: int) -> None:
         if not self.ledger.grow(self.ledger.bodies, nbytes):
@@ -226,7 +274,11 @@ class Runner:
             if status == "problem":
                 raise ProblemError.from_wire(reply)
             content, binary_header = reply
-            return Reply([unpack(content)], binary_header)
+            if isinstance(content, bytes):
+                return Reply([content], binary_header)
+            # Sent from the worker's segment as it lies; it goes when the reply is sent.
+            view, release = open_payload(content)
+            return Reply([view], binary_header, release)
         finally:
             unlink(name + "o")
 

@@ -35,7 +35,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -144,12 +144,9 @@ def pack(data: bytes | list[bytes | memoryview], name: str) -> Payload:
     made `name` is not who unlinks it: see `unlink`)."""
     parts = [data] if isinstance(data, bytes) else data
     size = sum(len(memoryview(p).cast("B")) for p in parts)
-    if size < SHM_MIN_BYTES or not _shm_has_room(size):
+    shm = create_segment(name, size) if size >= SHM_MIN_BYTES else None
+    if shm is None:  # the pipe still works
         return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
-    try:
-        shm = SharedMemory(name=name, create=True, size=max(size, 1))
-    except OSError:  # the pipe still works
-        return b"".join(parts)
     try:
         buf = memoryview(shm.buf)  # type: ignore[arg-type]
         at = 0
@@ -159,9 +156,33 @@ def pack(data: bytes | list[bytes | memoryview], name: str) -> Payload:
             at += len(raw)
         del buf, raw
     finally:
-        _untrack(shm)
         shm.close()
     return (name, size)
+
+
+def create_segment(name: str, size: int) -> SharedMemory | None:
+    """A new shared memory segment of `size` bytes, or None if /dev/shm has no room for it
+    (the caller then passes bytes through the pool's pipe)."""
+    if not _shm_has_room(size):
+        return None
+    try:
+        shm = SharedMemory(name=name, create=True, size=max(size, 1))
+    except OSError:
+        return None
+    _untrack(shm)
+    return shm
+
+
+def payload_head(payload: Payload, n: int) -> bytes:
+    """The first `n` bytes of a payload (a binary body's JSON header)."""
+    if isinstance(payload, bytes):
+        return payload[:n]
+    shm = SharedMemory(name=payload[0])
+    try:
+        return bytes(memoryview(shm.buf)[:n])  # type: ignore[arg-type]
+    finally:
+        _untrack(shm)
+        shm.close()
 
 
 def _shm_has_room(nbytes: int) -> bool:
@@ -191,6 +212,31 @@ def unpack(payload: Payload, consume: bool = False) -> bytes:
                 shm.unlink()  # (which also forgets it in the resource tracker)
         else:
             _untrack(shm)
+
+
+def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], bool]]:
+    """The bytes of a payload without copying them out of their segment: a view on it,
+    and a function that lets the segment go once no array views it any more (it returns
+    whether it could; the segment is already unlinked, so its memory goes back when the
+    last view does)."""
+    if isinstance(payload, bytes):
+        return payload, lambda: True
+    name, size = payload
+    shm = SharedMemory(name=name)
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()  # (which also forgets it in the resource tracker)
+    view = memoryview(shm.buf)[:size]  # type: ignore[arg-type]
+
+    def close() -> bool:
+        nonlocal view
+        try:
+            view.release()
+            shm.close()
+        except BufferError:  # an array still views it (an output that is an input)
+            return False
+        return True
+
+    return view, close
 
 
 def unlink(name: str) -> None:
@@ -261,18 +307,29 @@ def run_task(task: Task) -> Reply:
             stats.rejected = "inflight_memory"
             raise overloaded(nbytes, ledger)
 
+    if task.header_length is None:  # JSON is parsed from bytes
+        body: bytes | memoryview = unpack(task.body, consume=True)
+        release: Callable[[], bool] = lambda: True
+    else:  # a binary body's tensors view it where it lies
+        body, release = open_payload(task.body)
     try:
-        content = _compute.run(unpack(task.body, consume=True), MODELS[task.kind],
-                               task.deadline, reserve, stats, task.header_length)
+        try:
+            content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
+                                   task.header_length, release)
+        finally:
+            del body
+        reply = pack(content.parts, task.out_name), content.header_length
+        del content
     except ProblemError as err:
         return "problem", err.to_wire(), stats
     except GradserveError as err:
         return "problem", as_problem(err).to_wire(), stats
     finally:
+        release()
         if (stats.planned_peak_bytes or 0) >= TRIM_AFTER_BYTES:
             trim_memory()
     stats.pid = os.getpid()
-    return "ok", (pack(content.parts, task.out_name), content.header_length), stats
+    return "ok", reply, stats
 
 
 def overloaded(nbytes: int, ledger: Ledger) -> ProblemError:

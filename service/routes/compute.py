@@ -29,6 +29,7 @@ from service.schemas import BackwardRequest, BackwardResponse, ForwardRequest, F
 
 _JSON_HEADER = (b"content-type", b"application/json")
 _BINARY_HEADER = (b"content-type", b"application/octet-stream")
+SEND_BYTES = 1 << 20  # a response's large parts go out in slices of this size
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -57,10 +58,20 @@ class ComputeRoute(APIRoute):
             "status": 200,
             "headers": [*start, (b"content-length", b"%d" % reply.nbytes)],
         })
-        parts = reply.parts
-        for k, part in enumerate(parts):  # each tensor's bytes as they lie: no joined copy
-            await send({"type": "http.response.body", "body": part,
-                        "more_body": k < len(parts) - 1})
+        try:
+            # Each tensor's bytes as they lie (no joined copy), in slices, so that the
+            # server's write buffer (which copies what the socket does not take at once)
+            # stays small.
+            pieces = [part[at:at + SEND_BYTES] if isinstance(part, memoryview) else part
+                      for part in reply.parts
+                      for at in (range(0, len(part), SEND_BYTES) if isinstance(part, memoryview)
+                                 else (0,))]
+            for k, piece in enumerate(pieces):
+                await send({"type": "http.response.body", "body": piece,
+                            "more_body": k < len(pieces) - 1})
+        finally:
+            if reply.release is not None:
+                reply.release()
 
 
 def parses(kind: str) -> Callable[[F], F]:
@@ -206,7 +217,11 @@ async def _serve(request: Request, kind: str) -> Response:
     reply = await runner_of(request).serve(
         kind, request.receive, _content_length(request.scope["headers"]),
         request.scope.get("state", {}).get("request_id", "-"), header_length)
-    content = b"".join(reply.parts)
+    try:
+        content = b"".join(reply.parts)
+    finally:
+        if reply.release is not None:
+            reply.release()
     if reply.header_length is None:
         return Response(content, media_type="application/json")
     return Response(content, media_type="application/octet-stream",
