@@ -13,6 +13,15 @@
    request: its compiled program is cached) and cold (the constant of `a + 1` changes per
    request, so every request compiles a new graph). Both sides send the same input data
    as JSON lists and answer with the loss and every gradient as JSON lists.
+4. The wire (its own servers, each with one compute worker, GRADSERVE_COMPUTE_WORKERS=1,
+   and limits raised for big bodies): a 4M-element float32 round trip through POST
+   /forward (`y = x * 2 + 1`, no_grad), from encode to a NumPy array, with one raw
+   keep-alive HTTP/1.1 client (a blocking socket; the same code for every encoding):
+   binary bodies against JSON lists and base64, and against the floor, a bare ASGI app
+   that echoes the same bytes, served by the same uvicorn setup; a 30k-node graph sent by
+   `graph_id` against the full graph; and the peak RSS of the server's whole process tree
+   (front and workers, sampled every 3 ms, and each process's VmHWM) during a 256 MiB
+   binary request.
 
 Loopback only; every run is bounded in count and time. Each figure is the median over
 `--rounds` rounds. Each round measures the floor and then the seed example back to back,
@@ -22,7 +31,7 @@ uvicorn serves both with the same HTTP parser and event loop (httptools and uvlo
 installed, else h11 and asyncio); the header says which.
 
     python bench/bench_service.py [--rounds 3] [--requests 2000] [--cell-requests 200]
-                                  [--parts seed,tensor,cell]
+                                  [--parts seed,tensor,cell,wire]
 """
 
 from __future__ import annotations
@@ -36,20 +45,27 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import orjson
+import pybase64
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_compiled import recurrent_data, recurrent_graph, recurrent_numpy  # noqa: E402
-from service.client import Client  # noqa: E402
+from bench.bench_compiled import (  # noqa: E402
+    recurrent_data,
+    recurrent_graph,
+    recurrent_numpy,
+    unrolled,
+)
 
 SEED = orjson.dumps({
     "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
@@ -110,6 +126,13 @@ def free_port() -> int:
 
 @contextmanager
 def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    with server_process(argv, port, env) as (base, _):
+        yield base
+
+
+@contextmanager
+def server_process(argv: list[str], port: int, env: dict[str, str] | None = None
+                   ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     proc = subprocess.Popen(
         argv, cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -125,7 +148,7 @@ def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Ite
                 time.sleep(0.1)
         else:
             raise RuntimeError(f"server {argv} did not start")
-        yield base
+        yield base, proc
     finally:
         proc.terminate()
         proc.wait(timeout=15)
@@ -214,6 +237,8 @@ def stack() -> str:
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
     x = np.random.default_rng(0).standard_normal(4_000_000).astype(np.float32)
     graph = {"nodes": [{"id": "y", "expr": "x * 2"}], "outputs": ["y"]}
+    from service.client import Client  # (here: the wire part does not depend on it)
+
     times: dict[str, float] = {}
     for name, threshold, encoding in [("base64", 0, "base64"), ("json", 1 << 62, "json")]:
         with Client(base, base64_threshold=threshold, encoding=encoding, timeout=120) as c:
@@ -296,16 +321,544 @@ def cell_rounds(rounds: int, gs_port: int, torch_port: int, total: int
     return out
 
 
+# ------------------------------------------------------------------ 4. the wire
+
+WIRE_GRAPH = {"nodes": [{"id": "y", "expr": "x * 2 + 1"}], "outputs": ["y"]}
+WIRE_SHAPE = (2000, 2000)  # 4M float32: nested lists for the JSON contender
+FAST_REPS = 3  # requests per round for every contender but JSON lists (one)
+CHAIN_STEPS, CHAIN_WIDTH = 10_000, 512  # bench_compiled.unrolled: 30,001 op nodes
+CHAIN_REPS = 4  # requests per round, each way
+RSS_ELEMENTS = 64 * 2**20  # 256 MiB of float32
+RSS_INTERVAL_S = 0.003
+# service/runner.py's INLINE_MAX_BODY_BYTES: a body this small computes in the front
+# process, which holds only the graphs it was sent itself (not those a worker holds).
+INLINE_MAX_BODY = 16 * 1024
+GiB = 1024**3
+# One compute worker, so that a graph_id is held by the process that answers; and limits
+# raised for a 256 MiB body.
+WIRE_ENV = {
+    "GRADSERVE_COMPUTE_WORKERS": "1",
+    "GRADSERVE_MAX_BODY_BYTES": str(1 * GiB),
+    "GRADSERVE_MEMORY_BUDGET_BYTES": str(4 * GiB),
+    "GRADSERVE_NO_GRAD_MEMORY_BUDGET_BYTES": str(4 * GiB),
+    "GRADSERVE_INFLIGHT_MEMORY_BYTES": str(12 * GiB),
+}
+# The floor of the wire: the body read and sent back as it came (the same bytes, both
+# ways, with the binary header), by a bare ASGI app served by the same uvicorn setup.
+ECHO_APP = """
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    headers = [(b"content-type", b"application/octet-stream"),
+               (b"content-length", b"%d" % len(body))]
+    headers += [(k, v) for k, v in scope["headers"] if k == b"inference-header-content-length"]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+"""
+
+Parts = list[bytes | memoryview]
+Response = tuple[int, dict[str, str], np.ndarray]  # status, headers (lower case), body
+
+
+class RawClient:
+    """A minimal blocking HTTP/1.1 client on one keep-alive socket: the head, then each
+    part of the body as it lies (no joined copy); the response body read straight into one
+    buffer of its Content-Length (uninitialised: `bytearray(n)` would zero it first, with
+    the GIL held)."""
+
+    def __init__(self, port: int, timeout: float = 120.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sent = 0  # bytes of the last request, head included
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def post(self, path: str, parts: Parts, headers: Sequence[tuple[str, str]] = ()
+             ) -> Response:
+        views = [memoryview(p).cast("B") for p in parts]
+        length = sum(v.nbytes for v in views)
+        head = "".join(
+            [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n",
+             *(f"{k}: {v}\r\n" for k, v in headers), "\r\n"]).encode()
+        self.sock.sendall(head)
+        for view in views:
+            self.sock.sendall(view)
+        self.sent = len(head) + length
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            data += chunk
+        raw_head, _, rest = data.partition(b"\r\n\r\n")
+        lines = raw_head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        fields = {}
+        for line in lines[1:]:
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip()
+        if "content-length" not in fields:
+            raise RuntimeError(f"no Content-Length in the response ({lines[0]})")
+        body = np.empty(int(fields["content-length"]), np.uint8)
+        view = memoryview(body)
+        view[:len(rest)] = rest
+        at = len(rest)
+        while at < len(body):
+            n = self.sock.recv_into(view[at:])
+            if not n:
+                raise ConnectionError("the server closed the connection mid-body")
+            at += n
+        return status, fields, body
+
+
+def encode_tensor_request(x: np.ndarray, encoding: str
+                          ) -> tuple[Parts, list[tuple[str, str]]]:
+    """The POST /forward body of `y = x * 2 + 1` (no_grad), and its headers: binary (a
+    JSON header, then x's bytes as they lie), base64, or JSON lists (orjson's numpy
+    serializer, the fastest way to write them)."""
+    request: dict[str, Any] = {"graph": WIRE_GRAPH, "no_grad": True, "encoding": encoding}
+    spec = {"dtype": "float32", "shape": list(x.shape)}
+    if encoding == "binary":
+        request["inputs"] = {"x": {**spec, "binary_data_size": x.nbytes}}
+        header = orjson.dumps(request)
+        return [header, memoryview(np.ascontiguousarray(x, "<f4")).cast("B")], [
+            ("Content-Type", "application/octet-stream"),
+            ("Inference-Header-Content-Length", str(len(header)))]
+    if encoding == "base64":
+        request["inputs"] = {"x": {**spec, "b64": pybase64.b64encode(x).decode("ascii")}}
+        return [orjson.dumps(request)], [("Content-Type", "application/json")]
+    request["inputs"] = {"x": {**spec, "data": x}}
+    return [orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)], [
+        ("Content-Type", "application/json")]
+
+
+def decode_tensor_response(response: Response, section: str, name: str) -> np.ndarray:
+    """Tensor `name` of `section` ("outputs"; "inputs" for the echo) as a NumPy array:
+    a view on the body of a binary response, else from base64 or JSON lists."""
+    status, fields, body = response
+    if status != 200:
+        raise RuntimeError(f"status {status}: {bytes(body[:400])!r}")
+    header_length = fields.get("inference-header-content-length")
+    if header_length is None:
+        tensor = orjson.loads(memoryview(body))[section][name]
+        if "b64" in tensor:
+            raw = pybase64.b64decode(tensor["b64"], validate=True)
+            return np.frombuffer(raw, "<" + np.dtype(tensor["dtype"]).str[1:]).reshape(
+                tensor["shape"])
+        return np.array(tensor["data"], dtype=tensor["dtype"])
+    n = int(header_length)
+    doc = orjson.loads(memoryview(body)[:n])
+    offset = n
+    for where, tensors in doc.items():  # the tail: in the order the header lists them
+        if where not in ("inputs", "grad_outputs", "outputs", "gradients"):
+            continue
+        for key, tensor in tensors.items():
+            size = tensor.get("binary_data_size")
+            if size is None:
+                continue
+            if (where, key) == (section, name):
+                dtype = np.dtype(tensor["dtype"]).newbyteorder("<")
+                return np.frombuffer(body, dtype, size // dtype.itemsize, offset).reshape(
+                    tensor["shape"])
+            offset += size
+    raise KeyError((section, name))
+
+
+def round_trip(client: RawClient, path: str, x: np.ndarray, encoding: str,
+               section: str = "outputs", name: str = "y") -> np.ndarray:
+    """What is timed: encode, POST, decode."""
+    parts, headers = encode_tensor_request(x, encoding)
+    return decode_tensor_response(client.post(path, parts, headers), section, name)
+
+
+def wire_tensor(gs_port: int, echo_port: int, rounds: int,
+                shape: tuple[int, ...] = WIRE_SHAPE) -> dict[str, Any]:
+    """Per contender the median over rounds of its per-round median ms, and the medians of
+    the per-round ratios; the request and response sizes."""
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    want = x * np.float32(2) + np.float32(1)
+    with RawClient(gs_port) as gs, RawClient(echo_port) as echo:
+        contenders: dict[str, tuple[RawClient, str, str, str, str, np.ndarray]] = {
+            "floor": (echo, "/echo", "binary", "inputs", "x", x),
+            "binary": (gs, "/forward", "binary", "outputs", "y", want),
+            "base64": (gs, "/forward", "base64", "outputs", "y", want),
+            "json": (gs, "/forward", "json", "outputs", "y", want),
+        }
+        sizes = {}
+        for key, (client, path, encoding, section, name, expected) in contenders.items():
+            got = round_trip(client, path, x, encoding, section, name)  # (and a warm-up)
+            np.testing.assert_array_equal(got, expected, err_msg=key)
+            sizes[key] = client.sent
+            del got
+        samples: dict[str, list[float]] = {k: [] for k in contenders}
+        for r in range(rounds):
+            order = list(contenders)[r % 4:] + list(contenders)[:r % 4]
+            times: dict[str, list[float]] = {k: [] for k in contenders}
+            for rep in range(FAST_REPS):
+                for key in order:
+                    if key == "json" and rep:
+                        continue
+                    client, path, encoding, section, name, _ = contenders[key]
+                    t0 = time.perf_counter()
+                    round_trip(client, path, x, encoding, section, name)
+                    times[key].append(time.perf_counter() - t0)
+            for key, values in times.items():
+                samples[key].append(statistics.median(values) * 1000)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(p / q for p, q in zip(samples[a], samples[b], strict=True))
+
+    return {"ms": {k: statistics.median(v) for k, v in samples.items()},
+            "json/binary": ratio("json", "binary"), "base64/binary": ratio("base64", "binary"),
+            "binary/floor": ratio("binary", "floor"), "sent": sizes,
+            "elements": int(x.size), "payload": int(x.nbytes)}
+
+
+def _chain_inputs(width: int) -> dict[str, Any]:
+    data = unrolled(1, width).inputs  # (the inputs do not depend on the steps)
+    return {k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
+            for k, v in data.items()}
+
+
+def wire_graph(gs_port: int, rounds: int, steps: int = CHAIN_STEPS, width: int = CHAIN_WIDTH
+               ) -> dict[str, Any]:
+    """POST /backward of an unrolled recurrence (3 nodes a step), the graph sent in full
+    against by its graph_id, once a first full request has registered it."""
+    w = unrolled(steps, width)
+    inputs = _chain_inputs(width)
+    headers = [("Content-Type", "application/json")]
+    full = orjson.dumps({"graph": w.graph, "inputs": inputs})
+    h = w.inputs["h0"]
+    for _ in range(steps):
+        h = np.tanh(h * w.inputs["w"] + w.inputs["x"])
+    loss = float(h.sum())
+    with RawClient(gs_port) as client:
+        t0 = time.perf_counter()
+        status, _, body = client.post("/backward", [full], headers)
+        first_ms = (time.perf_counter() - t0) * 1000
+        if status != 200:
+            raise RuntimeError(f"status {status}: {bytes(body[:400])!r}")
+        first = orjson.loads(memoryview(body))
+        graph_id = first["meta"]["graph_id"]
+        by_id = orjson.dumps({"graph_id": graph_id, "inputs": inputs})
+        # A small body by id (the same graph, width-8 inputs): computed in the front
+        # process, which did not see the graph. Recorded, not required.
+        tiny = orjson.dumps({"graph_id": graph_id, "inputs": _chain_inputs(8)})
+        probe = client.post("/backward", [tiny], headers)[0]
+
+        registrations = 0
+
+        def post(body: bytes) -> dict[str, Any]:
+            nonlocal registrations
+            status, _, content = client.post("/backward", [body], headers)
+            if status == 409 and body is by_id:  # the worker was replaced: register again
+                registrations += 1
+                post(full)
+                status, _, content = client.post("/backward", [body], headers)
+            if status != 200:
+                raise RuntimeError(f"status {status}: {bytes(content[:400])!r}")
+            return orjson.loads(memoryview(content))
+
+        again = post(by_id)
+        for doc in (first, again):
+            np.testing.assert_allclose(doc["outputs"]["loss"]["data"], loss, rtol=1e-9)
+        assert again["gradients"] == first["gradients"], "by id: other gradients"
+        sent = {"full": len(full), "id": len(by_id)}
+        for key, body in (("full", full), ("id", by_id)):
+            client.post("/backward", [body], headers)
+            sent[key] = client.sent
+        samples: dict[str, list[float]] = {"full": [], "id": []}
+        for r in range(rounds):
+            order = ["full", "id"] if r % 2 == 0 else ["id", "full"]
+            times: dict[str, list[float]] = {"full": [], "id": []}
+            for _ in range(CHAIN_REPS):
+                for key in order:
+                    t0 = time.perf_counter()
+                    post(full if key == "full" else by_id)
+                    times[key].append(time.perf_counter() - t0)
+            for key, values in times.items():
+                samples[key].append(statistics.median(values) * 1000)
+    return {"ms": {k: statistics.median(v) for k, v in samples.items()},
+            "saved_ms": statistics.median(
+                f - i for f, i in zip(samples["full"], samples["id"], strict=True)),
+            "first_ms": first_ms, "sent": sent, "nodes": first["meta"]["nodes"],
+            "graph_nodes": len(w.graph["nodes"]), "width": width, "probe": (len(tiny), probe),
+            "registrations": registrations}
+
+
+def _peak_rss(pid: int) -> int:
+    """A process's peak RSS (VmHWM) since it started or since `_reset_peak`, in bytes."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak(pid: int) -> bool:
+    """Reset a process's VmHWM to its RSS now (Linux: clear_refs 5); whether it could."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _status_kb(pid: int) -> tuple[int, int, int] | None:
+    """(RssAnon, RssFile, RssShmem) of a process, in bytes; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        if line.startswith((b"RssAnon:", b"RssFile:", b"RssShmem:")):
+            key, value = line.split(b":", 1)
+            values[key] = int(value.split()[0]) * 1024
+    return values.get(b"RssAnon", 0), values.get(b"RssFile", 0), values.get(b"RssShmem", 0)
+
+
+class TreeSampler(threading.Thread):
+    """Samples, every `interval` s, the RSS of a process (the front) and of all its
+    descendants (the forkserver, the workers, the resource tracker), split into anonymous,
+    file and shared-memory pages, and the bytes of the front's segments in /dev/shm (a
+    segment no process maps is in no RSS)."""
+
+    def __init__(self, pid: int, interval: float = RSS_INTERVAL_S) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.interval = interval
+        self.prefix = f"gs{pid}-"
+        self.halt = threading.Event()
+        self.samples: list[tuple[float, tuple[int, int, int], tuple[int, int, int], int]] = []
+
+    def sample(self) -> tuple[float, tuple[int, int, int], tuple[int, int, int], int]:
+        front = _status_kb(self.root.pid) or (0, 0, 0)
+        kids = [0, 0, 0]
+        for child in self.root.children(recursive=True):
+            for k, v in enumerate(_status_kb(child.pid) or (0, 0, 0)):
+                kids[k] += v
+        shm = 0
+        with os.scandir("/dev/shm") as entries:
+            for entry in entries:
+                if entry.name.startswith(self.prefix):
+                    with suppress(OSError):
+                        shm += entry.stat().st_blocks * 512
+        return time.perf_counter(), front, (kids[0], kids[1], kids[2]), shm
+
+    def pids(self) -> list[int]:
+        return [self.root.pid, *(c.pid for c in self.root.children(recursive=True))]
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.samples.append(self.sample())
+            time.sleep(self.interval)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join()
+        self.samples.append(self.sample())
+
+
+def wire_rss(port: int, pid: int, rounds: int, elements: int = RSS_ELEMENTS
+             ) -> dict[str, Any]:
+    """Per round: the tree's RSS before a binary request of `elements` float32 (`x * 2 +
+    1`, answer binary), and sampled during it; medians over rounds."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(elements, dtype=np.float32)
+    want = x * np.float32(2) + np.float32(1)
+    small = x[:1 << 16]  # 256 KB: computed by the worker (this starts the pool)
+    rows = []
+    with RawClient(port, timeout=300) as client:
+        for r in range(rounds):
+            np.testing.assert_array_equal(round_trip(client, "/forward", small, "binary"),
+                                          want[:1 << 16])
+            time.sleep(0.5)
+            sampler = TreeSampler(pid)
+            before = [sampler.sample() for _ in range(5)]
+            pids = sampler.pids()
+            reset = all([_reset_peak(p) for p in pids])
+            sampler.start()
+            t0 = time.perf_counter()
+            got = round_trip(client, "/forward", x, "binary")
+            seconds = time.perf_counter() - t0
+            sampler.stop()
+            hwm = [_peak_rss(p) for p in pids]
+            if sampler.pids() != pids:
+                reset = False  # a process came or went: its VmHWM says nothing
+            if r == 0:
+                np.testing.assert_array_equal(got, want)
+            del got
+            s = sampler.samples
+            total = [sum(f) + sum(k) for _, f, k, _ in s]
+            at = int(np.argmax(total))
+            gaps = np.diff([t for t, *_ in s])
+            rows.append({
+                "before": statistics.median(sum(f) + sum(k) for _, f, k, _ in before),
+                "before_front": statistics.median(sum(f) for _, f, _, _ in before),
+                "peak": total[at],
+                "peak_front": sum(s[at][1]), "peak_kids": sum(s[at][2]),
+                "peak_anon": s[at][1][0] + s[at][2][0], "peak_shmem": s[at][1][2] + s[at][2][2],
+                "max_front": max(sum(f) for _, f, _, _ in s),
+                "max_kids": max(sum(k) for _, _, k, _ in s),
+                "max_segments": max(m for *_, m in s),
+                "ms": seconds * 1000, "samples": len(s), "max_gap_ms": float(gaps.max()) * 1000,
+                # Each process's own peak, summed: at least the tree's peak (those of the
+                # processes need not coincide); None where VmHWM could not be reset.
+                "hwm_sum": sum(hwm) if reset else None, "hwm_front": hwm[0] if reset else None,
+            })
+    out = {k: None if any(row[k] is None for row in rows)
+           else statistics.median(row[k] for row in rows) for k in rows[0]}
+    out["payload"] = int(x.nbytes)
+    return out
+
+
+def wire(rounds: int, shape: tuple[int, ...] = WIRE_SHAPE, steps: int = CHAIN_STEPS,
+         width: int = CHAIN_WIDTH, rss_elements: int = RSS_ELEMENTS) -> dict[str, Any]:
+    """The wire part, with its own servers: the figures of `print_wire`."""
+    app_dir = Path(tempfile.mkdtemp(prefix="gradserve-echo-"))
+    (app_dir / "echo_app.py").write_text(ECHO_APP)
+    gs_port, echo_port, rss_port = free_port(), free_port(), free_port()
+    echo_argv = [sys.executable, "-m", "uvicorn", "echo_app:app", "--port", str(echo_port),
+                 "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
+
+    def gs_argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+                "--log-level", "warning"]
+
+    out: dict[str, Any] = {"env": WIRE_ENV}
+    with server(gs_argv(gs_port), gs_port, WIRE_ENV):
+        with server(echo_argv, echo_port):
+            out["tensor"] = wire_tensor(gs_port, echo_port, rounds, shape)
+        out["graph"] = wire_graph(gs_port, rounds, steps, width)
+    # A fresh server for the RSS: its heap has seen nothing larger before.
+    with server_process(gs_argv(rss_port), rss_port, WIRE_ENV) as (_, proc):
+        out["rss"] = wire_rss(rss_port, proc.pid, rounds, rss_elements)
+    return out
+
+
+WIRE_TARGETS = ("targets: 4M float32 round trip, binary >= 20x faster than JSON lists and "
+                ">= 1.5x faster than base64, <= 1.3x the echo floor;\n         256 MiB binary "
+                "request: peak RSS of the server's process tree <= 2.5x the payload (256 "
+                "MiB)")
+
+
+def print_wire(w: dict[str, Any], rounds: int) -> None:
+    t, g, m = w["tensor"], w["graph"], w["rss"]
+    mb, mib = 1e6, 2**20
+    env = " ".join(f"{k}={v}" for k, v in w["env"].items())
+    print(f"\nthe wire: POST /forward `y = x * 2 + 1` (expr), no_grad, {t['elements']:,} "
+          f"float32 in {t['payload'] / mb:.0f} MB; one raw keep-alive HTTP/1.1 client (a "
+          f"blocking socket, the same code for every encoding), timed from encode to a NumPy "
+          f"array; loopback, {os.cpu_count()} CPUs, {stack()}; median of {rounds} rounds, "
+          f"contenders interleaved ({FAST_REPS} requests a round each, JSON lists 1)")
+    print(f"servers: {env}")
+    print(WIRE_TARGETS)
+
+    def met(ok: bool) -> str:
+        return "yes" if ok else "MISS"
+
+    ms = t["ms"]
+    n = f"{t['elements']:,}"
+    rows = [
+        (f"{n} f32 round trip: binary vs JSON lists, ms", f"{ms['binary']:.1f}",
+         f"{ms['json']:.0f} (JSON lists)", f"{t['json/binary']:.1f}x faster", ">= 20x",
+         met(t["json/binary"] >= 20)),
+        (f"{n} f32 round trip: binary vs base64, ms", f"{ms['binary']:.1f}",
+         f"{ms['base64']:.1f} (base64)", f"{t['base64/binary']:.2f}x faster", ">= 1.5x",
+         met(t["base64/binary"] >= 1.5)),
+        (f"{n} f32 round trip: binary vs echo floor, ms", f"{ms['binary']:.1f}",
+         f"{ms['floor']:.1f} (ASGI echo)", f"{t['binary/floor']:.2f}x", "<= 1.3x",
+         met(t["binary/floor"] <= 1.3)),
+        (f"{g['graph_nodes']:,}-node graph: by graph_id vs full, ms", f"{g['ms']['id']:.1f}",
+         f"{g['ms']['full']:.1f} (full graph)",
+         f"-{g['saved_ms']:.1f} ms, -{(g['sent']['full'] - g['sent']['id']) / mb:.2f} MB", "-",
+         "-"),
+        (f"{m['payload'] / mib:.0f} MiB binary request: peak RSS of the tree, MiB",
+         f"{m['peak'] / mib:.0f}", f"{m['payload'] / mib:.0f} (payload)",
+         f"{m['peak'] / m['payload']:.2f}x", "<= 2.5x", met(m["peak"] / m["payload"] <= 2.5)),
+    ]
+    head = ("measurement", "gradserve", "baseline", "ratio", "target", "met")
+    widths = [max(len(str(row[k])) for row in (head, *rows)) for k in range(6)]
+    print(" | ".join(f"{h:<{w_}}" for h, w_ in zip(head, widths, strict=True)))
+    print("-+-".join("-" * w_ for w_ in widths))
+    for row in rows:
+        print(" | ".join(f"{c:<{w_}}" if k == 0 else f"{c:>{w_}}"
+                         for k, (c, w_) in enumerate(zip(row, widths, strict=True))))
+    sent = t["sent"]
+    print(f"- {n} float32, bytes sent a request: binary {sent['binary'] / mb:.2f} MB, base64 "
+          f"{sent['base64'] / mb:.2f} MB, JSON lists {sent['json'] / mb:.2f} MB, echo "
+          f"{sent['floor'] / mb:.2f} MB (and as much back); ms: floor {ms['floor']:.1f}, "
+          f"binary {ms['binary']:.1f}, base64 {ms['base64']:.1f}, JSON lists {ms['json']:.0f}")
+    print(f"- graph: POST /backward of bench_compiled's unrolled recurrence "
+          f"({g['graph_nodes']:,} op nodes), gradients of its 3 inputs of width "
+          f"{g['width']} float64, sent as JSON lists; one compute worker, so the id is held "
+          f"by the process that answers; "
+          f"first full request (compile) {g['first_ms']:.0f} ms; then {CHAIN_REPS} requests "
+          f"each way a round; bytes sent {g['sent']['full']:,} full vs {g['sent']['id']:,} "
+          f"by id; re-registrations {g['registrations']}")
+    size, status = g["probe"]
+    print(f"- graph_id in a body of {size:,} bytes (<= {INLINE_MAX_BODY // 1024} KiB: the "
+          f"front process computes it inline) got {status}"
+          + (" graph-unknown although the worker holds the graph: the timed id requests "
+             f"carry inputs past {INLINE_MAX_BODY // 1024} KiB so that a worker answers them"
+             if status == 409 else ""))
+    hwm = ("could not be reset" if m["hwm_sum"] is None else
+           f"{m['hwm_sum'] / mib:.0f} MiB ({m['hwm_sum'] / m['payload']:.2f}x; front "
+           f"{m['hwm_front'] / mib:.0f})")
+    print(f"- RSS of the tree (the front and all its descendants: the forkserver, the worker, "
+          f"the resource tracker), sampled every {RSS_INTERVAL_S * 1000:.0f} ms: before the "
+          f"request {m['before'] / mib:.0f} MiB (front {m['before_front'] / mib:.0f}); at the "
+          f"peak front {m['peak_front'] / mib:.0f} + the others {m['peak_kids'] / mib:.0f} MiB "
+          f"(anonymous {m['peak_anon'] / mib:.0f}, shared memory {m['peak_shmem'] / mib:.0f});"
+          f" the peak less the RSS before {(m['peak'] - m['before']) / m['payload']:.2f}x the "
+          f"payload; the front's own peak {m['max_front'] / mib:.0f} MiB, the others' "
+          f"{m['max_kids'] / mib:.0f}; /dev/shm segments at most "
+          f"{m['max_segments'] / mib:.0f} MiB (in RSS too while mapped); the processes' own "
+          f"peaks (VmHWM) summed {hwm}; request {m['ms']:.0f} ms, {m['samples']:.0f} "
+          f"samples, largest gap {m['max_gap_ms']:.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--cell-requests", type=int, default=200,
                         help="requests per measurement of the recurrent cell")
-    parser.add_argument("--parts", default="seed,tensor,cell",
-                        help="comma-separated: seed, tensor, cell")
+    parser.add_argument("--parts", default="seed,tensor,cell,wire",
+                        help="comma-separated: seed, tensor, cell, wire")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    unknown = parts - {"seed", "tensor", "cell", "wire"}
+    if unknown:
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
 
     floor_dir = Path(tempfile.mkdtemp(prefix="gradserve-floor-"))
     (floor_dir / "floor_app.py").write_text(FLOOR_APP)
@@ -323,19 +876,21 @@ def main() -> None:
     cell: dict[str, tuple[float, ...]] = {}
     # 16 slots: at concurrency 16 the default 8 would answer some requests 503 (by design).
     gs_env = {"GRADSERVE_MAX_CONCURRENCY": "16"}
-    with server(gs_argv, gs_port, gs_env) as base:
-        if "seed" in parts:
-            with server(floor_argv, floor_port):
-                for conc in (1, 16):
-                    rows.append((conc, *paired(args.rounds, floor_port, gs_port, args.requests,
-                                               conc)))
-        if "tensor" in parts:
-            tensor = big_tensor(base, args.rounds)
-        if "cell" in parts:
-            with server(torch_argv, torch_port) as torch_base:
-                warm, _, torch_body = cell_bodies()
-                check_cell(base, torch_base, warm, torch_body)
-                cell = cell_rounds(args.rounds, gs_port, torch_port, args.cell_requests)
+    if parts & {"seed", "tensor", "cell"}:
+        with server(gs_argv, gs_port, gs_env) as base:
+            if "seed" in parts:
+                with server(floor_argv, floor_port):
+                    for conc in (1, 16):
+                        rows.append((conc, *paired(args.rounds, floor_port, gs_port,
+                                                   args.requests, conc)))
+            if "tensor" in parts:
+                tensor = big_tensor(base, args.rounds)
+            if "cell" in parts:
+                with server(torch_argv, torch_port) as torch_base:
+                    warm, _, torch_body = cell_bodies()
+                    check_cell(base, torch_base, warm, torch_body)
+                    cell = cell_rounds(args.rounds, gs_port, torch_port, args.cell_requests)
+    wired = wire(args.rounds) if "wire" in parts else None
 
     if rows:
         print_seed(rows, args.rounds, args.requests)
@@ -347,6 +902,8 @@ def main() -> None:
               "slower)")
     if cell:
         print_cell(cell, args.rounds, args.cell_requests)
+    if wired:
+        print_wire(wired, args.rounds)
 
 
 def print_cell(cell: dict[str, tuple[float, ...]], rounds: int, requests: int) -> None:
