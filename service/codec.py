@@ -206,7 +206,10 @@ def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
         types = (types - {str}) | {float}
     if bool in types and types != {bool}:
         raise _error(loc, "data", "a JSON boolean is mixed with numbers")
-    kind = "b" if types == {bool} else "f" if float in types or not types else "i"
+    if not types:  # an empty tensor: of the kind its dtype says (float without one)
+        kind = "b" if dtype == "bool" else "i" if dtype in INT_DTYPES else "f"
+    else:
+        kind = "b" if types == {bool} else "f" if float in types else "i"
     try:
         flat = np.array(leaves, dtype=np.float64 if kind == "f" else None)
     except OverflowError:

@@ -69,7 +69,7 @@ class Reply:
 
     parts: list[bytes | memoryview]
     header_length: int | None = None
-    release: Callable[[], object] | None = None  # lets the parts' memory go, once sent
+    release: Callable[[], None] | None = None  # lets the parts' memory go, once sent
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +92,6 @@ class Prepared:
     key: Hashable = None
     program: Program | None = None
     stats: Stats = field(default_factory=Stats)
-    release: Callable[[], object] | None = None  # lets the body go once inputs are done
 
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
@@ -118,17 +117,13 @@ class Compute:
         return name
 
     def run(self, body: bytes | memoryview, model: Model, deadline: float, reserve: Reserve,
-            stats: Stats | None = None, header_length: int | None = None,
-            release: Callable[[], object] | None = None) -> Reply:
+            stats: Stats | None = None, header_length: int | None = None) -> Reply:
         """The whole computation; `stats` (if given) is filled in as it goes, also when it
-        ends in an error. `header_length`: the body is binary (its JSON header's length).
-        `release`: called once the inputs are no longer needed (before the answer is
-        encoded), to let the body's memory go."""
+        ends in an error. `header_length`: the body is binary (its JSON header's length)."""
         p = self.prepare(body, model, stats, header_length)
         del body
         if p.program is None:
             self.compile(p)
-        p.release = release
         return self.execute(p, deadline, reserve, None)
 
     def prepare(self, body: bytes | memoryview, model: Model, stats: Stats | None = None,
@@ -238,9 +233,7 @@ class Compute:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         p.stats.peak_bytes = result.peak_bytes
-        p.inputs, p.grad_outputs = {}, None  # (views on a binary body: let it go first)
-        if p.release is not None:
-            p.release()
+        p.inputs, p.grad_outputs = {}, None  # the inputs' memory goes before the answer's
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
                              encoding=p.req.encoding, graph_id=p.graph_id)
@@ -572,4 +565,6 @@ def encode_result(program: Program, result: RunResult, *, device: str, no_grad: 
     header = codec.dumps(content)
     if encoding != "binary":
         return Reply([header])
+    # Spaces after the JSON (which allows them) so that the tensors start 8-byte aligned.
+    header += b" " * (-len(header) % 8)
     return Reply([header, *tail], header_length=len(header))

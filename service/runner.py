@@ -61,6 +61,7 @@ PARSE_BYTES_PER_COMMA = 48
 PARSE_BYTES_PER_BRACKET = 64
 PARSE_BYTES_PER_OBJECT = 2048
 TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
+ANSWER_HEADER_ROOM = 64 << 10
 
 
 def parse_reservation(body: bytes, header_length: int | None = None) -> int:
@@ -159,7 +160,9 @@ class Runner:
                                  ) -> tuple[str, int] | None:
         """The body written into a new shared memory segment as it arrives (its
         `Content-Length` is `size`), or None, having read nothing, if /dev/shm has no room."""
-        shm = create_segment(name, size)
+        # (With room for an answer's JSON header, longer than the request's, so that the
+        # worker can write an answer of the body's size back into the same segment.)
+        shm = create_segment(name, size + ANSWER_HEADER_ROOM)
         if shm is None:
             return None
         buf = memoryview(shm.buf)  # type: ignore[arg-type]
@@ -241,7 +244,8 @@ class Runner:
 
         try:
             if p.program is None:
-                if p.graph is not None and len(p.graph.nodes) > INLINE_MAX_COMPILE_NODES:
+                # A graph sent by id that this process does not hold may be a worker's.
+                if p.graph is None or len(p.graph.nodes) > INLINE_MAX_COMPILE_NODES:
                     return None
                 self.compute.compile(p)
             if p.program is None or p.program.compute_cost > INLINE_MAX_COST:
@@ -256,8 +260,10 @@ class Runner:
                     deadline=deadline, out_name=name + "o", request_id=request_id,
                     header_length=header_length)
         del payload
+        done = False
         try:
             status, reply, stats = await _until_disconnect(self.pool.submit(task), receive)
+            done = True
         except GradserveTimeout:
             self.metrics.rejected["timeout"].inc()
             elapsed = self.settings.request_timeout_s - (deadline - time.monotonic())
@@ -268,7 +274,8 @@ class Runner:
             log.error("request %s: %s", request_id, exc)
             raise ProblemError("internal", f"{exc}; the request was not completed") from None
         finally:
-            unlink(name)  # (the worker removes it once read, unless it died first)
+            if not done:
+                unlink(name)  # (the front process owns every segment's end)
         try:
             self._count(stats)
             if status == "problem":
@@ -276,10 +283,12 @@ class Runner:
             content, binary_header = reply
             if isinstance(content, bytes):
                 return Reply([content], binary_header)
-            # Sent from the worker's segment as it lies; it goes when the reply is sent.
+            # Sent from the worker's segment (the body's own, or a new one) as it lies; it
+            # goes once the reply is sent.
             view, release = open_payload(content)
             return Reply([view], binary_header, release)
         finally:
+            unlink(name)
             unlink(name + "o")
 
     def _count(self, stats: Stats) -> None:

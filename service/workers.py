@@ -42,6 +42,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+import numpy as np
 from pebble import ProcessExpired, ProcessPool
 
 from engine.errors import GradserveError
@@ -53,6 +54,7 @@ from service.settings import Settings
 log = logging.getLogger("gradserve.workers")
 
 SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the pool's pipe
+SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
 TASKS_PER_WORKER = 200  # then the worker is replaced, with whatever its heap held
 IDLE_STOP_S = 10.0  # a pool with nothing to do for this long stops its workers
 TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
@@ -138,13 +140,18 @@ class Ledger:
 Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's name and size
 
 
-def pack(data: bytes | list[bytes | memoryview], name: str) -> Payload:
+def pack(data: bytes | list[bytes | memoryview], name: str,
+         into: SharedMemory | None = None) -> Payload:
     """`data` (bytes, or parts written one after another) for another process: in a
-    shared memory segment `name` when it is large (the receiver copies it out; whoever
-    made `name` is not who unlinks it: see `unlink`)."""
-    parts = [data] if isinstance(data, bytes) else data
+    shared memory segment `name` when it is large (whoever made `name` is not who unlinks
+    it: see `unlink`), or in segment `into` if it fits there and no part lies in it."""
+    parts: list[bytes | memoryview] = [data] if isinstance(data, bytes) else data
     size = sum(len(memoryview(p).cast("B")) for p in parts)
-    shm = create_segment(name, size) if size >= SHM_MIN_BYTES else None
+    shm: SharedMemory | None = None
+    if into is not None and size >= SHM_MIN_BYTES and _fits(parts, size, into):
+        shm, name = into, into.name
+    elif size >= SHM_MIN_BYTES:
+        shm = create_segment(name, size)
     if shm is None:  # the pipe still works
         return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
     try:
@@ -156,8 +163,27 @@ def pack(data: bytes | list[bytes | memoryview], name: str) -> Payload:
             at += len(raw)
         del buf, raw
     finally:
-        shm.close()
+        if shm is not into:
+            shm.close()
     return (name, size)
+
+
+def _fits(parts: list[bytes | memoryview], size: int, segment: SharedMemory) -> bool:
+    """Whether `size` bytes fit in `segment` and no part views it (an output that is an
+    input would be overwritten as it is copied)."""
+    if size > segment.size:
+        return False
+    base = np.frombuffer(segment.buf, dtype=np.uint8)  # type: ignore[arg-type]
+    try:
+        start = base.ctypes.data
+        end = start + base.nbytes
+        for part in parts:
+            at = np.frombuffer(part, dtype=np.uint8)
+            if start < at.ctypes.data + at.nbytes and at.ctypes.data < end:
+                return False
+        return True
+    finally:
+        del base
 
 
 def create_segment(name: str, size: int) -> SharedMemory | None:
@@ -190,7 +216,7 @@ def _shm_has_room(nbytes: int) -> bool:
     time): a segment is created sparse, and writing past the room there kills the
     process with SIGBUS (Docker gives 64 MiB by default: see --shm-size)."""
     try:
-        stat = os.statvfs("/dev/shm")
+        stat = os.statvfs(SHM_DIR)
     except OSError:
         return False
     return stat.f_bavail * stat.f_frsize >= 2 * nbytes
@@ -214,29 +240,28 @@ def unpack(payload: Payload, consume: bool = False) -> bytes:
             _untrack(shm)
 
 
-def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], bool]]:
-    """The bytes of a payload without copying them out of their segment: a view on it,
-    and a function that lets the segment go once no array views it any more (it returns
-    whether it could; the segment is already unlinked, so its memory goes back when the
-    last view does)."""
+def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], None]]:
+    """The bytes of a payload without copying them out of their segment: a read-only view
+    on it (the segment is unlinked at once; its memory goes back when the last view does,
+    which may be a server's write buffer), and a function that drops this process's own
+    hold on it."""
     if isinstance(payload, bytes):
-        return payload, lambda: True
+        return payload, lambda: None
     name, size = payload
-    shm = SharedMemory(name=name)
-    with contextlib.suppress(FileNotFoundError):
-        shm.unlink()  # (which also forgets it in the resource tracker)
-    view = memoryview(shm.buf)[:size]  # type: ignore[arg-type]
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    view = memoryview(mapping)
 
-    def close() -> bool:
-        nonlocal view
-        try:
+    def release() -> None:
+        with contextlib.suppress(BufferError):  # (a slice still being sent holds it)
             view.release()
-            shm.close()
-        except BufferError:  # an array still views it (an output that is an input)
-            return False
-        return True
 
-    return view, close
+    return view, release
 
 
 def unlink(name: str) -> None:
@@ -307,25 +332,32 @@ def run_task(task: Task) -> Reply:
             stats.rejected = "inflight_memory"
             raise overloaded(nbytes, ledger)
 
-    if task.header_length is None:  # JSON is parsed from bytes
+    segment = None
+    if task.header_length is None or isinstance(task.body, bytes):  # (parsed from bytes)
         body: bytes | memoryview = unpack(task.body, consume=True)
-        release: Callable[[], bool] = lambda: True
-    else:  # a binary body's tensors view it where it lies
-        body, release = open_payload(task.body)
+    else:  # a large binary body: its tensors view it where it lies
+        name, size = task.body
+        segment = SharedMemory(name=name)
+        _untrack(segment)
+        body = memoryview(segment.buf)[:size]  # type: ignore[arg-type]
     try:
         try:
             content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
-                                   task.header_length, release)
+                                   task.header_length)
         finally:
-            del body
-        reply = pack(content.parts, task.out_name), content.header_length
+            del body  # (the arrays viewing it went with the computation)
+        # The answer goes into the body's own segment when it fits there (its pages are
+        # already the process's: no second payload of memory, no fresh pages to fault in).
+        reply = pack(content.parts, task.out_name, into=segment), content.header_length
         del content
     except ProblemError as err:
         return "problem", err.to_wire(), stats
     except GradserveError as err:
         return "problem", as_problem(err).to_wire(), stats
     finally:
-        release()
+        if segment is not None:
+            with contextlib.suppress(BufferError):  # (else it goes with the last view)
+                segment.close()
         if (stats.planned_peak_bytes or 0) >= TRIM_AFTER_BYTES:
             trim_memory()
     stats.pid = os.getpid()
@@ -462,4 +494,4 @@ class WorkerDied(Exception):
 def _shm_dir() -> str | None:
     """Shared memory for the ledger's file when the host has it (it is RAM, and writable
     in containers whose root is read-only); else the temporary directory."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return SHM_DIR if os.access(SHM_DIR, os.W_OK) else None

@@ -273,3 +273,28 @@ async def test_a_large_binary_body_through_a_worker_process(client: httpx.AsyncC
     np.testing.assert_array_equal(arrays["outputs.y"], x * 2 + 1)
     assert_problem(await client.post("/forward", content=body[:-8], headers=headers), 400,
                    "malformed-body", "bytes left")
+
+
+async def test_a_small_request_by_id_finds_a_graph_that_a_worker_holds() -> None:
+    """A large first request registers its graph in a worker; a small request by id (which
+    would compute in the front process) goes to the worker rather than answering 409."""
+    x = RNG.standard_normal(300_000)
+    spec, raw = binary(x)
+    graph = {"nodes": [{"id": "y", "expr": "x * 3 - 1"}], "outputs": ["y"]}
+    body, headers = framed({"graph": graph, "inputs": {"x": spec}, "encoding": "binary"}, raw)
+    async with serving(compute_workers=1) as client:  # (one worker: the one that holds it)
+        header, _ = unframe(await client.post("/forward", content=body, headers=headers))
+        r = await client.post("/forward", json={"graph_id": header["meta"]["graph_id"],
+                                                "inputs": {"x": [1.0, 2.0]}})
+    assert r.status_code == 200 and strict_json(r)["outputs"]["y"]["data"] == [2.0, 5.0]
+
+
+async def test_empty_json_data_takes_its_dtype_and_binary_answers_are_aligned(
+        client: httpx.AsyncClient) -> None:
+    for dtype in ("bool", "int32", "int64", "float16", "float64"):
+        r = await client.post("/forward", json={
+            "graph": IDENTITY, "inputs": {"x": {"data": [], "dtype": dtype}},
+            "encoding": "binary"})
+        _, arrays = unframe(r)
+        assert arrays["outputs.x"].dtype == np.dtype(dtype) and arrays["outputs.x"].size == 0
+        assert int(r.headers[HEADER]) % 8 == 0  # the tensors start 8-byte aligned
