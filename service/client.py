@@ -14,9 +14,8 @@ the bytes of each tensor that gives `binary_data_size`, in the order the header 
 them). They are read from the array's own buffer: a C-contiguous little-endian array is
 copied once, as it is sent (joined into a body under 64 KiB, else by the socket write);
 any other is first made so (one more copy). Smaller tensors go in the same header, as
-base64 from `base64_threshold` elements, else as JSON `data` (an empty one as base64 of
-no bytes: the server reads `[]` as float data, which dtype bool refuses); a request with
-no binary tensor is plain JSON. `binary_threshold=None` turns binary bodies off, and so
+base64 from `base64_threshold` elements, else as JSON `data`; a request with no binary
+tensor is plain JSON. `binary_threshold=None` turns binary bodies off, and so
 does giving `base64_threshold` without `binary_threshold`: code written for the earlier
 client sends what it sent (base64 from that threshold, JSON below it).
 
@@ -30,8 +29,9 @@ graph whose id misses three times in a row is sent in full from then on.
 Responses, by `encoding`:
 - "binary" (default): every output and gradient is a read-only view (`np.frombuffer`) on
   the response body, no copy: `arr.flags.writeable` is False, `arr.base` holds the whole
-  body alive while any of its arrays lives, and `arr.flags.aligned` may be False (the
-  header's length sets the offsets; NumPy computes on such arrays as on any other).
+  body alive while any of its arrays lives. The server pads the JSON header to 8 bytes,
+  so a tensor is aligned when the ones before it are a multiple of 8 bytes long (else
+  `arr.flags.aligned` is False; NumPy computes on such arrays as on any other).
   `arr.copy()` gives a writable, aligned one. On a big-endian host each array is instead
   a byte-swapped, writable copy.
 - "base64": each array is writable, a view on its own decoded buffer (one copy: the
@@ -228,10 +228,7 @@ class _Base:
             if raw.nbytes:
                 tail.append(raw)
             out["binary_data_size"] = raw.nbytes
-        elif array.size == 0 or (self.base64_threshold is not None
-                                 and array.size >= self.base64_threshold):
-            # (An empty tensor too: the server reads an empty JSON list as float data,
-            # which dtype bool refuses; base64 of no bytes is any dtype's.)
+        elif self.base64_threshold is not None and array.size >= self.base64_threshold:
             # From the array's buffer into the body, as the server writes its responses:
             # no bytes copy of the array, no str of the base64.
             out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(_raw(array)))
