@@ -24,7 +24,7 @@ from service.middleware import Gateway
 from service.protocol import POLICY_STATE, ConnectionPolicy
 from service.routes import catalog, compute, health, operation_id
 from service.runner import Runner
-from service.schemas import BackwardRequest, ForwardRequest, Problem
+from service.schemas import BackwardRequest, ForwardRequest, PlanRequest, Problem
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("gradserve")
@@ -63,6 +63,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         settings, count=lambda reason: metrics.rejected[reason].inc(), drain=drain
     )
     housekeeping = asyncio.create_task(runner.housekeeping())
+    # Several front processes (`--workers N`): this one's gauges, published for any
+    # process's scrape, and the gauges of any that died before it (a replaced worker's).
+    metrics.sweep()
+    publisher = asyncio.create_task(metrics.publish_forever())
     # What exists now (the app, its routes, the imported modules) lives as long as the
     # process: out of the cycle collector's sight, which then scans only what requests make.
     gc.freeze()
@@ -73,7 +77,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     finally:
         app.state.ready = False
         housekeeping.cancel()
+        publisher.cancel()
         await anyio.to_thread.run_sync(runner.close)
+        metrics.retire()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -126,7 +132,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         )
         _, defs = models_json_schema(
             [(ForwardRequest, "validation"), (BackwardRequest, "validation"),
-             (Problem, "serialization")],
+             (PlanRequest, "validation"), (Problem, "serialization")],
             ref_template="#/components/schemas/{model}",
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])

@@ -88,7 +88,7 @@ def decode_tensor(
     """A host array from one wire tensor; `loc` is e.g. ("inputs", "x"). `binary`: its
     bytes from a binary body's tail (the array is a read-only view on them)."""
     if shape is not None:
-        _check_shape(loc, shape, _LE[dtype].itemsize if dtype is not None else 8)
+        check_shape(loc, shape, _LE[dtype].itemsize if dtype is not None else 8)
     if binary is not None:
         return _from_raw(loc, binary, dtype, shape, "binary_data_size")
     if b64 is not None:
@@ -117,7 +117,7 @@ def decode_tensor(
 MAX_DIMS = 64  # NumPy's limit (NPY_MAXDIMS), and PyTorch's
 
 
-def _check_shape(loc: Loc, shape: Sequence[int], itemsize: int) -> None:
+def check_shape(loc: Loc, shape: Sequence[int], itemsize: int) -> None:
     """A declared shape that no array can have is refused before NumPy sees it: more
     than 64 dims, or (even with a 0 among them) dims whose product overflows the bytes
     an array can address. NumPy raises ValueError for both."""

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -40,12 +40,23 @@ from engine.graph import (
 )
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
-from service.schemas import BackwardRequest, ForwardRequest, Graph, Node, TensorIn
+from service.schemas import (
+    BackwardRequest,
+    ForwardRequest,
+    Graph,
+    Node,
+    PlanRequest,
+    TensorIn,
+    TensorSpecIn,
+    Wire,
+)
 from service.settings import Settings
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 Model = type[ForwardRequest | BackwardRequest]
+W = TypeVar("W", bound=Wire)
 MODELS: dict[str, Model] = {"forward": ForwardRequest, "backward": BackwardRequest}
+PLANS = frozenset({"plan", "plan-dot"})  # POST /plan, answered as JSON or as DOT
 
 
 @dataclass
@@ -69,6 +80,7 @@ class Reply:
 
     parts: list[bytes | memoryview]
     header_length: int | None = None
+    media_type: str = "application/json"  # of a body that is not binary
     release: Callable[[], None] | None = None  # lets the parts' memory go, once sent
 
     @property
@@ -168,7 +180,63 @@ class Compute:
             p.stats.graph_evictions = self.graphs.put(graph_id, graph)
         return p
 
-    def _graph(self, data: Any, req: ForwardRequest | BackwardRequest
+    def plan(self, body: bytes, dot: bool = False, max_nodes: int | None = None
+             ) -> Reply | None:
+        """POST /plan: the request's program compiled for its path without data (inputs
+        may be specs), and what it would hold and cost against the budgets; as JSON, or
+        as Graphviz DOT. The errors are those /forward or /backward would give. None
+        when the graph has more than `max_nodes` nodes (the caller compiles it elsewhere)."""
+        data = parse_json(body)
+        check_sizes(data, self.settings)
+        req = validate(data, PlanRequest)
+        graph_id, graph = self._graph(data, req)
+        if max_nodes is not None and (graph is None or len(graph.nodes) > max_nodes):
+            return None
+        errors: list[GradserveError] = []
+        inputs = _specs_of("inputs", req.inputs, errors)
+        grad_outputs = (None if req.grad_outputs is None
+                        else _specs_of("grad_outputs", req.grad_outputs, errors))
+        if errors:
+            raise ValidationErrors(errors)
+        no_grad, backward = req.path == "no_grad", req.path == "backward"
+        device = self.device(req.device)
+        key = (graph_id, _spec_tuple(inputs), _spec_tuple(grad_outputs), no_grad, backward,
+               device)
+        program = self.programs.get(key)  # (cached programs were compiled within budget)
+        if program is None:
+            if graph is None:
+                raise _graph_unknown(graph_id)
+            # Compiled without the budgets, which are compared below: the plan answers
+            # with the numbers, where /forward would refuse. Not cached, for that reason.
+            program = compile_graph(graph_spec(graph), inputs,
+                                    limits=self._limits(None, None), no_grad=no_grad,
+                                    backward=backward, grad_outputs=grad_outputs,
+                                    device=device)
+        s = self.settings
+        budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
+        if dot:
+            return Reply([program_dot(program, budget).encode()],
+                         media_type="text/vnd.graphviz; charset=utf-8")
+        return Reply([codec.dumps({
+            "planned_peak_bytes": program.planned_peak_bytes,
+            "memory_budget_bytes": budget,
+            "compute_cost": program.compute_cost,
+            "compute_budget": s.compute_budget,
+            "admitted": (program.planned_peak_bytes <= budget
+                         and program.compute_cost <= s.compute_budget),
+            "path": req.path,
+            "graph_id": graph_id,
+            "nodes": planned_steps(program),
+        })])
+
+    def _limits(self, memory_budget: int | None, compute_budget: float | None) -> Limits:
+        s = self.settings
+        return Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
+                      expr_max_depth=s.expr_max_depth, memory_budget_bytes=memory_budget,
+                      compute_budget=compute_budget, max_inputs=s.max_inputs,
+                      max_id_chars=s.max_id_chars)
+
+    def _graph(self, data: Any, req: ForwardRequest | BackwardRequest | PlanRequest
                ) -> tuple[str, Graph | None]:
         """The request's graph id, and its graph: sent (it must be the id's, if an id is
         sent with it), or held by id (None if this process does not hold it: only a
@@ -188,19 +256,12 @@ class Compute:
         s = self.settings
         budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
         if p.graph is None:
-            raise ProblemError(
-                "graph-unknown", f"this server does not hold graph {quoted(p.graph_id)} (a "
-                "server holds the graphs it was sent recently, per process, and forgets them "
-                "on restart): send the graph itself, which it then holds under that id",
-                errors=[{"loc": ["graph_id"], "msg": "unknown here"}])
+            raise _graph_unknown(p.graph_id)
         try:
             p.program = compile_graph(
                 graph_spec(p.graph),
                 _specs(p.inputs),
-                limits=Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
-                              expr_max_depth=s.expr_max_depth, memory_budget_bytes=budget,
-                              compute_budget=s.compute_budget, max_inputs=s.max_inputs,
-                              max_id_chars=s.max_id_chars),
+                limits=self._limits(budget, s.compute_budget),
                 no_grad=p.no_grad,
                 backward=p.backward,
                 grad_outputs=None if p.grad_outputs is None else _specs(p.grad_outputs),
@@ -472,7 +533,7 @@ def check_sizes(data: Any, settings: Settings) -> None:
                          loc=("graph", "nodes"))
 
 
-def validate(data: Any, model: Model) -> ForwardRequest | BackwardRequest:
+def validate(data: Any, model: type[W]) -> W:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -490,6 +551,103 @@ def _node_specs(nodes: list[Node]) -> list[NodeSpec]:
                          next=n.body.next),
                      results=n.results)
             for n in nodes]
+
+
+def _graph_unknown(graph_id: str) -> ProblemError:
+    return ProblemError(
+        "graph-unknown", f"this server does not hold graph {quoted(graph_id)} (a server holds "
+        "the graphs it was sent recently, per process, and forgets them on restart): send "
+        "the graph itself, which it then holds under that id",
+        errors=[{"loc": ["graph_id"], "msg": "unknown here"}])
+
+
+def _specs_of(where: str, tensors: Mapping[str, Any], errors: list[GradserveError]
+              ) -> dict[str, TensorSpec]:
+    """A /plan request's tensors as specs: given as specs, or decoded from their data."""
+    specs = {}
+    for name, value in tensors.items():
+        if isinstance(value, TensorSpecIn):
+            loc = (where, name, "shape")
+            try:
+                codec.check_shape(loc, value.shape, np.dtype(value.dtype).itemsize)
+            except TensorDataError as err:
+                errors.append(err)
+                continue
+            specs[name] = TensorSpec(tuple(value.shape), value.dtype, value.requires_grad)
+        else:
+            decoded = _decode_all(where, {name: value}, errors, {})
+            specs.update(_specs(decoded))
+    return specs
+
+
+def _spec_tuple(specs: Mapping[str, TensorSpec] | None) -> Hashable:
+    """Specs as `_spec_key` keys decoded arrays (so that /plan finds their programs)."""
+    if specs is None:
+        return None
+    return tuple([(name, t.shape, np.dtype(t.dtype), t.requires_grad)
+                  for name, t in specs.items()])
+
+
+def planned_steps(program: Program) -> list[dict[str, Any]]:
+    """Each step of a program, forward then backward: what it makes, its bytes and cost,
+    and the step after which its value is freed (None: held to the end)."""
+    freed: dict[int, int] = {}
+    for i, slots in enumerate(program.frees):
+        for slot in slots:
+            freed[slot] = i
+    metas = program.metas
+    out = []
+    for i, (step, cost) in enumerate(zip(program.steps, program.step_costs, strict=True)):
+        meta = metas[step.out]
+        out.append({
+            "step": i, "id": step.origin, "op": step.op.name, "kind": step.kind,
+            "shape": list(meta.shape), "dtype": meta.dtype,
+            "bytes": sum(program_bytes(metas[o]) for o in step.outs), "cost": cost,
+            "freed_after": freed.get(step.out),
+        })
+    return out
+
+
+def program_dot(program: Program, budget: int) -> str:
+    """Graphviz DOT of a program: its steps (forward and backward in two clusters, the
+    step's op, shape and bytes, coloured by bytes) and edges from the values they read."""
+    metas = program.metas
+    maker = {o: i for i, step in enumerate(program.steps) for o in step.outs}
+    sizes = [sum(program_bytes(metas[o]) for o in step.outs) for step in program.steps]
+    biggest = max(sizes, default=0) or 1
+    lines = ["digraph program {", '  rankdir=TB; node [shape=box, style="rounded,filled", '
+             'fontname="Helvetica", fontsize=10];',
+             f'  label="planned peak {program.planned_peak_bytes} bytes (budget {budget}), '
+             f'cost {program.compute_cost}"; labelloc=t;']
+    inputs = {slot: name for name, slot in program.inputs.items()}
+    for slot, name in inputs.items():
+        meta = metas[slot]
+        lines.append(f'  in{slot} [label="{_dot(name)}\\n{list(meta.shape)} {meta.dtype}", '
+                     'shape=ellipse, fillcolor="#e8f0fe"];')
+    for phase, kinds in (("forward", None), ("backward", {"backward"})):
+        lines.append(f'  subgraph cluster_{phase} {{ label="{phase}"; color="#bbbbbb";')
+        for i, step in enumerate(program.steps):
+            if (step.kind == "backward") != (kinds is not None):
+                continue
+            meta = metas[step.out]
+            shade = int(255 - 155 * sizes[i] / biggest)  # more bytes, more red
+            lines.append(
+                f'    s{i} [label="{_dot(step.origin or "")} {step.op.name}\\n'
+                f'{list(meta.shape)} {meta.dtype}\\n{sizes[i]} B", '
+                f'fillcolor="#ff{shade:02x}{shade:02x}"];')
+        lines.append("  }")
+    for i, step in enumerate(program.steps):
+        for a in dict.fromkeys(step.slots):
+            source = f"s{maker[a]}" if a in maker else f"in{a}" if a in inputs else None
+            if source is not None:
+                meta = metas[a]
+                lines.append(f'  {source} -> s{i} [label="{list(meta.shape)}", fontsize=8];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _dot(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError],

@@ -26,7 +26,7 @@ from starlette.types import Message, Receive
 
 from engine.errors import DeadlineExceeded, GradserveError
 from service.admission import Admission
-from service.compute import MODELS, WARM_UP, Compute, Reply, Stats, warm_up
+from service.compute import MODELS, PLANS, WARM_UP, Compute, Reply, Stats, warm_up
 from service.errors import ProblemError
 from service.metrics import Metrics
 from service.settings import Settings
@@ -83,8 +83,9 @@ class Runner:
         self.pool = Pool(settings, settings.max_concurrency)
         self.ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
-        metrics.reserved_bytes.set_function(self.ledger.total)
-        metrics.cache_bytes.set_function(
+        metrics.track(metrics.reserved_bytes, self.ledger.total)
+        metrics.track(
+            metrics.cache_bytes,
             lambda: self.compute.programs.bytes + sum(self._worker_cache_bytes.values()))
 
     def warm_up(self, body: bytes = WARM_UP) -> None:
@@ -236,6 +237,9 @@ class Runner:
     def _inline(self, kind: str, body: bytes, slot: int, deadline: float,
                 header_length: int | None) -> Reply | None:
         """Compute a tiny request here; None when it is not tiny after all."""
+        if kind in PLANS:
+            return self.compute.plan(body, dot=kind == "plan-dot",
+                                     max_nodes=INLINE_MAX_COMPILE_NODES)
         p = self.compute.prepare(body, MODELS[kind], None, header_length)
         held = self.ledger.held(slot)
 
@@ -280,13 +284,13 @@ class Runner:
             self._count(stats)
             if status == "problem":
                 raise ProblemError.from_wire(reply)
-            content, binary_header = reply
+            content, binary_header, media_type = reply
             if isinstance(content, bytes):
-                return Reply([content], binary_header)
+                return Reply([content], binary_header, media_type=media_type)
             # Sent from the worker's segment (the body's own, or a new one) as it lies; it
             # goes once the reply is sent.
             view, release = open_payload(content)
-            return Reply([view], binary_header, release)
+            return Reply([view], binary_header, media_type=media_type, release=release)
         finally:
             unlink(name)
             unlink(name + "o")

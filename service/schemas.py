@@ -142,6 +142,54 @@ class BackwardRequest(_ComputeRequest):
     grad_outputs: dict[str, Tensor] | None = None
 
 
+class TensorSpecIn(Wire):
+    """A tensor described without its data (POST /plan)."""
+
+    shape: list[Annotated[int, Field(ge=0)]]
+    dtype: DType
+    requires_grad: bool = False
+
+
+_SOURCES = frozenset({"data", "b64", "binary_data_size"})
+
+
+def _plan_tensor_form(value: Any) -> str:
+    if isinstance(value, TensorSpecIn) or (isinstance(value, dict) and not _SOURCES & value.keys()):
+        return "spec"
+    return _tensor_form(value)
+
+
+# A tensor for /plan: a spec (shape and dtype, no data), or any tensor /forward takes.
+PlanTensor = Annotated[
+    Annotated[TensorSpecIn, Tag("spec")] | Annotated[TensorIn, Tag("tensor")]
+    | Annotated[TensorData, Tag("value")],
+    Discriminator(_plan_tensor_form),
+]
+
+
+class PlanRequest(Wire):
+    """What /forward or /backward would take, with tensors as specs or data, and the path
+    to plan."""
+
+    graph: Graph | None = None
+    graph_id: str | None = None
+    inputs: dict[str, PlanTensor] = {}
+    grad_outputs: dict[str, PlanTensor] | None = Field(
+        None, description="path backward: the upstream gradients, as specs or data")
+    device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
+    path: Literal["no_grad", "forward", "backward"] = Field(
+        "backward", description="no_grad: /forward with no_grad; forward: /forward with "
+                                "grad recording; backward: /backward")
+
+    @model_validator(mode="after")
+    def _a_graph(self) -> PlanRequest:
+        if self.graph is None and self.graph_id is None:
+            raise ValueError("a request needs 'graph' or 'graph_id'")
+        if self.grad_outputs is not None and self.path != "backward":
+            raise ValueError("grad_outputs belongs to path 'backward'")
+        return self
+
+
 # ------------------------------------------------------------------ responses (OpenAPI)
 class TensorOut(BaseModel):
     dtype: DType
@@ -174,6 +222,32 @@ class ForwardResponse(BaseModel):
 
 class BackwardResponse(ForwardResponse):
     gradients: dict[str, TensorOut]
+
+
+class PlannedStep(BaseModel):
+    step: int = Field(description="its place in the run, forward then backward")
+    id: str | None = Field(description="the client's node it serves (a derived step's, "
+                                       "the node it differentiates)")
+    op: str
+    kind: str = Field(description="node, cast, constant, derived (grad/jvp) or backward")
+    shape: list[int]
+    dtype: str
+    bytes: int
+    cost: int = Field(description="cost units: flops plus 8 per byte moved")
+    freed_after: int | None = Field(description="the step after which its value is freed; "
+                                                "null: held to the end")
+
+
+class PlanResponse(BaseModel):
+    planned_peak_bytes: int
+    memory_budget_bytes: int
+    compute_cost: int
+    compute_budget: float
+    admitted: bool = Field(description="within both budgets: /forward or /backward would "
+                                       "run it (the in-flight memory allowing)")
+    path: str
+    graph_id: str
+    nodes: list[PlannedStep]
 
 
 class Problem(BaseModel):

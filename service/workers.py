@@ -47,7 +47,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from engine.errors import GradserveError
 from service.admission import RETRY_AFTER_S
-from service.compute import MODELS, Compute, Stats, warm_up
+from service.compute import MODELS, PLANS, Compute, Stats, warm_up
 from service.errors import ProblemError, as_problem
 from service.settings import Settings
 
@@ -298,7 +298,7 @@ class Task:
     header_length: int | None = None  # a binary body's JSON header's length
 
 
-# (status "ok", (response payload, its binary header's length), stats), or
+# (status "ok", (response payload, its binary header's length, media type), stats), or
 # ("problem", ProblemError.to_wire(), stats)
 Reply = tuple[str, Any, Stats]
 
@@ -342,13 +342,19 @@ def run_task(task: Task) -> Reply:
         body = memoryview(segment.buf)[:size]  # type: ignore[arg-type]
     try:
         try:
-            content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
-                                   task.header_length)
+            if task.kind in PLANS:
+                planned = _compute.plan(bytes(body), dot=task.kind == "plan-dot")
+                assert planned is not None  # (without a node limit it always answers)
+                content = planned
+            else:
+                content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
+                                       task.header_length)
         finally:
             del body  # (the arrays viewing it went with the computation)
         # The answer goes into the body's own segment when it fits there (its pages are
         # already the process's: no second payload of memory, no fresh pages to fault in).
-        reply = pack(content.parts, task.out_name, into=segment), content.header_length
+        reply = (pack(content.parts, task.out_name, into=segment), content.header_length,
+                 content.media_type)
         del content
     except ProblemError as err:
         return "problem", err.to_wire(), stats

@@ -85,6 +85,7 @@ class Program:
     flops: int = 0
     bytes_moved: int = 0
     cost_by_node: dict[str, int] = field(default_factory=dict)
+    step_costs: list[int] = field(default_factory=list)  # per step, in cost units
     plan_ms: float = 0.0
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 

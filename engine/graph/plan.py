@@ -227,6 +227,7 @@ def _price(program: Program, numels: list[int], sizes: list[int]) -> None:
     metas = program.metas
     flops = moved = 0
     by_node: dict[str, int] = {}
+    per_step = []
     for step in program.steps:
         op = step.op
         if op.cost is None:  # the default rule, from the sizes already known
@@ -242,6 +243,8 @@ def _price(program: Program, numels: list[int], sizes: list[int]) -> None:
             f, b = op.cost(args, metas[step.out], **step.attrs)
         flops += f
         moved += b
+        per_step.append(f + BYTE_COST * b)
         key = step.origin or "<graph>"
         by_node[key] = by_node.get(key, 0) + f + BYTE_COST * b
     program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node
+    program.step_costs = per_step

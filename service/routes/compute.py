@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
+from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.routing import APIRoute
@@ -25,9 +26,14 @@ from service.deps import runner_of
 from service.errors import ProblemError
 from service.routes import operation_id
 from service.runner import Runner
-from service.schemas import BackwardRequest, BackwardResponse, ForwardRequest, ForwardResponse
+from service.schemas import (
+    BackwardRequest,
+    BackwardResponse,
+    ForwardRequest,
+    ForwardResponse,
+    PlanResponse,
+)
 
-_JSON_HEADER = (b"content-type", b"application/json")
 _BINARY_HEADER = (b"content-type", b"application/octet-stream")
 SEND_BYTES = 1 << 20  # a response's large parts go out in slices of this size
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,10 +55,12 @@ class ComputeRoute(APIRoute):
         header_length = _binary_header_length(headers)
         _check_content_type(_header(headers, b"content-type"), binary=header_length is not None)
         runner: Runner = scope["app"].state.runner
-        reply = await runner.serve(self.kind, receive, _content_length(headers),
+        kind = _kind(self.kind, scope.get("query_string", b""))
+        reply = await runner.serve(kind, receive, _content_length(headers),
                                    scope.get("state", {}).get("request_id", "-"), header_length)
-        start = [_JSON_HEADER] if reply.header_length is None else [
-            _BINARY_HEADER, (BINARY_HEADER.encode(), b"%d" % reply.header_length)]
+        start = [(b"content-type", reply.media_type.encode())] \
+            if reply.header_length is None else [
+                _BINARY_HEADER, (BINARY_HEADER.encode(), b"%d" % reply.header_length)]
         await send({
             "type": "http.response.start",
             "status": 200,
@@ -72,6 +80,17 @@ class ComputeRoute(APIRoute):
         finally:
             if reply.release is not None:
                 reply.release()
+
+
+def _kind(kind: str, query: bytes) -> str:
+    """The request's kind: /plan's `?format=dot` asks for Graphviz DOT."""
+    if kind != "plan" or not query:
+        return kind
+    formats = parse_qs(query.decode("latin-1")).get("format", ["json"])
+    if formats[-1] not in ("json", "dot"):
+        raise ProblemError("bad-request", f"format must be json or dot, not {formats[-1][:32]!r}",
+                           errors=[{"loc": ["query", "format"], "msg": "json or dot"}])
+    return "plan-dot" if formats[-1] == "dot" else kind
 
 
 def parses(kind: str) -> Callable[[F], F]:
@@ -211,9 +230,30 @@ async def backward(request: Request) -> Response:
     return await _serve(request, "backward")
 
 
+@router.post(
+    "/plan",
+    summary="Plan a request without its data: memory, cost and admission, step by step",
+    response_model=PlanResponse,
+    responses={200: {"description": "The plan; with ?format=dot, Graphviz DOT of the "
+                                    "program", "content": {"text/vnd.graphviz": {
+                                        "schema": {"type": "string"}}}},
+               **PROBLEM_RESPONSES},
+    openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": "#/components/schemas/PlanRequest"}}}},
+        "parameters": [{"name": "format", "in": "query", "required": False,
+                        "schema": {"type": "string", "enum": ["json", "dot"]}}],
+    },
+)
+@parses("plan")
+async def plan(request: Request) -> Response:
+    return await _serve(request, "plan")
+
+
 async def _serve(request: Request, kind: str) -> Response:
     header_length = _binary_header_length(request.scope["headers"])
     _check_content_type(request.headers.get("content-type"), binary=header_length is not None)
+    kind = _kind(kind, request.scope.get("query_string", b""))
     reply = await runner_of(request).serve(
         kind, request.receive, _content_length(request.scope["headers"]),
         request.scope.get("state", {}).get("request_id", "-"), header_length)
@@ -223,6 +263,6 @@ async def _serve(request: Request, kind: str) -> Response:
         if reply.release is not None:
             reply.release()
     if reply.header_length is None:
-        return Response(content, media_type="application/json")
+        return Response(content, media_type=reply.media_type)
     return Response(content, media_type="application/octet-stream",
                     headers={BINARY_HEADER: str(reply.header_length)})

@@ -1,0 +1,167 @@
+"""POST /plan: a request planned without its data. Its numbers are those /forward and
+/backward then report for the same graph and shapes, on every path; its errors are theirs;
+a specs-only body allocates none of its tensors; `?format=dot` draws the program."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from asgi_lifespan import LifespanManager
+
+from bench.bench_compiled import OBJECTIVES, objectives_data
+from service.app import create_app
+from service.settings import Settings
+from tests.seeds import SEED_EXPR, SEED_OP
+from tests.test_service_api import assert_problem, strict_json
+
+pytestmark = pytest.mark.anyio
+
+RNN = {"nodes": [
+    {"id": "rnn", "op": "scan", "args": ["h0", "xs"],
+     "body": {"carry": ["h"], "xs": ["x"],
+              "nodes": [{"id": "h2", "expr": "tanh(x @ w + h @ u)"}], "next": {"h": "h2"}},
+     "results": {"h_last": "h"}},
+    {"id": "loss", "expr": "sum(h_last * h_last)"},
+    {"id": "g", "expr": "grad(loss, u)"},
+    {"id": "total", "expr": "loss + sum(g * g)"}], "outputs": ["total"]}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(Settings())
+    async with LifespanManager(app) as manager, httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test") as c:
+        yield c
+
+
+def _tensor(a: np.ndarray, requires_grad: bool) -> dict[str, Any]:
+    return {"data": a.tolist(), "dtype": str(a.dtype), "requires_grad": requires_grad}
+
+
+def _spec(a: np.ndarray, requires_grad: bool) -> dict[str, Any]:
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "requires_grad": requires_grad}
+
+
+def _requests() -> dict[str, tuple[dict[str, Any], dict[str, np.ndarray], list[str]]]:
+    """name -> (graph, inputs, inputs that require grad): the seed examples, the 10
+    objectives, and a differentiated loop with a grad node."""
+    rng = np.random.default_rng(2)
+    out: dict[str, tuple[dict[str, Any], dict[str, np.ndarray], list[str]]] = {}
+    for name, seed in (("seed-op", SEED_OP), ("seed-expr", SEED_EXPR)):
+        arrays = {k: np.array(v["data"], dtype=np.float32) for k, v in seed["inputs"].items()}
+        out[name] = (seed["graph"], arrays, list(arrays))
+    data = objectives_data()
+    for name, (nodes, output, wrt) in OBJECTIVES.items():
+        out[name] = ({"nodes": nodes, "outputs": [output]}, data, wrt)
+    out["rnn"] = (RNN, {"xs": rng.standard_normal((6, 2, 3)), "w": rng.standard_normal((3, 4)),
+                        "u": rng.standard_normal((4, 4)) * 0.5,
+                        "h0": rng.standard_normal((2, 4))}, ["w"])
+    return out
+
+
+REQUESTS = _requests()
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+async def test_planned_numbers_are_what_the_run_reports(client: httpx.AsyncClient,
+                                                        name: str) -> None:
+    graph, arrays, wrt = REQUESTS[name]
+    for path, route, extra in (("no_grad", "/forward", {"no_grad": True}),
+                               ("forward", "/forward", {}), ("backward", "/backward", {})):
+        specs = {k: _spec(a, k in wrt) for k, a in arrays.items()}
+        planned = strict_json(await client.post("/plan", json={
+            "graph": graph, "inputs": specs, "path": path}))
+        ran = await client.post(route, json={
+            "graph": graph, "inputs": {k: _tensor(a, k in wrt) for k, a in arrays.items()},
+            **extra})
+        meta = strict_json(ran)["meta"]
+        assert planned["planned_peak_bytes"] == meta["planned_peak_bytes"], (name, path)
+        assert planned["compute_cost"] == meta["compute_cost"], (name, path)
+        assert planned["graph_id"] == meta["graph_id"] and planned["admitted"]
+        assert planned["path"] == path
+        steps = planned["nodes"]
+        assert [s["step"] for s in steps] == list(range(len(steps)))
+        assert sum(s["cost"] for s in steps) == planned["compute_cost"]
+        assert all(s["freed_after"] is None or s["freed_after"] >= s["step"] for s in steps)
+        kinds = {s["kind"] for s in steps}
+        assert ("backward" in kinds) == (path == "backward"), (name, path, kinds)
+
+
+async def test_specs_only_bodies_allocate_none_of_their_tensors(
+        client: httpx.AsyncClient) -> None:
+    """Four inputs of 10^6 float32 each (16 MB): the plan holds a few kilobytes."""
+    names = ["a", "b", "c", "d"]
+    body = {"graph": {"nodes": [{"id": "y", "expr": "sum(a * b + c * d)"}], "outputs": ["y"]},
+            "inputs": {n: {"shape": [1000, 1000], "dtype": "float32", "requires_grad": True}
+                       for n in names}, "path": "backward"}
+    await client.post("/plan", json=body)  # (warm: imports, memos)
+    tracemalloc.start()
+    try:
+        r = await client.post("/plan", json=body)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    planned = strict_json(r)
+    assert planned["planned_peak_bytes"] >= 4 * 4_000_000  # the inputs are planned
+    assert peak < 2_000_000, peak
+
+
+async def test_errors_are_the_ones_forward_and_backward_give(client: httpx.AsyncClient) -> None:
+    bad = {"graph": {"nodes": [{"id": "y", "expr": "x @ w"}], "outputs": ["y"]}}
+    x, w = np.ones((3, 4), np.float32), np.ones((5, 2), np.float32)
+    planned = await client.post("/plan", json={
+        **bad, "inputs": {"x": _spec(x, False), "w": _spec(w, False)}, "path": "no_grad"})
+    ran = await client.post("/forward", json={
+        **bad, "inputs": {"x": _tensor(x, False), "w": _tensor(w, False)}, "no_grad": True})
+    a, b = strict_json(planned), strict_json(ran)
+    assert planned.status_code == ran.status_code == 422
+    a.pop("request_id"), b.pop("request_id")
+    assert a == b
+    for body in ({"graph": {"nodes": [], "outputs": ["x"]},
+                  "inputs": {"x": {"shape": [2], "dtype": "float32"}},
+                  "path": "forward", "grad_outputs": {}},
+                 {"graph": {"nodes": [], "outputs": ["x"]},
+                  "inputs": {"x": {"shape": [2], "dtype": "complex64"}}}):
+        assert_problem(await client.post("/plan", json=body), 422, "invalid-request")
+    assert_problem(await client.post("/plan?format=svg", json={}), 400, "bad-request",
+                   "json or dot")
+
+
+async def test_over_budget_is_not_admitted_with_its_numbers() -> None:
+    app = create_app(Settings(memory_budget_bytes=1_000_000, compute_budget=1e6))
+    body = {"graph": {"nodes": [{"id": "y", "expr": "sum(x * x)"}], "outputs": ["y"]},
+            "inputs": {"x": {"shape": [1000, 1000], "dtype": "float32",
+                             "requires_grad": True}}}
+    async with LifespanManager(app) as manager, httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test") as c:
+        planned = strict_json(await c.post("/plan", json={**body, "path": "backward"}))
+        assert not planned["admitted"]
+        assert planned["planned_peak_bytes"] > planned["memory_budget_bytes"] == 1_000_000
+        assert planned["compute_cost"] > planned["compute_budget"]
+        x = {"data": [0.0] * 4, "shape": [4], "dtype": "float32", "requires_grad": True}
+        small = {**body, "inputs": {"x": x}, "path": "backward"}
+        assert strict_json(await c.post("/plan", json=small))["admitted"]
+
+
+async def test_dot_draws_forward_and_backward(client: httpx.AsyncClient) -> None:
+    r = await client.post("/plan?format=dot", json={
+        "graph": SEED_OP["graph"], "path": "backward",
+        "inputs": {"x": {"shape": [], "dtype": "float32", "requires_grad": True},
+                   "y": {"shape": [], "dtype": "float32", "requires_grad": True}}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/vnd.graphviz")
+    text = r.text
+    assert text.startswith("digraph program {") and text.rstrip().endswith("}")
+    assert "cluster_forward" in text and "cluster_backward" in text
+    for node in ("s add", "d sub", "z mul"):
+        assert f'label="{node}\\n[] float32' in text
+    assert "in0 -> s0" in text and text.count("->") >= 6
