@@ -6,7 +6,8 @@ Each error carries where it happened (`node`, `op`, and for tensor data a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Collection, Sequence
 from typing import Any
 
 
@@ -16,6 +17,15 @@ def quoted(name: str, limit: int = 64) -> str:
     if len(name) <= limit:
         return repr(name)
     return f"{name[:limit]!r}...({len(name)} characters)"
+
+
+def did_you_mean(name: object, candidates: Collection[str]) -> str:
+    """`" (did you mean 'logsumexp'?)"` for the candidate closest to `name`, if one is
+    close; "" otherwise (and for more candidates than are worth comparing)."""
+    if not isinstance(name, str) or len(candidates) > 5000:
+        return ""
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {quoted(close[0])}?)" if close else ""
 
 
 class GradserveError(Exception):

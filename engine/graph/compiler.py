@@ -27,12 +27,13 @@ from engine.errors import (
     ShapeError,
     UnknownOpError,
     ValidationErrors,
+    did_you_mean,
     quoted,
 )
 from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
 from engine.graph.executor import bind
-from engine.graph.expr import expand_expr
+from engine.graph.expr import Span, expand_expr, piece_of
 from engine.graph.ir import BYTE_COST, DERIVED, NODE, Program
 from engine.graph.plan import plan
 from engine.graph.scan import SCAN, Body, emit_scan
@@ -89,6 +90,7 @@ class _Node:
     args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
     attrs: dict[str, Any]
     loop: _LoopGraph | None = None  # a scan node's body
+    source: tuple[str, Span] | None = None  # its piece of an `expr`, for errors
 
     def reads(self) -> list[int]:
         refs = [v for is_ref, v in self.args if is_ref]
@@ -132,6 +134,15 @@ class _Scope:
                 return key
             scope = scope.parent
         return None
+
+    def visible(self) -> list[str]:
+        """Every name this level sees (the client's: not the ids `expr` generates)."""
+        names: list[str] = []
+        scope: _Scope | None = self
+        while scope is not None:
+            names.extend(n for n in scope.names if "#" not in n)
+            scope = scope.parent
+        return names
 
     def outer(self, name: str) -> bool:
         """Whether an enclosing level has `name` (no shadowing: a 422)."""
@@ -305,6 +316,8 @@ def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors)
                 err.at(node=node.origin, op=node.op.name)
                 if not err.loc or err.loc[0] != "graph":  # (a loop's own errors say where)
                     err.loc = node.loc
+                if node.source is not None:  # which piece of the expression
+                    err.message += f" (in {piece_of(*node.source)})"
                 errors.add(err)
     b.origin = None
 
@@ -444,6 +457,7 @@ class _Resolver:
         self.keys = 0
         self.expanded = 0  # op nodes after `expr` expansion, over all levels
         self.loops: dict[int, list[str]] = {}  # a scan node's key -> its result ids
+        self.sources: dict[str, tuple[str, Span]] = {}  # an expr's node -> its piece
 
     def new_key(self) -> int:
         self.keys += 1
@@ -478,7 +492,8 @@ class _Resolver:
         """The key of a reference, or None with the error reported."""
         key = scope.find(name)
         if key is None:
-            self.errors.add(GraphError(f"unknown reference {quoted(name)}", node=origin,
+            self.errors.add(GraphError(f"unknown reference {quoted(name)}"
+                                       f"{did_you_mean(name, scope.visible())}", node=origin,
                                        op=op, loc=loc))
         elif key in self.loops:
             results = ", ".join(quoted(r) for r in self.loops[key]) or "none"
@@ -567,6 +582,8 @@ class _Resolver:
             if expansion.alias is not None:
                 aliases[node.id] = (expansion.alias, index)
             raw.extend((sub, node.id, index) for sub in expansion.nodes)
+            for sub_id, span in expansion.spans.items():
+                self.sources[sub_id] = (node.expr or "", span)
         return raw, aliases
 
     def _resolve_aliases(self, aliases: dict[str, tuple[str, int]], scope: _Scope) -> None:
@@ -611,8 +628,9 @@ class _Resolver:
             if isinstance(node.op, str):
                 op = OPS.get(node.op) or TRANSFORMS.get(node.op)
             if op is None:
-                errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))} (see GET /ops)",
-                                          node=origin, loc=scope.node_loc(index, "op")))
+                hint = did_you_mean(node.op, [*OPS, *TRANSFORMS])
+                errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))}{hint} (see GET "
+                                          "/ops)", node=origin, loc=scope.node_loc(index, "op")))
                 continue
             args: list[tuple[bool, Any]] = []
             ok = True
@@ -649,7 +667,7 @@ class _Resolver:
                 ok = ok and loop is not None
             if ok:
                 steps.append(_Node(node.id, origin, scope.node_loc(index), scope.names[node.id],
-                                   op, args, attrs, loop))
+                                   op, args, attrs, loop, self.sources.get(node.id)))
         return steps
 
     def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:

@@ -13,10 +13,10 @@ import io
 import re
 import tokenize
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import ExprError, quoted
+from engine.errors import ExprError, did_you_mean, quoted
 from engine.graph.spec import NodeSpec
 from engine.graph.transforms import TRANSFORMS
 from engine.ops import OPS
@@ -52,6 +52,22 @@ class Expansion:
 
     nodes: list[NodeSpec]
     alias: str | None = None
+    # Per node id: where its piece of the expression is (line, column, end line, end
+    # column, as `ast` counts them, in the text as given), for errors that name it.
+    spans: dict[str, Span] = field(default_factory=dict)
+
+
+Span = tuple[int, int, int, int]
+
+
+def piece_of(text: str, span: Span) -> str:
+    """An error's pointer to a piece of an expression: `'x @ w' at column 5` (1-based; with
+    its line when the text has several)."""
+    line, col, end_line, end_col = span
+    segment = ast.get_source_segment(text, ast.Constant(
+        None, lineno=line, col_offset=col, end_lineno=end_line, end_col_offset=end_col)) or ""
+    where = f"line {line}, column {col + 1}" if "\n" in text else f"column {col + 1}"
+    return f"{quoted(segment, 60)} at {where}"
 
 
 # In text without strings, brackets and integer literals are found without the tokenizer
@@ -158,6 +174,9 @@ class _Compiler:
         self.ascii = text.isascii()
         self.new_id = new_id
         self.nodes: list[NodeSpec] = []
+        self.spans: dict[str, Span] = {}
+        self.piece: ast.expr | None = None  # the piece being built
+        self.line_shift = self.col_shift = 0  # where the stripped text starts in the given
 
     def fail(self, message: str, piece: ast.AST | None = None, hint: str = "") -> ExprError:
         if piece is not None:
@@ -172,6 +191,13 @@ class _Compiler:
     def emit(self, op: str, args: list[Value], attrs: dict[str, Any] | None = None) -> str:
         node = NodeSpec(id=self.new_id(), op=op, args=args, attrs=attrs or {})
         self.nodes.append(node)
+        piece = self.piece
+        if piece is not None:
+            self.spans[node.id] = (piece.lineno + self.line_shift, piece.col_offset
+                                   + (self.col_shift if piece.lineno == 1 else 0),
+                                   piece.end_lineno + self.line_shift,  # type: ignore[operator]
+                                   piece.end_col_offset  # type: ignore[operator]
+                                   + (self.col_shift if piece.end_lineno == 1 else 0))
         return node.id
 
     def name(self, piece: ast.Name) -> str:
@@ -224,6 +250,7 @@ class _Compiler:
         while stack:
             piece, expanded = stack.pop()
             if expanded:
+                self.piece = piece  # type: ignore[assignment]
                 done[id(piece)] = self.build(piece, done)
                 continue
             number = self.number(piece)
@@ -268,7 +295,8 @@ class _Compiler:
             raise self.fail("only catalog ops can be called", call.func)
         name = self.name(call.func)
         if name not in OPS and name not in TRANSFORMS:
-            raise self.fail(f"unknown op {quoted(name)} (see GET /ops)", call.func)
+            hint = did_you_mean(name, [*OPS, *TRANSFORMS])
+            raise self.fail(f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func)
         if name == "scan":
             raise self.fail("scan takes a body and results: write it as an op node", call.func)
         return name
@@ -341,6 +369,9 @@ def expand_expr(
     if _ast_depth(tree.body) > max_depth:
         raise too_deep
     compiler = _Compiler(node_id, text.strip(), new_id)
+    lead = text[:len(text) - len(text.lstrip())]
+    compiler.line_shift = lead.count("\n")
+    compiler.col_shift = len(lead) - (lead.rfind("\n") + 1)
     value = compiler.compile(tree.body)
     if isinstance(value, str) and (not compiler.nodes or value != compiler.nodes[-1].id):
         return Expansion([], alias=value)  # the whole expression is a name: an alias
@@ -351,4 +382,7 @@ def expand_expr(
         return Expansion(compiler.nodes)
     last = compiler.nodes[-1]
     compiler.nodes[-1] = NodeSpec(id=node_id, op=last.op, args=last.args, attrs=last.attrs)
-    return Expansion(compiler.nodes)
+    spans = compiler.spans
+    if last.id in spans:
+        spans[node_id] = spans.pop(last.id)
+    return Expansion(compiler.nodes, spans=spans)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine.dtypes import DEFAULT_FLOAT, FLOATS, ITEMSIZE, Scalar, check_dtype, result_type
-from engine.errors import ArityError, AttributeError_, DTypeError
+from engine.errors import ArityError, AttributeError_, DTypeError, did_you_mean
 from engine.shapes import numel
 
 Array = Any
@@ -227,8 +227,8 @@ def bind_attributes(op: str, declared: dict[str, Attr], defaults: dict[str, Any]
     for key in given:
         if key not in declared:
             known = ", ".join(declared) or "none"
-            raise AttributeError_(f"unknown attribute {key!r}; {op} takes: {known}", op=op,
-                                  loc=("attrs", key))
+            raise AttributeError_(f"unknown attribute {key!r}{did_you_mean(key, declared)}; "
+                                  f"{op} takes: {known}", op=op, loc=("attrs", key))
     out = dict(defaults)
     for key, spec in declared.items():
         if key not in given:
