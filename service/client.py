@@ -37,18 +37,38 @@ Responses, by `encoding`:
 - "base64": each array is writable, a view on its own decoded buffer (one copy: the
   base64 decode).
 - "json": each array is a new, writable one.
-Errors raise `GradserveHTTPError` with the problem+json fields. With `retries`, a 503 is
-retried after its `Retry-After`.
+Errors raise `GradserveHTTPError` with the problem+json fields.
+
+Retries (`retries`, a `Retry`; on by default: 3 attempts within the client's timeout).
+Every request is a pure function of its body (the graph, the inputs, the options; the
+server keeps no state between requests but caches), so sending it again is always safe:
+at worst the work is done twice. A request is sent again, with the same body, after a
+refused connection or one that failed to open (`httpx.ConnectError`, `ConnectTimeout`), a
+connection dropped before the whole response came (`RemoteProtocolError`, `ReadError`,
+`WriteError`: a replica killed, or a kept-alive connection closed under it), a 502 (a
+balancer's word for the same), or a 503 (after its `Retry-After` at least). Nothing else
+is: not a 4xx (a 409 graph-unknown is answered by the one resend with the graph, above),
+not a 500 (a bug, or a worker that died computing this very request: the same body would
+do it again), not a 504 nor a read timeout (the work ran past a time limit: it would
+again). Between attempts the client waits a random time up to `backoff` * 2**n seconds
+(at most `max_backoff`; "full jitter", so that clients that failed together do not come
+back together), added to a 503's `Retry-After`. It gives up, raising the last error, after
+`attempts` attempts, or when the next would start past `deadline` seconds from the call
+(default: the client's timeout); an attempt in flight is given only the time left.
+`retries=0` turns retries off; `retries=n` allows n retries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import math
+import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -79,6 +99,142 @@ JOIN_BELOW = 64 * 1024  # binary bodies smaller than this are sent as one bytes
 GRAPH_IDS = 256  # graphs whose server id a client remembers
 GRAPH_ID_MISSES = 3  # consecutive 409s after which a graph is always sent in full
 _UNSET: Any = object()
+
+# What is sent again (see the module's docstring): transport errors that say the request
+# did not complete on a replica that is gone, or was never sent to it. Not the timeouts of
+# a read or a write (the server was there and slow: the same work would be slow again; and
+# they are how an attempt is cut at the deadline), nor a full pool (this client's own
+# connections, not a replica), nor protocol errors of our own making or decoding errors
+# (they would repeat).
+RETRY_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,  # refused (nothing listens: a replica down or restarting), unreachable
+    httpx.ConnectTimeout,  # the connect unanswered (a host gone): nothing was sent
+    httpx.RemoteProtocolError,  # closed without a (whole) response: killed mid-request
+    httpx.ReadError,  # reset while the response was awaited or read
+    httpx.WriteError,  # reset, or a broken pipe, while the body was sent
+)
+# 503: the server is busy or shutting down, and says so. 502: a balancer found its
+# replica gone (the same as a dropped connection, one hop further).
+RETRY_STATUSES = frozenset({502, 503})
+
+
+@dataclass(frozen=True)
+class Retry:
+    """When to send a request again (see the module's docstring): up to `attempts`
+    attempts in all, the first included, none starting past `deadline` seconds from the
+    call (None: the client's timeout). Before retry n (from 0) the client waits
+    `rand()` * min(`max_backoff`, `backoff` * 2**n) seconds (full jitter), after a 503's
+    `Retry-After` if it has one. Retrying is safe: every request is a pure function of
+    its body.
+
+    The defaults: 3 attempts ride out a replica killed or restarted behind a balancer (the
+    next attempt goes elsewhere) or a busy moment, while a server that is down stays an
+    error within a fraction of a second; within the client's timeout, a call with
+    retries takes no longer than one without could. The backoff starts small (0.1 s) as
+    another replica is usually ready at once; past that, more attempts and a longer
+    `deadline` wait out a restart. `rand` (uniform in [0, 1)) can be fixed for tests."""
+
+    attempts: int = 3
+    deadline: float | None = None
+    backoff: float = 0.1
+    max_backoff: float = 2.0
+    rand: Callable[[], float] = field(default=random.random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be at least 1, not {self.attempts}")
+        if self.deadline is not None and self.deadline <= 0:
+            raise ValueError(f"deadline must be positive, not {self.deadline}")
+        if self.backoff < 0 or self.max_backoff < 0:
+            raise ValueError("backoff and max_backoff must not be negative")
+
+    def delay(self, retry: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry `retry` (0 for the first): a 503's Retry-After,
+        if any, plus the jittered backoff."""
+        jitter = self.rand() * min(self.max_backoff, self.backoff * 2.0**retry)
+        return jitter if retry_after is None else retry_after + jitter
+
+
+DEFAULT_RETRY = Retry()
+NO_RETRY = Retry(attempts=1)
+
+
+class _Attempts:
+    """One call's retries: its deadline (the 409 resend included), and what to wait
+    before the next attempt of one request, or None: give up."""
+
+    def __init__(self, policy: Retry, timeout: httpx.Timeout) -> None:
+        self.policy = policy
+        self.timeout = timeout
+        self.start = time.monotonic()
+        limit = policy.deadline if policy.deadline is not None else _longest(timeout)
+        self.deadline = None if limit is None else self.start + limit
+        self.made = 0  # attempts of the current request
+
+    def begin(self) -> None:
+        self.made = 0
+
+    def attempt_timeout(self) -> httpx.Timeout:
+        """The client's timeouts, none past the time left."""
+        self.made += 1
+        if self.deadline is None:
+            return self.timeout
+        left = max(self.deadline - time.monotonic(), 0.001)
+        t = self.timeout
+        return httpx.Timeout(connect=_at_most(t.connect, left), read=_at_most(t.read, left),
+                             write=_at_most(t.write, left), pool=_at_most(t.pool, left))
+
+    def after_response(self, response: httpx.Response) -> float | None:
+        if response.status_code not in RETRY_STATUSES:
+            return None
+        retry_after = _retry_after(response) if response.status_code == 503 else None
+        return self._next(retry_after)
+
+    def after_error(self, exc: Exception) -> float | None:
+        if not isinstance(exc, RETRY_ERRORS):
+            return None
+        delay = self._next(None)
+        if delay is None:
+            elapsed = time.monotonic() - self.start
+            exc.add_note(f"gradserve client: gave up after {self.made} attempt(s) "
+                         f"in {elapsed:.2f} s")
+        return delay
+
+    def _next(self, retry_after: float | None) -> float | None:
+        if self.made >= self.policy.attempts:
+            return None
+        delay = self.policy.delay(self.made - 1, retry_after)
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            return None  # no time for another attempt: the last error now, not later
+        return delay
+
+
+def _at_most(value: float | None, limit: float) -> float:
+    return limit if value is None else min(value, limit)
+
+
+def _longest(timeout: httpx.Timeout) -> float | None:
+    values = [v for v in (timeout.connect, timeout.read, timeout.write, timeout.pool)
+              if v is not None]
+    return max(values) if values else None
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """A Retry-After in seconds (delta-seconds, or an HTTP date), or None."""
+    value = response.headers.get("Retry-After")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # ("-0000": UTC, of unknown origin)
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp() - time.time()
+    return max(seconds, 0.0) if math.isfinite(seconds) else None
 
 
 class GradserveHTTPError(Exception):
@@ -171,7 +327,7 @@ class _GraphIds:
 
 class _Base:
     def __init__(self, api_key: str | None, base64_threshold: int | None, encoding: str,
-                 retries: int, binary_threshold: int | None, reuse_graphs: bool) -> None:
+                 retries: int | Retry, binary_threshold: int | None, reuse_graphs: bool) -> None:
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(_ENCODINGS)}, not {encoding!r}")
         if binary_threshold is _UNSET:  # base64_threshold alone: the requests as before
@@ -182,7 +338,9 @@ class _Base:
         self.binary_threshold: int | None = binary_threshold
         self.base64_threshold: int | None = base64_threshold
         self.encoding = encoding
-        self.retries = retries
+        if isinstance(retries, bool) or not isinstance(retries, (int, Retry)):
+            raise TypeError(f"retries must be an int or a Retry, not {retries!r}")
+        self.retry = retries if isinstance(retries, Retry) else Retry(attempts=retries + 1)
         self.reuse_graphs = reuse_graphs
         self.graph_ids = _GraphIds(GRAPH_IDS)
 
@@ -309,15 +467,6 @@ class _Base:
         _raise_for_problem(response)
         return orjson.loads(response.content)
 
-    def _retry_after(self, response: httpx.Response, attempt: int) -> float | None:
-        if response.status_code != 503 or attempt >= self.retries:
-            return None
-        try:
-            return min(float(response.headers.get("Retry-After", "1")), 30.0)
-        except ValueError:
-            return 1.0
-
-
 class Client(_Base):
     """Synchronous client. Use as a context manager, or call `close()`.
 
@@ -327,7 +476,10 @@ class Client(_Base):
     None: never): from how many elements a request's tensor travels as raw bytes in a
     binary body, or else as base64; smaller ones as JSON. Passing `base64_threshold`
     without `binary_threshold` turns binary bodies off. `reuse_graphs`: send a graph's
-    `graph_id` once the server has given one (see the module's docstring).
+    `graph_id` once the server has given one (see the module's docstring). `timeout`:
+    httpx's, for each connect, read and write. `retries`: a `Retry` (default `Retry()`: 3
+    attempts within `timeout`), or how many retries with the defaults otherwise (0: none).
+    Every request is a pure function of its body, so a retry is always safe.
     """
 
     def __init__(
@@ -338,7 +490,7 @@ class Client(_Base):
         timeout: float = 120.0,
         base64_threshold: int | None = _UNSET,
         encoding: str = "binary",
-        retries: int = 0,
+        retries: int | Retry = DEFAULT_RETRY,
         transport: httpx.BaseTransport | None = None,
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
@@ -374,31 +526,44 @@ class Client(_Base):
                                      device=device, grad_outputs=grad_outputs))
 
     def ops(self) -> list[dict[str, Any]]:
-        return self._json(self._http.get("/ops"))["ops"]  # type: ignore[no-any-return]
+        return self._json(self._get("/ops"))["ops"]  # type: ignore[no-any-return]
 
     def devices(self) -> dict[str, Any]:
-        return self._json(self._http.get("/devices"))  # type: ignore[no-any-return]
+        return self._json(self._get("/devices"))  # type: ignore[no-any-return]
 
     def _send(self, call: _Call) -> Result:
+        attempts = _Attempts(self.retry, self._http.timeout)
         graph_id = self._graph_id(call)
-        response = self._post(call.path, *self._encode(call, graph_id))
+        response = self._post(call.path, *self._encode(call, graph_id), attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
-            response = self._post(call.path, *self._encode(call, None))
+            response = self._post(call.path, *self._encode(call, None), attempts)
         return self._finish(call, graph_id, response)
 
-    def _post(self, path: str, body: bytes | list[bytes | memoryview],
-              headers: dict[str, str]) -> httpx.Response:
-        attempt = 0
+    def _get(self, path: str) -> httpx.Response:
+        return self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
+
+    def _post(self, path: str, body: bytes | list[bytes | memoryview] | None,
+              headers: dict[str, str], attempts: _Attempts) -> httpx.Response:
+        """The request's response, with its retries (a GET when `body` is None)."""
+        attempts.begin()
         while True:
-            # (A list: each part is written as it lies; h11 takes any buffer.)
-            response = self._http.post(path, content=cast(Iterable[bytes], body),
-                                       headers=headers)
-            delay = self._retry_after(response, attempt)
-            if delay is None:
-                return response
+            try:
+                timeout = attempts.attempt_timeout()
+                if body is None:
+                    response = self._http.get(path, timeout=timeout)
+                else:  # (a list: each part is written as it lies; h11 takes any buffer)
+                    response = self._http.post(path, content=cast(Iterable[bytes], body),
+                                               headers=headers, timeout=timeout)
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+                if delay is None:
+                    raise
+            else:
+                delay = attempts.after_response(response)
+                if delay is None:
+                    return response
             time.sleep(delay)
-            attempt += 1
 
     def close(self) -> None:
         self._http.close()
@@ -421,7 +586,7 @@ class AsyncClient(_Base):
         timeout: float = 120.0,
         base64_threshold: int | None = _UNSET,
         encoding: str = "binary",
-        retries: int = 0,
+        retries: int | Retry = DEFAULT_RETRY,
         transport: httpx.AsyncBaseTransport | None = None,
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
@@ -459,30 +624,45 @@ class AsyncClient(_Base):
                                            grad_outputs=grad_outputs))
 
     async def ops(self) -> list[dict[str, Any]]:
-        return self._json(await self._http.get("/ops"))["ops"]  # type: ignore[no-any-return]
+        return self._json(await self._get("/ops"))["ops"]  # type: ignore[no-any-return]
 
     async def devices(self) -> dict[str, Any]:
-        return self._json(await self._http.get("/devices"))  # type: ignore[no-any-return]
+        return self._json(await self._get("/devices"))  # type: ignore[no-any-return]
 
     async def _send(self, call: _Call) -> Result:
+        attempts = _Attempts(self.retry, self._http.timeout)
         graph_id = self._graph_id(call)
-        response = await self._post(call.path, *self._encode(call, graph_id))
+        response = await self._post(call.path, *self._encode(call, graph_id), attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
-            response = await self._post(call.path, *self._encode(call, None))
+            response = await self._post(call.path, *self._encode(call, None), attempts)
         return self._finish(call, graph_id, response)
 
-    async def _post(self, path: str, body: bytes | list[bytes | memoryview],
-                    headers: dict[str, str]) -> httpx.Response:
-        attempt = 0
+    async def _get(self, path: str) -> httpx.Response:
+        return await self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
+
+    async def _post(self, path: str, body: bytes | list[bytes | memoryview] | None,
+                    headers: dict[str, str], attempts: _Attempts) -> httpx.Response:
+        """The request's response, with its retries (a GET when `body` is None)."""
+        attempts.begin()
         while True:
-            content = body if isinstance(body, bytes) else _parts(body)  # anew each attempt
-            response = await self._http.post(path, content=content, headers=headers)
-            delay = self._retry_after(response, attempt)
-            if delay is None:
-                return response
+            try:
+                timeout = attempts.attempt_timeout()
+                if body is None:
+                    response = await self._http.get(path, timeout=timeout)
+                else:  # (the parts anew each attempt: an async iterator is used up)
+                    content = body if isinstance(body, bytes) else _parts(body)
+                    response = await self._http.post(path, content=content, headers=headers,
+                                                     timeout=timeout)
+            except httpx.TransportError as exc:
+                delay = attempts.after_error(exc)
+                if delay is None:
+                    raise
+            else:
+                delay = attempts.after_response(response)
+                if delay is None:
+                    return response
             await asyncio.sleep(delay)
-            attempt += 1
 
     async def aclose(self) -> None:
         await self._http.aclose()
