@@ -838,7 +838,7 @@ async def ensure_main(ctx: Ctx) -> None:
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     ctx.http = httpx.AsyncClient(base_url=ctx.server.base, timeout=httpx.Timeout(60, connect=10),
                                  limits=limits)
-    ctx.gs = AsyncClient(ctx.server.base, timeout=60)
+    ctx.gs = AsyncClient(ctx.server.base, timeout=60, retries=0)  # (it counts the 503s)
     ctx.mix = ctx.mix or Mix(ctx.http, ctx.gs)
     ctx.mix.http, ctx.mix.gs = ctx.http, ctx.gs
 

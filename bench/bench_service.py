@@ -241,7 +241,8 @@ def big_tensor(base: str, rounds: int) -> dict[str, float]:
 
     times: dict[str, float] = {}
     for name, threshold, encoding in [("base64", 0, "base64"), ("json", 1 << 62, "json")]:
-        with Client(base, base64_threshold=threshold, encoding=encoding, timeout=120) as c:
+        with Client(base, base64_threshold=threshold, encoding=encoding, timeout=120,
+                    retries=0) as c:
             samples = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
