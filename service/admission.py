@@ -16,8 +16,9 @@ class Admission:
         self.max_concurrency = max_concurrency
         self.metrics = metrics
         self._free = list(range(max_concurrency))[::-1]  # touched on the event loop only
-        # Read when /metrics is scraped: no gauge update (and its lock) on every request.
-        metrics.computing.set_function(lambda: self.active)
+        # Read when /metrics is scraped (published each second with several front
+        # processes): no gauge update (and its lock) on every request.
+        metrics.track(metrics.computing, lambda: self.active)
 
     @property
     def active(self) -> int:

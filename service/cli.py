@@ -8,11 +8,14 @@ build the same `Settings`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
+import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from pydantic import ValidationError
 from service.settings import Settings
 
 OPENAPI_PATH = Path("openapi") / "openapi.json"
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -61,20 +65,53 @@ def serve_forever(flags: dict[str, Any]) -> int:
     except ValidationError as exc:
         print(f"gradserve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        "service.app:app_from_env",
-        factory=True,
-        host=settings.host,
-        port=settings.port,
-        workers=settings.workers,
-        log_level=settings.log_level,
-        log_config=log_config(settings.log_level),
-        access_log=False,  # gradserve.access writes the line, with the request id
-        # uvicorn's own protocol, plus head and body deadlines and a connection cap.
-        http=GradserveProtocol,
-        timeout_graceful_shutdown=settings.graceful_shutdown_s,
-    )
+    # Several front processes sum their figures through files there (service/metrics.py).
+    with metrics_directory(settings.workers):
+        uvicorn.run(
+            "service.app:app_from_env",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level=settings.log_level,
+            log_config=log_config(settings.log_level),
+            access_log=False,  # gradserve.access writes the line, with the request id
+            # uvicorn's own protocol, plus head and body deadlines and a connection cap.
+            http=GradserveProtocol,
+            timeout_graceful_shutdown=settings.graceful_shutdown_s,
+        )
     return 0
+
+
+@contextlib.contextmanager
+def metrics_directory(workers: int) -> Iterator[str | None]:
+    """PROMETHEUS_MULTIPROC_DIR for the front processes, set before uvicorn starts them
+    (they are spawned: each imports prometheus-client with it set, and writes its values
+    there; a scrape of any one sums them all: service/metrics.py).
+
+    One set by the user is used as it is, and kept (empty it between runs: counters there
+    carry on from the last run). Otherwise, with more than one worker, a fresh directory
+    under /dev/shm (RAM) where it is writable, else the temporary directory, removed when
+    the server exits. One worker keeps its figures in its own registry: nothing to sum,
+    and no file written on each increment."""
+    own = os.environ.get(METRICS_ENV) or os.environ.get(METRICS_ENV.lower())
+    if own:
+        os.makedirs(own, exist_ok=True)
+        os.environ[METRICS_ENV] = own
+        yield own
+        return
+    if workers <= 1:
+        yield None
+        return
+    shm = "/dev/shm"
+    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
+    path = tempfile.mkdtemp(prefix="gradserve-metrics-", dir=parent)
+    os.environ[METRICS_ENV] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(METRICS_ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def log_config(level: str) -> dict[str, Any]:

@@ -3,14 +3,31 @@
 `labels()` costs a dict lookup under a lock on every call; the hot path instead keeps the
 label children it has used (per route, method and status; per path; per reason), so a
 request pays for the increments alone.
+
+Several front processes (`gradserve serve --workers N`, N > 1) share one server's figures
+through prometheus-client's multiprocess mode: `gradserve serve` makes a directory for
+PROMETHEUS_MULTIPROC_DIR before uvicorn starts its workers (service/cli.py), every value is
+written to a file of its process there, and a scrape of any process sums the files of all.
+Counters and histograms of a process that died stay in the sums (they never go backwards);
+gauges are summed over the live processes only. A gauge read from a callback at scrape time
+cannot work so (the scrape runs in one process): each process instead publishes its own
+gauges every second and at the scrape it answers (`Metrics.track`, `Metrics.publish`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 # Request latency from 0.5 ms (a scalar graph) to a minute (the default time limit).
 _LATENCY_BUCKETS = (
@@ -26,6 +43,63 @@ METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 # The most (route, method, status) children kept; past it, `labels()` is asked each time.
 _MAX_CACHED = 1024
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# How often a process publishes its gauges in multiprocess mode (other processes' gauges
+# in a scrape are at most this old; the answering process's are read at the scrape).
+PUBLISH_INTERVAL_S = 1.0
+# A file of a "live" gauge mode: gauge_livesum_<pid>.db and the like.
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live[a-z]+_(\d+)\.db")
+
+
+def multiprocess_dir() -> str | None:
+    """The directory every process of this server writes its values to, or None when the
+    process keeps its figures to itself (one front process). prometheus-client chooses at
+    import whether values go to files: if the variable came later, they do not."""
+    path = os.environ.get(MULTIPROC_ENV) or os.environ.get(MULTIPROC_ENV.lower())
+    if not path or prometheus_values.ValueClass is prometheus_values.MutexValue:
+        return None
+    return path
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed and not yet reaped by uvicorn's supervisor, does
+    not); in doubt, alive: its gauges then stay until a later scrape."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has the number now
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # no /proc (not Linux), or it has just gone: the next scrape sees it
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
+def sweep_dead(path: str) -> list[int]:
+    """Remove the live-gauge files of processes that no longer run (a uvicorn worker that
+    was killed, and replaced by its supervisor, has no chance to): their gauges leave the
+    sums, while their counters and histograms stay. The pids swept."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    pids = {int(m.group(1)) for m in map(_LIVE_GAUGE_FILE.fullmatch, names) if m}
+    dead = sorted(pid for pid in pids if not _alive(pid))
+    for pid in dead:
+        # Another process's scrape may be removing the same files: each try starts over
+        # with what is left.
+        for _ in range(3):
+            try:
+                mark_process_dead(pid, path)
+                break
+            except FileNotFoundError:
+                continue
+    return dead
+
 
 class RequestChildren(NamedTuple):
     """The label children one (route, method, status) updates."""
@@ -37,8 +111,21 @@ class RequestChildren(NamedTuple):
 
 class Metrics:
     def __init__(self) -> None:
+        # Where the processes of a server with several front processes write their values
+        # (PROMETHEUS_MULTIPROC_DIR); None, one front process: scrapes read this registry,
+        # and gauges are read from their callbacks at the scrape.
+        self.multiproc_dir = multiprocess_dir()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._published: list[tuple[Gauge, Callable[[], float]]] = []
+        self._scrape_registry: CollectorRegistry | None = None
+        if self.multiproc_dir is not None:
+            self._scrape_registry = CollectorRegistry()
+            MultiProcessCollector(self._scrape_registry, self.multiproc_dir)
+        # Gauges in multiprocess mode (ignored otherwise): "livesum" for all four, since
+        # each is a per-process amount whose server-wide figure is the sum over the front
+        # processes (requests, computations, reserved bytes and cached bytes of each add
+        # up), and a dead process holds none of them any more ("live": its file goes).
         self.requests = Counter(
             "gradserve_requests", "HTTP requests by route, method and status",
             ["route", "method", "status"], registry=r,
@@ -48,7 +135,8 @@ class Metrics:
             ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.in_flight = Gauge(
-            "gradserve_requests_in_flight", "HTTP requests being handled", registry=r
+            "gradserve_requests_in_flight", "HTTP requests being handled", registry=r,
+            multiprocess_mode="livesum",
         )
         self.bytes_in = Counter(
             "gradserve_request_bytes", "request body bytes received", ["route"], registry=r
@@ -65,11 +153,13 @@ class Metrics:
             ["path"], buckets=_BYTES_BUCKETS, registry=r,
         )
         self.computing = Gauge(
-            "gradserve_computations_in_flight", "computations admitted and running", registry=r
+            "gradserve_computations_in_flight", "computations admitted and running", registry=r,
+            multiprocess_mode="livesum",
         )
         self.reserved_bytes = Gauge(
             "gradserve_inflight_planned_bytes",
             "planned bytes reserved by running computations", registry=r,
+            multiprocess_mode="livesum",
         )
         self.cache_evictions = Counter(
             "gradserve_program_cache_evictions",
@@ -83,7 +173,7 @@ class Metrics:
         self.cache_bytes = Gauge(
             "gradserve_program_cache_bytes",
             "estimated bytes of the compiled programs cached, summed over the processes",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
@@ -127,8 +217,44 @@ class Metrics:
             self._peak_children[path] = children
         return children
 
+    def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """`gauge` shows what `read` returns: read at the scrape (one front process: nothing
+        on the hot path), or published by this process (several: see `publish`)."""
+        if self.multiproc_dir is None:
+            gauge.set_function(read)
+        else:
+            self._published.append((gauge, read))
+
+    def publish(self) -> None:
+        """This process's tracked gauges into its files (multiprocess mode), for any
+        process's scrape to sum."""
+        for gauge, read in self._published:
+            gauge.set(read())
+
+    async def publish_forever(self, interval: float = PUBLISH_INTERVAL_S) -> None:
+        """Publish now and then, for the life of the app (multiprocess mode only)."""
+        if self.multiproc_dir is None:
+            return
+        while True:
+            self.publish()
+            await asyncio.sleep(interval)
+
+    def sweep(self) -> list[int]:
+        """Drop dead processes' gauges (multiprocess mode): the pids swept."""
+        return [] if self.multiproc_dir is None else sweep_dead(self.multiproc_dir)
+
+    def retire(self) -> None:
+        """At this process's end: its gauges leave the sums (counters and histograms stay)."""
+        if self.multiproc_dir is not None:
+            with contextlib.suppress(FileNotFoundError):
+                mark_process_dead(os.getpid(), self.multiproc_dir)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._scrape_registry is None:
+            return generate_latest(self.registry)
+        self.publish()
+        self.sweep()
+        return generate_latest(self._scrape_registry)
 
 
 REJECTION_REASONS = (

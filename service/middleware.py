@@ -80,7 +80,7 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
         self.api_keys = [k.encode() for k in api_keys]
         self.in_flight = 0  # on the event loop only; read when /metrics is scraped
-        metrics.in_flight.set_function(lambda: self.in_flight)
+        metrics.track(metrics.in_flight, lambda: self.in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
