@@ -22,7 +22,7 @@ from service.errors import install_handlers
 from service.metrics import Metrics
 from service.middleware import Gateway
 from service.protocol import POLICY_STATE, ConnectionPolicy
-from service.routes import catalog, compute, health, operation_id
+from service.routes import catalog, compute, explorer, health, operation_id
 from service.runner import Runner
 from service.schemas import BackwardRequest, ForwardRequest, PlanRequest, Problem
 from service.settings import Settings, get_settings
@@ -102,6 +102,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _add_routes(app, compute.router, first=True)
     _add_routes(app, catalog.router)
     _add_routes(app, health.router)
+    _add_routes(app, explorer.router)
     app.add_middleware(
         Gateway,
         metrics=metrics,

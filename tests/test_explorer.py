@@ -1,0 +1,376 @@
+"""GET /explorer in a real browser: Debian's headless Chromium, driven by Selenium through
+Debian's chromedriver (never a browser or driver that a tool downloads), against a real
+`gradserve serve` on 127.0.0.1.
+
+The browser tests skip, saying why, only where chromium or chromedriver cannot be found
+(.ci/run installs both; with GRADSERVE_TEST_REQUIRE_BROWSER=1, which .ci/run sets once they
+are there, they fail instead). GRADSERVE_UPDATE_SCREENSHOT=1 also writes the seed example's
+screenshot to docs/explorer.png (the README's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+
+from service.app import create_app
+from service.routes.explorer import ASSETS, CSP, EXAMPLES, STATIC
+from service.settings import Settings
+from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE_FILES = ["index.html", *ASSETS]
+# A request whose first node's shapes do not match: /plan and /forward answer 422 naming it.
+BAD_MATMUL = {"graph": {"nodes": [{"id": "h", "expr": "x @ w"}, {"id": "y", "expr": "sum(h)"}],
+                        "outputs": ["y"]},
+              "inputs": {"x": [[1.0, 2.0]], "w": [[1.0, 2.0]]}}
+SMALL_BUDGET = 20  # bytes: the seed example's planned peak on /backward is 28
+
+
+# ------------------------------------------------------------------ without a browser
+def test_examples_are_the_seed_examples() -> None:
+    assert EXAMPLES["seed"][1] == SEED_OP
+    assert EXAMPLES["seed-expr"][1] == SEED_EXPR
+    assert EXAMPLES["seed-no-grad"][1] == SEED_NO_GRAD
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_page_is_served_with_a_self_only_policy_and_no_outside_urls() -> None:
+    app = create_app(Settings())
+    async with LifespanManager(app) as manager, httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test") as client:
+        page = await client.get("/explorer")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        policy = page.headers["content-security-policy"]
+        assert policy == CSP
+        directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
+        assert directives["default-src"] == "'none'"
+        for name in ("script-src", "style-src", "connect-src", "img-src"):
+            assert directives[name] == "'self'", name
+        for name, media_type in ASSETS.items():
+            r = await client.get(f"/explorer/{name}")
+            assert r.status_code == 200 and r.headers["content-type"] == media_type
+        examples = (await client.get("/explorer/examples.json")).json()
+        assert json.loads(examples["seed"]["text"]) == SEED_OP
+        assert '"data": 2.0' in examples["seed"]["text"]  # a float stays a float
+        assert (await client.get("/explorer/app.py")).status_code == 404
+        assert (await client.get("/explorer/..%2Fexplorer.py")).status_code == 404
+        spec = (await client.get("/openapi.json")).json()
+        assert not any(path.startswith("/explorer") for path in spec["paths"])
+    # Nothing the page loads names another host: the one URL in its files is the SVG
+    # namespace (a name, never fetched); no @import, no url() in the style sheet.
+    for name in PAGE_FILES:
+        text = (STATIC / name).read_text()
+        outside = [w for w in text.replace('"', " ").replace("'", " ").split()
+                   if "://" in w and "www.w3.org/2000/svg" not in w]
+        assert not outside, (name, outside)
+    css = (STATIC / "explorer.css").read_text()
+    assert "@import" not in css and "url(" not in css
+
+
+def test_the_wheel_ships_the_page(tmp_path: Path) -> None:
+    """The Docker image installs the wheel: the page's files must be in it."""
+    pytest.importorskip("setuptools", reason="building the wheel needs setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("engine", "service"):
+        shutil.copytree(ROOT / package, src / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(tmp_path / "dist"), str(src)],
+        check=True, cwd=tmp_path, timeout=240,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    (wheel,) = (tmp_path / "dist").glob("gradserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in PAGE_FILES:
+        assert f"service/static/explorer/{name}" in names, sorted(names)
+
+
+# ------------------------------------------------------------------ the browser
+def _which(*names: str) -> str | None:
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _browser() -> tuple[str, str]:
+    """Debian's chromium and chromedriver; a clear skip where they are not installed."""
+    chromium = os.environ.get("GRADSERVE_TEST_CHROMIUM") or _which("chromium", "chromium-browser")
+    driver = os.environ.get("GRADSERVE_TEST_CHROMEDRIVER") or _which("chromedriver")
+    missing = [what for what, path in (("chromium", chromium), ("chromedriver", driver))
+               if path is None or not os.access(path, os.X_OK)]
+    if missing:
+        why = (f"{' and '.join(missing)} not found (on Debian: apt-get install chromium "
+               "chromium-driver; .ci/run installs them)")
+        if os.environ.get("GRADSERVE_TEST_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"GRADSERVE_TEST_REQUIRE_BROWSER=1 but {why}")
+        pytest.skip(why)
+    assert chromium is not None and driver is not None
+    return chromium, driver
+
+
+@dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(tmp: Path, **env: str) -> Server:
+    port = _free_port()
+    log = tmp / f"server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(port)],
+            cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{log.read_text()}")
+        try:
+            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
+                return Server(base, proc, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not become ready:\n{log.read_text()}")
+
+
+def _stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser_paths() -> tuple[str, str]:
+    return _browser()
+
+
+@pytest.fixture(scope="module")
+def server(browser_paths: tuple[str, str],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = _start(tmp_path_factory.mktemp("explorer"))
+    yield s
+    _stop(s)
+
+
+@pytest.fixture(scope="module")
+def small_budget_server(browser_paths: tuple[str, str],
+                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = _start(tmp_path_factory.mktemp("explorer-budget"),
+               GRADSERVE_MEMORY_BUDGET_BYTES=str(SMALL_BUDGET))
+    yield s
+    _stop(s)
+
+
+@pytest.fixture
+def driver(browser_paths: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    webdriver = pytest.importorskip(
+        "selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, chromedriver = browser_paths
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1500,1500", "--no-first-run", "--no-default-browser-check",
+                "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--disable-extensions", "--disable-features=Translate"):
+        options.add_argument(arg)
+    # The console (browser) and every request the page makes (performance: CDP's Network
+    # domain).
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+    # The driver is given: Selenium Manager, which could download one, is never asked.
+    monkeypatch.setenv("SE_OFFLINE", "true")
+    d = webdriver.Chrome(options=options, service=Service(executable_path=chromedriver))
+    d.set_page_load_timeout(60)
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+def _wait(d: Any, predicate: Any, what: str, timeout: float = 30) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(d, timeout, poll_frequency=0.05).until(lambda _: predicate())
+    except Exception as err:
+        state = d.execute_script("return document.body && document.body.dataset.state")
+        status = d.execute_script(
+            "const s = document.querySelector('[data-testid=status]'); return s && s.textContent")
+        raise AssertionError(f"waited for {what}: page state {state!r}, status {status!r}") \
+            from err
+
+
+def _by(d: Any, testid: str, extra: str = "") -> list[Any]:
+    return list(d.find_elements("css selector", f'[data-testid="{testid}"]{extra}'))
+
+
+def _state(d: Any) -> str:
+    return str(d.execute_script("return document.body.dataset.state"))
+
+
+def _requests(d: Any) -> list[str]:
+    """The URL of every request the page made (CDP Network events), drained."""
+    urls = []
+    for entry in d.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        method, params = message.get("method"), message.get("params", {})
+        if method == "Network.requestWillBeSent":
+            urls.append(params["request"]["url"])
+        elif method in ("Network.webSocketCreated", "Network.webTransportCreated"):
+            urls.append(params["url"])
+    return urls
+
+
+def _console_errors(d: Any, allowed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Console entries of level SEVERE or WARNING, drained; `allowed`: substrings of
+    messages expected (e.g. the 422 a problem comes with)."""
+    return [e for e in d.get_log("browser") if e["level"] in ("SEVERE", "WARNING")
+            and not any(a in e["message"] for a in allowed)]
+
+
+def _assert_only_the_service(urls: list[str], base: str) -> None:
+    outside = [u for u in urls if not (u.startswith(base + "/") or u.startswith("data:")
+                                       or u == "about:blank")]
+    assert not outside, f"requests outside the service: {outside}"
+
+
+@pytest.mark.integration
+def test_seed_example_plans_runs_and_stays_on_the_service(
+        driver: Any, server: Server, tmp_path: Path) -> None:
+    d = driver
+    d.get(f"{server.base}/explorer?example=seed")
+    _wait(d, lambda: _state(d) == "planned", "the seed example's plan")
+    # The request editor holds the seed example, exactly (2.0 stays a float).
+    text = _by(d, "request")[0].get_attribute("value")
+    assert json.loads(text) == SEED_OP and '"data": 2.0' in text
+    # Its three forward nodes, its two inputs and its backward steps, with shapes on edges.
+    forward = _by(d, "node", '[data-phase="forward"]')
+    assert sorted(n.get_attribute("data-node-id") for n in forward) == ["d", "s", "z"]
+    assert all(n.get_attribute("data-kind") == "node" for n in forward)
+    assert sorted(n.get_attribute("data-node-id")
+                  for n in _by(d, "node", '[data-phase="input"]')) == ["x", "y"]
+    assert len(_by(d, "node", '[data-phase="backward"]')) >= 3
+    edges = _by(d, "edge")
+    assert len(edges) >= 6 and {e.get_attribute("data-shape") for e in edges} == {"[]"}
+    # The memory timeline: one bar a step, the peak marked, the budget far above it.
+    timeline = _by(d, "timeline")[0]
+    assert timeline.get_attribute("data-over-budget") == "false"
+    assert len(_by(d, "live-bar")) == 9
+    assert int(_by(d, "peak")[0].get_attribute("data-bytes")) == 28  # = the planned peak
+    assert _by(d, "budget-line")[0].get_attribute("data-crossed") == "false"
+    assert len(_by(d, "costly-row")) == 9
+    # Run: /backward (its inputs require grad), the gradients as text.
+    _by(d, "run")[0].click()
+    _wait(d, lambda: _state(d) == "ran", "the run")
+    results = _by(d, "results")[0].text
+    assert "POST /backward → 200" in results
+    assert "x: float32 []  = 4.0" in results and "y: float32 []  = -6.0" in results, results
+    assert "z: float32 []  = -5.0" in results
+    assert "timings (ms)" in results and "backward: " in results
+    assert not _by(d, "problem")[0].is_displayed()
+    # No console errors, no CSP violation, and every request went to the service.
+    assert _console_errors(d) == []
+    assert d.execute_script("return document.body.dataset.cspViolations") is None
+    urls = _requests(d)
+    _assert_only_the_service(urls, server.base)
+    paths = {u[len(server.base):] for u in urls}
+    assert {"/explorer?example=seed", "/explorer/explorer.js", "/explorer/explorer.css",
+            "/explorer/examples.json", "/plan", "/plan?format=dot", "/backward"} <= paths, paths
+    # The screenshot, as an artifact (and, when asked, the README's).
+    shot = tmp_path / "explorer-seed.png"
+    assert d.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.environ.get("GRADSERVE_UPDATE_SCREENSHOT") == "1":
+        shutil.copy(shot, ROOT / "docs" / "explorer.png")
+
+
+@pytest.mark.integration
+def test_over_budget_plan_shows_the_budget_line_crossed(
+        driver: Any, small_budget_server: Server, tmp_path: Path) -> None:
+    d = driver
+    d.get(f"{small_budget_server.base}/explorer?example=seed")
+    _wait(d, lambda: _state(d) == "planned", "the plan")
+    timeline = _by(d, "timeline")[0]
+    assert timeline.get_attribute("data-over-budget") == "true"
+    assert int(timeline.get_attribute("data-budget-bytes")) == SMALL_BUDGET
+    assert int(timeline.get_attribute("data-planned-peak-bytes")) == 28
+    line = _by(d, "budget-line")[0]
+    assert line.get_attribute("data-crossed") == "true"
+    assert line.get_attribute("data-on-scale") == "true"
+    assert "crossed" in line.get_attribute("class")
+    assert _by(d, "peak")[0].get_attribute("data-over-budget") == "true"
+    assert _by(d, "plan-summary")[0].get_attribute("data-admitted") == "false"
+    assert "not admitted" in _by(d, "plan-summary")[0].text
+    assert _console_errors(d) == []  # a plan over budget is an answer, not an error
+    # Run anyway: the service refuses it with its problem, shown as such.
+    _by(d, "run")[0].click()
+    _wait(d, lambda: _state(d) == "run-error", "the refusal")
+    problem = _by(d, "problem")[0]
+    assert problem.is_displayed() and "memory-budget" in problem.text
+    assert "422" in _by(d, "results")[0].text
+    assert _console_errors(d, allowed=("/backward - Failed to load resource",)) == []
+    _assert_only_the_service(_requests(d), small_budget_server.base)
+    d.save_screenshot(str(tmp_path / "explorer-over-budget.png"))
+
+
+@pytest.mark.integration
+def test_a_problem_is_shown_on_the_node_that_caused_it(
+        driver: Any, server: Server, tmp_path: Path) -> None:
+    d = driver
+    d.get(f"{server.base}/explorer?request={quote(json.dumps(BAD_MATMUL))}")
+    _wait(d, lambda: _state(d) == "plan-error", "the plan's problem")
+    blamed = _by(d, "node", '[data-error="true"]')
+    assert [n.get_attribute("data-node-id") for n in blamed] == ["h"]
+    assert "⚠ node 'h' (matmul): shapes" in blamed[0].text
+    problem = _by(d, "problem")[0]
+    assert problem.is_displayed() and "shape-mismatch" in problem.text
+    assert problem.get_attribute("data-node") == "h"
+    assert "graph › nodes › 0" in problem.text  # errors[].loc
+    assert not _by(d, "node", '[data-node-id="y"][data-error="true"]')
+    assert _console_errors(d, allowed=("/plan - Failed to load resource",
+                                       "/plan?format=dot - Failed to load resource")) == []
+    _assert_only_the_service(_requests(d), server.base)
+    d.save_screenshot(str(tmp_path / "explorer-problem.png"))
