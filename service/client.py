@@ -56,6 +56,13 @@ back together), added to a 503's `Retry-After`. It gives up, raising the last er
 `attempts` attempts, or when the next would start past `deadline` seconds from the call
 (default: the client's timeout); an attempt in flight is given only the time left.
 `retries=0` turns retries off; `retries=n` allows n retries.
+
+Tracing (service/trace.py). `forward` and `backward` also take a Python function instead of
+a graph: it is traced on the inputs' shapes and dtypes with the server's op catalog (`GET
+/ops`, fetched once), once per function and input specs (the 256 used last; what the
+function reads of Python values is frozen into that graph, as with jax.jit), and the graph
+is sent as any other. `trace(fn, **specs)` gives the graph itself; `F` is the functional
+namespace of the server's catalog.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ import numpy as np
 import orjson
 import pybase64
 import pydantic_core
+
+from service.trace import Catalog, Functional, TraceError, spec_of
+from service.trace import trace as trace_graph
 
 ArrayLike = Any  # a NumPy array, a Python number, or nested lists of numbers
 
@@ -343,6 +353,29 @@ class _Base:
         self.retry = retries if isinstance(retries, Retry) else Retry(attempts=retries + 1)
         self.reuse_graphs = reuse_graphs
         self.graph_ids = _GraphIds(GRAPH_IDS)
+        self.catalog: Catalog | None = None  # GET /ops, once fetched: what tracing reads
+        self._traces: OrderedDict[Any, dict[str, Any]] = OrderedDict()
+        self._traces_lock = threading.Lock()
+
+    def _traced(self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike],
+                catalog: Catalog) -> dict[str, Any]:
+        """`fn`'s graph for the specs of `inputs`, traced once per (fn, specs)."""
+        specs = {name: spec_of(value) for name, value in inputs.items()}
+        key = (fn, tuple(specs.items()))
+        try:
+            with self._traces_lock:
+                graph = self._traces.get(key)
+                if graph is not None:
+                    self._traces.move_to_end(key)
+                    return graph
+        except TypeError:  # an unhashable callable: traced each time
+            return trace_graph(fn, catalog, **specs)
+        graph = trace_graph(fn, catalog, **specs)
+        with self._traces_lock:
+            self._traces[key] = graph
+            while len(self._traces) > GRAPH_IDS:
+                self._traces.popitem(last=False)
+        return graph
 
     def _call(
         self,
@@ -503,30 +536,52 @@ class Client(_Base):
 
     def forward(
         self,
-        graph: Mapping[str, Any],
+        graph: Mapping[str, Any] | Callable[..., Any],
         inputs: Mapping[str, ArrayLike],
         *,
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
     ) -> Result:
+        if not isinstance(graph, Mapping):
+            graph = self._traced(graph, inputs, self._catalog())
         return self._send(self._call("/forward", graph, inputs, requires_grad=requires_grad,
                                      device=device, no_grad=no_grad))
 
     def backward(
         self,
-        graph: Mapping[str, Any],
+        graph: Mapping[str, Any] | Callable[..., Any],
         inputs: Mapping[str, ArrayLike],
         *,
         grad_outputs: Mapping[str, ArrayLike] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
     ) -> Result:
+        if not isinstance(graph, Mapping):
+            graph = self._traced(graph, inputs, self._catalog())
         return self._send(self._call("/backward", graph, inputs, requires_grad=requires_grad,
                                      device=device, grad_outputs=grad_outputs))
 
     def ops(self) -> list[dict[str, Any]]:
-        return self._json(self._get("/ops"))["ops"]  # type: ignore[no-any-return]
+        ops: list[dict[str, Any]] = self._json(self._get("/ops"))["ops"]
+        self.catalog = Catalog(ops)
+        return ops
+
+    def _catalog(self) -> Catalog:
+        if self.catalog is None:
+            self.ops()
+        assert self.catalog is not None
+        return self.catalog
+
+    def trace(self, fn: Callable[..., Any], /, **specs: Any) -> dict[str, Any]:
+        """The graph of `fn` on inputs of these specs (service.trace.trace with this server's
+        catalog)."""
+        return trace_graph(fn, self._catalog(), **specs)
+
+    @property
+    def F(self) -> Functional:
+        """The functional namespace of this server's op catalog."""
+        return Functional(self._catalog())
 
     def devices(self) -> dict[str, Any]:
         return self._json(self._get("/devices"))  # type: ignore[no-any-return]
@@ -599,32 +654,62 @@ class AsyncClient(_Base):
 
     async def forward(
         self,
-        graph: Mapping[str, Any],
+        graph: Mapping[str, Any] | Callable[..., Any],
         inputs: Mapping[str, ArrayLike],
         *,
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
     ) -> Result:
+        if not isinstance(graph, Mapping):
+            graph = self._traced(graph, inputs, await self._catalog())
         return await self._send(self._call("/forward", graph, inputs,
                                            requires_grad=requires_grad, device=device,
                                            no_grad=no_grad))
 
     async def backward(
         self,
-        graph: Mapping[str, Any],
+        graph: Mapping[str, Any] | Callable[..., Any],
         inputs: Mapping[str, ArrayLike],
         *,
         grad_outputs: Mapping[str, ArrayLike] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
     ) -> Result:
+        if not isinstance(graph, Mapping):
+            graph = self._traced(graph, inputs, await self._catalog())
         return await self._send(self._call("/backward", graph, inputs,
                                            requires_grad=requires_grad, device=device,
                                            grad_outputs=grad_outputs))
 
     async def ops(self) -> list[dict[str, Any]]:
-        return self._json(await self._get("/ops"))["ops"]  # type: ignore[no-any-return]
+        ops: list[dict[str, Any]] = self._json(await self._get("/ops"))["ops"]
+        self.catalog = Catalog(ops)
+        return ops
+
+    async def _catalog(self) -> Catalog:
+        if self.catalog is None:
+            await self.ops()
+        assert self.catalog is not None
+        return self.catalog
+
+    async def trace(self, fn: Callable[..., Any], /, **specs: Any) -> dict[str, Any]:
+        """The graph of `fn` on inputs of these specs (service.trace.trace with this server's
+        catalog)."""
+        return trace_graph(fn, await self._catalog(), **specs)
+
+    @property
+    def F(self) -> Functional:
+        """The functional namespace of this server's op catalog (once fetched: by `await
+        ops()`, `trace`, or a traced `forward` or `backward`)."""
+
+        def catalog() -> Catalog:
+            if self.catalog is None:
+                raise TraceError("AsyncClient.F needs the server's catalog: await "
+                                 "client.ops() (or trace, forward, backward) first")
+            return self.catalog
+
+        return Functional(catalog)
 
     async def devices(self) -> dict[str, Any]:
         return self._json(await self._get("/devices"))  # type: ignore[no-any-return]

@@ -1,0 +1,1849 @@
+"""Tracing Python functions into gradserve graphs, PyTorch-style.
+
+    >>> from service.trace import F, trace
+    >>> def model(X, w, b, y):
+    ...     margin = -y * (X @ w + b)
+    ...     loss = F.softplus(margin).mean() + 0.01 * (w * w).sum()
+    ...     return {"loss": loss}
+    >>> graph = trace(model, catalog, X=((16, 5), "float64"), w=np.zeros(5), b=((), "float64"),
+    ...               y=((16,), "float64"))
+    {"nodes": [{"id": "margin", "expr": "-y * (X @ w + b)"},
+               {"id": "loss", "expr": "mean(softplus(margin)) + 0.01 * sum(w * w)"}],
+     "outputs": ["loss"]}
+
+`trace(fn, ops_catalog, **specs)` calls `fn` once on symbolic tensors (`TracedTensor`), one
+per spec, and returns the graph JSON of what it computed. A spec is a `(shape, dtype)` pair,
+an object with `shape` and `dtype` (a NumPy array, a `TensorSpec`), or example data (a
+number, a nested list: its NumPy shape and dtype, as the client would send it). `fn` gets
+the inputs by name when its signature takes them so, else in the specs' order.
+
+Everything is driven by the op catalog (`GET /ops`, passed in as its JSON, its list of ops,
+or a `Catalog`): nothing here imports the engine, and a server with another catalog gets
+other functions. A symbolic tensor has PyTorch's operators (`+ - * / ** @`, unary `-`,
+`abs()`, comparisons), a method for every op that takes a tensor (`x.sum(1)`,
+`x.sum(dim=1, keepdim=True)`, `x.transpose(0, 1)`, `x.reshape(2, 3)`, `x.gather(1, idx)`,
+`x.clamp(min=0)`), `x.T`, `x.mT`, `x.view`, `x.t()`, `x.float()`/`double()`/`long()`/...,
+`x.to(dtype)`, indexing with ints, slices, `None`, `...` and a 1-d integer tensor (through
+`slice`, `squeeze`, `unsqueeze` and `index_select`), iteration over dim 0, and `x.shape`,
+`x.dtype` (a string), `x.ndim`, `x.size()`, `x.dim()`, `x.numel()`, `len(x)`. `F` is the
+functional namespace (as `torch` and `torch.nn.functional`): every catalog op by name
+(`F.softmax(x, dim=-1)`, `F.relu(x)`, `F.where(c, a, b)`, `F.stack([a, b], 1)`,
+`F.einsum("ij,jk->ik", a, b)`, `F.gather(x, 1, idx)`, `F.zeros(2, 3)`), a few PyTorch
+spellings of them (`inverse`, `clip`, `concat`, `amax`, ...), and `grad`, `jvp`, `scan`.
+An op the catalog lacks is an AttributeError naming it. Calls follow PyTorch's signatures:
+tensors first, then the attributes positionally in the catalog's order or by keyword; where
+an op takes several tensors and a required `dim`, `dim` comes second (`gather(input, dim,
+index)`); a variadic op takes a list (`cat([a, b], dim=1)`) or the tensors as arguments, and
+its string attribute first (`einsum(equation, *operands)`); sizes may be spread
+(`x.reshape(2, 3)`, `zeros(2, 3)`).
+
+Derivatives and loops: `grad(target, wrt, v=None)` (a list of `wrt` gives a tuple),
+`jvp(y, x, t)` and `scan(body, init, xs=(), length=None)` become `grad`, `jvp` and `scan`
+nodes. `scan` is jax.lax.scan's: `body(carry, x) -> (new_carry, y)`, where `carry` has the
+structure of `init` (one tensor or number, or a tuple or list of them) and `x` that of `xs`
+(one tensor, a tuple or list of tensors sliced on dim 0, or None without sequences); `y` is
+a tensor, a tuple or list of them, or None. It returns `(final_carry, ys)`, `ys` stacked on
+a new dim 0. The body is traced once, into the node's body; what it reads of the outer
+function becomes a reference to the outer value.
+
+Python runs once, at trace time: its `if`s and loops unroll on shapes, which are static.
+What needs data raises `TraceError` saying why: `bool(x)` (an `if`, `while`, `and`/`or`,
+`not` or `assert` on a tensor), `float(x)`, `int(x)`, `range(x)`, `x.item()`,
+`x.tolist()`, `x.numpy()`, NumPy arrays inside the function (pass them as inputs), boolean
+masks, item assignment, non-finite literals (JSON has no such numbers). Write data-dependent
+choices with `where` (or `maximum`, `minimum`, `clamp`) and loops with `scan`.
+
+Readable graphs. Names come from the function's variables: while `fn` (and any Python
+function it calls, outside the standard library and site-packages) runs, the tracer looks
+at its local variables line by line (a trace function, chained to a debugger's or
+coverage's), and the first variable a value is bound to names it (`h`, then `h_1`, `h_2`
+when a loop rebinds `h`); a variable of the frame nearer `fn` wins over one of a helper it
+calls, and a list's `hs_0`, `hs_1` name only elements no variable names. Outputs are named
+by the keys of a returned dict, else `out` (one tensor) or `out0`, `out1`, ... (a tuple or
+list); an output name is reserved before any variable's. A scan is named after its body
+function, its results after the variables they are unpacked into; a value no variable
+names gets its op's name (`tanh_1`; a carry's next value `h_next`).
+
+Every named value, every value used more than once or from a scan body, every output, and
+every `wrt`, scan argument and scan result is a node; the rest is inlined into its user's
+`expr` (`tanh(x @ w + h @ u + b)`), so that a line of math is one node. An expression
+that grows past 24 nested ops or 1,000 characters is cut into nodes. Number literals stay
+literals; an input name that is not an identifier makes its users op-form nodes.
+
+Shapes and dtypes are tracked for every op of the standard catalog (the rules of
+docs/contract.md; an op another catalog adds gets the broadcasting rule if its group is
+elementwise, arithmetic or comparison). Where a shape is not known (an op without a rule,
+or arguments that do not fit it), `.shape` and `.dtype` raise TraceError saying why; the
+graph is still built, and the server validates it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import difflib
+import inspect
+import itertools
+import json
+import keyword
+import math
+import os
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
+           "scan", "spec_of", "trace"]
+
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
+_FLOATS = frozenset({"float16", "float32", "float64"})
+_INTS = frozenset({"int32", "int64"})
+_RANK = {"bool": 0, "int32": 1, "int64": 2, "float16": 3, "float32": 4, "float64": 5}
+_CATEGORY = {"bool": 0, "int32": 1, "int64": 1, "float16": 2, "float32": 2, "float64": 2}
+_PYTHON_DTYPES = {float: "float64", int: "int64", bool: "bool"}  # as torch reads them
+
+# Past these an inlined expression is cut into nodes (the server's limits are 100 and
+# 10,000; a line of math is far shorter).
+MAX_INLINE_DEPTH = 24
+MAX_INLINE_CHARS = 1000
+_MAX_EXPR_CHARS = 8000  # longer: the node is written in op form
+
+Number = bool | int | float
+Value = Any  # a TracedTensor or a Number
+
+
+class TraceError(RuntimeError):
+    """What a traced function cannot do: read data, or use the graph out of its scope."""
+
+
+def _data_error(what: str) -> TraceError:
+    return TraceError(
+        f"{what} needs the value of a traced tensor, which is not known while tracing: the "
+        "function runs once, on shapes and dtypes only, and Python's control flow unrolls "
+        "then. Make data-dependent choices with where(cond, a, b) (or maximum, minimum, "
+        "clamp), and loops with scan(body, init, xs)")
+
+
+# ------------------------------------------------------------------ specs and dtypes
+
+
+def dtype_name(value: Any) -> str:
+    """A dtype's gradserve name from a name ("float32", "torch.float32"), a NumPy dtype or
+    scalar type, or a Python type (float is float64, as torch reads it)."""
+    if isinstance(value, type) and value in _PYTHON_DTYPES:
+        return _PYTHON_DTYPES[value]
+    if isinstance(value, str):
+        text = value.removeprefix("torch.").removeprefix("numpy.").removeprefix("np.")
+        if text in DTYPES:
+            return text
+    try:
+        name = np.dtype(value).name
+    except (TypeError, ValueError):
+        name = str(value).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"unsupported dtype {value!r}: gradserve has {', '.join(DTYPES)}")
+    return name
+
+
+def _wire_dtype(dtype: np.dtype[Any]) -> str:
+    """The dtype an array travels as (the client's rule)."""
+    if dtype.name in DTYPES:
+        return dtype.name
+    return "float32" if dtype.kind == "f" else "bool" if dtype.kind == "b" else "int64"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """An input's shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _is_shape(v: Any) -> bool:
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return True
+    return isinstance(v, (tuple, list)) and all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in v)
+
+
+def spec_of(value: Any) -> Spec:
+    """A Spec from a `(shape, dtype)` pair, an object with `shape` and `dtype`, or example
+    data (what `np.asarray` makes of it, in the dtype the client sends it as)."""
+    if isinstance(value, Spec):
+        return value
+    if (isinstance(value, tuple) and len(value) == 2 and _is_shape(value[0])
+            and isinstance(value[1], (str, np.dtype, type))):
+        shape = (value[0],) if not isinstance(value[0], (tuple, list)) else value[0]
+        return Spec(tuple(int(n) for n in shape), dtype_name(value[1]))
+    if not isinstance(value, (np.ndarray, np.generic)):
+        found, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if found is not None and dtype is not None:
+            return Spec(tuple(int(n) for n in found), dtype_name(dtype))
+    array = np.asarray(value)
+    return Spec(tuple(array.shape), _wire_dtype(array.dtype))
+
+
+# ------------------------------------------------------------------ the catalog
+
+
+@dataclass(frozen=True)
+class AttrInfo:
+    type: str
+    default: Any
+    required: bool
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op of the catalog, as `GET /ops` lists it."""
+
+    name: str
+    group: str
+    args: tuple[str, ...]
+    variadic: bool
+    attrs: dict[str, AttrInfo]
+    doc: str = ""
+
+    @property
+    def lead_attr(self) -> str | None:
+        """A variadic op's required string attribute, written first (einsum's equation)."""
+        if not self.variadic:
+            return None
+        return next((k for k, a in self.attrs.items()
+                     if a.required and a.type.split("|")[0] == "str"), None)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The positional order of a non-variadic op: its tensors, then its attributes in
+        the catalog's order; a required `dim` of an op of several tensors goes second, as
+        PyTorch writes `gather(input, dim, index)`."""
+        attrs = tuple(self.attrs)
+        dim = self.attrs.get("dim")
+        if len(self.args) > 1 and dim is not None and dim.required:
+            rest = tuple(a for a in attrs if a != "dim")
+            return (self.args[0], "dim", *self.args[1:], *rest)
+        return (*self.args, *attrs)
+
+    @property
+    def self_arg(self) -> str:
+        """The argument a method's `self` is: `input` where there is one (`x.where(c, y)` is
+        where(c, x, y)), else the first."""
+        return "input" if "input" in self.args else self.args[0]
+
+
+# PyTorch's other spellings of catalog ops (used only where the catalog has the target and
+# not the alias itself).
+ALIASES = {
+    "inverse": "inv", "clip": "clamp", "concat": "cat", "concatenate": "cat", "amax": "max",
+    "amin": "min", "absolute": "abs", "negative": "neg", "multiply": "mul", "divide": "div",
+    "true_divide": "div", "subtract": "sub", "greater": "gt", "less": "lt",
+    "greater_equal": "ge", "less_equal": "le", "not_equal": "ne", "swapaxes": "transpose",
+    "swapdims": "transpose",
+}
+_TRANSFORMS = ("grad", "jvp", "scan")
+
+
+class Catalog:
+    """The op catalog: from `GET /ops`'s JSON, its list of ops, a mapping of name to op,
+    or another Catalog."""
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, Catalog):
+            self.ops: dict[str, OpInfo] = dict(source.ops)
+            self.transforms: set[str] = set(source.transforms)
+            return
+        if isinstance(source, Mapping) and "ops" in source and not isinstance(
+                source["ops"], Mapping):
+            source = source["ops"]
+        items = list(source.values()) if isinstance(source, Mapping) else list(source)
+        self.ops = {}
+        self.transforms = set()
+        for item in items:
+            name = item["name"]
+            if item.get("group") == "transforms" or (name in _TRANSFORMS and "min_args" in item):
+                self.transforms.add(name)
+                continue
+            attrs = {k: AttrInfo(str(a.get("type", "")), a.get("default"),
+                                 bool(a.get("required", False)))
+                     for k, a in (item.get("attrs") or {}).items()}
+            self.ops[name] = OpInfo(name, str(item.get("group", "")), tuple(item.get("args", ())),
+                                    bool(item.get("variadic", False)), attrs,
+                                    str(item.get("doc", "")))
+
+    def resolve(self, name: str) -> OpInfo | None:
+        op = self.ops.get(name)
+        if op is None and ALIASES.get(name):
+            op = self.ops.get(ALIASES[name])
+        return op
+
+    def names(self) -> list[str]:
+        aliases = [a for a, t in ALIASES.items() if t and t in self.ops and a not in self.ops]
+        return sorted([*self.ops, *self.transforms, *aliases])
+
+    def missing(self, name: str, owner: str) -> AttributeError:
+        close = difflib.get_close_matches(name, self.names(), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return AttributeError(f"{owner} has no attribute {name!r}: op {name!r} is not in "
+                              f"this server's op catalog (GET /ops){hint}", name=name)
+
+
+def _as_catalog(source: Any) -> Catalog:
+    return source if isinstance(source, Catalog) else Catalog(source)
+
+
+# ------------------------------------------------------------------ shape and dtype rules
+
+
+class _RuleError(Exception):
+    pass
+
+
+_Shape = tuple[int, ...]
+
+
+def _broadcast(*shapes: _Shape) -> _Shape:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(ndim):
+        sizes = {s[len(s) - ndim + i] for s in shapes if len(s) - ndim + i >= 0} - {1}
+        if len(sizes) > 1:
+            raise _RuleError(f"shapes {' and '.join(map(_fmt, shapes))} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _fmt(shape: _Shape) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _dim(d: int, ndim: int) -> int:
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise _RuleError(f"dim {d} is out of range for {ndim} dims")
+    return d % n
+
+
+def _promote(metas: Sequence[tuple[_Shape, str, bool]]) -> str:
+    """torch.result_type over (shape, dtype, is a Python number)."""
+
+    def promote_all(names: list[str]) -> str | None:
+        out: str | None = None
+        for n in names:
+            out = n if out is None or _RANK[n] > _RANK[out] else out
+        return out
+
+    def combine(higher: str | None, lower: str | None) -> str | None:
+        if higher is None:
+            return lower
+        if lower is None or _CATEGORY[higher] >= _CATEGORY[lower]:
+            return higher
+        return higher if _RANK[higher] >= _RANK[lower] else lower
+
+    dims = promote_all([d for s, d, lit in metas if not lit and s])
+    zero = promote_all([d for s, d, lit in metas if not lit and not s])
+    lits = promote_all([d for _, d, lit in metas if lit])
+    out = combine(dims, combine(zero, lits))
+    if out is None:
+        raise _RuleError("no operands")
+    return out
+
+
+def _float(dtype: str) -> str:
+    return dtype if dtype in _FLOATS else "float32"
+
+
+def _reduced(shape: _Shape, dim: Any, keepdim: bool) -> _Shape:
+    if dim is None:
+        dims = set(range(len(shape)))
+    else:
+        dims = {_dim(d, len(shape)) for d in ([dim] if isinstance(dim, int) else dim)}
+    if not shape:
+        return ()
+    return tuple(1 if i in dims else n for i, n in enumerate(shape) if keepdim or i not in dims)
+
+
+def _matmul_shape(a: _Shape, b: _Shape) -> _Shape:
+    if not a or not b:
+        raise _RuleError("both arguments to matmul need to be at least 1D")
+    a2 = (1, *a) if len(a) == 1 else a
+    b2 = (*b, 1) if len(b) == 1 else b
+    if a2[-1] != b2[-2]:
+        raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
+    batch = _broadcast(a2[:-2], b2[:-2])
+    return batch + (a2[-2:-1] if len(a) > 1 else ()) + (b2[-1:] if len(b) > 1 else ())
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _einsum(equation: str, shapes: list[_Shape]) -> tuple[list[str], str, dict[str, int]]:
+    """Each operand's subscripts and the output's ('...' spelt out in spare letters, aligned
+    on the right), and each letter's size after broadcasting."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(shapes):
+        raise _RuleError(f"equation {equation!r} has {len(terms)} operand(s)")
+    ell = max((len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t),
+              default=0)
+    spare = "".join(c for c in _LETTERS if c not in eq)[:ell]
+    subs: list[str] = []
+    sizes: dict[str, int] = {}
+    for term, shape in zip(terms, shapes, strict=True):
+        if "..." in term:
+            term = term.replace("...", spare[ell - (len(shape) - len(term) + 3):])
+        if len(term) != len(shape):
+            raise _RuleError(f"subscripts {term!r} do not match shape {_fmt(shape)}")
+        for c, n in zip(term, shape, strict=True):
+            have = sizes.setdefault(c, n)
+            if have != n and 1 not in (have, n):
+                raise _RuleError(f"subscript {c!r} has sizes {have} and {n}")
+            sizes[c] = have if n == 1 else n
+        subs.append(term)
+    if arrow:
+        out = out.replace("...", spare)
+    else:
+        once = [c for c in sizes if c not in spare and "".join(subs).count(c) == 1]
+        out = spare + "".join(sorted(once))
+    return subs, out, sizes
+
+
+def _einsum_rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    subs, out, sizes = _einsum(a["equation"], [s for s, _, _ in m])
+    dtypes = [d for _, d, _ in m]
+    summed = set("".join(subs)) - set(out)
+    if len(dtypes) == 1:
+        dtype = dtypes[0] if dtypes[0] in _FLOATS or not summed else "int64"
+    else:
+        dtype = _promote([((1,), d, False) for d in dtypes])
+    return tuple(sizes[c] for c in out), dtype
+
+
+def _solve_shape(a: _Shape, b: _Shape) -> _Shape:
+    if len(a) < 2 or a[-1] != a[-2]:
+        raise _RuleError(f"A must be square, got {_fmt(a)}")
+    n = a[-1]
+    if len(b) == 1 or b == a[:-1]:
+        if b[-1] != n:
+            raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
+        return (*_broadcast(a[:-2], b[:-1]), n)
+    if len(b) < 2 or b[-2] != n:
+        raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
+    return _broadcast(a[:-2], b[:-2]) + b[-2:]
+
+
+def _reshape(shape: _Shape, target: Any) -> _Shape:
+    target = [target] if isinstance(target, int) else list(target)
+    size = math.prod(shape)
+    if target.count(-1) == 1:
+        rest = math.prod(n for n in target if n != -1)
+        if rest == 0 or size % rest:
+            raise _RuleError(f"shape {_fmt(shape)} cannot be reshaped to {target}")
+        target[target.index(-1)] = size // rest
+    if math.prod(target) != size:
+        raise _RuleError(f"shape {_fmt(shape)} cannot be reshaped to {target}")
+    return tuple(target)
+
+
+def _expand(shape: _Shape, target: Any) -> _Shape:
+    target = [target] if isinstance(target, int) else list(target)
+    lead = len(target) - len(shape)
+    if lead < 0:
+        raise _RuleError(f"cannot expand {_fmt(shape)} to fewer dims")
+    out = []
+    for i, n in enumerate(target):
+        old = shape[i - lead] if i >= lead else None
+        if n == -1:
+            if old is None:
+                raise _RuleError("-1 is not allowed for a new leading dim")
+            n = old
+        elif old is not None and old not in (1, n):
+            raise _RuleError(f"cannot expand {_fmt(shape)} to {target}")
+        out.append(n)
+    return tuple(out)
+
+
+def _squeeze(shape: _Shape, dim: Any) -> _Shape:
+    if dim is None:
+        return tuple(n for n in shape if n != 1)
+    dims = {_dim(d, len(shape)) for d in ([dim] if isinstance(dim, int) else dim)}
+    return tuple(n for i, n in enumerate(shape) if not (i in dims and n == 1))
+
+
+def _flatten(shape: _Shape, start: int, end: int) -> _Shape:
+    if not shape:
+        return (1,)
+    s, e = _dim(start, len(shape)), _dim(end, len(shape))
+    if s > e:
+        raise _RuleError("flatten: start_dim comes after end_dim")
+    return (*shape[:s], math.prod(shape[s:e + 1]), *shape[e + 1:])
+
+
+def _cat_shape(shapes: list[_Shape], dim: int) -> _Shape:
+    if any(not s for s in shapes):
+        raise _RuleError("a 0-d tensor cannot be concatenated")
+    shapes = [s for s in shapes if s != (0,)] or [(0,)]  # PyTorch skips 1-d empty ones
+    first = shapes[0]
+    d = _dim(dim, len(first))
+    for s in shapes[1:]:
+        if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first, strict=True))
+                                       if i != d):
+            raise _RuleError(f"cat: shapes {' and '.join(map(_fmt, shapes))} do not match")
+    return (*first[:d], sum(s[d] for s in shapes), *first[d + 1:])
+
+
+def _stack_shape(shapes: list[_Shape], dim: int) -> _Shape:
+    first = shapes[0]
+    if any(s != first for s in shapes):
+        raise _RuleError(f"stack: shapes {' and '.join(map(_fmt, shapes))} differ")
+    d = _dim(dim, len(first) + 1)
+    return (*first[:d], len(shapes), *first[d:])
+
+
+def _slice_shape(shape: _Shape, dim: int, start: int, stop: int | None, step: int) -> _Shape:
+    d = _dim(dim, len(shape))
+    if not shape:
+        raise _RuleError("cannot slice a 0-d tensor")
+    n = len(range(*builtins.slice(start, stop, step).indices(shape[d])))
+    return (*shape[:d], n, *shape[d + 1:])
+
+
+def _arange(start: Any, end: Any, step: Any, dtype: str | None) -> tuple[_Shape, str]:
+    if end is None:
+        start, end = 0, start
+    start = 0 if start is None else start
+    if dtype is None:
+        dtype = "float32" if any(isinstance(v, float) for v in (start, end, step)) else "int64"
+    if dtype == "int64":
+        start, end, step = int(start), int(end), int(step)
+        return (max(0, -((start - end) // step)),), dtype
+    return (max(0, math.ceil((end - start) / step)),), dtype
+
+
+Meta = tuple[_Shape, str, bool]  # shape, dtype, is a Python number
+_Rule = Callable[[list[Meta], dict[str, Any]], tuple[_Shape, str]]
+
+
+def _elementwise(kind: str) -> _Rule:
+    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+        shape = _broadcast(*(s for s, _, _ in m))
+        if kind == "bool":
+            return shape, "bool"
+        dtype = _promote(m)
+        if kind == "float":
+            dtype = _float(dtype)
+        return shape, dtype
+
+    return rule
+
+
+def _unary(kind: str) -> _Rule:
+    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+        shape, dtype, _ = m[0]
+        if kind == "float":
+            dtype = _float(dtype)
+        elif kind == "int64-bool" and dtype == "bool":
+            dtype = "int64"
+        return shape, dtype
+
+    return rule
+
+
+def _reduction(kind: str) -> _Rule:
+    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+        shape, dtype, _ = m[0]
+        if kind == "sum" and (dtype in _INTS or dtype == "bool"):
+            dtype = "int64"
+        elif kind == "float":
+            dtype = _float(dtype)
+        return _reduced(shape, a.get("dim"), bool(a.get("keepdim"))), dtype
+
+    return rule
+
+
+def _clamp(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    bounds: list[Meta] = [((), _PYTHON_DTYPES[type(v)] if isinstance(v, bool) else
+                           "int64" if isinstance(v, int) else "float32", True)
+                          for v in (a.get("min"), a.get("max")) if v is not None]
+    return m[0][0], _promote([m[0], *bounds])
+
+
+def _same(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    return m[0][0], m[0][1]
+
+
+def _index_select(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    (x, dtype, _), (index, _, _) = m[0], m[1]
+    if not x:
+        return (), dtype
+    d = _dim(a["dim"], len(x))
+    return (*x[:d], math.prod(index), *x[d + 1:]), dtype
+
+
+def _constant(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    shape = a["shape"]
+    return (tuple([shape] if isinstance(shape, int) else shape),
+            a.get("dtype") or "float32")
+
+
+def _full(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    shape, _ = _constant(m, a)
+    v = a["value"]
+    dtype = a.get("dtype") or ("bool" if isinstance(v, bool) else "int64"
+                               if isinstance(v, int) else "float32")
+    return shape, dtype
+
+
+def _permute(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    shape = m[0][0]
+    dims = [_dim(d, len(shape)) for d in a["dims"]]
+    if sorted(dims) != list(range(len(shape))):
+        raise _RuleError(f"permute: dims {a['dims']} do not match {len(shape)} dims")
+    return tuple(shape[d] for d in dims), m[0][1]
+
+
+def _transpose(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    shape = list(m[0][0])
+    if not shape:
+        return (), m[0][1]
+    i, j = _dim(a["dim0"], len(shape)), _dim(a["dim1"], len(shape))
+    shape[i], shape[j] = shape[j], shape[i]
+    return tuple(shape), m[0][1]
+
+
+def _unsqueeze(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    shape = m[0][0]
+    d = _dim(a["dim"], len(shape) + 1)
+    return (*shape[:d], 1, *shape[d:]), m[0][1]
+
+
+def _cross(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
+    return _broadcast(m[0][0], m[1][0]), _promote(m)
+
+
+RULES: dict[str, _Rule] = {
+    **{n: _elementwise("promote") for n in ("add", "sub", "mul", "pow", "maximum", "minimum")},
+    "div": _elementwise("float"),
+    **{n: _elementwise("bool") for n in ("eq", "ne", "lt", "le", "gt", "ge")},
+    "where": lambda m, a: (_broadcast(*(s for s, _, _ in m)), _promote(m[1:])),
+    **{n: _unary("same") for n in ("neg", "abs", "sign", "relu", "detach")},
+    "square": _unary("int64-bool"),
+    **{n: _unary("float") for n in ("exp", "log", "log1p", "expm1", "sqrt", "reciprocal", "sin",
+                                    "cos", "tan", "tanh", "sigmoid", "softplus")},
+    "clamp": _clamp,
+    **{n: _reduction("sum") for n in ("sum", "prod")},
+    **{n: _reduction("same") for n in ("mean", "max", "min", "var")},
+    "logsumexp": _reduction("float"),
+    "cumsum": lambda m, a: (m[0][0], "int64" if m[0][1] in _INTS | {"bool"} else m[0][1]),
+    "softmax": _same,
+    "log_softmax": _same,
+    "matmul": lambda m, a: (_matmul_shape(m[0][0], m[1][0]), _promote(m)),
+    "einsum": _einsum_rule,
+    "transpose": _transpose,
+    "permute": _permute,
+    "det": lambda m, a: (m[0][0][:-2], m[0][1]),
+    "inv": _same,
+    "solve": lambda m, a: (_solve_shape(m[0][0], m[1][0]), _promote(m)),
+    "cross": _cross,
+    "reshape": lambda m, a: (_reshape(m[0][0], a["shape"]), m[0][1]),
+    "expand": lambda m, a: (_expand(m[0][0], a["shape"]), m[0][1]),
+    "squeeze": lambda m, a: (_squeeze(m[0][0], a.get("dim")), m[0][1]),
+    "unsqueeze": _unsqueeze,
+    "flatten": lambda m, a: (_flatten(m[0][0], a.get("start_dim", 0), a.get("end_dim", -1)),
+                             m[0][1]),
+    "cat": lambda m, a: (_cat_shape([s for s, _, _ in m], a.get("dim", 0)), _promote(m)),
+    "stack": lambda m, a: (_stack_shape([s for s, _, _ in m], a.get("dim", 0)), _promote(m)),
+    "slice": lambda m, a: (_slice_shape(m[0][0], a["dim"], a.get("start", 0), a.get("stop"),
+                                  a.get("step", 1)), m[0][1]),
+    "index_select": _index_select,
+    "gather": lambda m, a: (m[1][0], m[0][1]),
+    "scatter_add": _same,
+    "cast": lambda m, a: (m[0][0], a["dtype"]),
+    "zeros": _constant,
+    "ones": _constant,
+    "full": _full,
+    "eye": lambda m, a: ((a["n"], a["n"] if a.get("m") is None else a["m"]),
+                         a.get("dtype") or "float32"),
+    "arange": lambda m, a: _arange(a.get("start"), a.get("end"), a.get("step", 1),
+                                   a.get("dtype")),
+    "grad": lambda m, a: (m[1][0], m[1][1]),
+    "jvp": lambda m, a: (m[0][0], m[0][1]),
+}
+_GROUP_RULES = {"elementwise": _elementwise("promote"), "arithmetic": _elementwise("promote"),
+                "comparison": _elementwise("bool")}
+
+
+# ------------------------------------------------------------------ symbolic tensors
+
+
+class _Scope:
+    """The graph's top level, or a scan body."""
+
+    __slots__ = ("parent",)
+
+    def __init__(self, parent: _Scope | None) -> None:
+        self.parent = parent
+
+    def sees(self, other: _Scope) -> bool:
+        scope: _Scope | None = self
+        while scope is not None:
+            if scope is other:
+                return True
+            scope = scope.parent
+        return False
+
+
+class _Trace:
+    """One call of `trace`: its catalog, values in creation order, and the current scope."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.root = _Scope(None)
+        self.scope = self.root
+        self.items: list[TracedTensor | _ScanRecord] = []
+        self.open = True
+
+    def add(self, item: TracedTensor | _ScanRecord) -> None:
+        self.items.append(item)
+
+
+_LOCAL = threading.local()
+
+
+def _stack() -> list[_Trace]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack  # type: ignore[no-any-return]
+
+
+def _active() -> _Trace:
+    stack = _stack()
+    if not stack:
+        raise TraceError("no trace is in progress: call this inside a function passed to "
+                         "trace() (or Client.trace, forward, backward)")
+    return stack[-1]
+
+
+class TracedTensor:
+    """A symbolic tensor: a value of the graph being traced, with its static shape and
+    dtype where the tracer knows them. See the module's docstring for what it supports."""
+
+    __slots__ = ("__weakref__", "_args", "_attrs", "_dtype", "_id", "_kind", "_name", "_op",
+                 "_rank", "_ref", "_scope", "_seq", "_shape", "_trace", "_why")
+    __array_ufunc__ = None  # NumPy defers to our reflected operators
+    __hash__ = object.__hash__  # `==` builds an `eq` op, as in PyTorch
+
+    _trace: _Trace
+    _scope: _Scope
+    _kind: str  # input, op, carry, x (scan body slices), result (of a scan)
+    _op: str | None
+    _args: list[Any]
+    _attrs: dict[str, Any]
+    _shape: _Shape | None
+    _dtype: str | None
+    _why: str
+    _ref: Any  # an input's name; a scan result's or body placeholder's (record, index)
+    _name: str | None  # the first variable it was bound to
+    _rank: tuple[int, int]  # of _name: (a list's element, frames below the traced function)
+    _id: str | None  # its id in the graph, once built
+    _seq: int
+
+    def __init__(self, trace: _Trace, kind: str, *, op: str | None = None,
+                 args: list[Any] | None = None, attrs: dict[str, Any] | None = None,
+                 shape: _Shape | None = None, dtype: str | None = None, why: str = "",
+                 ref: Any = None) -> None:
+        self._trace, self._scope, self._kind = trace, trace.scope, kind
+        self._op, self._args, self._attrs = op, args or [], attrs or {}
+        self._shape, self._dtype, self._why = shape, dtype, why
+        self._ref, self._name, self._id = ref, None, ref if kind == "input" else None
+        self._rank = (2, 0)
+        self._seq = len(trace.items)
+        trace.add(self)
+
+    # ------------------------------------------------------------ static facts
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self._shape is None:
+            raise TraceError(f"the shape of {self._describe()} is not known to the tracer: "
+                             f"{self._why or 'no shape rule'} (the server checks shapes)")
+        return self._shape
+
+    @property
+    def dtype(self) -> str:
+        if self._dtype is None:
+            raise TraceError(f"the dtype of {self._describe()} is not known to the tracer: "
+                             f"{self._why or 'no dtype rule'}")
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self) -> Iterator[TracedTensor]:
+        if not self.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        for i in range(self.shape[0]):
+            yield self[i]
+
+    def _describe(self) -> str:
+        if self._kind == "input":
+            return f"input {self._ref!r}"
+        if self._kind == "op":
+            return f"the result of {self._op}" + (f" ({self._name!r})" if self._name else "")
+        return f"a scan {'result' if self._kind == 'result' else 'body value'}"
+
+    def __repr__(self) -> str:
+        shape = "?" if self._shape is None else list(self._shape)
+        name = self._id or self._name
+        what = f"{self._kind} {name!r}" if name else self._op or self._kind
+        return f"TracedTensor({what}, shape={shape}, dtype={self._dtype or '?'})"
+
+    # ------------------------------------------------------------ what needs data
+    def __bool__(self) -> bool:
+        raise _data_error("bool(tensor) (an `if`, `while`, `and`/`or`, `not` or `assert` on a "
+                          "tensor, or a builtin max/min/sorted over tensors)")
+
+    def __float__(self) -> float:
+        raise _data_error("float(tensor)")
+
+    def __int__(self) -> int:
+        raise _data_error("int(tensor)")
+
+    def __index__(self) -> int:
+        raise _data_error("using a tensor as a Python int (range(), an index, a size)")
+
+    def __complex__(self) -> complex:
+        raise _data_error("complex(tensor)")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _data_error("converting a tensor to a NumPy array")
+
+    def item(self) -> Any:
+        raise _data_error("tensor.item()")
+
+    def tolist(self) -> Any:
+        raise _data_error("tensor.tolist()")
+
+    def numpy(self) -> Any:
+        raise _data_error("tensor.numpy()")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TraceError("tensors of a traced graph are immutable: build the new value with "
+                         "where, scatter_add or cat instead of assigning into one")
+
+    # ------------------------------------------------------------ methods from the catalog
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        catalog = self._trace.catalog
+        op = catalog.resolve(name)
+        if op is None or not op.args or op.variadic:
+            if op is None and name not in _TRANSFORMS and (
+                    name in _KNOWN_OPS or name in ALIASES):
+                raise catalog.missing(name, "TracedTensor")
+            close = difflib.get_close_matches(name, [*dir(type(self)), *_methods(catalog)], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise AttributeError(f"'TracedTensor' object has no attribute {name!r}{hint}",
+                                 name=name)
+        return lambda *args, **kwargs: _call(op, args, kwargs, self_value=self)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *_methods(self._trace.catalog)})
+
+    def _op_named(self, name: str) -> OpInfo:
+        op = self._trace.catalog.resolve(name)
+        if op is None:
+            raise self._trace.catalog.missing(name, "TracedTensor")
+        return op
+
+    def _method(self, name: str, *args: Any, **kwargs: Any) -> TracedTensor:
+        return _call(self._op_named(name), args, kwargs, self_value=self)
+
+    @property
+    def T(self) -> TracedTensor:
+        if self.ndim == 2:
+            return self._method("transpose", 0, 1)
+        return self._method("permute", list(range(self.ndim))[::-1])
+
+    @property
+    def mT(self) -> TracedTensor:
+        return self._method("transpose", -2, -1)
+
+    def t(self) -> TracedTensor:
+        return self if self.ndim < 2 else self._method("transpose", 0, 1)
+
+    def view(self, *shape: Any) -> TracedTensor:
+        return self._method("reshape", *shape)
+
+    def contiguous(self) -> TracedTensor:
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> TracedTensor:
+        return self._method("slice", dim=dim, start=start, stop=start + length)
+
+    def to(self, dtype: Any = None, *args: Any, **kwargs: Any) -> TracedTensor:
+        dtype = kwargs.pop("dtype", dtype)
+        if dtype is None or (isinstance(dtype, str) and dtype.startswith(("cpu", "cuda"))):
+            return self  # a device: the request's `device` says where it runs
+        return self._method("cast", dtype=dtype_name(dtype))
+
+    # ------------------------------------------------------------ indexing
+    def __getitem__(self, key: Any) -> TracedTensor:
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            at = key.index(Ellipsis)
+            used = sum(1 for k in key if k is not None and k is not Ellipsis)
+            key = key[:at] + (builtins.slice(None),) * (self.ndim - used) + key[at + 1:]
+        out, dim, drop = self, 0, []
+        for k in key:
+            if k is None:
+                out = out._method("unsqueeze", dim)
+                dim += 1
+            elif isinstance(k, builtins.slice):
+                if k != builtins.slice(None):
+                    step = 1 if k.step is None else _python_int(k.step, "a slice step")
+                    if step <= 0:
+                        raise ValueError("slice steps must be positive (as in PyTorch)")
+                    attrs: dict[str, Any] = {"dim": dim}
+                    if k.start is not None:
+                        attrs["start"] = _python_int(k.start, "a slice bound")
+                    if k.stop is not None:
+                        attrs["stop"] = _python_int(k.stop, "a slice bound")
+                    if step != 1:
+                        attrs["step"] = step
+                    out = out._method("slice", **attrs)
+                dim += 1
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                k = int(k)
+                if self._shape is not None and out._shape is not None and dim < len(out._shape):
+                    size = out._shape[dim]
+                    if not -size <= k < size:
+                        raise IndexError(f"index {k} is out of bounds for dimension {dim} "
+                                         f"with size {size}")
+                stop = None if k == -1 else k + 1
+                out = out._method("slice", dim=dim, start=k, **({} if stop is None else
+                                                                 {"stop": stop}))
+                drop.append(dim)
+                dim += 1
+            elif isinstance(k, TracedTensor):
+                if k._dtype == "bool":
+                    raise _data_error("indexing with a boolean mask (its result's shape)")
+                out = out._method("index_select", dim, k)
+                dim += 1
+            else:
+                raise TypeError(f"unsupported index {k!r}: use ints, slices, None, ... or a "
+                                "1-d integer tensor; gather and index_select take more")
+        if drop:
+            out = out._method("squeeze", drop[0] if len(drop) == 1 else drop)
+        return out
+
+
+def _python_int(value: Any, what: str) -> int:
+    if isinstance(value, TracedTensor):
+        raise _data_error(f"a tensor as {what}")
+    return int(value)
+
+
+_KNOWN_OPS = frozenset(RULES) | {"scan"}
+
+
+def _methods(catalog: Catalog) -> list[str]:
+    return [n for n in catalog.names() if (op := catalog.resolve(n)) is not None and op.args
+            and not op.variadic]
+
+
+def _cast_method(dtype: str) -> Callable[[TracedTensor], TracedTensor]:
+    def method(self: TracedTensor) -> TracedTensor:
+        return self._method("cast", dtype=dtype)
+
+    return method
+
+
+for _m, _d in (("float", "float32"), ("double", "float64"), ("half", "float16"),
+               ("int", "int32"), ("long", "int64"), ("bool", "bool")):
+    setattr(TracedTensor, _m, _cast_method(_d))
+
+
+def _binary(op: str, reflected: bool) -> Callable[[TracedTensor, Any], Any]:
+    def method(self: TracedTensor, other: Any) -> Any:
+        if not isinstance(other, TracedTensor):
+            try:
+                other = _literal(other)
+            except _NotOperand:
+                return NotImplemented
+        info = self._trace.catalog.resolve(op)
+        if info is None:
+            raise self._trace.catalog.missing(op, "TracedTensor")
+        args = [other, self] if reflected else [self, other]
+        return _apply(info, args, {})
+
+    return method
+
+
+_OPERATORS = {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__",
+              "pow": "__pow__", "matmul": "__matmul__"}
+for _op, _dunder in _OPERATORS.items():
+    setattr(TracedTensor, _dunder, _binary(_op, False))
+    setattr(TracedTensor, "__r" + _dunder[2:], _binary(_op, True))
+for _op, _dunder in {"lt": "__lt__", "le": "__le__", "gt": "__gt__", "ge": "__ge__",
+                     "eq": "__eq__", "ne": "__ne__"}.items():
+    setattr(TracedTensor, _dunder, _binary(_op, False))
+setattr(TracedTensor, "__neg__", lambda self: self._method("neg"))  # noqa: B010
+setattr(TracedTensor, "__pos__", lambda self: self)  # noqa: B010
+setattr(TracedTensor, "__abs__", lambda self: self._method("abs"))  # noqa: B010
+
+
+# ------------------------------------------------------------------ calls
+
+
+class _NotOperand(Exception):
+    pass
+
+
+def _literal(value: Any) -> Number:
+    """A Python number from a number-like value; NumPy arrays of more than one element are
+    refused (a graph holds no constant arrays)."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        if value.size != 1 or value.ndim > 0:
+            raise TraceError(
+                f"a NumPy array of shape {list(value.shape)} inside a traced function: a graph "
+                "holds no constant arrays; pass it as an input (or build it with zeros, ones, "
+                "full, eye or arange)")
+        value = value.item()
+    if isinstance(value, (bool, int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TraceError(f"the number {value} cannot be a literal of a graph (JSON has no "
+                             "such number): pass it as an input tensor")
+        return value
+    raise _NotOperand(value)
+
+
+def _operand(value: Any, what: str) -> Value:
+    if isinstance(value, TracedTensor):
+        return value
+    try:
+        return _literal(value)
+    except _NotOperand:
+        raise TypeError(f"{what} must be a tensor or a number, not {type(value).__name__}"
+                        ) from None
+
+
+def _attr_value(op: OpInfo, key: str, value: Any) -> Any:
+    if isinstance(value, TracedTensor):
+        raise TraceError(f"{op.name}: attribute {key!r} must be a Python value, not a traced "
+                         "tensor (attributes are static: a tensor's value is not known while "
+                         "tracing)")
+    kind = op.attrs[key].type.split("|")[0]
+    if value is None:
+        return None
+    if kind == "dtype":
+        return dtype_name(value)
+    if isinstance(value, (tuple, list)):
+        return [_attr_value(op, key, v) for v in value]
+    if isinstance(value, (np.generic, np.ndarray, float)):
+        return _literal(value)
+    return value
+
+
+def _call(op: OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any],
+          self_value: TracedTensor | None = None) -> TracedTensor:
+    """A PyTorch-style call of `op` (a method's `self` in `self_value`)."""
+    if op.variadic:
+        tensors, attrs = _bind_variadic(op, list(args), dict(kwargs))
+    else:
+        tensors, attrs = _bind(op, list(args), dict(kwargs), self_value)
+    for key in attrs:
+        if key not in op.attrs:
+            known = ", ".join(op.attrs) or "none"
+            close = difflib.get_close_matches(key, list(op.attrs), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{op.name}() got an unexpected keyword argument {key!r}{hint} "
+                            f"({op.name} takes: {known})")
+    bound = {}
+    for key, value in attrs.items():
+        value = _attr_value(op, key, value)
+        default = op.attrs[key].default
+        if not op.attrs[key].required and value == default and type(value) is type(default):
+            continue  # the catalog's default: left out
+        bound[key] = value
+    missing = [k for k, a in op.attrs.items() if a.required and k not in bound]
+    if missing:
+        raise TypeError(f"{op.name}() missing required argument(s): {', '.join(missing)}")
+    return _apply(op, [_operand(t, f"{op.name}'s tensor argument") for t in tensors], bound)
+
+
+def _bind(op: OpInfo, args: list[Any], kwargs: dict[str, Any],
+          self_value: TracedTensor | None) -> tuple[list[Any], dict[str, Any]]:
+    order = op.order
+    named: dict[str, Any] = {}
+    if self_value is not None:
+        named[op.self_arg] = self_value
+    # Positionals fill the slots not given by keyword (`gather(x, idx, dim=1)` as in expr).
+    free = [n for n in order if n not in named and n not in kwargs]
+    tensors_given = sum(1 for n in free[:len(args)] if n in op.args)
+    attrs_first = [n for n in order if n in op.attrs][:1]
+    if (attrs_first and order == (*op.args, *op.attrs)
+            and op.attrs[attrs_first[0]].type.split("|")[0] in ("shape", "ints")):
+        sizes = args[tensors_given:]
+        if len(sizes) > 1 and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+                                  for n in sizes):
+            args = [*args[:tensors_given], [int(n) for n in sizes]]
+    if len(args) > len(free):
+        raise TypeError(f"{op.name}() takes at most {len(free)} positional argument(s) "
+                        f"({', '.join(free)}), got {len(args)}")
+    named.update(zip(free, args, strict=False))
+    for key, value in kwargs.items():
+        if key in named:
+            raise TypeError(f"{op.name}() got multiple values for argument {key!r}")
+        named[key] = value
+    tensors = []
+    for name in op.args:
+        if name not in named:
+            raise TypeError(f"{op.name}() missing tensor argument {name!r}")
+        tensors.append(named.pop(name))
+    return tensors, named
+
+
+def _bind_variadic(op: OpInfo, args: list[Any], kwargs: dict[str, Any]
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    attrs: dict[str, Any] = {}
+    lead = op.lead_attr
+    if lead is not None and args and isinstance(args[0], str):
+        attrs[lead] = args.pop(0)
+    seq_name = op.args[0] if op.args else "tensors"
+    tensors: list[Any]
+    if seq_name in kwargs:
+        tensors = list(kwargs.pop(seq_name))
+    elif args and isinstance(args[0], (list, tuple)):
+        tensors = list(args.pop(0))
+    else:
+        tensors = []
+        while args and isinstance(args[0], TracedTensor):
+            tensors.append(args.pop(0))
+    rest = [k for k in op.attrs if k != lead and k not in attrs]
+    if len(args) > len(rest):
+        raise TypeError(f"{op.name}() takes the tensors and then at most {len(rest)} "
+                        f"argument(s) ({', '.join(rest)}), got {len(args)} more")
+    attrs.update(zip(rest, args, strict=False))
+    for key, value in kwargs.items():
+        if key in attrs:
+            raise TypeError(f"{op.name}() got multiple values for argument {key!r}")
+        attrs[key] = value
+    if not tensors:
+        raise TypeError(f"{op.name}() needs at least one tensor")
+    return tensors, attrs
+
+
+def _meta(value: Value) -> Meta | None:
+    if isinstance(value, TracedTensor):
+        if value._shape is None or value._dtype is None:
+            return None
+        return value._shape, value._dtype, False
+    dtype = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
+    return (), dtype, True
+
+
+def _infer(op: OpInfo, args: list[Value], attrs: dict[str, Any]
+           ) -> tuple[_Shape | None, str | None, str]:
+    rule = RULES.get(op.name) or _GROUP_RULES.get(op.group)
+    if rule is None:
+        return None, None, f"op {op.name!r} has no shape rule in the tracer"
+    metas = [_meta(a) for a in args]
+    if any(m is None for m in metas):
+        return None, None, f"an argument of {op.name} has an unknown shape"
+    full = {k: a.default for k, a in op.attrs.items() if not a.required}
+    full.update(attrs)
+    try:
+        shape, dtype = rule(metas, full)  # type: ignore[arg-type]
+    except (_RuleError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+        return None, None, f"{op.name}: {exc}"
+    return tuple(int(n) for n in shape), dtype, ""
+
+
+def _check_visible(trace: _Trace, values: Sequence[Any], what: str) -> None:
+    for v in values:
+        if not isinstance(v, TracedTensor):
+            continue
+        if v._trace is not trace:
+            raise TraceError(f"{what}: a tensor of another trace (one that has finished, or "
+                             "an enclosing one): use only the tensors this trace made")
+        if not trace.scope.sees(v._scope):
+            raise TraceError(f"{what}: a value computed inside a scan body is used outside "
+                             "it; return it from the body (as a carry or a y) instead")
+
+
+def _apply(op: OpInfo, args: list[Value], attrs: dict[str, Any]) -> TracedTensor:
+    trace = _active()
+    _check_visible(trace, args, op.name)
+    shape, dtype, why = _infer(op, args, attrs)
+    return TracedTensor(trace, "op", op=op.name, args=args, attrs=attrs, shape=shape,
+                        dtype=dtype, why=why)
+
+
+# ------------------------------------------------------------------ F, grad, jvp, scan
+
+
+class Functional:
+    """The functional namespace (as `torch` and `torch.nn.functional`) of a catalog: every
+    op by name, with PyTorch's signatures, and `grad`, `jvp`, `scan`. `Functional(catalog)`
+    binds one; `service.trace.F` uses the catalog of the trace in progress; a client's `F`
+    is its server's."""
+
+    def __init__(self, catalog: Any = None) -> None:
+        self._source = catalog
+
+    def _catalog(self) -> Catalog:
+        source = self._source
+        if source is None:
+            return _active().catalog
+        if callable(source) and not isinstance(source, Catalog):
+            source = source()
+        if not isinstance(source, Catalog):
+            source = self._source = Catalog(source)
+        return source
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        catalog = self._catalog()
+        if name in _TRANSFORMS and name in catalog.transforms:
+            return _HELPERS[name]
+        op = catalog.resolve(name)
+        if op is None:
+            raise catalog.missing(name, "F")
+
+        def function(*args: Any, **kwargs: Any) -> TracedTensor:
+            return _call(op, args, kwargs)
+
+        function.__name__ = function.__qualname__ = name
+        function.__doc__ = op.doc
+        return function
+
+    def __dir__(self) -> list[str]:
+        try:
+            return self._catalog().names()
+        except TraceError:
+            return []
+
+    def __repr__(self) -> str:
+        return "<gradserve functional namespace>"
+
+
+F = Functional()
+
+
+def _transform(name: str) -> OpInfo:
+    trace = _active()
+    if name not in trace.catalog.transforms:
+        raise trace.catalog.missing(name, "F")
+    return OpInfo(name, "transforms", (), False, {})
+
+
+def _tensor(value: Any, what: str) -> TracedTensor:
+    if not isinstance(value, TracedTensor):
+        raise TypeError(f"{what} must be a traced tensor, not {type(value).__name__}")
+    return value
+
+
+def grad(target: TracedTensor, wrt: Any, v: Any = None) -> Any:
+    """torch.autograd.grad(target, wrt, v, create_graph=True) as a `grad` node: `wrt`'s shape
+    and dtype (a list or tuple of tensors gives a tuple); without `v` the target must have
+    one element."""
+    if isinstance(wrt, (list, tuple)):
+        return tuple(grad(target, w, v) for w in wrt)
+    op = _transform("grad")
+    args: list[Value] = [_tensor(target, "grad's target"), _tensor(wrt, "grad's wrt")]
+    if v is not None:
+        args.append(_operand(v, "grad's v"))
+    return _apply(op, args, {})
+
+
+def jvp(y: TracedTensor, x: TracedTensor, t: Any) -> TracedTensor:
+    """∂y/∂x · t (forward mode) as a `jvp` node: `y`'s shape and dtype; `t` of `x`'s."""
+    op = _transform("jvp")
+    return _apply(op, [_tensor(y, "jvp's y"), _tensor(x, "jvp's x"),
+                       _operand(t, "jvp's t")], {})
+
+
+class _ScanRecord:
+    """A scan node in the making: its arguments, its body's placeholders and results."""
+
+    def __init__(self, trace: _Trace, name: str, inits: list[Value], seqs: list[TracedTensor],
+                 length: int | None) -> None:
+        self.scope = trace.scope
+        self.body = _Scope(trace.scope)
+        self.name = name
+        self.inits, self.seqs, self.length = inits, seqs, length
+        self.carries: list[TracedTensor] = []
+        self.xs: list[TracedTensor] = []
+        self.nexts: list[Value] = []
+        self.ys: list[Value] = []
+        self.results: list[TracedTensor] = []
+        self.id: str | None = None
+        self.seq = len(trace.items)
+        trace.add(self)
+
+
+def _flat(value: Any) -> tuple[list[Any], bool]:
+    if isinstance(value, (tuple, list)):
+        return list(value), True
+    return [value], False
+
+
+def _pack(values: list[Any], many: bool, like: Any) -> Any:
+    if not many:
+        return values[0]
+    return list(values) if isinstance(like, list) else tuple(values)
+
+
+def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
+         length: int | None = None) -> tuple[Any, Any]:
+    """jax.lax.scan as a `scan` node: `body(carry, x) -> (new_carry, y)` is traced once.
+
+    `init`: a tensor or number, or a tuple or list of them; `carry` has its structure.
+    `xs`: a tensor, a tuple or list of tensors (sliced on dim 0: `x` has that structure), or
+    `()`/None for none (then `x` is None and `length` is required). `y`: a tensor, a tuple
+    or list of tensors, or None. Returns `(final_carry, ys)`, each y stacked on a new dim 0.
+    """
+    trace = _active()
+    _transform("scan")
+    inits_in, many_carries = _flat(init)
+    inits = [_operand(v, "a scan's initial carry") for v in inits_in]
+    seqs_in, many_xs = ([], False) if xs is None else _flat(xs)
+    seqs = [_tensor(s, "a scan's xs") for s in seqs_in]
+    _check_visible(trace, [*inits, *seqs], "scan")
+    if not inits:
+        raise TypeError("scan needs at least one carry")
+    steps = length
+    for s in seqs:
+        if s._shape is not None:
+            if not s._shape:
+                raise TraceError("scan: a 0-d tensor cannot be a sequence (xs are sliced on "
+                                 "dim 0)")
+            if steps is not None and s._shape[0] != steps:
+                raise TraceError(f"scan: xs of {s._shape[0]} steps, but length {steps}")
+            steps = s._shape[0]
+    if not seqs and length is None:
+        raise TraceError("scan without xs needs length= (the number of steps)")
+    name = getattr(body, "__name__", "scan")
+    record = _ScanRecord(trace, name if name.isidentifier() else "scan", inits, seqs, length)
+    outer = trace.scope
+    trace.scope = record.body
+    try:
+        for i, v in enumerate(inits):
+            meta = _meta(v)
+            record.carries.append(TracedTensor(
+                trace, "carry", ref=(record, i), shape=None if meta is None else meta[0],
+                dtype=None if meta is None else meta[1],
+                why="the initial carry's shape is unknown"))
+        for j, s in enumerate(seqs):
+            record.xs.append(TracedTensor(
+                trace, "x", ref=(record, j), shape=None if s._shape is None else s._shape[1:],
+                dtype=s._dtype, why="its sequence's shape is unknown"))
+        carry = _pack(record.carries, many_carries, init)
+        x = None if not seqs else _pack(record.xs, many_xs, xs)
+        out = body(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TraceError(f"scan's body must return (new_carry, y), got {type(out).__name__}"
+                             " (return (carry, None) when there is no y)")
+        new, ys = out
+        nexts, many_new = _flat(new)
+        if many_new != many_carries or len(nexts) != len(inits):
+            raise TraceError(f"scan's body returned a carry of another structure than init "
+                             f"({len(nexts)} value(s) for {len(inits)})")
+        record.nexts = [_operand(v, "a scan's new carry") for v in nexts]
+        ys_list, many_ys = ([], False) if ys is None else _flat(ys)
+        record.ys = [_operand(v, "a scan's y") for v in ys_list]
+        _check_visible(trace, [*record.nexts, *record.ys], "scan's body")
+    finally:
+        trace.scope = outer
+    for i, (carry_value, new_value) in enumerate(zip(record.carries, record.nexts, strict=True)):
+        before, after = _meta(carry_value), _meta(new_value)
+        if before is not None and after is not None and before[:2] != after[:2]:
+            raise TraceError(
+                f"scan: carry {i} is {_fmt(before[0])} {before[1]} but the body's new value "
+                f"is {_fmt(after[0])} {after[1]}: a carry keeps its shape and dtype (cast the "
+                "initial value, or the new one)")
+    finals = [TracedTensor(trace, "result", ref=(record, "carry", i), shape=c._shape,
+                           dtype=c._dtype, why=c._why) for i, c in enumerate(record.carries)]
+    stacked = []
+    for j, y in enumerate(record.ys):
+        meta = _meta(y)
+        shape = None if meta is None or steps is None else (steps, *meta[0])
+        stacked.append(TracedTensor(trace, "result", ref=(record, "y", j), shape=shape,
+                                    dtype=None if meta is None else meta[1],
+                                    why="a y's shape or the step count is unknown"))
+    record.results = [*finals, *stacked]
+    ys_out = None if ys is None else _pack(stacked, many_ys, ys)
+    return _pack(finals, many_carries, init), ys_out
+
+
+_HELPERS: dict[str, Callable[..., Any]] = {"grad": grad, "jvp": jvp, "scan": scan}
+
+
+# ------------------------------------------------------------------ names from variables
+
+
+def _library_paths() -> tuple[str, ...]:
+    paths = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            paths.add(os.path.realpath(path) + os.sep)
+    paths.update(os.path.realpath(p) + os.sep for p in sys.path
+                 if "site-packages" in p or "dist-packages" in p)
+    return tuple(paths)
+
+
+_LIBRARIES = _library_paths()
+_THIS_FILE = os.path.realpath(__file__)
+
+
+class _Namer:
+    """Names values after the local variables of the traced code, line by line (a trace
+    function: chained to any that is already set, as a debugger's or coverage's). A name
+    from the frame nearer the traced function wins (`h1 = dense(x)` names the result `h1`,
+    not the `out` of `dense`); a variable's name wins over a list's (`hs_0`); else the
+    first one stays."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self.trace = trace
+        self.user_files: dict[str, bool | None] = {}
+        self.previous: Any = None
+        self.lists: dict[tuple[int, str], tuple[int, int]] = {}  # (frame, var): (list, seen)
+
+    def __enter__(self) -> _Namer:
+        self.previous = sys.gettrace()
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(self.previous)
+
+    def _user(self, filename: str) -> bool | None:
+        """True for the user's code, False for a library's, None for this module's."""
+        if filename not in self.user_files:
+            path = os.path.realpath(filename) if os.path.isabs(filename) else filename
+            self.user_files[filename] = None if path == _THIS_FILE else not (
+                path.startswith(_LIBRARIES) or filename.startswith("<frozen"))
+        return self.user_files[filename]
+
+    def _global(self, frame: FrameType, event: str, arg: Any) -> Any:
+        inner = self.previous(frame, event, arg) if self.previous is not None else None
+        if not self._user(frame.f_code.co_filename):
+            return inner
+        depth, up = 0, frame.f_back  # user frames between this one and the tracer's
+        while up is not None and self._user(up.f_code.co_filename) is not None:
+            depth, up = depth + (self._user(up.f_code.co_filename) is True), up.f_back
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            nonlocal inner
+            if inner is not None:
+                inner = inner(frame, event, arg)
+            if event in ("line", "return"):
+                self.name_locals(frame, depth)
+            return local
+
+        return local
+
+    def name_locals(self, frame: FrameType, depth: int) -> None:
+        for name, value in frame.f_locals.items():
+            if name.startswith("_") or not name.isidentifier():
+                continue
+            if isinstance(value, TracedTensor):
+                self._name(value, name, (0, depth))
+            elif isinstance(value, (list, tuple)):
+                key = (id(frame), name)
+                known, seen = self.lists.get(key, (0, 0))
+                start = seen if known == id(value) and seen <= len(value) else 0
+                for i in range(start, len(value)):
+                    item = value[i]
+                    if isinstance(item, TracedTensor):
+                        self._name(item, f"{name}_{i}", (1, depth))
+                self.lists[key] = (id(value), len(value))
+
+    def _name(self, value: TracedTensor, name: str, rank: tuple[int, int]) -> None:
+        if value._trace is not self.trace or value._kind == "input":
+            return
+        if value._name is None or rank < value._rank:
+            value._name, value._rank = name, rank
+
+
+# ------------------------------------------------------------------ trace
+
+
+def trace(fn: Callable[..., Any], ops_catalog: Any, /, **specs: Any) -> dict[str, Any]:
+    """The graph JSON (`{"nodes": [...], "outputs": [...]}`) of `fn` called on symbolic
+    inputs, one per spec (see the module's docstring)."""
+    catalog = _as_catalog(ops_catalog)
+    t = _Trace(catalog)
+    inputs: dict[str, TracedTensor] = {}
+    for name, spec in specs.items():
+        s = spec_of(spec)
+        inputs[name] = TracedTensor(t, "input", ref=name, shape=s.shape, dtype=s.dtype)
+    _stack().append(t)
+    try:
+        call = _binder(fn, inputs)
+        with _Namer(t):
+            result = call()
+    finally:
+        _stack().pop()
+        t.open = False
+    return _Builder(t, _outputs(result)).build()
+
+
+def _binder(fn: Callable[..., Any], inputs: dict[str, TracedTensor]) -> Callable[[], Any]:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return lambda: fn(**inputs)
+    try:
+        signature.bind(**inputs)
+        return lambda: fn(**inputs)
+    except TypeError:
+        pass
+    try:
+        signature.bind(*inputs.values())
+    except TypeError as exc:
+        raise TypeError(f"trace: cannot call {getattr(fn, '__name__', fn)!r} with the inputs "
+                        f"{list(inputs)} by name or in order: {exc}") from None
+    return lambda: fn(*inputs.values())
+
+
+def _outputs(result: Any) -> list[tuple[str, TracedTensor]]:
+    if isinstance(result, TracedTensor):
+        pairs = [("out", result)]
+    elif isinstance(result, Mapping):
+        pairs = list(result.items())
+        for key, _ in pairs:
+            if not isinstance(key, str) or not key:
+                raise TraceError(f"output names must be non-empty strings, got {key!r}")
+    elif isinstance(result, (tuple, list)):
+        pairs = [(f"out{i}", v) for i, v in enumerate(result)]
+    else:
+        raise TraceError("the traced function must return a tensor, a tuple or list of "
+                         f"tensors, or a dict of them, not {type(result).__name__}")
+    if not pairs:
+        raise TraceError("the traced function returned no outputs")
+    for key, value in pairs:
+        if not isinstance(value, TracedTensor):
+            raise TraceError(f"output {key!r} is a {type(value).__name__}, not a traced tensor "
+                             "(a graph's outputs are values it computes)")
+        if value._scope.parent is not None:
+            raise TraceError(f"output {key!r} is a value computed inside a scan body; return "
+                             "it from the body (as a carry or a y) instead")
+    return pairs
+
+
+def _identifier(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
+
+
+_INFIX = {"add": ("+", 4), "sub": ("-", 4), "mul": ("*", 5), "div": ("/", 5), "matmul": ("@", 5),
+          "pow": ("**", 7), "lt": ("<", 3), "le": ("<=", 3), "gt": (">", 3), "ge": (">=", 3),
+          "eq": ("==", 3), "ne": ("!=", 3)}
+_ATOM, _UNARY = 9, 6
+
+
+def _number_text(value: Number) -> tuple[str, int]:
+    text = repr(value)
+    return text, _UNARY if text.startswith("-") else _ATOM
+
+
+def _attr_text(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_attr_text(v) for v in value) + "]"
+    if isinstance(value, str):
+        return json.dumps(value)  # (a Python string literal too)
+    return repr(value)
+
+
+class _Builder:
+    """The graph of a finished trace: which values are nodes, their ids, their exprs."""
+
+    def __init__(self, trace: _Trace, outputs: list[tuple[str, TracedTensor]]) -> None:
+        self.trace = trace
+        self.outputs = outputs
+        self.taken: set[str] = set()
+        self.counters: dict[str, Iterator[int]] = {}
+        self.materialized: set[int] = set()
+        self.op_form: set[int] = set()
+        self.next_of: dict[int, tuple[_ScanRecord, int]] = {}  # body value -> its carry
+
+    # -------------------------------------------------------- what is live, what is a node
+    def _live(self) -> tuple[set[int], set[int], set[tuple[int, int]]]:
+        """Live values (by id()), live scans, and live (scan, y index) pairs."""
+        values: set[int] = set()
+        scans: set[int] = set()
+        ys: set[tuple[int, int]] = set()
+        todo: list[Any] = [v for _, v in self.outputs]
+        while todo:
+            v = todo.pop()
+            if not isinstance(v, TracedTensor) or id(v) in values:
+                continue
+            values.add(id(v))
+            if v._kind == "op":
+                todo.extend(v._args)
+            elif v._kind == "result":
+                record, what, i = v._ref
+                if what == "y":
+                    ys.add((id(record), i))
+                    todo.append(record.ys[i])
+                if id(record) not in scans:
+                    scans.add(id(record))
+                    todo.extend([*record.inits, *record.seqs, *record.nexts, *record.carries,
+                                 *record.xs])
+        return values, scans, ys
+
+    def _decide(self, live: set[int], scans: set[int], live_ys: set[tuple[int, int]]) -> None:
+        uses: dict[int, int] = {}
+        force = self.materialized
+        items = [i for i in self.trace.items
+                 if (id(i) in live if isinstance(i, TracedTensor) else id(i) in scans)]
+        self.items = items
+        for item in items:
+            if isinstance(item, _ScanRecord):
+                for i, v in enumerate(item.nexts):
+                    if isinstance(v, TracedTensor) and v._scope is item.body:
+                        self.next_of.setdefault(id(v), (item, i))
+                refs = [*item.inits, *item.seqs, *item.nexts,
+                        *(y for j, y in enumerate(item.ys) if (id(item), j) in live_ys)]
+                force.update(id(v) for v in refs if isinstance(v, TracedTensor))
+                continue
+            if item._kind != "op":
+                force.add(id(item))
+                continue
+            name_ok = _identifier(item._op or "")
+            for k, a in enumerate(item._args):
+                if not isinstance(a, TracedTensor):
+                    continue
+                uses[id(a)] = uses.get(id(a), 0) + 1
+                if a._scope is not item._scope or (item._op in ("grad", "jvp") and k == 1):
+                    force.add(id(a))
+                if a._kind == "input" and not _identifier(a._ref):
+                    name_ok = False
+            if not name_ok:  # a name an expr cannot hold: a node in op form
+                self.op_form.add(id(item))
+                force.add(id(item))
+                force.update(id(a) for a in item._args if isinstance(a, TracedTensor))
+        force.update(id(v) for _, v in self.outputs)
+        for item in items:
+            if isinstance(item, TracedTensor) and (item._name is not None
+                                                   or uses.get(id(item), 0) > 1):
+                force.add(id(item))
+        # Cut expressions that grow too deep or long.
+        depth: dict[int, int] = {}
+        size: dict[int, int] = {}
+        for item in items:
+            if not isinstance(item, TracedTensor) or item._kind != "op":
+                continue
+            kids = [a for a in item._args if isinstance(a, TracedTensor)]
+            inline = [a for a in kids if id(a) not in force]
+
+            def measure(inline: list[TracedTensor] = inline, kids: list[TracedTensor] = kids,
+                        item: TracedTensor = item) -> tuple[int, int]:
+                d = 1 + max((depth[id(a)] for a in inline), default=0)
+                s = (len(item._op or "") + 4 + 12 * len(kids) + 16 * len(item._attrs)
+                     + sum(size[id(a)] for a in inline))
+                return d, s
+
+            d, s = measure()
+            if d > MAX_INLINE_DEPTH or s > MAX_INLINE_CHARS:
+                force.update(id(a) for a in inline)
+                d, s = measure([])
+            if s > _MAX_EXPR_CHARS:
+                self.op_form.add(id(item))
+                force.add(id(item))
+            depth[id(item)], size[id(item)] = d, s
+
+    # -------------------------------------------------------- ids
+    def _unique(self, base: str, numbered: bool = False) -> str:
+        if not numbered and base not in self.taken:
+            self.taken.add(base)
+            return base
+        counter = self.counters.setdefault(base, itertools.count(1))
+        while True:
+            name = f"{base}_{next(counter)}"
+            if name not in self.taken:
+                self.taken.add(name)
+                return name
+
+    def _assign_ids(self) -> list[dict[str, Any]]:
+        """Ids for every node; returns the alias nodes that some outputs need."""
+        inputs = [i for i in self.trace.items if isinstance(i, TracedTensor)
+                  and i._kind == "input"]
+        self.taken.update(i._ref for i in inputs)
+        aliases: list[dict[str, Any]] = []
+        self.output_ids: list[str] = []
+        for key, value in self.outputs:
+            if value._kind == "input" and key == value._ref:
+                self.output_ids.append(key)
+                continue
+            if key in self.taken:
+                raise TraceError(f"output {key!r} has the name of an input or of another "
+                                 "output: return it under another name")
+            self.taken.add(key)
+            self.output_ids.append(key)
+            if value._kind != "input" and value._id is None and _identifier(key):
+                value._id = key
+            else:
+                aliases.append({"key": key, "value": value})
+        for item in self.items:
+            if isinstance(item, _ScanRecord):
+                item.id = self._unique(item.name)
+                continue
+            if item._id is not None or id(item) not in self.materialized:
+                continue
+            if item._name is not None:
+                item._id = self._unique(item._name)
+                continue
+            if item._kind == "carry":
+                base = "carry"
+            elif item._kind == "x":
+                base = "x"
+            elif item._kind == "result":
+                record, what, i = item._ref
+                source = record.carries[i] if what == "carry" else record.ys[i]
+                stem = source._id if isinstance(source, TracedTensor) and source._id else what
+                base = f"{stem}_last" if what == "carry" else f"{stem}_all"
+            elif id(item) in self.next_of:  # a carry's next value
+                record, i = self.next_of[id(item)]
+                base = f"{record.carries[i]._id}_next"
+            elif item._op in ("grad", "jvp"):
+                wrt = item._args[1]
+                base = f"{item._op}_{wrt._id}" if wrt._id else item._op or "v"
+            else:
+                base = item._op or "v"
+            item._id = self._unique(base, numbered=item._kind == "op" and item._op == base)
+        return aliases
+
+    # -------------------------------------------------------- rendering
+    def _text(self, value: Value) -> tuple[str, int]:
+        if not isinstance(value, TracedTensor):
+            return _number_text(value)
+        if id(value) in self.materialized:
+            assert value._id is not None
+            return value._id, _ATOM
+        return self._expr(value)
+
+    def _expr(self, v: TracedTensor) -> tuple[str, int]:
+        op = v._op or ""
+        args = v._args
+        if op in _INFIX and len(args) == 2 and not v._attrs:
+            symbol, prec = _INFIX[op]
+            (left, lp), (right, rp) = self._text(args[0]), self._text(args[1])
+            if op == "pow":
+                left = f"({left})" if lp <= prec else left
+                right = f"({right})" if rp < _UNARY else right
+            elif prec == 3:
+                left = f"({left})" if lp <= prec else left
+                right = f"({right})" if rp <= prec else right
+            else:
+                left = f"({left})" if lp < prec else left
+                right = f"({right})" if rp <= prec else right
+            return f"{left} {symbol} {right}", prec
+        if op == "neg" and len(args) == 1 and not v._attrs:
+            text, prec = self._text(args[0])
+            return "-" + (f"({text})" if prec < _UNARY or text.startswith("-") else text), _UNARY
+        parts = []
+        info = self.trace.catalog.ops.get(op)
+        attrs = dict(v._attrs)
+        lead = info.lead_attr if info is not None else None
+        if lead is not None and lead in attrs:
+            parts.append(_attr_text(attrs.pop(lead)))
+        parts.extend(self._text(a)[0] for a in args)
+        parts.extend(f"{k}={_attr_text(x)}" for k, x in attrs.items())
+        return f"{op}({', '.join(parts)})", _ATOM
+
+    def _ref(self, value: Value) -> Any:
+        if isinstance(value, TracedTensor):
+            assert value._id is not None, value
+            return value._id
+        return value
+
+    def _node(self, v: TracedTensor) -> dict[str, Any]:
+        assert v._id is not None
+        if id(v) in self.op_form:
+            node: dict[str, Any] = {"id": v._id, "op": v._op,
+                                    "args": [self._ref(a) for a in v._args]}
+            if v._attrs:
+                node["attrs"] = dict(v._attrs)
+            return node
+        return {"id": v._id, "expr": self._expr(v)[0]}
+
+    def build(self) -> dict[str, Any]:
+        live, scans, live_ys = self._live()
+        self._decide(live, scans, live_ys)
+        aliases = self._assign_ids()
+        top: list[dict[str, Any]] = []
+        bodies: dict[int, list[dict[str, Any]]] = {id(self.trace.root): top}
+        for item in self.items:
+            if isinstance(item, _ScanRecord):
+                nodes: list[dict[str, Any]] = []
+                bodies[id(item.body)] = nodes
+                bodies[id(item.scope)].append(self._scan(item, nodes, live_ys))
+            elif item._kind == "op" and id(item) in self.materialized:
+                bodies[id(item._scope)].append(self._node(item))
+        for alias in aliases:
+            value = alias["value"]
+            top.append({"id": alias["key"], "expr": value._id or value._ref})
+        return {"nodes": top, "outputs": list(self.output_ids)}
+
+    def _scan(self, record: _ScanRecord, nodes: list[dict[str, Any]],
+              live_ys: set[tuple[int, int]]) -> dict[str, Any]:
+        carries = [c._id for c in record.carries]
+        nexts = {}
+        for carry, value in zip(carries, record.nexts, strict=True):
+            if isinstance(value, TracedTensor):
+                nexts[carry] = value._id
+            else:  # a number: a constant of the body
+                const = self._unique(f"{carry}_next")
+                nodes.append({"id": const, "expr": _number_text(value)[0]})
+                nexts[carry] = const
+        results: dict[str, str] = {}
+        for result in record.results:
+            _, what, i = result._ref
+            if result._id is None:
+                continue  # not used
+            if what == "carry":
+                results[result._id] = carries[i]  # type: ignore[assignment]
+                continue
+            y = record.ys[i]
+            if isinstance(y, TracedTensor) and y._kind == "op" and y._scope is record.body:
+                results[result._id] = y._id  # type: ignore[assignment]
+            else:  # a carry, a slice, an outer value or a number: an alias in the body
+                alias = self._unique(f"{result._id}_step")
+                nodes.append({"id": alias, "expr": self._ref(y) if isinstance(y, TracedTensor)
+                              else _number_text(y)[0]})
+                results[result._id] = alias
+        node: dict[str, Any] = {
+            "id": record.id, "op": "scan",
+            "args": [self._ref(v) for v in (*record.inits, *record.seqs)],
+            "body": {"carry": carries, "xs": [x._id for x in record.xs], "nodes": nodes,
+                     "next": nexts},
+            "results": results,
+        }
+        if record.length is not None or not record.seqs:
+            node["attrs"] = {"length": record.length}
+        return node
