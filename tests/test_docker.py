@@ -316,7 +316,7 @@ def _compose_command() -> list[str] | None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("profile", [None, "gpu"])
+@pytest.mark.parametrize("profile", [None, "gpu", "lb"])
 def test_compose_file_validates(profile: str | None) -> None:
     compose = _compose_command()
     if compose is None:
@@ -330,3 +330,8 @@ def test_compose_file_validates(profile: str | None) -> None:
     assert "api" in services
     if profile == "gpu":
         assert "api-gpu" in services
+    if profile == "lb":  # tests/test_balancer.py runs it
+        assert {"api-1", "api-2", "api-3", "haproxy"} <= set(services)
+        config = _run([*args, "config"], timeout=60).stdout
+        # Host networking throughout (a bridge-less daemon), and nothing published.
+        assert config.count("network_mode: host") == 4, config
