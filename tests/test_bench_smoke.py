@@ -95,3 +95,16 @@ def test_wire_part_runs_small() -> None:
     assert w["graph"]["sent"]["id"] > bs.INLINE_MAX_BODY  # (see the graph_id probe)
     assert w["rss"]["before"] > 0 and w["rss"]["peak"] >= w["rss"]["before_front"]
     bs.print_wire(w, 1)
+
+
+@pytest.mark.integration
+def test_capacity_load_runs_small() -> None:
+    """bench/bench_capacity.py's load generator and its accounting against one replica
+    (no timing): every answer a 200, the tree's RSS and CPU seen."""
+    from bench import bench_capacity as bc
+
+    port = bc.free_port()
+    with bc.replica(port, 1) as proc:
+        m = bc.load(port, bc.SEED, 2, 0.5, 200, [proc.pid])
+    assert m.requests > 0 and m.statuses == {}, m
+    assert m.peak_rss > 0 and m.server_cpu_ms > 0, m
