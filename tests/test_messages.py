@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import ValidationErrors
+from engine.errors import UnknownOpError, ValidationErrors
 from engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
 
 INPUTS = {"x": TensorSpec((3, 4), "float32"), "w": TensorSpec((5, 2), "float32"),
@@ -30,6 +30,15 @@ def message(node: NodeSpec) -> str:
 ])
 def test_unknown_names_suggest_the_closest(node: NodeSpec, expected: str) -> None:
     assert expected in message(node)
+
+
+def test_an_unknown_op_is_the_same_problem_in_op_and_in_expr() -> None:
+    for node in (NodeSpec("z", expr="2 * softmx(x)"), NodeSpec("z", op="softmx", args=["x"])):
+        with pytest.raises(ValidationErrors) as info:
+            compile_graph(GraphSpec([node], ["z"]), INPUTS)
+        (err,) = info.value.errors
+        assert type(err) is UnknownOpError and err.node == "z", err
+        assert err.loc == ("graph", "nodes", 0, "expr" if node.expr else "op"), err.loc
 
 
 def test_nothing_close_suggests_nothing() -> None:

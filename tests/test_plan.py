@@ -137,6 +137,65 @@ async def test_errors_are_the_ones_forward_and_backward_give(client: httpx.Async
                    "json or dot")
 
 
+X34 = np.arange(12, dtype=np.float32).reshape(3, 4)
+W52 = np.ones((5, 2), np.float32)
+# name -> (path, graph, inputs, inputs that require grad, grad_outputs): each a different
+# problem of the contract, found before any data would be needed.
+BAD: dict[str, tuple[str, dict[str, Any], dict[str, np.ndarray], list[str],
+                     dict[str, np.ndarray] | None]] = {
+    "unknown-op": ("backward", {"nodes": [{"id": "y", "expr": "sum(logsumexpp(x))"}],
+                                "outputs": ["y"]}, {"x": X34}, ["x"], None),
+    "arity": ("no_grad", {"nodes": [{"id": "y", "op": "add", "args": ["x"]}],
+                          "outputs": ["y"]}, {"x": X34}, [], None),
+    "attribute": ("forward", {"nodes": [{"id": "y", "expr": "sum(x, keep_dim=True)"}],
+                              "outputs": ["y"]}, {"x": X34}, ["x"], None),
+    "expr": ("no_grad", {"nodes": [{"id": "y", "expr": "x.__class__"}], "outputs": ["y"]},
+             {"x": X34}, [], None),
+    "graph-cycle": ("no_grad", {"nodes": [{"id": "a", "expr": "b + x"},
+                                          {"id": "b", "expr": "a * 2"}], "outputs": ["b"]},
+                    {"x": X34}, [], None),
+    "graph-reference": ("backward", {"nodes": [{"id": "y", "expr": "sum(x * weight)"}],
+                                     "outputs": ["y"]}, {"x": X34}, ["x"], None),
+    "shape-mismatch": ("backward", {"nodes": [{"id": "y", "expr": "sum(relu(x) @ w)"}],
+                                    "outputs": ["y"]}, {"x": X34, "w": W52}, ["x"], None),
+    "dtype-mismatch": ("no_grad", {"nodes": [{"id": "y", "op": "matmul", "args": ["x", "i"]}],
+                                   "outputs": ["y"]},
+                       {"x": X34, "i": np.ones((4, 2), np.int64)}, [], None),
+    "non-scalar output": ("backward", {"nodes": [{"id": "y", "expr": "x * 2"}],
+                                       "outputs": ["y"]}, {"x": X34}, ["x"], None),
+    "nothing requires grad": ("backward", {"nodes": [{"id": "y", "expr": "sum(x)"}],
+                                           "outputs": ["y"]}, {"x": X34}, [], None),
+    "grad_outputs shape": ("backward", {"nodes": [{"id": "y", "expr": "x * 2"}],
+                                        "outputs": ["y"]}, {"x": X34}, ["x"],
+                           {"y": np.ones((4, 3), np.float32)}),
+    "requires_grad on integers": ("backward", {"nodes": [{"id": "y", "expr": "sum(i)"}],
+                                               "outputs": ["y"]},
+                                  {"i": np.ones(3, np.int64)}, ["i"], None),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+async def test_each_error_is_the_one_the_run_gives(client: httpx.AsyncClient, name: str) -> None:
+    """The same problem, field for field (status, type, detail, node, errors), from /plan
+    with specs and from /forward or /backward with the data."""
+    path, graph, arrays, wrt, grad_outputs = BAD[name]
+    specs = {k: _spec(a, k in wrt) for k, a in arrays.items()}
+    tensors = {k: _tensor(a, k in wrt) for k, a in arrays.items()}
+    plan_body: dict[str, Any] = {"graph": graph, "inputs": specs, "path": path}
+    run_body: dict[str, Any] = {"graph": graph, "inputs": tensors}
+    if grad_outputs is not None:
+        plan_body["grad_outputs"] = {k: _spec(a, False) for k, a in grad_outputs.items()}
+        run_body["grad_outputs"] = {k: _tensor(a, False) for k, a in grad_outputs.items()}
+    if path == "no_grad":
+        run_body["no_grad"] = True
+    planned = await client.post("/plan", json=plan_body)
+    ran = await client.post("/backward" if path == "backward" else "/forward", json=run_body)
+    a, b = strict_json(planned), strict_json(ran)
+    assert ran.status_code >= 400, b  # the case is a real problem
+    a.pop("request_id"), b.pop("request_id")
+    assert (planned.status_code, a) == (ran.status_code, b)
+
+
 async def test_over_budget_is_not_admitted_with_its_numbers() -> None:
     app = create_app(Settings(memory_budget_bytes=1_000_000, compute_budget=1e6))
     body = {"graph": {"nodes": [{"id": "y", "expr": "sum(x * x)"}], "outputs": ["y"]},

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import ExprError, did_you_mean, quoted
+from engine.errors import ExprError, GraphError, UnknownOpError, did_you_mean, quoted
 from engine.graph.spec import NodeSpec
 from engine.graph.transforms import TRANSFORMS
 from engine.ops import OPS
@@ -178,13 +178,14 @@ class _Compiler:
         self.piece: ast.expr | None = None  # the piece being built
         self.line_shift = self.col_shift = 0  # where the stripped text starts in the given
 
-    def fail(self, message: str, piece: ast.AST | None = None, hint: str = "") -> ExprError:
+    def fail(self, message: str, piece: ast.AST | None = None, hint: str = "",
+             kind: type[GraphError] = ExprError) -> GraphError:
         if piece is not None:
             segment = ast.get_source_segment(self.text, piece) or ""
             message = f"{message}: {quoted(segment, 40)}" if segment else message
-        return ExprError(message + hint, node=self.node_id, loc=("expr",))
+        return kind(message + hint, node=self.node_id, loc=("expr",))
 
-    def refuse(self, piece: ast.AST) -> ExprError:
+    def refuse(self, piece: ast.AST) -> GraphError:
         what = _DESCRIBE.get(type(piece), f"a {type(piece).__name__} expression")
         return self.fail(f"{what} is not allowed in expr", piece)
 
@@ -296,7 +297,9 @@ class _Compiler:
         name = self.name(call.func)
         if name not in OPS and name not in TRANSFORMS:
             hint = did_you_mean(name, [*OPS, *TRANSFORMS])
-            raise self.fail(f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func)
+            # The same problem as an unknown `op` field: `unknown-op`, not `expr`.
+            raise self.fail(f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func,
+                            kind=UnknownOpError)
         if name == "scan":
             raise self.fail("scan takes a body and results: write it as an op node", call.func)
         return name
