@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0. Written for gradserve (LICENSE); no third-party code.
 // gradserve explorer: plain JavaScript, no libraries, nothing fetched but this service's
 // own routes (the page's Content-Security-Policy allows 'self' only).
 "use strict";
