@@ -17,6 +17,7 @@ is given or no Docker daemon answers, and where there is no docker-compose.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import os
@@ -181,9 +182,10 @@ def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
             c.wait_status(service, "UP")
         yield c
     finally:
-        c.run("down", "--volumes", "--timeout", "5", "--remove-orphans", timeout=120,
-              check=False)
-        # Whatever compose left (a failed `up`): only this project's containers.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.run("down", "--volumes", "--timeout", "5", "--remove-orphans", timeout=120,
+                  check=False)
+        # Whatever compose left (a failed `up` or `down`): only this project's containers.
         left = _docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}",
                        check=False).stdout.split()
         if left:
