@@ -41,7 +41,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
@@ -59,7 +58,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_service import cell_bodies, free_port, stack  # noqa: E402
+from bench.bench_hardening import Sampler, TreeMonitor  # noqa: E402
+from bench.bench_service import cell_bodies, free_port, server_process, stack  # noqa: E402
 
 HOST = "127.0.0.1"
 MiB = 1 << 20
@@ -187,14 +187,15 @@ def load(port: int, body: bytes, connections: int, seconds: float, max_requests:
         return latencies, statuses, time.perf_counter() - t0
 
     asyncio.run(run(WARMUP_S, max_requests))
-    sampler = TreeSampler(trees or [])
-    cpu0 = (tree_cpu(trees or []), tree_cpu(proxy or []), _own_cpu())
-    sampler.start()
+    servers, proxies = TreeMonitor(*trees or []), TreeMonitor(*proxy or [])
+    sampler = Sampler(servers, SAMPLE_INTERVAL_S)
+    t0 = time.monotonic()
+    cpu0 = (servers.cpu_seconds(), proxies.cpu_seconds(), time.process_time())
     try:
         latencies, statuses, elapsed = asyncio.run(run(seconds, max_requests))
     finally:
         sampler.stop()
-    cpu1 = (tree_cpu(trees or []), tree_cpu(proxy or []), _own_cpu())
+    cpu1 = (servers.cpu_seconds(), proxies.cpu_seconds(), time.process_time())
     n = max(len(latencies), 1)
     server_ms, proxy_ms, client_ms = ((b - a) * 1000 / n for a, b in zip(cpu0, cpu1,
                                                                           strict=True))
@@ -203,28 +204,9 @@ def load(port: int, body: bytes, connections: int, seconds: float, max_requests:
         requests=len(latencies), seconds=elapsed,
         p50_ms=float(np.percentile(ms, 50)) if len(ms) else float("nan"),
         p99_ms=float(np.percentile(ms, 99)) if len(ms) else float("nan"),
-        statuses=dict(statuses), peak_rss=sampler.peak, server_cpu_ms=server_ms,
-        proxy_cpu_ms=proxy_ms if proxy else float("nan"), client_cpu_ms=client_ms)
-
-
-def tree_cpu(pids: list[int]) -> float:
-    """CPU seconds (user + system) of the trees rooted at `pids`: each live process's own,
-    and that of its children that have exited (a replica's compute workers are replaced
-    every 200 tasks and stop when idle: their time is then their parent's children's)."""
-    total = 0.0
-    for pid in pids:
-        with suppress(psutil.Error):
-            root = psutil.Process(pid)
-            for p in (root, *root.children(recursive=True)):
-                with suppress(psutil.Error):
-                    t = p.cpu_times()
-                    total += t.user + t.system + t.children_user + t.children_system
-    return total
-
-
-def _own_cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+        statuses=dict(statuses), peak_rss=max(sampler.peak(t0) or 0, servers.rss()),
+        server_cpu_ms=server_ms, proxy_cpu_ms=proxy_ms if proxy else float("nan"),
+        client_cpu_ms=client_ms)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -233,12 +215,7 @@ def _own_cpu() -> float:
 def tree_memory(pid: int) -> tuple[int, int]:
     """(RSS summed, PSS summed) over a process and its descendants, in bytes."""
     rss = pss = 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0
-    for p in procs:
+    for p in TreeMonitor(pid).processes():
         with suppress(psutil.Error):
             full = p.memory_full_info()
             rss += full.rss
@@ -246,62 +223,15 @@ def tree_memory(pid: int) -> tuple[int, int]:
     return rss, pss
 
 
-class TreeSampler(threading.Thread):
-    """The peak, over samples every 20 ms, of the RSS summed over process trees."""
-
-    def __init__(self, pids: list[int]) -> None:
-        super().__init__(daemon=True)
-        self.pids = pids
-        self.peak = 0
-        self.halt = threading.Event()
-
-    def sample(self) -> int:
-        total = 0
-        for pid in self.pids:
-            with suppress(psutil.Error):
-                root = psutil.Process(pid)
-                for p in (root, *root.children(recursive=True)):
-                    with suppress(psutil.Error):
-                        total += p.memory_info().rss
-        return total
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            self.peak = max(self.peak, self.sample())
-            time.sleep(SAMPLE_INTERVAL_S)
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join()
-        self.peak = max(self.peak, self.sample())
-
-
 # --------------------------------------------------------------------------- servers
 
 
 @contextmanager
 def replica(port: int, workers: int) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, **REPLICA_ENV, "GRADSERVE_PORT": str(port),
-           "GRADSERVE_WORKERS": str(workers)}
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with suppress(httpx.TransportError):
-                if httpx.get(f"http://{HOST}:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gradserve on {port} did not become ready")
-            time.sleep(0.1)
+    env = {**REPLICA_ENV, "GRADSERVE_PORT": str(port), "GRADSERVE_WORKERS": str(workers)}
+    with server_process([sys.executable, "-m", "service.cli", "serve"], port, env,
+                        ready="/readyz", start_s=60) as (_, proc):
         yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def build_haproxy(base_image: str) -> str:

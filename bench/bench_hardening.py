@@ -125,7 +125,7 @@ def raise_nofile() -> tuple[int, int]:
 
 # ---------------------------------------------------------------- the server's process tree
 class TreeMonitor:
-    """RSS and CPU time of a process and all its descendants.
+    """RSS and CPU time of processes (one or several roots) and all their descendants.
 
     CPU: a descendant that exits takes its CPU time with it, unless its parent reaps it
     (then the time moves into the parent's children_user/children_system). So the total is
@@ -135,8 +135,8 @@ class TreeMonitor:
     does) so that short-lived workers are seen.
     """
 
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
+    def __init__(self, *pids: int) -> None:
+        self.roots = [psutil.Process(pid) for pid in pids]
         self._lock = threading.Lock()
         self._own: dict[tuple[int, float], float] = {}  # (pid, create_time) -> user+system
         self._alive: set[tuple[int, float]] = set()
@@ -144,10 +144,11 @@ class TreeMonitor:
         self._children_base: float | None = None
 
     def processes(self) -> list[psutil.Process]:
-        try:
-            return [self.root, *self.root.children(recursive=True)]
-        except psutil.Error:
-            return []
+        out = []
+        for root in self.roots:
+            with suppress(psutil.Error):
+                out += [root, *root.children(recursive=True)]
+        return out
 
     def rss(self) -> int:
         total = 0
@@ -186,19 +187,19 @@ class TreeMonitor:
 
 
 class Sampler:
-    """A thread that samples the tree's RSS (and polls its CPU) every SAMPLE_INTERVAL_S."""
+    """A thread that samples the tree's RSS (and polls its CPU) every `interval` s."""
 
-    def __init__(self, monitor: TreeMonitor) -> None:
+    def __init__(self, monitor: TreeMonitor, interval: float = SAMPLE_INTERVAL_S) -> None:
         self.monitor = monitor
+        self.interval = interval
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
         self._thread.start()
 
     def _run(self) -> None:
-        # Bounded: 50 ms for at most an hour.
-        for _ in range(int(3600 / SAMPLE_INTERVAL_S)):
-            if self._stop.wait(SAMPLE_INTERVAL_S):
+        for _ in range(int(3600 / self.interval)):  # bounded: at most an hour
+            if self._stop.wait(self.interval):
                 return
             with suppress(Exception):
                 self.monitor.poll()

@@ -13,20 +13,18 @@ would grow by the tensors' bytes if they were allocated. Target: median < 50 ms.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_service import free_port  # noqa: E402
+from bench.bench_hardening import TreeMonitor  # noqa: E402
+from bench.bench_service import free_port, server_process  # noqa: E402
 
 N = 1_000_000
 
@@ -51,49 +49,33 @@ def workloads(salt: int) -> dict[str, dict[str, object]]:
     }
 
 
-def tree_rss(pid: int) -> int:
-    root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60)
     args = parser.parse_args()
     port = free_port()
-    env = {**os.environ, "GRADSERVE_PORT": str(port), "GRADSERVE_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
-                              cwd=ROOT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        with httpx.Client(base_url=base, timeout=60) as client:
-            for _ in range(200):  # at most 20 s for the server to start
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-            for body in workloads(0).values():  # warm: imports, the worker pool
-                client.post("/plan", json=body).raise_for_status()
-            rows = []
-            for k, name in enumerate(workloads(0)):
-                before = tree_rss(server.pid)
-                times = []
-                for i in range(args.requests):
-                    body = workloads(1 + i + k * args.requests)[name]
-                    t = time.perf_counter()
-                    r = client.post("/plan", json=body)
-                    times.append((time.perf_counter() - t) * 1000)
-                    r.raise_for_status()
-                after = tree_rss(server.pid)
-                plan = r.json()
-                times.sort()
-                rows.append((name, statistics.median(times), times[int(0.9 * len(times))],
-                             plan["planned_peak_bytes"], (after - before) / 2**20))
-    finally:
-        server.terminate()
-        server.wait(15)
+    env = {"GRADSERVE_PORT": str(port), "GRADSERVE_LOG_LEVEL": "warning"}
+    argv = [sys.executable, "-m", "service.cli", "serve"]
+    with server_process(argv, port, env, ready="/readyz") as (base, server), \
+            httpx.Client(base_url=base, timeout=60) as client:
+        tree = TreeMonitor(server.pid)
+        for body in workloads(0).values():  # warm: imports, the worker pool
+            client.post("/plan", json=body).raise_for_status()
+        rows = []
+        for k, name in enumerate(workloads(0)):
+            before = tree.rss()
+            times = []
+            for i in range(args.requests):
+                body = workloads(1 + i + k * args.requests)[name]
+                t = time.perf_counter()
+                r = client.post("/plan", json=body)
+                times.append((time.perf_counter() - t) * 1000)
+                r.raise_for_status()
+            after = tree.rss()
+            plan = r.json()
+            times.sort()
+            rows.append((name, statistics.median(times), times[int(0.9 * len(times))],
+                         plan["planned_peak_bytes"], (after - before) / 2**20))
     print(f"POST /plan, specs only, a new graph each request, {args.requests} requests; "
           "target: median < 50 ms")
     print("workload | median ms | p90 ms | planned peak MB | server RSS growth MiB | target")

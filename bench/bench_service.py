@@ -131,27 +131,33 @@ def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Ite
 
 
 @contextmanager
-def server_process(argv: list[str], port: int, env: dict[str, str] | None = None
+def server_process(argv: list[str], port: int, env: dict[str, str] | None = None,
+                   ready: str = "/docs", start_s: float = 30.0
                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A server started from `argv`, once `ready` answers (200, or 404 where the server
+    has no such page) within `start_s`; terminated (killed if it lingers) afterwards."""
     proc = subprocess.Popen(
         argv, cwd=ROOT, env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/docs", timeout=1).status_code in (200, 404):
+        deadline = time.monotonic() + start_s
+        while True:
+            with suppress(httpx.TransportError):
+                if httpx.get(base + ready, timeout=1).status_code in (200, 404):
                     break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise RuntimeError(f"server {argv} did not start")
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server {argv} did not start")
+            time.sleep(0.1)
         yield base, proc
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 async def _connection(port: int, requests: Iterator[bytes], count: int, stop_at: float,
