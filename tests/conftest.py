@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 
 from engine.backends import set_cpu_namespace
@@ -23,3 +24,18 @@ def backend_name(request: pytest.FixtureRequest) -> Iterator[str]:
     finally:
         set_cpu_namespace(None)
         raw_namespace.cache_clear()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (`pytest.mark.anyio`) run on asyncio, as uvicorn serves."""
+    return "asyncio"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """The app with its default settings, started, and a client calling it in process."""
+    from tests.in_process import serving  # (here: engine-only test runs need no service)
+
+    async with serving() as (c, _):
+        yield c

@@ -8,17 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 
-from service.app import create_app
-from service.settings import Settings
+from tests.in_process import serving
 from tests.test_service_api import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
@@ -27,25 +23,6 @@ HEADER = "Inference-Header-Content-Length"
 IDENTITY = {"nodes": [], "outputs": ["x"]}
 DOUBLE = {"nodes": [{"id": "y", "expr": "x * 2 + 1"}], "outputs": ["y"]}
 RNG = np.random.default_rng(11)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@asynccontextmanager
-async def serving(**settings: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings(**settings))
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test") as client:
-        yield client
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with serving() as c:
-        yield c
 
 
 def framed(header: dict[str, Any], *tail: bytes) -> tuple[bytes, dict[str, str]]:
@@ -190,10 +167,10 @@ async def test_the_body_limit_applies_to_the_whole_framed_body() -> None:
     x = np.zeros(1000)
     spec, raw = binary(x)
     body, headers = framed({"graph": DOUBLE, "inputs": {"x": spec}}, raw)
-    async with serving(max_body_bytes=len(body) - 1) as c:
+    async with serving(max_body_bytes=len(body) - 1) as (c, _):
         assert_problem(await c.post("/forward", content=body, headers=headers), 413,
                        "body-too-large")
-    async with serving(max_body_bytes=len(body)) as c:
+    async with serving(max_body_bytes=len(body)) as (c, _):
         assert (await c.post("/forward", content=body, headers=headers)).status_code == 200
 
 
@@ -249,7 +226,7 @@ def test_graph_ids_are_stable_across_processes() -> None:
 
 async def test_graph_cache_evicts_by_bytes_and_counts_it() -> None:
     graphs = [{"nodes": [{"id": "y", "expr": f"x * {k}"}], "outputs": ["y"]} for k in (2, 3)]
-    async with serving(graph_cache_bytes=3000) as c:  # (room for one 1-node graph: 2 KB)
+    async with serving(graph_cache_bytes=3000) as (c, _):  # (room for one 1-node graph: 2 KB)
         ids = [strict_json(await _forward(c, graph=g))["meta"]["graph_id"] for g in graphs]
         # (The compiled program of a signature already run still serves the id: a new
         # signature needs the graph itself.)
@@ -282,7 +259,7 @@ async def test_a_small_request_by_id_finds_a_graph_that_a_worker_holds() -> None
     spec, raw = binary(x)
     graph = {"nodes": [{"id": "y", "expr": "x * 3 - 1"}], "outputs": ["y"]}
     body, headers = framed({"graph": graph, "inputs": {"x": spec}, "encoding": "binary"}, raw)
-    async with serving(compute_workers=1) as client:  # (one worker: the one that holds it)
+    async with serving(compute_workers=1) as (client, _):  # (one worker: the one that holds it)
         header, _ = unframe(await client.post("/forward", content=body, headers=headers))
         r = await client.post("/forward", json={"graph_id": header["meta"]["graph_id"],
                                                 "inputs": {"x": [1.0, 2.0]}})

@@ -13,26 +13,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import pytest
-from asgi_lifespan import LifespanManager
 
-from service.app import create_app
 from service.routes.explorer import ASSETS, CSP, EXAMPLES, STATIC
-from service.settings import Settings
+from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
+from tests.test_integration_service import Server, _start, _stop
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_FILES = ["index.html", *ASSETS]
@@ -50,16 +44,9 @@ def test_examples_are_the_seed_examples() -> None:
     assert EXAMPLES["seed-no-grad"][1] == SEED_NO_GRAD
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_the_page_is_served_with_a_self_only_policy_and_no_outside_urls() -> None:
-    app = create_app(Settings())
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test") as client:
+    async with serving() as (client, _):
         page = await client.get("/explorer")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         policy = page.headers["content-security-policy"]
@@ -133,52 +120,6 @@ def _browser() -> tuple[str, str]:
         pytest.skip(why)
     assert chromium is not None and driver is not None
     return chromium, driver
-
-
-@dataclass
-class Server:
-    base: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(tmp: Path, **env: str) -> Server:
-    port = _free_port()
-    log = tmp / f"server-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(port)],
-            cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()}")
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                return Server(base, proc, log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server did not become ready:\n{log.read_text()}")
-
-
-def _stop(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import socket
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +22,16 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-from asgi_lifespan import LifespanManager
 
-from service.app import create_app
 from service.compute import MODELS, Compute
 from service.runner import INLINE_MAX_BODY_BYTES, parse_reservation
 from service.settings import Settings
+from tests.in_process import serving
 from tests.seeds import SEED_OP
 from tests.test_integration_service import Server, _start, _stop
 from tests.test_service_api import assert_problem
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@asynccontextmanager
-async def serving(**overrides: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    app = create_app(Settings(**overrides))
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-        transport=httpx.ASGITransport(manager.app), base_url="http://test", timeout=60
-    ) as client:
-        yield client, app
 
 
 def _matmuls(n: int, size: int, pad: int = 0) -> dict[str, Any]:

@@ -5,17 +5,14 @@ a specs-only body allocates none of its tensors; `?format=dot` draws the program
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from asgi_lifespan import LifespanManager
 
 from bench.bench_compiled import OBJECTIVES, objectives_data
-from service.app import create_app
-from service.settings import Settings
+from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_OP
 from tests.test_service_api import assert_problem, strict_json
 
@@ -29,19 +26,6 @@ RNN = {"nodes": [
     {"id": "loss", "expr": "sum(h_last * h_last)"},
     {"id": "g", "expr": "grad(loss, u)"},
     {"id": "total", "expr": "loss + sum(g * g)"}], "outputs": ["total"]}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings())
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test") as c:
-        yield c
 
 
 def _tensor(a: np.ndarray, requires_grad: bool) -> dict[str, Any]:
@@ -197,12 +181,10 @@ async def test_each_error_is_the_one_the_run_gives(client: httpx.AsyncClient, na
 
 
 async def test_over_budget_is_not_admitted_with_its_numbers() -> None:
-    app = create_app(Settings(memory_budget_bytes=1_000_000, compute_budget=1e6))
     body = {"graph": {"nodes": [{"id": "y", "expr": "sum(x * x)"}], "outputs": ["y"]},
             "inputs": {"x": {"shape": [1000, 1000], "dtype": "float32",
                              "requires_grad": True}}}
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test") as c:
+    async with serving(memory_budget_bytes=1_000_000, compute_budget=1e6) as (c, _):
         planned = strict_json(await c.post("/plan", json={**body, "path": "backward"}))
         assert not planned["admitted"]
         assert planned["planned_peak_bytes"] > planned["memory_budget_bytes"] == 1_000_000

@@ -6,55 +6,24 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import numpy as np
 import openapi_spec_validator
 import pytest
-from asgi_lifespan import LifespanManager
-from fastapi import FastAPI
 
 import engine
 from engine.graph.transforms import TRANSFORMS
 from service.app import create_app
 from service.settings import Settings
+from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
 pytestmark = pytest.mark.anyio
 
 PROBLEM = "application/problem+json"
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-Maker = Callable[..., Any]
-
-
-@pytest.fixture
-def make_client() -> Maker:
-    """`async with make_client(**settings) as (client, app)`: a started app on ASGI."""
-
-    @asynccontextmanager
-    async def make(**overrides: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
-        app = create_app(Settings(**overrides))
-        async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test"
-        ) as client:
-            yield client, app
-
-    return make
-
-
-@pytest.fixture
-async def client(make_client: Maker) -> AsyncIterator[httpx.AsyncClient]:
-    async with make_client() as (c, _):
-        yield c
-
-
 def strict_json(response: httpx.Response) -> Any:
     """Parse as RFC 8259 JSON: a bare NaN or Infinity token fails."""
 
@@ -152,7 +121,7 @@ async def test_backward_grad_outputs_and_unused_input(client: httpx.AsyncClient)
     assert out["gradients"]["u"] == {"dtype": "float64", "shape": [1, 2], "data": [[0.0, 0.0]]}
 
 
-async def test_grad_mode_never_leaks_between_concurrent_requests(make_client: Maker) -> None:
+async def test_grad_mode_never_leaks_between_concurrent_requests() -> None:
     async def one(client: httpx.AsyncClient, i: int) -> None:
         no_grad = i % 2 == 0
         r = await client.post("/forward", json={**SEED_NO_GRAD, "no_grad": no_grad})
@@ -161,7 +130,7 @@ async def test_grad_mode_never_leaks_between_concurrent_requests(make_client: Ma
         assert b["requires_grad"] is (not no_grad)
         assert b["grad_fn"] == (None if no_grad else "AddBackward")
 
-    async with make_client(max_concurrency=16) as (client, _):
+    async with serving(max_concurrency=16) as (client, _):
         await asyncio.gather(*(one(client, i) for i in range(16)))
 
 
@@ -311,14 +280,14 @@ async def test_devices(client: httpx.AsyncClient) -> None:
     assert [d["name"] for d in body["devices"]] == engine.available_devices()
 
 
-async def test_health_and_readiness(make_client: Maker) -> None:
+async def test_health_and_readiness() -> None:
     app = create_app(Settings())
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app), base_url="http://test"
     ) as c:
         assert (await c.get("/healthz")).json() == {"status": "ok"}
         assert_problem(await c.get("/readyz"), 503, "not-ready")  # lifespan has not run
-    async with make_client() as (c, _):
+    async with serving() as (c, _):
         assert (await c.get("/readyz")).json() == {"status": "ready"}
 
 
@@ -429,8 +398,8 @@ async def test_400_bad_content_length(client: httpx.AsyncClient) -> None:
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer no"},
                                      {"Authorization": "Basic k1"}])
-async def test_401_without_a_valid_key(make_client: Maker, headers: dict[str, str]) -> None:
-    async with make_client(api_keys="k1,k2") as (c, _):
+async def test_401_without_a_valid_key(headers: dict[str, str]) -> None:
+    async with serving(api_keys="k1,k2") as (c, _):
         r = await c.post("/backward", json=SEED_OP, headers=headers)
         assert_problem(r, 401, "unauthorized", "API key")
         assert r.headers["www-authenticate"] == "Bearer"
@@ -440,8 +409,8 @@ async def test_401_without_a_valid_key(make_client: Maker, headers: dict[str, st
         assert 'gradserve_rejections_total{reason="unauthorized"} 3.0' in metrics.text
 
 
-async def test_api_keys_accepted_and_probes_exempt(make_client: Maker) -> None:
-    async with make_client(api_keys="k1, k2") as (c, _):
+async def test_api_keys_accepted_and_probes_exempt() -> None:
+    async with serving(api_keys="k1, k2") as (c, _):
         for headers in [{"X-API-Key": "k2"}, {"Authorization": "Bearer k1"}]:
             r = await c.post("/backward", json=SEED_OP, headers=headers)
             assert r.status_code == 200, r.text
@@ -456,15 +425,15 @@ async def test_404_and_405(client: httpx.AsyncClient) -> None:
     assert r.headers["allow"] == "POST"
 
 
-async def test_413_declared_length(make_client: Maker) -> None:
-    async with make_client(max_body_bytes=1000) as (c, _):
+async def test_413_declared_length() -> None:
+    async with serving(max_body_bytes=1000) as (c, _):
         r = await c.post("/forward", content=b" " * 1001)
         assert_problem(r, 413, "body-too-large", "1000 bytes")
         ok = await c.post("/forward", json=SEED_NO_GRAD)  # within the limit
         assert ok.status_code == 200
 
 
-async def test_413_streamed_body_is_cut_off(make_client: Maker) -> None:
+async def test_413_streamed_body_is_cut_off() -> None:
     """A chunked 1 GiB body is refused once it crosses the limit, without being read."""
     sent = 0
 
@@ -475,7 +444,7 @@ async def test_413_streamed_body_is_cut_off(make_client: Maker) -> None:
             sent += len(block)
             yield block
 
-    async with make_client(max_body_bytes=4 << 20) as (c, _):
+    async with serving(max_body_bytes=4 << 20) as (c, _):
         r = await c.post("/forward", content=chunks())
         assert_problem(r, 413, "body-too-large")
         assert sent <= 6 << 20
@@ -621,14 +590,14 @@ async def test_422_requires_grad_on_integers(client: httpx.AsyncClient) -> None:
     assert p["errors"][0]["loc"] == ["inputs", "x", "requires_grad"]
 
 
-async def test_422_node_limit(make_client: Maker) -> None:
-    async with make_client(max_nodes=2) as (c, _):
+async def test_422_node_limit() -> None:
+    async with serving(max_nodes=2) as (c, _):
         p = assert_problem(await c.post("/backward", json=SEED_OP), 422, "graph", "limit is 2")
         assert p["errors"][0]["loc"] == ["graph", "nodes"]
 
 
-async def test_422_expr_limits_are_settings(make_client: Maker) -> None:
-    async with make_client(expr_max_chars=20, expr_max_depth=3) as (c, _):
+async def test_422_expr_limits_are_settings() -> None:
+    async with serving(expr_max_chars=20, expr_max_depth=3) as (c, _):
         long = {**SEED_EXPR, "graph": graph("x + y + x + y + x + y + x")}
         p = assert_problem(await c.post("/backward", json=long), 422, "expr", "limit is 20")
         assert p["node"] == "z" and p["errors"][0]["loc"] == ["graph", "nodes", 0, "expr"]
@@ -650,10 +619,10 @@ async def test_422_expr_mistakes_say_what_to_write(
     assert "set_int_max_str_digits" not in r.text and len(r.content) < 1000
 
 
-async def test_422_memory_budget_lower_for_no_grad(make_client: Maker) -> None:
+async def test_422_memory_budget_lower_for_no_grad() -> None:
     body = {"graph": graph("sum(exp(x) * 2)"),
             "inputs": {"x": {"data": [1.0] * 1000, "requires_grad": True}}}
-    async with make_client(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=4000,
+    async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=4000,
                            inflight_memory_bytes=1 << 20) as (c, _):
         assert (await c.post("/forward", json=body)).status_code == 200
         p = assert_problem(await c.post("/forward", json={**body, "no_grad": True}), 422,
@@ -694,8 +663,8 @@ async def test_422_grad_outputs_errors_name_the_output(client: httpx.AsyncClient
     assert p["errors"][0]["loc"] == ["grad_outputs", "z", "data"]
 
 
-async def test_503_when_all_slots_are_busy(make_client: Maker) -> None:
-    async with make_client(max_concurrency=1) as (c, app):
+async def test_503_when_all_slots_are_busy() -> None:
+    async with serving(max_concurrency=1) as (c, app):
         slot = app.state.runner.admission.enter()  # a computation holds the only slot
         r = await c.post("/backward", json=SEED_OP)
         assert_problem(r, 503, "overloaded", "compute slots")
@@ -706,8 +675,8 @@ async def test_503_when_all_slots_are_busy(make_client: Maker) -> None:
         assert 'gradserve_rejections_total{reason="concurrency"} 1.0' in metrics
 
 
-async def test_503_when_in_flight_memory_is_full(make_client: Maker) -> None:
-    async with make_client(memory_budget_bytes=10_000, no_grad_memory_budget_bytes=10_000,
+async def test_503_when_in_flight_memory_is_full() -> None:
+    async with serving(memory_budget_bytes=10_000, no_grad_memory_budget_bytes=10_000,
                            inflight_memory_bytes=100_000) as (c, app):
         runner = app.state.runner
         slot = runner.admission.enter()
@@ -723,8 +692,8 @@ async def test_503_when_in_flight_memory_is_full(make_client: Maker) -> None:
         assert "gradserve_inflight_planned_bytes 0.0" in metrics
 
 
-async def test_504_past_the_time_limit(make_client: Maker) -> None:
-    async with make_client(request_timeout_s=1e-9) as (c, _):
+async def test_504_past_the_time_limit() -> None:
+    async with serving(request_timeout_s=1e-9) as (c, _):
         assert_problem(await c.post("/backward", json=SEED_OP), 504, "timeout", "time limit")
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_rejections_total{reason="timeout"} 1.0' in metrics
@@ -748,8 +717,8 @@ async def test_500_hides_the_traceback(
 
 
 # ----------------------------------------------------------------------- program cache, client
-async def test_program_cache_reuses_plans_per_graph_and_specs(make_client: Maker) -> None:
-    async with make_client() as (c, app):
+async def test_program_cache_reuses_plans_per_graph_and_specs() -> None:
+    async with serving() as (c, app):
         cache = app.state.runner.compute.programs
         before = len(cache._items)
         for x in (1.0, 2.0, 3.0):
@@ -768,10 +737,10 @@ async def test_program_cache_reuses_plans_per_graph_and_specs(make_client: Maker
                        "tensor-data")
 
 
-async def test_async_client(make_client: Maker) -> None:
+async def test_async_client() -> None:
     from service.client import AsyncClient, GradserveHTTPError
 
-    async with make_client() as (_, app):
+    async with serving() as (_, app):
         transport = httpx.ASGITransport(app)
         graph_ = {"nodes": [{"id": "z", "expr": "sum(x * w)"}], "outputs": ["z"]}
         w = np.arange(2000, dtype=np.float64)

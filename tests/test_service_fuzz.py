@@ -6,7 +6,7 @@ request gets application/problem+json with a 4xx status that says what is wrong,
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -34,19 +34,6 @@ def _one(node: dict[str, Any], inputs: dict[str, Any] | None = None) -> dict[str
 
 def _x(**tensor: Any) -> dict[str, Any]:
     return {"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": tensor}}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    async with LifespanManager(create_app(Settings())) as manager, httpx.AsyncClient(
-        transport=httpx.ASGITransport(manager.app), base_url="http://test"
-    ) as c:
-        yield c
 
 
 # ------------------------------------------------------------------ regressions

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -13,28 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from asgi_lifespan import LifespanManager
 
-from service.app import create_app
-from service.settings import Settings
 from tests.test_service_api import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 
 RNG = np.random.default_rng(4)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(Settings())
-    async with LifespanManager(app) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test") as c:
-        yield c
 
 
 def tensor(a: np.ndarray, requires_grad: bool = False) -> dict[str, Any]:

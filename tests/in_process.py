@@ -1,0 +1,26 @@
+"""gradserve in process: the app with its lifespan run, and an httpx client that calls it
+over ASGI (no socket), for the API tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+
+from service.app import create_app
+from service.settings import Settings
+
+
+@asynccontextmanager
+async def serving(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """`async with serving(**settings) as (client, app)`: an app made with these settings,
+    started. The client waits up to 60 s: some requests compute for seconds in a worker."""
+    app = create_app(Settings(**settings))
+    async with LifespanManager(app) as manager, httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test",
+            timeout=60) as client:
+        yield client, app
