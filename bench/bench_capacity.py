@@ -58,13 +58,16 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_hardening import Sampler, TreeMonitor  # noqa: E402
+from bench.bench_hardening import (  # noqa: E402
+    HOST,
+    PHASE_LIMIT_S,
+    GiB,
+    MiB,
+    Sampler,
+    TreeMonitor,
+)
 from bench.bench_service import cell_bodies, free_port, server_process, stack  # noqa: E402
 
-HOST = "127.0.0.1"
-MiB = 1 << 20
-GiB = 1 << 30
-PHASE_LIMIT_S = 120.0
 WARMUP_S = 1.0
 SAMPLE_INTERVAL_S = 0.02
 CONCURRENCY_PER_WORKER = 4  # the replica's GRADSERVE_MAX_CONCURRENCY
