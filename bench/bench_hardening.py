@@ -7,6 +7,9 @@ Phases (each at most 2 minutes; every loop is bounded in count and time):
 1. warm-up      the first 50 requests of the soak mix; RSS of a fresh server and after them
 2. soak         16 clients send the mix (seed examples, a 256x256 MLP loss as base64, no_grad,
                 expr graphs, invalid requests) for --soak-seconds; every answer is checked
+2m. soak with   the same, with 200 idle connections, 20 senders trickling a byte a second
+    misbehaving and uploads cut halfway beside it: the seed requests' p50, and every 503
+    clients     matched to the admission queue's counters in /metrics
 3. heavy        16 clients send ~2 s matmul chains for 10 s while /healthz is probed
 4. flood        64 such clients for 10 s (most should get 503)
 5. compile      a 100k-node chain of `add` nodes while /healthz is probed
@@ -560,6 +563,7 @@ class Mix:
         self.gs = gs
         rng = np.random.default_rng(0)
         self.cases = [mlp_case(rng) for _ in range(6)]
+        self.latencies: dict[str, list[float]] = {}  # kind -> seconds of its 200 answers
 
     async def run(self, res: PhaseResult, concurrency: int, max_requests: int,
                   seconds: float) -> None:
@@ -576,8 +580,11 @@ class Mix:
             while issued < max_requests and time.monotonic() < end:
                 issued += 1
                 kind = rng.choices(names, weights)[0]
+                t0 = time.perf_counter()
                 try:
                     out = await getattr(self, kind)(rng)
+                    if out.status == 200:
+                        self.latencies.setdefault(kind, []).append(time.perf_counter() - t0)
                 except httpx.HTTPError as exc:
                     out = Outcome(None, 0, f"{type(exc).__name__}: {exc}")
                 except Exception as exc:  # a malformed answer: a wrong result, not a crash
@@ -881,6 +888,91 @@ async def phase_soak(ctx: Ctx, res: PhaseResult) -> None:
     peak = ctx.server.sampler.peak(t0) if ctx.server.sampler else None
     res.check("RSS under load (peak)", mib(peak), raw=peak)
     res.check("requests / s", str(res.figures["rps"]))
+
+
+SEED_P50_TARGET_S = 0.010
+# 503s that come from admission (a reason of gradserve_rejections_total): the queue's
+# bounds, a full in-flight memory, or (without a queue) full slots.
+ADMISSION_503 = ("queue_full", "queue_timeout", "concurrency", "inflight_memory")
+
+
+async def phase_soak_misbehaving(ctx: Ctx, res: PhaseResult) -> None:
+    """The soak mix with misbehaving clients beside it: 200 idle connections, 20 senders
+    trickling a request at a byte a second, and uploads that stop halfway and hang up."""
+    seconds = ctx.args.soak_seconds
+    before = await rejections(ctx)
+    mix_before = Counter({k: len(v) for k, v in ctx.mix.latencies.items()})
+    conns: list[Conn] = []
+    tasks: list[asyncio.Task[Any]] = []
+    body = orjson.dumps(seed_body(2.0, 3.0, "expr"))
+    request = (b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+               b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    end = time.monotonic() + seconds
+    cut = Counter[str]()
+
+    async def cut_uploads() -> None:
+        half = request[: len(request) - len(body) // 2]
+        for _ in range(100_000):
+            if time.monotonic() >= end:
+                return
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(HOST, ctx.server.port),
+                                                   5)
+                writer.write(half)
+                await writer.drain()
+                writer.close()
+                cut["sent"] += 1
+            except (OSError, TimeoutError):
+                cut["failed"] += 1
+            await asyncio.sleep(0.05)
+
+    with probing(ctx.server.port, res):
+        try:
+            for kind, n in (("idle", 200), ("slow", 20)):
+                for _ in range(n):
+                    with suppress(OSError, TimeoutError):
+                        reader, writer = await asyncio.wait_for(
+                            asyncio.open_connection(HOST, ctx.server.port), 10)
+                        conn = Conn(kind, writer)
+                        conns.append(conn)
+                        tasks.append(asyncio.create_task(_watch(conn, reader)))
+            tasks += [asyncio.create_task(_trickle(c, request, end)) for c in conns
+                      if c.kind == "slow"]
+            tasks.append(asyncio.create_task(cut_uploads()))
+            await ctx.mix.run(res, ctx.concurrency, 5_000_000, seconds)
+        finally:
+            for c in conns:
+                c.writer.close()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    mix_checks(res)
+    seeds = [s for kind in ("seed_op", "seed_expr")
+             for s in ctx.mix.latencies.get(kind, [])[mix_before[kind]:]]
+    if seeds:
+        p50 = float(np.percentile(seeds, 50))
+        res.check("seed p50", f"{p50 * 1000:.1f} ms", f"<= {SEED_P50_TARGET_S * 1000:.0f} ms",
+                  p50 <= SEED_P50_TARGET_S, raw=round(p50 * 1000, 2))
+    after = await rejections(ctx)
+    counted = {k: after.get(k, 0) - before.get(k, 0) for k in ADMISSION_503}
+    seen = res.statuses.get("503", 0)
+    queue = counted["queue_full"] + counted["queue_timeout"]
+    res.check("503s / counted by the queue's bounds", f"{seen} / {queue:.0f} "
+              f"({', '.join(f'{k} {v:.0f}' for k, v in counted.items() if v)})",
+              "equal", seen == queue)
+    res.notes.append(f"uploads cut short: {dict(cut)}; idle and slow connections: "
+                     f"{sum(c.kind == 'idle' for c in conns)} and "
+                     f"{sum(c.kind == 'slow' for c in conns)}")
+
+
+async def rejections(ctx: Ctx) -> dict[str, float]:
+    """gradserve_rejections_total by reason, from the server's /metrics."""
+    text = (await ctx.http.get("/metrics")).text
+    out = {}
+    for m in re.finditer(r'^gradserve_rejections_total\{reason="([^"]+)"\} (\S+)$', text,
+                         re.MULTILINE):
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 async def phase_heavy(ctx: Ctx, res: PhaseResult) -> None:
@@ -1207,6 +1299,7 @@ PHASES: dict[str, tuple[str, Callable[[Ctx, PhaseResult], Awaitable[None]], bool
     # key: (title, function, on the main server)
     "1": ("warm-up (first 50 of the mix)", phase_warmup, True),
     "2": ("soak mix", phase_soak, True),
+    "2m": ("soak mix, misbehaving clients beside it", phase_soak_misbehaving, True),
     "3": ("heavy x16", phase_heavy, True),
     "4": ("flood x64", phase_flood, True),
     "5": ("compile 100k nodes", phase_compile, True),
@@ -1221,7 +1314,7 @@ PHASES: dict[str, tuple[str, Callable[[Ctx, PhaseResult], Awaitable[None]], bool
 async def run_phase(ctx: Ctx, key: str) -> PhaseResult:
     title, fn, on_main = PHASES[key]
     res = PhaseResult("8a" if key == "8" else key, title)
-    res.probe_target = key in {"2", "3", "4", "5", "6"}
+    res.probe_target = key in {"2", "2m", "3", "4", "5", "6"}
     log(f"phase {res.key}: {title}")
     t0 = time.monotonic()
     busy0, ours0 = machine_busy(), ctx.me.cpu_seconds()
@@ -1367,8 +1460,8 @@ async def main_async(args: argparse.Namespace) -> list[PhaseResult]:
         await close_clients(ctx)
         for s in list(_SERVERS):
             s.stop(graceful=False)
-    order = {k: i for i, k in enumerate(["1", "2", "3", "4", "5", "6", "7a", "7b", "8a", "8b",
-                                         "9"])}
+    order = {k: i for i, k in enumerate(["1", "2", "2m", "3", "4", "5", "6", "7a", "7b", "8a",
+                                         "8b", "9"])}
     return sorted(results, key=lambda r: order.get(r.key, 99))
 
 
