@@ -75,7 +75,7 @@ class Gradserve:
 
     def __init__(self) -> None:
         from engine import graph as eg
-        from service.compute import ProgramCache, graph_key
+        from service.programs import ProgramCache, graph_key
 
         self._graph = eg
         self._graph_key = graph_key

@@ -65,8 +65,9 @@ def serve_forever(flags: dict[str, Any]) -> int:
     except ValidationError as exc:
         print(f"gradserve: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    # Several front processes sum their figures through files there (service/metrics.py).
-    with metrics_directory(settings.workers):
+    # Several front processes sum their figures through files there (service/metrics.py),
+    # and share one program store (service/store.py).
+    with metrics_directory(settings.workers), store_directory(settings):
         uvicorn.run(
             "service.app:app_from_env",
             factory=True,
@@ -103,14 +104,37 @@ def metrics_directory(workers: int) -> Iterator[str | None]:
     if workers <= 1:
         yield None
         return
+    with _server_directory("gradserve-metrics-", METRICS_ENV) as path:
+        yield path
+
+
+@contextlib.contextmanager
+def store_directory(settings: Settings) -> Iterator[str | None]:
+    """GRADSERVE_PROGRAM_STORE_DIR for the front processes, when there are several and
+    none is named: one directory of this server's own for all of them (each would make
+    its own otherwise: service/runner.py), under /dev/shm where it is writable, removed
+    when the server exits."""
+    if settings.workers <= 1 or settings.program_store_dir is not None or \
+            not settings.program_store_bytes:
+        yield settings.program_store_dir
+        return
+    with _server_directory("gradserve-programs-", "GRADSERVE_PROGRAM_STORE_DIR") as path:
+        yield path
+
+
+@contextlib.contextmanager
+def _server_directory(prefix: str, variable: str) -> Iterator[str]:
+    """A new directory for the server's processes, named in `variable` for them: under
+    /dev/shm (RAM) where it is writable, else the temporary directory; removed when the
+    server exits."""
     shm = "/dev/shm"
     parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    path = tempfile.mkdtemp(prefix="gradserve-metrics-", dir=parent)
-    os.environ[METRICS_ENV] = path
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.environ[variable] = path
     try:
         yield path
     finally:
-        os.environ.pop(METRICS_ENV, None)
+        os.environ.pop(variable, None)
         shutil.rmtree(path, ignore_errors=True)
 
 

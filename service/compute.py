@@ -1,28 +1,30 @@
 """One request's computation, wherever it runs: the body in, the response body out.
 
 The steps: split a binary body (a JSON header, then raw tensor bytes: the Open Inference
-Protocol's binary extension), parse (strict JSON, once), check the request's size limits,
-find its graph (sent, or held by id), decode its tensors, find or compile its program
-(cached by the graph's id and the inputs' specs), reserve its planned bytes in the
-in-flight memory, run it, encode the result. The front process runs these for tiny
-requests; worker processes run them for the rest (service/workers.py). Each process has
-its own `Compute`, graph-id cache and program cache.
+Protocol's binary extension), find its graph, parse and decode the rest, find or compile
+its program, reserve its planned bytes in the in-flight memory, run it, encode the result.
+The front process runs these for tiny requests; worker processes run them for the rest
+(service/workers.py).
+
+A graph is found before anything is parsed: the body's top-level members are split out
+as raw bytes (msgspec), and the graph's bytes hashed. A graph seen before (by any process
+of the host: service/programs.py) is known by that hash, and neither parsed nor validated
+again; only the other members are. A new graph is parsed and validated with the rest of
+the body, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import hashlib
-import json
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
-import orjson
 from pydantic import ValidationError
 
 from engine.backends import get_backend, parse_device
@@ -35,11 +37,14 @@ from engine.graph import (
     Program,
     RunResult,
     TensorSpec,
+    check_budgets,
     compile_graph,
     execute,
 )
+from engine.graph.serial import Unstorable, dump_program, load_program
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
+from service.programs import Programs, canonical_json, graph_id_of
 from service.schemas import (
     BackwardRequest,
     ForwardRequest,
@@ -71,6 +76,12 @@ class Stats:
     cache_bytes: int = 0  # of the cache of the process that computed
     graph_evictions: int = 0
     pid: int = 0  # that process, when a worker
+    program: str | None = None  # where the program came from: "process", "store", "compiled"
+    compile_ms: float | None = None  # when it was compiled
+    load_ms: float | None = None  # when it was loaded from the store
+    graph_id: str | None = None
+    store_evictions: int = 0  # by this process since it last reported
+    store_damaged: int = 0
 
 
 @dataclass(eq=False)
@@ -90,32 +101,50 @@ class Reply:
 
 @dataclass(eq=False)
 class Prepared:
-    """A parsed, decoded request, with its program when the cache had it."""
+    """A parsed, decoded request, with its program when one was found."""
 
-    req: ForwardRequest | BackwardRequest
     graph_id: str
-    graph: Graph | None  # None: sent by id, and this process does not hold it
     device: str
+    encoding: str
     inputs: Decoded
     grad_outputs: Decoded | None
     no_grad: bool
     backward: bool
     started: float  # perf_counter() when parsing began
-    key: Hashable = None
+    key: str = ""  # the program's
+    graph: GraphSpec | None = None  # parsed here (None: found by its bytes, or sent by id)
+    graph_raw: bytes | None = None  # the graph's JSON (as sent, or canonical), to hand on
     program: Program | None = None
     stats: Stats = field(default_factory=Stats)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A small request that the front process prepared but does not run (its program is
+    too costly, or too large to compile there), for a worker to run without parsing it
+    again: its decoded tensors, and its program serialized (or its graph, to compile)."""
+
+    key: str
+    graph_id: str
+    device: str
+    encoding: str
+    inputs: Decoded
+    grad_outputs: Decoded | None
+    no_grad: bool
+    backward: bool
+    program: bytes | None  # engine.graph.serial's form
+    graph: bytes | None  # the graph's JSON, when there is no program yet
 
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
 
 
 class Compute:
-    """A process's request computation, with its program cache."""
+    """A process's request computation, over its programs (service/programs.py)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.programs = ProgramCache(settings.program_cache_bytes)
-        self.graphs = GraphCache(settings.graph_cache_bytes)
+        self.programs = Programs(settings)
         self._devices: dict[str | None, str] = {}  # request's device -> canonical name
 
     def device(self, spec: str | None) -> str:
@@ -129,19 +158,51 @@ class Compute:
         return name
 
     def run(self, body: bytes | memoryview, model: Model, deadline: float, reserve: Reserve,
-            stats: Stats | None = None, header_length: int | None = None) -> Reply:
+            stats: Stats | None = None, header_length: int | None = None,
+            tenant: str | None = None) -> Reply:
         """The whole computation; `stats` (if given) is filled in as it goes, also when it
-        ends in an error. `header_length`: the body is binary (its JSON header's length)."""
-        p = self.prepare(body, model, stats, header_length)
+        ends in an error. `header_length`: the body is binary (its JSON header's length).
+        `tenant`: the API key's id (service/middleware.py), None with keys off."""
+        p = self.prepare(body, model, stats, header_length, tenant)
         del body
         if p.program is None:
             self.compile(p)
         return self.execute(p, deadline, reserve, None)
 
+    def run_handoff(self, h: Handoff, deadline: float, reserve: Reserve,
+                    stats: Stats | None = None) -> Reply:
+        """A request the front process prepared (`Handoff`)."""
+        p = Prepared(graph_id=h.graph_id, device=h.device, encoding=h.encoding,
+                     inputs=h.inputs, grad_outputs=h.grad_outputs, no_grad=h.no_grad,
+                     backward=h.backward, started=time.perf_counter(), key=h.key,
+                     stats=stats or Stats())
+        p.stats.path = "no_grad" if h.no_grad else "grad"
+        p.stats.graph_id = h.graph_id
+        p.graph_raw = h.graph
+        self._find(p)
+        if p.program is None and h.program is not None:
+            p.program = load_program(h.program, h.device)
+            self.programs.memory.put(h.key, p.program)
+        if p.program is None:
+            self.compile(p)
+        return self.execute(p, deadline, reserve, None)
+
+    def handoff(self, p: Prepared) -> Handoff:
+        """`p` for a worker (see Handoff): its program when compiled here and not in the
+        store, and its graph's JSON when this process has it (a worker that must compile
+        a graph sent by id finds it by id)."""
+        program = None
+        if p.program is not None and not self.programs.stored(p.key):
+            with contextlib.suppress(Unstorable):
+                program = dump_program(p.program)
+        return Handoff(key=p.key, graph_id=p.graph_id, device=p.device, encoding=p.encoding,
+                       inputs=p.inputs, grad_outputs=p.grad_outputs, no_grad=p.no_grad,
+                       backward=p.backward, program=program, graph=p.graph_raw)
+
     def prepare(self, body: bytes | memoryview, model: Model, stats: Stats | None = None,
-                header_length: int | None = None) -> Prepared:
-        """Split a binary body, parse, check limits, find the graph, decode, and look the
-        program up in the cache."""
+                header_length: int | None = None, tenant: str | None = None) -> Prepared:
+        """Split a binary body, find the graph, parse the rest, check limits, decode, and
+        look the program up."""
         started = time.perf_counter()
         header, tail = split_binary(body, header_length)
         # The parse makes only acyclic objects, by the hundred thousand in a large body:
@@ -149,11 +210,10 @@ class Compute:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            data = parse_json(header)
-            check_sizes(data, self.settings)
-            req = validate(data, model)
-            graph_id, graph = self._graph(data, req)
-            binary = binary_tensors(data, tail)
+            found = self._request(header, model, tenant)
+            req = found.req
+            assert isinstance(req, ForwardRequest | BackwardRequest)
+            binary = binary_tensors(found.data, tail)
             errors: list[GradserveError] = []
             inputs = _decode_all("inputs", req.inputs, errors, binary)
             grad_outputs = (
@@ -165,33 +225,59 @@ class Compute:
                 gc.enable()
         if errors:
             raise ValidationErrors(errors)
+        no_grad = isinstance(req, ForwardRequest) and req.no_grad
         p = Prepared(
-            req=req, graph_id=graph_id, graph=graph, device=self.device(req.device),
-            inputs=inputs, grad_outputs=grad_outputs,
-            no_grad=isinstance(req, ForwardRequest) and req.no_grad,
-            backward=isinstance(req, BackwardRequest), started=started,
-            stats=stats or Stats(),
+            graph_id=found.graph_id, device=self.device(req.device), encoding=req.encoding,
+            inputs=inputs, grad_outputs=grad_outputs, no_grad=no_grad,
+            backward=isinstance(req, BackwardRequest), started=started, graph=found.graph,
+            graph_raw=found.raw, stats=stats or Stats(),
         )
-        p.stats.path = "no_grad" if p.no_grad else "grad"
-        p.key = (graph_id, _spec_key(inputs), _spec_key(grad_outputs), p.no_grad, p.backward,
-                 p.device)
-        p.program = self.programs.get(p.key)
-        if p.program is not None and graph is not None:
-            p.stats.graph_evictions = self.graphs.put(graph_id, graph)
+        p.stats.path = "no_grad" if no_grad else "grad"
+        p.stats.graph_id = found.graph_id
+        p.stats.graph_evictions = found.evicted
+        p.key = self.programs.program_key(found.graph_id, _spec_key(inputs),
+                                          _spec_key(grad_outputs), no_grad, p.backward,
+                                          p.device)
+        self._find(p)
         return p
 
-    def plan(self, body: bytes, dot: bool = False, max_nodes: int | None = None
-             ) -> Reply | None:
-        """POST /plan: the request's program compiled for its path without data (inputs
-        may be specs), and what it would hold and cost against the budgets; as JSON, or
-        as Graphviz DOT. The errors are those /forward or /backward would give. None
-        when the graph has more than `max_nodes` nodes (the caller compiles it elsewhere)."""
-        data = parse_json(body)
-        check_sizes(data, self.settings)
-        req = validate(data, PlanRequest)
-        graph_id, graph = self._graph(data, req)
-        if max_nodes is not None and (graph is None or len(graph.nodes) > max_nodes):
+    def _find(self, p: Prepared) -> None:
+        found = self.programs.find(p.key, p.device)
+        p.program = found.program
+        p.stats.program = found.source or "compiled"
+        if found.source == "store":
+            p.stats.load_ms = found.load_ms
+
+    def affinity(self, body: bytes | memoryview, header_length: int | None) -> str | None:
+        """The graph id of a body, if it can be had without parsing it (sent by id, or
+        its graph's bytes seen before): which worker may hold its program."""
+        header = bytes(memoryview(body)[:header_length]) if header_length is not None \
+            else body
+        envelope = split_envelope(header)
+        if envelope is None:
             return None
+        raw = envelope.get("graph")
+        if raw is not None and raw != b"null":
+            return self.programs.alias(self.programs.raw_key(raw))
+        graph_id = envelope.get("graph_id")
+        if graph_id is None:
+            return None
+        try:
+            value = codec.loads(bytes(graph_id))
+        except codec.JSONError:
+            return None
+        return value if isinstance(value, str) else None
+
+    def plan(self, body: bytes, dot: bool = False, max_nodes: int | None = None,
+             tenant: str | None = None) -> Reply | None:
+        """POST /plan: the request's program for its path without data (inputs may be
+        specs), and what it would hold and cost against the budgets; as JSON, or as
+        Graphviz DOT. The errors are those /forward or /backward would give. None when its
+        program must be compiled and its graph has more than `max_nodes` nodes (the caller
+        plans it elsewhere)."""
+        found = self._request(body, PlanRequest, tenant)
+        req = found.req
+        assert isinstance(req, PlanRequest)
         errors: list[GradserveError] = []
         inputs = _specs_of("inputs", req.inputs, errors)
         grad_outputs = (None if req.grad_outputs is None
@@ -200,18 +286,20 @@ class Compute:
             raise ValidationErrors(errors)
         no_grad, backward = req.path == "no_grad", req.path == "backward"
         device = self.device(req.device)
-        key = (graph_id, _spec_tuple(inputs), _spec_tuple(grad_outputs), no_grad, backward,
-               device)
-        program = self.programs.get(key)  # (cached programs were compiled within budget)
-        if program is None:
-            if graph is None:
-                raise _graph_unknown(graph_id)
-            # Compiled without the budgets, which are compared below: the plan answers
-            # with the numbers, where /forward would refuse. Not cached, for that reason.
-            program = compile_graph(graph_spec(graph), inputs,
-                                    limits=self._limits(None, None), no_grad=no_grad,
-                                    backward=backward, grad_outputs=grad_outputs,
-                                    device=device)
+        p = Prepared(graph_id=found.graph_id, device=device, encoding="json", inputs={},
+                     grad_outputs=None, no_grad=no_grad, backward=backward,
+                     started=time.perf_counter(), graph=found.graph, graph_raw=found.raw)
+        p.key = self.programs.program_key(found.graph_id, _spec_tuple(inputs),
+                                          _spec_tuple(grad_outputs), no_grad, backward,
+                                          device)
+        self._find(p)
+        if p.program is None:
+            graph = self.graph_of(p)
+            if max_nodes is not None and len(graph.nodes) > max_nodes:
+                return None
+            self._compile(p, graph, inputs, grad_outputs)
+        program = p.program
+        assert program is not None
         s = self.settings
         budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
         if dot:
@@ -225,7 +313,7 @@ class Compute:
             "admitted": (program.planned_peak_bytes <= budget
                          and program.compute_cost <= s.compute_budget),
             "path": req.path,
-            "graph_id": graph_id,
+            "graph_id": found.graph_id,
             "nodes": planned_steps(program),
         })])
 
@@ -236,51 +324,105 @@ class Compute:
                       compute_budget=compute_budget, max_inputs=s.max_inputs,
                       max_id_chars=s.max_id_chars)
 
-    def _graph(self, data: Any, req: ForwardRequest | BackwardRequest | PlanRequest
-               ) -> tuple[str, Graph | None]:
-        """The request's graph id, and its graph: sent (it must be the id's, if an id is
-        sent with it), or held by id (None if this process does not hold it: only a
-        program cached for these inputs can serve it then)."""
-        if req.graph is None:
-            assert req.graph_id is not None
-            return req.graph_id, self.graphs.get(req.graph_id)
-        graph_id = graph_key(data["graph"])
-        if req.graph_id is not None and req.graph_id != graph_id:
-            raise ProblemError(
-                "invalid-request", f"graph_id {quoted(req.graph_id)} is not the id of the "
-                f"graph sent with it ({graph_id}); send one or the other, or both matching",
-                errors=[{"loc": ["graph_id"], "msg": "does not match the graph"}])
-        return graph_id, req.graph
+    def _request(self, header: bytes, model: type[W], tenant: str | None) -> _Found:
+        """The request's members, validated, and its graph: found by its bytes as sent
+        (a graph seen before: neither parsed nor validated again), or parsed with the rest
+        of the body, or named by id."""
+        envelope = split_envelope(header)
+        raw = None if envelope is None else envelope.get("graph")
+        raw_key = None
+        if raw is not None and raw != b"null":
+            raw_key = self.programs.raw_key(raw)
+            graph_id = self.programs.alias(raw_key)
+            rest = None if graph_id is None else _parse_members(envelope, skip="graph")
+            if rest is not None and graph_id is not None:
+                check_sizes(rest, self.settings)
+                req = validate(rest if "graph_id" in rest else {**rest, "graph_id": graph_id},
+                               model)
+                if req.graph_id != graph_id:  # type: ignore[attr-defined]
+                    raise _id_mismatch(req.graph_id, graph_id)  # type: ignore[attr-defined]
+                self.programs.grant(tenant, graph_id)
+                return _Found(rest, req, graph_id, None, bytes(raw), 0)
+        data = parse_json(header)
+        check_sizes(data, self.settings)
+        req = validate(data, model)
+        graph: Graph | None = req.graph  # type: ignore[attr-defined]
+        if graph is None:
+            graph_id = req.graph_id  # type: ignore[attr-defined]
+            assert graph_id is not None
+            if not self.programs.granted(tenant, graph_id):
+                raise _graph_unknown(graph_id)
+            return _Found(data, req, graph_id, None, None, 0)
+        canonical = canonical_json(data["graph"])
+        graph_id = graph_id_of(canonical)
+        if req.graph_id is not None and req.graph_id != graph_id:  # type: ignore[attr-defined]
+            raise _id_mismatch(req.graph_id, graph_id)  # type: ignore[attr-defined]
+        spec = graph_spec(graph)
+        evicted = self.programs.remember_graph(graph_id, spec, canonical, raw_key)
+        self.programs.grant(tenant, graph_id)
+        return _Found(data, req, graph_id, spec, canonical, evicted)
+
+    def graph_of(self, p: Prepared) -> GraphSpec:
+        """The request's graph, to compile; 409 when nobody holds it."""
+        graph = self.known_graph(p)
+        if graph is None:
+            raise _graph_unknown(p.graph_id)
+        return graph
+
+    def known_graph(self, p: Prepared) -> GraphSpec | None:
+        """The request's graph: parsed with it, its JSON in hand, or held by id (by this
+        process, or in the store); None if none of these has it."""
+        if p.graph is None:
+            if p.graph_raw is not None:
+                p.graph = self._parse_graph(p.graph_raw)
+            else:
+                p.graph = self.programs.graph(p.graph_id, self._parse_graph)
+        return p.graph
+
+    def _parse_graph(self, raw: bytes) -> GraphSpec:
+        """A graph's JSON that was validated before (its bytes, or its canonical form)."""
+        return graph_spec(validate(codec.loads(raw), Graph))
 
     def compile(self, p: Prepared) -> None:
-        s = self.settings
-        budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
-        if p.graph is None:
-            raise _graph_unknown(p.graph_id)
+        self._compile(p, self.graph_of(p), _specs(p.inputs),
+                      None if p.grad_outputs is None else _specs(p.grad_outputs))
+
+    def _compile(self, p: Prepared, graph: GraphSpec, inputs: Mapping[str, TensorSpec],
+                 grad_outputs: Mapping[str, TensorSpec] | None) -> None:
+        """Compile without the budgets (a program holds none: they are checked on each
+        use), and keep the program here and in the store."""
+        started = time.perf_counter()
         try:
-            p.program = compile_graph(
-                graph_spec(p.graph),
-                _specs(p.inputs),
-                limits=self._limits(budget, s.compute_budget),
-                no_grad=p.no_grad,
-                backward=p.backward,
-                grad_outputs=None if p.grad_outputs is None else _specs(p.grad_outputs),
-                device=p.device,
-            )
+            p.program = compile_graph(graph, inputs, limits=self._limits(None, None),
+                                      no_grad=p.no_grad, backward=p.backward,
+                                      grad_outputs=grad_outputs, device=p.device)
         except GradserveError as err:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
-        p.stats.cache_evictions = self.programs.put(p.key, p.program)
-        p.stats.cache_bytes = self.programs.bytes
-        p.stats.graph_evictions = self.graphs.put(p.graph_id, p.graph)
+        p.stats.compile_ms = (time.perf_counter() - started) * 1000
+        p.stats.cache_evictions = self.programs.remember(p.key, p.program)
+        p.stats.cache_bytes = self.programs.memory.bytes
+
+    def check_budgets(self, p: Prepared) -> None:
+        """The request's program against the memory budget of its path and the compute
+        budget: 422 when over."""
+        assert p.program is not None
+        s = self.settings
+        budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
+        try:
+            check_budgets(p.program, self._limits(budget, s.compute_budget), p.no_grad)
+        except GradserveError as err:
+            p.stats.rejected = _REJECTIONS.get(type(err).__name__)
+            raise
 
     def execute(self, p: Prepared, deadline: float, reserve: Reserve,
                 cancel: threading.Event | None) -> Reply:
+        self.check_budgets(p)
         program = p.program
         assert program is not None
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
         p.stats.planned_peak_bytes = program.planned_peak_bytes
-        reserve(program.planned_peak_bytes + _output_bytes(program, p.req.encoding))
+        reserve(program.planned_peak_bytes + _output_bytes(program, p.encoding))
         try:
             result = execute(
                 program,
@@ -297,7 +439,53 @@ class Compute:
         p.inputs, p.grad_outputs = {}, None  # the inputs' memory goes before the answer's
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
-                             encoding=p.req.encoding, graph_id=p.graph_id)
+                             encoding=p.encoding, graph_id=p.graph_id,
+                             source=p.stats.program or "compiled")
+
+
+@dataclass(eq=False)
+class _Found:
+    """A request's members (parsed), validated, and its graph as far as it was found."""
+
+    data: Any
+    req: Any
+    graph_id: str
+    graph: GraphSpec | None
+    raw: bytes | None  # the graph's JSON: its bytes as sent (found by them, not parsed),
+    # or its canonical form (parsed): what a worker compiles it from
+    evicted: int  # graphs the process's cache evicted for this one
+
+
+# Splits a JSON object into its members, each left as raw bytes (validated as JSON, not
+# parsed into objects): what finds a graph by its bytes without parsing it.
+_ENVELOPE = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def split_envelope(header: bytes | memoryview) -> dict[str, memoryview] | None:
+    """A JSON object's members as raw bytes, in order, or None if it is not one (the
+    full parse then says what is wrong)."""
+    try:
+        return {k: memoryview(v) for k, v in _ENVELOPE.decode(header).items()}
+    except (msgspec.DecodeError, ValueError, RecursionError):  # (nested too deep)
+        return None
+
+
+def _parse_members(envelope: dict[str, memoryview] | None, skip: str) -> dict[str, Any] | None:
+    """Every member but `skip` parsed as the full parse would, or None where that parse
+    would refuse one (it then runs, and says what is wrong)."""
+    if envelope is None:
+        return None
+    try:
+        return {k: codec.loads(bytes(v)) for k, v in envelope.items() if k != skip}
+    except codec.JSONError:
+        return None
+
+
+def _id_mismatch(given: str, graph_id: str) -> ProblemError:
+    return ProblemError(
+        "invalid-request", f"graph_id {quoted(given)} is not the id of the graph sent with it "
+        f"({graph_id}); send one or the other, or both matching",
+        errors=[{"loc": ["graph_id"], "msg": "does not match the graph"}])
 
 
 # The contract's seed example: warms a process's imports, first calls and memos.
@@ -315,6 +503,7 @@ def warm_up(settings: Settings, body: bytes = WARM_UP) -> None:
         "max_nodes": 100_000, "memory_budget_bytes": 1 << 20,
         "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
         "compute_budget": 1e9, "max_inputs": 16, "max_id_chars": 64,
+        "program_store_dir": None,  # (nothing of it for the store)
     })
     Compute(roomy).run(body, MODELS["backward"], time.monotonic() + 60, lambda _: None)
 
@@ -340,117 +529,6 @@ def program_bytes(meta: Any) -> int:
     for d in meta.shape:
         n *= d
     return n * np.dtype(meta.dtype).itemsize
-
-
-class ProgramCache:
-    """Compiled programs by a hash of their graph and their inputs' specs, bounded by
-    their estimated bytes, least recently used first out.
-
-    Clients send the same graph again and again with new data; validation, the derived
-    backward, planning and kernel binding depend only on the graph and the inputs' shapes,
-    dtypes and requires_grad, so a hit skips them all. A Program is read-only to `execute`,
-    so one serves many threads.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.evictions = 0
-        self._items: OrderedDict[Hashable, Program] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> Program | None:
-        with self._lock:
-            program = self._items.get(key)
-            if program is not None:
-                self._items.move_to_end(key)
-            return program
-
-    def put(self, key: Hashable, program: Program) -> int:
-        """Keep `program` (unless it alone is over the bound); returns how many were
-        evicted to make room."""
-        size = program.estimated_bytes
-        if size > self.max_bytes:
-            return 0
-        evicted = 0
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self.bytes -= old.estimated_bytes
-            self._items[key] = program
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, gone = self._items.popitem(last=False)
-                self.bytes -= gone.estimated_bytes
-                evicted += 1
-            self.evictions += evicted
-        return evicted
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-class GraphCache:
-    """Graphs by id (`meta.graph_id`), for requests that send the id instead, bounded by
-    their canonical JSON's bytes, least recently used first out. Per process and
-    forgotten on restart: a miss is 409 graph-unknown, and the client sends the graph."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._items: OrderedDict[str, tuple[Graph, int]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, graph_id: str) -> Graph | None:
-        with self._lock:
-            item = self._items.get(graph_id)
-            if item is None:
-                return None
-            self._items.move_to_end(graph_id)
-            return item[0]
-
-    def put(self, graph_id: str, graph: Graph) -> int:
-        """Hold `graph` (unless it alone is over the bound); returns how many were evicted
-        to make room."""
-        evicted = 0
-        with self._lock:
-            if graph_id in self._items:
-                self._items.move_to_end(graph_id)
-                return 0
-            size = _graph_bytes(graph)
-            if size > self.max_bytes:
-                return 0
-            self._items[graph_id] = (graph, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, gone) = self._items.popitem(last=False)
-                self.bytes -= gone
-                evicted += 1
-        return evicted
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-def _graph_bytes(graph: Graph) -> int:
-    """What a held graph takes: its models, about 1 KB a node (the canonical JSON is far
-    smaller, but the models are what is held)."""
-    return 1024 * (1 + _count_nodes(graph.nodes))
-
-
-def _count_nodes(nodes: list[Node]) -> int:
-    return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
-
-
-def graph_key(graph: Any) -> str:
-    """The graph's id: a BLAKE2b-128 hash (32 hex digits) of its canonical form, JSON with
-    keys sorted, no whitespace, and numbers as orjson writes them (shortest round-trip
-    digits), so that neither key order nor spacing changes it, nor the inputs' data."""
-    try:
-        canonical = orjson.dumps(graph, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # an integer past 64 bits (which compiling will refuse)
-        canonical = json.dumps(graph, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
 BINARY_HEADER = "inference-header-content-length"
@@ -556,8 +634,8 @@ def _node_specs(nodes: list[Node]) -> list[NodeSpec]:
 def _graph_unknown(graph_id: str) -> ProblemError:
     return ProblemError(
         "graph-unknown", f"this server does not hold graph {quoted(graph_id)} (a server holds "
-        "the graphs it was sent recently, per process, and forgets them on restart): send "
-        "the graph itself, which it then holds under that id",
+        "the graphs it was sent recently, in its program store, and with API keys only for "
+        "the key that sent them): send the graph itself, which it then holds under that id",
         errors=[{"loc": ["graph_id"], "msg": "unknown here"}])
 
 
@@ -692,7 +770,7 @@ def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
 
 
 def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
-                  encoding: str, graph_id: str) -> Reply:
+                  encoding: str, graph_id: str, source: str) -> Reply:
     """The response: JSON, or with the binary encoding a JSON header whose tensors say
     `binary_data_size`, followed by their bytes in the order they appear in it."""
     to_host = get_backend(device).to_host
@@ -718,6 +796,7 @@ def encode_result(program: Program, result: RunResult, *, device: str, no_grad: 
         "peak_bytes": result.peak_bytes,
         "planned_peak_bytes": result.planned_peak_bytes,
         "compute_cost": program.compute_cost,
+        "program": source,
         "timings_ms": result.timings_ms,
     }
     header = codec.dumps(content)

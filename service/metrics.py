@@ -175,6 +175,40 @@ class Metrics:
             "estimated bytes of the compiled programs cached, summed over the processes",
             registry=r, multiprocess_mode="livesum",
         )
+        # Where each computation's program came from, and what finding it cost.
+        self.compiles = Counter(
+            "gradserve_compiles", "graphs compiled into programs (every process's)", registry=r,
+        )
+        self.program_lookups = Counter(
+            "gradserve_program_lookups",
+            "programs looked up by computations, by where they were found: process (its "
+            "memory), store (loaded from the host's program store) or compiled (a miss)",
+            ["source"], registry=r,
+        )
+        self.lookups = {source: self.program_lookups.labels(source)
+                        for source in ("process", "store", "compiled")}
+        self.compile_seconds = Histogram(
+            "gradserve_program_compile_seconds", "time to compile a program",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.load_seconds = Histogram(
+            "gradserve_program_load_seconds", "time to load a program from the store",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.store_bytes = Gauge(
+            "gradserve_program_store_bytes", "bytes of the entries in the program store "
+            "(one store for the host's processes: the largest figure any of them saw)",
+            registry=r, multiprocess_mode="max",
+        )
+        self.store_evictions = Counter(
+            "gradserve_program_store_evictions",
+            "entries evicted from the program store to keep it within its bound", registry=r,
+        )
+        self.store_damaged = Counter(
+            "gradserve_program_store_damaged",
+            "program store entries found damaged (truncated, garbage, half-written), deleted "
+            "and compiled again", registry=r,
+        )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
         )

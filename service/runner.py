@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -26,7 +29,7 @@ from starlette.types import Message, Receive
 
 from engine.errors import DeadlineExceeded, GradserveError
 from service.admission import Admission
-from service.compute import MODELS, PLANS, WARM_UP, Compute, Reply, Stats, warm_up
+from service.compute import MODELS, PLANS, WARM_UP, Compute, Handoff, Reply, Stats, warm_up
 from service.errors import ProblemError
 from service.metrics import Metrics
 from service.settings import Settings
@@ -41,6 +44,7 @@ from service.workers import (
     overloaded,
     pack,
     payload_head,
+    state_dir,
     trim_memory,
     unlink,
 )
@@ -76,9 +80,18 @@ def parse_reservation(body: bytes, header_length: int | None = None) -> int:
 
 class Runner:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        # The program store: the directory named, or one of this server's own (removed
+        # when it stops) in shared memory where the host has it. Every process of the
+        # server (the workers too, through these settings) opens the same one.
+        self._own_store: str | None = None
+        if settings.program_store_dir is None and settings.program_store_bytes:
+            self._own_store = tempfile.mkdtemp(prefix="gradserve-programs-", dir=state_dir())
+            settings = settings.model_copy(update={"program_store_dir": self._own_store})
         self.settings = settings
         self.metrics = metrics
         self.compute = Compute(settings)
+        # Writes to the store leave the event loop: they follow the answer.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="gradserve-store")
         self.admission = Admission(settings.max_concurrency, metrics)
         self.pool = Pool(settings, settings.max_concurrency)
         self.ledger = self.pool.ledger
@@ -86,7 +99,10 @@ class Runner:
         metrics.track(metrics.reserved_bytes, self.ledger.total)
         metrics.track(
             metrics.cache_bytes,
-            lambda: self.compute.programs.bytes + sum(self._worker_cache_bytes.values()))
+            lambda: self.compute.programs.memory.bytes + sum(self._worker_cache_bytes.values()))
+        store = self.compute.programs.store
+        if store is not None:
+            metrics.track(metrics.store_bytes, store.total_bytes)
 
     def warm_up(self, body: bytes = WARM_UP) -> None:
         """One small request end to end in the front process, off the books."""
@@ -94,6 +110,14 @@ class Runner:
 
     def close(self) -> None:
         self.pool.close()
+        self._writer.shutdown(wait=True)
+        if self._own_store is not None:
+            shutil.rmtree(self._own_store, ignore_errors=True)
+
+    def _flush(self) -> None:
+        """What this process's computations left for the store, written off the loop."""
+        if self.compute.programs.pending():
+            self._writer.submit(self.compute.programs.flush)
 
     async def housekeeping(self) -> None:
         """Stop idle workers, now and then (runs for the life of the app)."""
@@ -104,9 +128,11 @@ class Runner:
 
     # ------------------------------------------------------------------ a request
     async def serve(self, kind: str, receive: Receive, declared: int | None,
-                    request_id: str, header_length: int | None = None) -> Reply:
-        """The response body of one compute request ("forward" or "backward");
-        `header_length`: the body is binary, with a JSON header of that many bytes."""
+                    request_id: str, header_length: int | None = None,
+                    tenant: str | None = None) -> Reply:
+        """The response body of one compute request ("forward", "backward" or a plan);
+        `header_length`: the body is binary, with a JSON header of that many bytes;
+        `tenant`: the API key's id (None with keys off)."""
         deadline = time.monotonic() + self.settings.request_timeout_s
         # The body is held in flight from its first byte, on the bodies' line of the
         # ledger: an upload takes memory but no compute slot (a slow client holds none).
@@ -134,16 +160,21 @@ class Runner:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
                 self._hold(slot, reservation, refuse_at_limit=True)
+                handoff = None
                 if direct is None and len(body) <= INLINE_MAX_BODY_BYTES:
-                    content = self._inline(kind, body, slot, deadline, header_length)
-                    if content is not None:
+                    content = self._inline(kind, body, slot, deadline, header_length, tenant)
+                    if isinstance(content, Reply):
                         return content
+                    handoff = content  # prepared here, to run in a worker: no second parse
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
-                payload = direct or pack(body, name)
+                affinity = handoff.graph_id if handoff is not None else self.compute.affinity(
+                    payload_head(direct, header_length or 0) if direct else body, header_length)
+                payload = direct or (b"" if handoff is not None else pack(body, name))
                 del body  # a large body is in shared memory now: this process keeps no copy
                 try:
                     return await self._in_worker(kind, payload, name, slot, deadline, receive,
-                                                 request_id, header_length)
+                                                 request_id, header_length, tenant, handoff,
+                                                 affinity)
                 finally:
                     if large:
                         trim_memory()
@@ -235,34 +266,46 @@ class Runner:
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), counted
 
     def _inline(self, kind: str, body: bytes, slot: int, deadline: float,
-                header_length: int | None) -> Reply | None:
-        """Compute a tiny request here; None when it is not tiny after all."""
+                header_length: int | None, tenant: str | None) -> Reply | Handoff | None:
+        """Compute a small request here when its program is known, or small enough to
+        compile at once, and cheap to run; else hand it, prepared, to a worker (None: a
+        plan that a worker must make)."""
         if kind in PLANS:
-            return self.compute.plan(body, dot=kind == "plan-dot",
-                                     max_nodes=INLINE_MAX_COMPILE_NODES)
-        p = self.compute.prepare(body, MODELS[kind], None, header_length)
-        held = self.ledger.held(slot)
-
-        def reserve(nbytes: int) -> None:
-            self._hold(slot, held + nbytes)
-
+            try:
+                return self.compute.plan(body, dot=kind == "plan-dot",
+                                         max_nodes=INLINE_MAX_COMPILE_NODES, tenant=tenant)
+            finally:
+                self._flush()
+        stats = Stats()
         try:
+            p = self.compute.prepare(body, MODELS[kind], stats, header_length, tenant)
             if p.program is None:
-                # A graph sent by id that this process does not hold may be a worker's.
-                if p.graph is None or len(p.graph.nodes) > INLINE_MAX_COMPILE_NODES:
-                    return None
+                graph = self.compute.known_graph(p)  # (None: by id; a worker may hold it)
+                if graph is None or len(graph.nodes) > INLINE_MAX_COMPILE_NODES:
+                    return self.compute.handoff(p)
                 self.compute.compile(p)
-            if p.program is None or p.program.compute_cost > INLINE_MAX_COST:
-                return None
+            assert p.program is not None
+            if p.program.compute_cost > INLINE_MAX_COST:
+                self.compute.check_budgets(p)  # (a 422 is answered here)
+                return self.compute.handoff(p)
+            held = self.ledger.held(slot)
+
+            def reserve(nbytes: int) -> None:
+                self._hold(slot, held + nbytes)
+
             return self.compute.execute(p, deadline, reserve, None)
         finally:
-            self._count(p.stats)
+            self._count(stats)
+            self._flush()
 
     async def _in_worker(self, kind: str, payload: Any, name: str, slot: int, deadline: float,
-                         receive: Receive, request_id: str, header_length: int | None) -> Reply:
+                         receive: Receive, request_id: str, header_length: int | None,
+                         tenant: str | None, handoff: Handoff | None, affinity: str | None
+                         ) -> Reply:
         task = Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
                     deadline=deadline, out_name=name + "o", request_id=request_id,
-                    header_length=header_length)
+                    header_length=header_length, tenant=tenant, handoff=handoff,
+                    affinity=affinity)
         del payload
         done = False
         try:
@@ -308,6 +351,19 @@ class Runner:
             self.metrics.cache_evictions.inc(stats.cache_evictions)
         if stats.graph_evictions:
             self.metrics.graph_evictions.inc(stats.graph_evictions)
+        if stats.program is not None:
+            self.metrics.lookups[stats.program].inc()
+        if stats.compile_ms is not None:
+            self.metrics.compiles.inc()
+            self.metrics.compile_seconds.observe(stats.compile_ms / 1000)
+        if stats.load_ms is not None:
+            self.metrics.load_seconds.observe(stats.load_ms / 1000)
+        if not stats.pid:  # (a worker's own store figures come in its stats)
+            stats.store_evictions, stats.store_damaged = self.compute.programs.changes()
+        if stats.store_evictions:
+            self.metrics.store_evictions.inc(stats.store_evictions)
+        if stats.store_damaged:
+            self.metrics.store_damaged.inc(stats.store_damaged)
         if stats.pid:
             self._worker_cache_bytes[stats.pid] = stats.cache_bytes
 

@@ -212,6 +212,10 @@ class Meta(BaseModel):
     nodes: int
     peak_bytes: int
     planned_peak_bytes: int
+    compute_cost: int = Field(description="the program's static cost, in cost units")
+    program: Literal["process", "store", "compiled"] = Field(
+        description="where the program came from: this process's memory, the host's program "
+                    "store, or compiled for this request")
     timings_ms: dict[str, float]
 
 

@@ -46,8 +46,14 @@ class Settings(BaseSettings):
     compute_budget: float = Field(5e12, gt=0)
     # Compiled programs kept for repeated graphs, bounded by their estimated bytes.
     program_cache_bytes: int = Field(256 * MiB, ge=0)
-    # Graphs held by id (`meta.graph_id`), per process, bounded by their canonical bytes.
+    # Graphs held by id (`meta.graph_id`), per process, bounded by their estimated bytes.
     graph_cache_bytes: int = Field(64 * MiB, ge=0)
+    # The program store (service/store.py): compiled programs and graphs for every process
+    # of the host. None: a directory of this server's own, in shared memory, removed when
+    # it stops; a directory named here (a volume) outlives it, and a restarted server or a
+    # replica that mounts it starts warm. 0 bytes: no store.
+    program_store_dir: str | None = None
+    program_store_bytes: int = Field(256 * MiB, ge=0)
     # Request shape limits (checked before compiling).
     max_inputs: int = Field(10_000, ge=1)
     max_id_chars: int = Field(256, ge=1)

@@ -267,7 +267,7 @@ def _is_entry(name: str) -> bool:
     return len(name) > 2 and name[0] in KINDS and name[1] == "-"
 
 
-def entry_name(kind: str, *parts: bytes | str) -> str:
+def entry_name(kind: str, *parts: bytes | memoryview | str) -> str:
     """An entry's file name: its kind and the BLAKE2b-128 of its parts (under the version
     key, which the caller puts first)."""
     h = hashlib.blake2b(digest_size=16)

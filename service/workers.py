@@ -47,7 +47,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from engine.errors import GradserveError
 from service.admission import RETRY_AFTER_S
-from service.compute import MODELS, PLANS, Compute, Stats, warm_up
+from service.compute import MODELS, PLANS, Compute, Handoff, Stats, warm_up
 from service.errors import ProblemError, as_problem
 from service.settings import Settings
 
@@ -296,6 +296,9 @@ class Task:
     out_name: str  # the shared memory segment a large response goes into
     request_id: str
     header_length: int | None = None  # a binary body's JSON header's length
+    tenant: str | None = None  # the API key's id (service/middleware.py)
+    handoff: Handoff | None = None  # a small request the front process prepared
+    affinity: str | None = None  # the request's graph id, when known without parsing
 
 
 # (status "ok", (response payload, its binary header's length, media type), stats), or
@@ -342,13 +345,16 @@ def run_task(task: Task) -> Reply:
         body = memoryview(segment.buf)[:size]  # type: ignore[arg-type]
     try:
         try:
-            if task.kind in PLANS:
-                planned = _compute.plan(bytes(body), dot=task.kind == "plan-dot")
+            if task.handoff is not None:
+                content = _compute.run_handoff(task.handoff, task.deadline, reserve, stats)
+            elif task.kind in PLANS:
+                planned = _compute.plan(bytes(body), dot=task.kind == "plan-dot",
+                                        tenant=task.tenant)
                 assert planned is not None  # (without a node limit it always answers)
                 content = planned
             else:
                 content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
-                                       task.header_length)
+                                       task.header_length, task.tenant)
         finally:
             del body  # (the arrays viewing it went with the computation)
         # The answer goes into the body's own segment when it fits there (its pages are
@@ -366,7 +372,10 @@ def run_task(task: Task) -> Reply:
                 segment.close()
         if (stats.planned_peak_bytes or 0) >= TRIM_AFTER_BYTES:
             trim_memory()
-    stats.pid = os.getpid()
+        stats.pid = os.getpid()
+        stats.store_evictions, stats.store_damaged = _compute.programs.changes()
+        if _compute.programs.pending():  # (written while this worker waits for the next)
+            threading.Thread(target=_compute.programs.flush, daemon=True).start()
     return "ok", reply, stats
 
 
@@ -400,7 +409,7 @@ class Pool:
     def __init__(self, settings: Settings, slots: int) -> None:
         self.settings = settings
         self.slots = slots
-        self._dir = tempfile.mkdtemp(prefix="gradserve-", dir=_shm_dir())
+        self._dir = tempfile.mkdtemp(prefix="gradserve-", dir=state_dir())
         self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
         self._pool: ProcessPool | None = None
         self._lock = threading.Lock()
@@ -497,7 +506,8 @@ class WorkerDied(Exception):
         self.exitcode = exitcode
 
 
-def _shm_dir() -> str | None:
-    """Shared memory for the ledger's file when the host has it (it is RAM, and writable
-    in containers whose root is read-only); else the temporary directory."""
+def state_dir() -> str | None:
+    """Where a server keeps its own state (the ledger's file, its program store): shared
+    memory when the host has it (it is RAM, and writable in containers whose root is
+    read-only); else the temporary directory."""
     return SHM_DIR if os.access(SHM_DIR, os.W_OK) else None

@@ -213,20 +213,22 @@ async def test_graph_ids_ignore_key_order_and_spacing_and_not_the_data(
 def test_graph_ids_are_stable_across_processes() -> None:
     """The id is a function of the graph alone: another interpreter (another hash seed)
     computes the same one."""
-    script = ("import json, sys; from service.compute import graph_key; "
+    script = ("import json, sys; from service.programs import graph_key; "
               "print(graph_key(json.loads(sys.argv[1])))")
     ids = {subprocess.run([sys.executable, "-c", script, json.dumps(DOUBLE)], check=True,
                           capture_output=True, text=True, timeout=120,
                           env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=".").stdout.strip()
            for seed in ("1", "2")}
-    from service.compute import graph_key
+    from service.programs import graph_key
 
     assert ids == {graph_key(DOUBLE)}
 
 
 async def test_graph_cache_evicts_by_bytes_and_counts_it() -> None:
+    """Without a program store, a graph evicted from the process's cache is unknown."""
     graphs = [{"nodes": [{"id": "y", "expr": f"x * {k}"}], "outputs": ["y"]} for k in (2, 3)]
-    async with serving(graph_cache_bytes=3000) as (c, _):  # (room for one 1-node graph: 2 KB)
+    async with serving(graph_cache_bytes=1500, program_store_bytes=0) as (c, _):
+        # (room for one 1-node graph: 1.2 KB)
         ids = [strict_json(await _forward(c, graph=g))["meta"]["graph_id"] for g in graphs]
         # (The compiled program of a signature already run still serves the id: a new
         # signature needs the graph itself.)
@@ -238,6 +240,15 @@ async def test_graph_cache_evicts_by_bytes_and_counts_it() -> None:
                 ).status_code == 200
         metrics = (await c.get("/metrics")).text
         assert "gradserve_graph_cache_evictions_total 1.0" in metrics
+
+
+async def test_a_graph_evicted_from_the_process_is_found_in_the_store() -> None:
+    graphs = [{"nodes": [{"id": "y", "expr": f"x * {k}"}], "outputs": ["y"]} for k in (2, 3)]
+    async with serving(graph_cache_bytes=1500) as (c, app):
+        ids = [strict_json(await _forward(c, graph=g))["meta"]["graph_id"] for g in graphs]
+        assert len(app.state.runner.compute.programs.graphs) == 1
+        r = await c.post("/forward", json={"graph_id": ids[0], "inputs": {"x": [[1.0, 2.0]]}})
+        assert strict_json(r)["outputs"]["y"]["data"] == [[2.0, 4.0]]
 
 
 async def test_a_large_binary_body_through_a_worker_process(client: httpx.AsyncClient) -> None:

@@ -194,7 +194,7 @@ async def test_long_ids_are_refused_and_not_echoed() -> None:
 
 async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> None:
     async with serving(program_cache_bytes=40_000) as (c, app):
-        cache = app.state.runner.compute.programs
+        cache = app.state.runner.compute.programs.memory
         for k in range(12):  # twelve distinct graphs of ~8 KB programs each
             body = {"graph": {"nodes": [{"id": "z", "expr": f"(x + {k}) * (x - y)"}],
                               "outputs": ["z"]}, "inputs": SEED_OP["inputs"]}
@@ -208,7 +208,7 @@ async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> N
 
 async def test_the_cache_key_is_the_graph_whatever_its_key_order_and_spacing() -> None:
     async with serving() as (c, app):
-        cache = app.state.runner.compute.programs
+        cache = app.state.runner.compute.programs.memory
         reordered = {"inputs": SEED_OP["inputs"], "graph": {
             "outputs": ["z"], "nodes": [{"args": n["args"], "op": n["op"], "id": n["id"]}
                                         for n in SEED_OP["graph"]["nodes"]]}}

@@ -719,7 +719,7 @@ async def test_500_hides_the_traceback(
 # ----------------------------------------------------------------------- program cache, client
 async def test_program_cache_reuses_plans_per_graph_and_specs() -> None:
     async with serving() as (c, app):
-        cache = app.state.runner.compute.programs
+        cache = app.state.runner.compute.programs.memory
         before = len(cache._items)
         for x in (1.0, 2.0, 3.0):
             r = await c.post("/backward", json={**SEED_EXPR, "inputs": {

@@ -14,7 +14,7 @@ plans memory and cost and binds kernels, before anything is allocated; it raises
 of its device and returns outputs, gradients, the measured peak bytes and timings.
 """
 
-from engine.graph.compiler import compile_graph
+from engine.graph.compiler import check_budgets, compile_graph
 from engine.graph.executor import execute
 from engine.graph.ir import Program
 from engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
@@ -27,6 +27,7 @@ __all__ = [
     "Program",
     "RunResult",
     "TensorSpec",
+    "check_budgets",
     "compile_graph",
     "execute",
 ]

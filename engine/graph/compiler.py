@@ -213,7 +213,7 @@ def compile_graph(
         program.steps = b.steps
     bound_on = _backend_ufuncs(device)
     plan(program, ufuncs=bound_on, record=not no_grad and not backward)
-    _check_budgets(program, limits, no_grad)
+    check_budgets(program, limits, no_grad)
     program.run = bind(program, device)
     program.plan_ms = (time.perf_counter() - started) * 1000
     return program
@@ -427,7 +427,8 @@ def _derive_backward(b: Builder, program: Program, roots: list[str],
             program.gradients.append((name, grad.slot))
 
 
-def _check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
+def check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
+    """MemoryBudgetError or ComputeBudgetError when `program` is over `limits`' budgets."""
     budget = limits.memory_budget_bytes
     if budget is not None and program.planned_peak_bytes > budget:
         path = "no_grad" if no_grad else "grad"

@@ -56,8 +56,10 @@ class ComputeRoute(APIRoute):
         _check_content_type(_header(headers, b"content-type"), binary=header_length is not None)
         runner: Runner = scope["app"].state.runner
         kind = _kind(self.kind, scope.get("query_string", b""))
+        state = scope.get("state", {})
         reply = await runner.serve(kind, receive, _content_length(headers),
-                                   scope.get("state", {}).get("request_id", "-"), header_length)
+                                   state.get("request_id", "-"), header_length,
+                                   state.get("tenant"))
         start = [(b"content-type", reply.media_type.encode())] \
             if reply.header_length is None else [
                 _BINARY_HEADER, (BINARY_HEADER.encode(), b"%d" % reply.header_length)]
@@ -254,9 +256,10 @@ async def _serve(request: Request, kind: str) -> Response:
     header_length = _binary_header_length(request.scope["headers"])
     _check_content_type(request.headers.get("content-type"), binary=header_length is not None)
     kind = _kind(kind, request.scope.get("query_string", b""))
+    state = request.scope.get("state", {})
     reply = await runner_of(request).serve(
         kind, request.receive, _content_length(request.scope["headers"]),
-        request.scope.get("state", {}).get("request_id", "-"), header_length)
+        state.get("request_id", "-"), header_length, state.get("tenant"))
     try:
         content = b"".join(reply.parts)
     finally:

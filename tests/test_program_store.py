@@ -1,0 +1,243 @@
+"""Programs that stay compiled: a graph found by its bytes as sent (no parse, no
+validation), programs and graphs shared by every process through the store, ids scoped
+to the API key that sent the graph, and a damaged or unusable store that costs a compile,
+never a wrong answer or a 5xx."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service import compute as compute_module
+from service.compute import MODELS, Compute, Stats
+from service.errors import ProblemError
+from service.settings import Settings
+from tests.in_process import serving
+from tests.test_service_api import strict_json
+
+pytestmark = pytest.mark.anyio
+
+CHAIN = {"nodes": [{"id": f"n{i}", "expr": f"sin(n{i - 1}) * 0.5" if i else "sin(x) * 0.5"}
+                   for i in range(40)], "outputs": ["n39"]}
+
+
+def chain_body(x: list[float], **extra: Any) -> dict[str, Any]:
+    return {"graph": CHAIN, "inputs": {"x": {"data": x, "requires_grad": True}},
+            "grad_outputs": {"n39": {"data": [1.0] * len(x)}}, **extra}
+
+
+def chain_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    h, g = x.astype(np.float32), np.ones_like(x, np.float32)
+    for _ in range(40):
+        g = g * np.cos(h) * np.float32(0.5)
+        h = np.sin(h) * np.float32(0.5)
+    return h, g
+
+
+def run(compute: Compute, body: dict[str, Any] | bytes, kind: str = "backward",
+        tenant: str | None = None) -> tuple[dict[str, Any], Stats]:
+    stats = Stats()
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = compute.run(raw, MODELS[kind], 1e12, lambda _: None, stats, tenant=tenant)
+    return json.loads(b"".join(bytes(p) for p in reply.parts)), stats
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Iterator[str]:
+    yield str(tmp_path / "store")
+
+
+def test_a_repeat_is_found_by_its_bytes_without_a_parse(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    compute = Compute(Settings(program_store_dir=store_dir))
+    first, stats = run(compute, chain_body([0.5, 1.0]))
+    assert stats.program == "compiled" and first["meta"]["program"] == "compiled"
+    parsed: list[Any] = []
+    original = compute_module.parse_json
+
+    def counting(body: bytes) -> Any:
+        parsed.append(body)
+        return original(body)
+
+    monkeypatch.setattr(compute_module, "parse_json", counting)
+    monkeypatch.setattr(compute_module, "graph_spec", lambda *_: pytest.fail("validated"))
+    again, stats = run(compute, chain_body([0.25, 2.0]))
+    assert parsed == [] and stats.program == "process"
+    assert again["meta"]["graph_id"] == first["meta"]["graph_id"]
+    want, grad = chain_numpy(np.array([0.25, 2.0]))
+    np.testing.assert_allclose(again["outputs"]["n39"]["data"], want, rtol=1e-6)
+    np.testing.assert_allclose(again["gradients"]["x"]["data"], grad, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [
+    {"inputs": {"x": {"data": [1.0, True], "requires_grad": True}}},  # tensor data
+    {"inputs": {"x": {"dat": [1.0]}}},  # a misspelt field (schema)
+    {"encoding": "yaml"},
+    {"unknown": 1},
+    {"graph_id": "0" * 32},  # not the graph's id
+    {"graph_id": 12},
+    {"grad_outputs": {"nope": [1.0, 2.0]}},
+])
+def test_a_hit_refuses_what_a_miss_refuses_with_the_same_problem(
+        store_dir: str, bad: dict[str, Any]) -> None:
+    """Bad members beside a known graph: the same problem as beside a new one."""
+    body = {**chain_body([0.5, 1.0]), **bad}
+
+    def problem(compute: Compute) -> dict[str, Any]:
+        with pytest.raises(Exception) as info:
+            run(compute, body)
+        err = info.value
+        if isinstance(err, ProblemError):
+            return {"slug": err.slug, "detail": err.detail, "errors": err.errors}
+        return {"type": type(err).__name__, "message": str(err),
+                "loc": getattr(err, "loc", None)}
+
+    fresh = problem(Compute(Settings(program_store_dir=store_dir + "-fresh")))
+    known = Compute(Settings(program_store_dir=store_dir))
+    run(known, chain_body([0.5, 1.0]))  # (its graph is known by its bytes from now on)
+    assert problem(known) == fresh
+
+
+def test_graphs_and_programs_are_shared_through_the_store(store_dir: str) -> None:
+    """Two processes of one host (two Computes on one store): what one compiled, the other
+    loads; what one was sent, the other knows by its bytes and by its id."""
+    a, b = (Compute(Settings(program_store_dir=store_dir)) for _ in range(2))
+    first, stats = run(a, chain_body([0.5, 1.0]))
+    a.programs.flush()  # (after the answer, as the runner does)
+    assert stats.program == "compiled"
+    again, stats = run(b, chain_body([0.5, 1.0]))
+    assert stats.program == "store" and stats.compile_ms is None and stats.load_ms is not None
+    assert again["outputs"] == first["outputs"] and again["gradients"] == first["gradients"]
+    by_id = {"graph_id": first["meta"]["graph_id"],
+             "inputs": {"x": {"data": [0.5, 1.0, 2.0], "requires_grad": True}},
+             "grad_outputs": {"n39": [1.0, 1.0, 1.0]}}
+    c = Compute(Settings(program_store_dir=store_dir))
+    third, stats = run(c, by_id)  # (a new signature: compiled from the store's graph)
+    assert stats.program == "compiled"
+    _, grad = chain_numpy(np.array([0.5, 1.0, 2.0]))
+    np.testing.assert_allclose(third["gradients"]["x"]["data"], grad, rtol=1e-5)
+
+
+def test_ids_are_scoped_to_the_key_that_sent_the_graph(store_dir: str) -> None:
+    a, b = (Compute(Settings(program_store_dir=store_dir)) for _ in range(2))
+    first, _ = run(a, chain_body([0.5, 1.0]), tenant="tenant-a")
+    by_id = {"graph_id": first["meta"]["graph_id"],
+             "inputs": {"x": {"data": [0.5, 1.0], "requires_grad": True}},
+             "grad_outputs": {"n39": [1.0, 1.0]}}
+    for compute in (a, b):  # (the same process, and another: the grant is in the store)
+        with pytest.raises(ProblemError) as info:
+            run(compute, by_id, tenant="tenant-b")
+        assert info.value.slug == "graph-unknown"
+        with pytest.raises(ProblemError) as info:
+            compute.plan(json.dumps({**by_id, "path": "backward"}).encode(),
+                         tenant="tenant-b")
+        assert info.value.slug == "graph-unknown"
+        answer, _ = run(compute, by_id, tenant="tenant-a")
+        assert answer["gradients"] == first["gradients"]
+    # Once B sends the graph itself, the id is B's too; the program below is shared.
+    _, stats = run(b, chain_body([0.5, 1.0]), tenant="tenant-b")
+    assert stats.program in ("process", "store")
+    assert run(b, by_id, tenant="tenant-b")[0]["gradients"] == first["gradients"]
+    with pytest.raises(ProblemError):
+        run(a, by_id, tenant="tenant-c")
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "garbage":
+        path.write_bytes(os.urandom(len(data)))
+    elif how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":
+        middle = len(data) // 2
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1:])
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "flipped", "version", "half"])
+async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(
+        tmp_path: Path, how: str) -> None:
+    store = tmp_path / "store"
+    body = chain_body([0.5, 1.0])
+    async with serving(program_store_dir=str(store)) as (c, app):
+        first = strict_json(await c.post("/backward", json=body))
+        app.state.runner.compute.programs.flush()
+    entries = sorted(store.iterdir())
+    assert {p.name[0] for p in entries} >= {"p", "g", "a"}, entries
+    for path in entries:
+        if how == "version":  # another gradserve's entries: never read, never served
+            path.rename(path.with_name(path.name[:2] + "f" * 32))
+        elif how == "half":  # a writer that died before its rename
+            path.rename(path.with_name(".tmp-4242-" + path.name))
+        else:
+            _damage(path, how)
+    async with serving(program_store_dir=str(store)) as (c, _):
+        again = strict_json(await c.post("/backward", json=body))
+        by_id = await c.post("/backward", json={"graph_id": first["meta"]["graph_id"],
+                                                **{k: body[k] for k in ("inputs",
+                                                                        "grad_outputs")}})
+    assert again["meta"]["program"] == "compiled"
+    assert again["outputs"] == first["outputs"] and again["gradients"] == first["gradients"]
+    assert strict_json(by_id)["gradients"] == first["gradients"]
+
+
+async def test_an_unusable_store_directory_is_no_store(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    async with serving(program_store_dir=str(blocker / "store")) as (c, app):
+        for x in ([0.5, 1.0], [0.25, 2.0]):
+            r = await c.post("/backward", json=chain_body(x))
+            _, grad = chain_numpy(np.array(x))
+            np.testing.assert_allclose(strict_json(r)["gradients"]["x"]["data"], grad,
+                                       rtol=1e-5)
+        app.state.runner.compute.programs.flush()
+    assert sum("cannot create" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_the_metrics_count_where_programs_come_from(store_dir: str) -> None:
+    async with serving(program_store_dir=store_dir) as (c, _):
+        for x in ([0.5, 1.0], [0.25, 2.0], [1.0, 1.0]):
+            assert (await c.post("/backward", json=chain_body(x))).status_code == 200
+        text = (await c.get("/metrics")).text
+    assert 'gradserve_program_lookups_total{source="compiled"} 1.0' in text
+    assert 'gradserve_program_lookups_total{source="process"} 2.0' in text
+    assert "gradserve_compiles_total 1.0" in text
+    assert "gradserve_program_compile_seconds_count 1.0" in text
+    assert "gradserve_program_store_bytes" in text
+
+
+async def test_the_default_store_is_the_servers_own_and_goes_with_it() -> None:
+    async with serving() as (c, app):
+        directory = app.state.runner.settings.program_store_dir
+        assert directory and Path(directory).is_dir()
+        r = await c.post("/backward", json=chain_body([0.5]))
+        assert r.status_code == 200
+    assert not Path(directory).exists()
+
+
+async def test_without_a_store_every_process_compiles_its_own(store_dir: str) -> None:
+    async with serving(program_store_bytes=0) as (c, app):
+        assert app.state.runner.compute.programs.store is None
+        r = await c.post("/backward", json=chain_body([0.5]))
+        assert strict_json(r)["meta"]["program"] == "compiled"
+
+
+def test_client_errors_on_by_id_bodies_are_unchanged(store_dir: str) -> None:
+    compute = Compute(Settings(program_store_dir=store_dir))
+    with pytest.raises(ProblemError) as info:
+        run(compute, {"graph_id": "f" * 32, "inputs": {}})
+    assert info.value.slug == "graph-unknown"
+
+
+async def test_an_http_repeat_reports_where_its_program_came_from(store_dir: str) -> None:
+    async with serving(program_store_dir=store_dir) as (c, _):
+        sources = [strict_json(await c.post("/backward", json=chain_body([0.5, 1.0])))
+                   ["meta"]["program"] for _ in range(2)]
+    assert sources == ["compiled", "process"]
