@@ -10,6 +10,7 @@ import functools
 import inspect
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,9 +21,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import bench_compiled as bc
 from engine.errors import BackwardError, Cancelled, GradserveError
 from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
-from engine.graph.executor import LOOP, Bound, Run, execute
+from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, execute
 from engine.graph.ir import Lit, Program, Step
 from engine.graph.scan import SCAN, Body
 from engine.graph.serial import (
@@ -284,6 +286,47 @@ def test_transform_graphs_load_as_compiled_on_each_backend(name: str, backend_na
 def test_objectives_load_as_compiled(name: str, twins: _Twins) -> None:
     test_objectives.test_objective_matches_torch(name)
     assert twins.loaded == 1
+
+
+# ---------------------------------------------------------------- the benchmark's workloads
+
+WORKLOADS = bc.small_workloads()
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_the_benchmark_workloads_load_as_compiled(workload: bc.Workload) -> None:
+    w = workload
+    fresh = bc.Gradserve().compile(w.graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
+    run_both(fresh, round_trip(fresh), w.inputs, grad_outputs=w.grad_outputs)
+
+
+def test_steps_that_write_into_a_dead_buffer() -> None:
+    """Large enough for the planner to let ufuncs write into their operands' buffers."""
+    spec = GraphSpec([NodeSpec("a", expr="sin(x) * 2.0"), NodeSpec("b", expr="exp(-a) + a"),
+                      NodeSpec("loss", expr="sum(b * b)")], ["loss"])
+    arrays = {"x": np.linspace(-1, 1, 64 * 64).reshape(64, 64)}
+    fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
+    codes = {run[0] for run in fresh.run.forward + fresh.run.backward}
+    assert {UNARY_INTO, BINARY_INTO} <= codes
+    run_both(fresh, round_trip(fresh), arrays)
+
+
+def test_loading_is_ten_times_faster_than_compiling() -> None:
+    w = bc.unrolled(300)  # (3,600 steps)
+
+    def best(fn: Callable[[], Any], times: int) -> float:
+        spent = []
+        for _ in range(times):
+            started = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - started)
+        return min(spent)
+
+    gs = bc.Gradserve()
+    compiled = best(lambda: gs.compile(w.graph, w.inputs, w.wrt), 3)
+    data = dump_program(gs.compile(w.graph, w.inputs, w.wrt))
+    loaded = best(lambda: load_program(data), 5)
+    assert compiled >= 10 * loaded, (compiled, loaded)
 
 
 # ---------------------------------------------------------------- errors while running
