@@ -81,6 +81,12 @@ _DTYPES = tuple(np.dtype(d) for d in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i4", 
 _DTYPE_NAMES = {d.str: d for d in _DTYPES}
 
 
+# A program's columns, in the order they are written (the top program's also "kernel").
+_COLUMNS = ("op", "kind", "origin", "attrs", "out", "nargs", "args", "nmore", "more", "reuse",
+            "ufunc", "cost", "nfrees", "frees", "meta", "requires_grad", "grad_fn", "held")
+_TOP_COLUMNS = frozenset({*_COLUMNS, "kernel"})
+
+
 class CorruptProgram(Exception):
     """The bytes are not a whole program of this format: truncated, damaged, of another
     format version, or naming what this build does not have."""
@@ -415,7 +421,8 @@ def _typed_list(value: Any, kind: type, what: str) -> list[Any]:
 def _within(array: np.ndarray, lo: int, hi: int, what: str) -> None:
     """Every value of `array` in [lo, hi)."""
     if len(array):
-        _check(int(array.min()) >= lo and int(array.max()) < hi, f"{what} out of range")
+        _check(((lo <= 0 and array.dtype.kind == "u") or int(array.min()) >= lo)
+               and int(array.max()) < hi, f"{what} out of range")
 
 
 class _Loaded(Program):
@@ -436,10 +443,10 @@ class _Steps(Sequence[Step]):
     """A loaded program's steps, each decoded when first read (all of them when iterated):
     a program runs from its run tuples, and only /plan, errors and loops read its steps."""
 
-    def __init__(self, n: int, decode: Callable[[int, int], list[Step]]) -> None:
-        self._items: list[Step | None] = [None] * n
-        self._decode = decode
-        self._whole = n == 0
+    def __init__(self, columns: _StepColumns) -> None:
+        self._items: list[Step | None] = [None] * len(columns.op)
+        self._columns = columns
+        self._whole = not self._items
 
     def __len__(self) -> int:
         return len(self._items)
@@ -456,7 +463,7 @@ class _Steps(Sequence[Step]):
         item = self._items[index]  # (an IndexError as a list's)
         if item is None:
             i = index % len(self._items)
-            item = self._items[i] = self._decode(i, i + 1)[0]
+            item = self._items[i] = self._columns.step(i)
         return item
 
     def __iter__(self) -> Iterator[Step]:
@@ -464,10 +471,51 @@ class _Steps(Sequence[Step]):
 
     def _all(self) -> list[Step]:
         if not self._whole:
-            decoded = self._decode(0, len(self._items))
+            decoded = self._columns.steps()
             self._items = [old or new for old, new in zip(self._items, decoded, strict=True)]
             self._whole = True
         return cast(list[Step], self._items)
+
+
+class _StepColumns:
+    """A program's step columns (checked), and the Step objects they hold: the compiler's
+    lists of Python values, with the tables' ops, Lits and attribute dicts."""
+
+    def __init__(self, reader: _Reader, op: np.ndarray, kind: np.ndarray, origin: np.ndarray,
+                 attrs: np.ndarray, out: np.ndarray, nargs: np.ndarray, args: np.ndarray,
+                 arg_ends: np.ndarray, nmore: np.ndarray, more: np.ndarray,
+                 more_ends: np.ndarray, loops: dict[int, dict[str, Any]]) -> None:
+        self.ops, self.kinds, self.names = reader.ops, reader.kinds, reader.names
+        self.literals, self.attr_list, self.loops = reader.literals, reader.attrs, loops
+        self.op, self.kind, self.origin, self.attrs, self.out = op, kind, origin, attrs, out
+        self.nargs, self.args, self.arg_ends = nargs, args, arg_ends
+        self.nmore, self.more, self.more_ends = nmore, more, more_ends
+
+    def step(self, i: int) -> Step:
+        literals = self.literals
+        end = self.arg_ends.item(i)
+        args = tuple([a if a >= 0 else literals[-1 - a]
+                      for a in self.args[end - self.nargs.item(i):end].tolist()])
+        end = self.more_ends.item(i)
+        more = tuple(self.more[end - self.nmore.item(i):end].tolist())
+        a = self.attrs.item(i)
+        return Step(self.ops[self.op.item(i)], args,
+                    self.attr_list[a] if a >= 0 else self.loops[i], self.out.item(i),
+                    self.kinds[self.kind.item(i)], self.names[self.origin.item(i)], more)
+
+    def steps(self) -> list[Step]:
+        literals, attr_list, loops = self.literals, self.attr_list, self.loops
+        flat = [a if a >= 0 else literals[-1 - a] for a in self.args.tolist()]
+        counts = self.nargs.tolist()
+        args = [tuple(flat[e - c:e])
+                for c, e in zip(counts, itertools.accumulate(counts), strict=True)]
+        more = _tuples(self.nmore, self.more) if len(self.more) else [()] * len(counts)
+        attrs = [attr_list[a] if a >= 0 else loops[i]
+                 for i, a in enumerate(self.attrs.tolist())]
+        ops, kinds, names = self.ops, self.kinds, self.names
+        return list(map(Step, [ops[o] for o in self.op.tolist()], args, attrs,
+                        self.out.tolist(), [kinds[k] for k in self.kind.tolist()],
+                        [names[o] for o in self.origin.tolist()], more))
 
 
 def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...]]:
@@ -571,6 +619,8 @@ class _Reader:
         self.raw = raw
         self.base = _PREFIX.size + _U32.size + size + (-(_U32.size + size) % 8)
         self.ops = [self._op(name) for name in _typed_list(header["ops"], str, "ops")]
+        self.is_scan = np.array([op is SCAN for op in self.ops], bool)
+        self.returns_input = np.array([op.returns_input for op in self.ops], bool)
         self.kinds = _typed_list(header["kinds"], str, "kinds")
         _check(set(self.kinds) <= _KINDS, "an unknown step kind")
         names = _typed(header["names"], list, "names")
@@ -612,17 +662,20 @@ class _Reader:
         _check(type(data) is dict, "attributes are not a dict")
         return {k: _decode(v) for k, v in data.items()}
 
-    def column(self, record: dict[str, Any], name: str) -> np.ndarray:
-        spec = _typed(record["columns"], dict, "columns").get(name)
-        _check(type(spec) is list and len(spec) == 3, f"no column {name!r}")
-        dtype = _DTYPE_NAMES.get(spec[0])
-        offset, count = spec[1], spec[2]
-        _check(dtype is not None and type(offset) is int and type(count) is int
-               and offset >= 0 and count >= 0, f"column {name!r}")
-        start = self.base + offset
-        _check(start + count * cast(np.dtype, dtype).itemsize <= len(self.raw),
-               f"column {name!r} runs past the end")
-        return np.frombuffer(self.raw, dtype, count, start)
+    def columns(self, record: dict[str, Any], top: bool) -> dict[str, np.ndarray]:
+        """A record's columns, each checked to lie within the bytes."""
+        specs = _typed(record["columns"], dict, "columns")
+        _check(specs.keys() == (_TOP_COLUMNS if top else set(_COLUMNS)), "the columns")
+        out = {}
+        for name, spec in specs.items():
+            _check(type(spec) is list and len(spec) == 3, f"column {name!r}")
+            dtype, offset, count = _DTYPE_NAMES.get(spec[0]), spec[1], spec[2]
+            _check(dtype is not None and type(offset) is int and type(count) is int
+                   and offset >= 0 and count >= 0
+                   and self.base + offset + count * cast(np.dtype, dtype).itemsize
+                   <= len(self.raw), f"column {name!r}")
+            out[name] = np.frombuffer(self.raw, dtype, count, self.base + offset)
+        return out
 
     def load(self, backend: Backend) -> Program:
         program = self.program(0, None)
@@ -634,14 +687,10 @@ class _Reader:
         """Program `index` (and the bodies of its loops), checked; without its run."""
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
-        col: Callable[[str], np.ndarray] = lambda name: self.column(record, name)
-        op, meta = col("op"), col("meta")
+        columns = self.columns(record, index == 0)
+        (op, kind, origin, attrs, out, nargs, args, nmore, more, reuse, ufunc, cost, nfrees,
+         frees, meta, requires_grad, grad_fn, held) = (columns[name] for name in _COLUMNS)
         n, nslots = len(op), len(meta)
-        kind, origin, attrs, out = col("kind"), col("origin"), col("attrs"), col("out")
-        reuse, ufunc, cost = col("reuse"), col("ufunc"), col("cost")
-        nargs, args, nmore, more = col("nargs"), col("args"), col("nmore"), col("more")
-        nfrees, frees, held = col("nfrees"), col("frees"), col("held")
-        requires_grad, grad_fn = col("requires_grad"), col("grad_fn")
         for name, array in (("kind", kind), ("origin", origin), ("attrs", attrs),
                             ("out", out), ("reuse", reuse), ("ufunc", ufunc), ("cost", cost),
                             ("nargs", nargs), ("nmore", nmore), ("nfrees", nfrees)):
@@ -663,7 +712,7 @@ class _Reader:
         _within(reuse, -1, nslots, "a reused slot")
         _within(ufunc, 0, 2, "a ufunc flag")
         _within(requires_grad, 0, 2, "a requires_grad flag")
-        is_scan = np.array([o is SCAN for o in self.ops], bool)[op]
+        is_scan = self.is_scan[op]
         _check(np.array_equal(attrs < 0, is_scan), "a loop's attributes")
         _within(attrs, -1, len(self.attrs), "attributes")
         self._check_attrs(op, attrs)
@@ -705,7 +754,7 @@ class _Reader:
         _check(int(cost.sum(dtype=np.int64)) == p.flops + BYTE_COST * p.bytes_moved,
                "the steps' costs are not the program's")
         if index == 0:
-            self.flow = flow
+            self.flow, self.top = flow, columns
         if len(grad_fn):
             _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
         names = self.names
@@ -740,28 +789,9 @@ class _Reader:
                 spec, loop, [slot_metas[a] for a in step_args.tolist()],
                 [slot_metas[o] for o in outs])}
 
-        ops, kinds, literals, attr_list = self.ops, self.kinds, self.literals, self.attrs
-
-        def decode(lo: int, hi: int) -> list[Step]:
-            """Steps lo to hi (all lists of Python values, as the compiler makes them)."""
-            a_lo, a_hi = (int(arg_ends[lo - 1]) if lo else 0), int(arg_ends[hi - 1])
-            flat = [a if a >= 0 else literals[-1 - a]
-                    for a in args[a_lo:a_hi].tolist()]
-            counts = nargs[lo:hi].tolist()
-            step_args = [tuple(flat[e - c:e])
-                         for c, e in zip(counts, itertools.accumulate(counts), strict=True)]
-            m_lo, m_hi = (int(more_ends[lo - 1]) if lo else 0), int(more_ends[hi - 1])
-            if m_lo == m_hi:
-                step_more: list[tuple[int, ...]] = [()] * (hi - lo)
-            else:
-                step_more = _tuples(nmore[lo:hi], more[m_lo:m_hi])
-            step_attrs = [attr_list[a] if a >= 0 else scan_attrs[lo + k]
-                          for k, a in enumerate(attrs[lo:hi].tolist())]
-            return list(map(Step, [ops[o] for o in op[lo:hi].tolist()], step_args, step_attrs,
-                            out[lo:hi].tolist(), [kinds[k] for k in kind[lo:hi].tolist()],
-                            [names[o] for o in origin[lo:hi].tolist()], step_more))
-
-        p.steps = cast(list[Step], _Steps(n, decode))  # (a Sequence: see _Steps)
+        p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
+            self, op, kind, origin, attrs, out, nargs, args, arg_ends, nmore, more, more_ends,
+            scan_attrs)))
         return p
 
     def _check_attrs(self, op: np.ndarray, attrs: np.ndarray) -> None:
@@ -817,16 +847,13 @@ class _Reader:
     def bind(self, p: _Loaded, backend: Backend) -> Bound:
         """The run of the top program: its run tuples made from the columns with the
         decisions `executor._run` makes, its kernels one per signature."""
-        record = self.records[0]
-        col: Callable[[str], np.ndarray] = lambda name: self.column(record, name)
-        op, kind, attrs, out, reuse, ufunc = (col("op"), col("kind"), col("attrs"), col("out"),
-                                              col("reuse"), col("ufunc"))
-        nargs, args, kernel, meta = col("nargs"), col("args"), col("kernel"), col("meta")
+        op, kind, attrs, out, reuse, ufunc, nargs, args, kernel, meta = (
+            self.top[name] for name in ("op", "kind", "attrs", "out", "reuse", "ufunc",
+                                        "nargs", "args", "kernel", "meta"))
         n = len(op)
         _check(len(kernel) == n, "column 'kernel'")
         _within(kernel, -1, len(self.kernels), "a kernel")
-        alias = np.array([o.returns_input for o in self.ops], bool)[op]
-        loop = np.array([o is SCAN for o in self.ops], bool)[op]
+        alias, loop = self.returns_input[op], self.is_scan[op]
         into = reuse >= 0
         runs_kernel = kernel >= 0
         _check(np.array_equal(runs_kernel, ~(alias | loop)), "a step without its kernel")
