@@ -29,6 +29,7 @@ are the per-slot and per-step lists that a run does not read.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import math
@@ -389,14 +390,23 @@ def load_program(data: bytes | memoryview, device: str = "cpu") -> Program:
     shared memory may be reused once it returns)."""
     backend = get_backend(device)
     raw = bytes(data)  # (no copy of bytes; a view is copied before it is checked)
-    collecting = gc.isenabled()
-    gc.disable()  # a large program is a hundred thousand tuples, none of them in a cycle
     try:
-        return _Reader(raw).load(backend)
+        with _no_cycles():
+            return _Reader(raw).load(backend)
     except CorruptProgram:
         raise
     except Exception as exc:  # whatever the damage, the caller gets one kind of error
         raise CorruptProgram(f"not a valid program: {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _no_cycles() -> Iterator[None]:
+    """No cycle collection while a load makes its objects: a large program is a hundred
+    thousand tuples, none of them in a cycle, and each collection would walk them all."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if collecting:
             gc.enable()
@@ -504,6 +514,10 @@ class _StepColumns:
                     self.kinds[self.kind.item(i)], self.names[self.origin.item(i)], more)
 
     def steps(self) -> list[Step]:
+        with _no_cycles():
+            return self._steps()
+
+    def _steps(self) -> list[Step]:
         literals, attr_list, loops = self.literals, self.attr_list, self.loops
         flat = [a if a >= 0 else literals[-1 - a] for a in self.args.tolist()]
         counts = self.nargs.tolist()
@@ -521,6 +535,11 @@ class _StepColumns:
 def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...]]:
     """Row i of a ragged array (`counts[i]` values of `flat`, in order) as a tuple. The rows
     of one length are made together, zipping their columns (in C), then put in row order."""
+    if len(counts) <= 256:  # (a few rows: slicing them costs less than the NumPy calls)
+        row_values = flat.tolist()
+        return [tuple(row_values[e - c:e])
+                for c, e in zip(counts.tolist(), itertools.accumulate(counts.tolist()),
+                                strict=True)]
     ends = np.cumsum(counts, dtype=np.int64)
     starts = ends - counts
     pool: list[tuple[int, ...]] = [()]
@@ -583,12 +602,6 @@ class _Flow:
                "a slot read after it is freed")
         _check((freed[kept] == n).all() and (made[kept] < n).all(),
                "a result freed, or never made")
-
-
-def _inferred(step: Step, metas: Sequence[Meta]) -> Meta:
-    """What the op's shape rule says `step` makes."""
-    return step.op.infer([metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
-                          for a in step.args], **step.attrs)
 
 
 def _distinct(codes: np.ndarray) -> list[int]:
@@ -835,9 +848,6 @@ class _Reader:
                and [stacked(s) for s in xs] == args[nc:nc + nx]
                and [metas[s] for s in closures] == args[nc + nx:]
                and [stacked(s) for s in ys] == outs[nc:], "a loop's body does not fit its step")
-        for step in program.steps:  # (a body is bound as compiled: check its shape rules)
-            if step.op is not SCAN:
-                _check(_inferred(step, metas) == metas[step.out], "a step's result meta")
         b = Builder()
         b.metas = metas
         return Body(b=b, steps=program.steps, length=length, wanted=wanted,
