@@ -19,12 +19,19 @@ The layout, little-endian:
              signature, and its arguments, extra results and frees (counts, then the values
              flat); per slot its meta, requires_grad and grad_fn; the held slots
 
-Loading reads the columns with NumPy and checks every index against its table before
-anything is built, so that a damaged or foreign entry raises CorruptProgram, never another
-exception, and never gives a program that fails later. The run tuples are built from the
-columns with the decisions `executor._run` makes (tests hold the two equal); the Step
-objects, which only /plan, errors and loop bodies read, are decoded when first read, and so
-are the per-slot and per-step lists that a run does not read.
+Loading checks, before anything is built: the length and the checksum; the type of every
+header value; every index against its table; the data flow (each slot written once, read
+after it is written and before it is freed; a buffer reused only from a dead argument);
+each step against its kernel's signature, and each signature's result against its op's
+shape rule; each attribute set against its op's declaration; each loop body against its
+step. Whatever is wrong raises CorruptProgram, never another exception. (A checksum that
+matches is no proof of origin: someone who can write the store can write a consistent
+program that computes something else, but nothing that runs code or loads half-formed.)
+
+The run tuples are built from the columns with NumPy, with the decisions `executor._run`
+makes (tests hold the two equal). The Step objects, which only /plan, errors and loop
+bodies read, are decoded when first read, and so are the per-slot and per-step lists that
+a run does not read.
 """
 
 from __future__ import annotations
@@ -219,8 +226,8 @@ class _Writer:
         index = self.metas.get(meta)
         if index is None:
             shape, dtype, literal = meta
-            if (type(shape) is not tuple or any(type(d) is not int for d in shape)
-                    or type(dtype) is not str or type(literal) is not bool):
+            if (type(shape) is not tuple or any(type(d) is not int or d < 0 for d in shape)
+                    or dtype not in ITEMSIZE or type(literal) is not bool):
                 raise Unstorable(f"a meta of other types: {meta!r}")
             index = self.metas[meta] = len(self.meta_list)
             self.meta_list.append([list(shape), dtype, literal])
@@ -330,8 +337,11 @@ class _Writer:
         if top:
             columns["kernel"] = kernels
         record["columns"] = {name: self.column(values) for name, values in columns.items()}
-        if any(type(v) is not bool for v in (*program.ufunc, *program.requires_grad)):
+        if any(type(v) is not bool for v in (*program.ufunc, *program.requires_grad,
+                                             program.no_grad, program.backward)):
             raise Unstorable("a flag that is not a bool")
+        if type(program.plan_ms) is not float:
+            raise Unstorable("plan_ms is not a float")
         if program.cost_by_node != _cost_by_node([s.origin for s in steps], program.step_costs):
             raise Unstorable("cost_by_node is not the steps' costs by origin")
         record.update(
@@ -544,7 +554,7 @@ def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...]]:
     starts = ends - counts
     pool: list[tuple[int, ...]] = [()]
     where = np.zeros(len(counts), np.int64)  # per row, its tuple's place in the pool
-    sizes = np.bincount(counts) if len(counts) else np.zeros(1, np.int64)
+    sizes = np.bincount(counts)
     values: list[int] | None = None
     for k in np.flatnonzero(sizes[1:]).tolist():
         k += 1
