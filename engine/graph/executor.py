@@ -63,12 +63,17 @@ def _bind(program: Program, backend: Backend) -> Bound:
             split = i
         runs.append(_run(step, program, backend, program.ufunc[i] and backend.ufuncs is not None,
                          program.reuse[i], program.frees[i]))
+    return Bound(backend, runs[:split], runs[split:], given_of(program))
+
+
+def given_of(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
+    """What a program's run is given (`Bound.given`)."""
     metas = program.metas
     given = [(name, slot, metas[slot].shape, metas[slot].dtype, False)
              for name, slot in program.inputs.items()]
     given += [(name, slot, metas[slot].shape, metas[slot].dtype, True)
               for name, slot in program.grad_inputs.items()]
-    return Bound(backend, runs[:split], runs[split:], given)
+    return given
 
 
 def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int,
@@ -79,14 +84,7 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
         return ALIAS, None, step.out, slots[0], 0, None, frees
     if op is SCAN:
         return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
-    metas = program.metas
-    key = (backend, op, ufunc, reuse >= 0,
-           *[metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
-             for a in step.args],
-           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
-    fn = _KERNELS.get(key)
-    if fn is None:
-        fn = _KERNELS.remember(key, _kernel(step, program, backend, ufunc, reuse >= 0))
+    fn = kernel_of(step, program, backend, ufunc, reuse >= 0)
     if reuse >= 0:
         code = UNARY_INTO if len(slots) == 1 else BINARY_INTO
         return code, fn, step.out, slots[0], slots[-1], reuse, frees
@@ -103,6 +101,21 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
 # A kernel depends only on its op, argument metas, literals and attributes, and how it runs
 # (a ufunc, writing into a buffer): kernels are shared by steps and programs alike.
 _KERNELS = Memo(1 << 14)
+
+
+def kernel_of(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool
+              ) -> Kernel:
+    """`step`'s kernel, remembered by that signature: binding calls it for every step, and
+    loading a stored program (engine.graph.serial) once per distinct signature."""
+    metas = program.metas
+    key = (backend, step.op, ufunc, into,
+           *[metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
+             for a in step.args],
+           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS.remember(key, _kernel(step, program, backend, ufunc, into))
+    return fn
 
 
 def _kernel(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool) -> Kernel:

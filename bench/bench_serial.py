@@ -1,0 +1,93 @@
+"""Stored programs (engine.graph.serial): dump and load against compile.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/bench_serial.py [--quick]
+
+Prints one table. For each workload: the program's steps and bytes; the time to compile it
+(a cold compile: a new graph each call, so that no memo of the compiler hits), to dump it,
+and to load it (checks, kernels bound, run tuples built: ready to run); load per step; and
+compile/load (target: >= 10x). Also what the two checksums the format could use take over
+the same bytes (CRC-32, which it uses, and BLAKE2b-128).
+
+Workloads: bench/bench_compiled.py's unrolled recurrence (1,000 and 10,000 steps: 3 op
+nodes a step, fwd+bwd) and its 24-step recurrent cell; bench/bench_transforms.py's RNN as
+one `scan` node (64 steps, fwd+bwd: a program, its loop body and the body's VJP).
+
+Medians over interleaved rounds; ratios are medians of per-round ratios (these machines
+are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import statistics
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import bench_compiled as bc
+from bench import bench_transforms as bt
+from engine.graph.serial import dump_program, load_program
+
+
+def workloads(quick: bool) -> dict[str, Callable[[float], Any]]:
+    """Per workload, a compile of a new graph (its salt: an unused node's constant)."""
+    gs = bc.Gradserve()
+    out: dict[str, Callable[[float], Any]] = {}
+    for w in ([bc.unrolled(100), bc.recurrent_cell()] if quick
+              else [bc.unrolled(1000), bc.unrolled(10_000), bc.recurrent_cell()]):
+        def compile_(salt: float, w: bc.Workload = w) -> Any:
+            graph = {**w.graph, "nodes": [*w.graph["nodes"],
+                                          bc.op("salt", "mul", bc._salt_input(w), salt)]}
+            return gs.compile(graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
+        out[w.name] = compile_
+    d = bt.rnn_data(64)
+    out["RNN 64 steps as one scan, fwd+bwd"] = lambda salt: bt.compile_json(
+        bt.rnn_scan(salt), d, ["w", "u", "b", "h0"], backward=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    rounds = args.rounds or (2 if args.quick else 7)
+    salt = (i * 1e-3 for i in itertools.count(1))
+    rows = []
+    for name, compile_ in workloads(args.quick).items():
+        program = compile_(next(salt))
+        data = dump_program(program)
+        load_program(data)  # (the memo of kernels warm, as in a worker that runs programs)
+        samples = bc.measure({
+            "compile": lambda compile_=compile_: compile_(next(salt)),
+            "dump": lambda program=program: dump_program(program),
+            "load": lambda data=data: load_program(data),
+            "crc32": lambda data=data: zlib.crc32(data),
+            "blake2b": lambda data=data: hashlib.blake2b(data, digest_size=16).digest(),
+        }, rounds, budget_s=0.2)
+        ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+        steps = len(program.steps)
+        rows.append([name, f"{steps:,}", f"{len(data):,}", f"{ms['compile']:.2f}",
+                     f"{ms['dump']:.2f}", f"{ms['load']:.3f}",
+                     f"{ms['load'] * 1e6 / steps:.0f}",
+                     f"{bc._ratio(samples, 'compile', 'load'):.1f}x",
+                     f"{ms['crc32']:.3f}", f"{ms['blake2b']:.3f}"])
+    cols = ["workload", "steps", "bytes", "compile ms", "dump ms", "load ms", "load ns/step",
+            "compile/load", "CRC-32 ms", "BLAKE2b ms"]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    print(f"Python {sys.version.split()[0]}; target: compile/load >= 10x")
+    print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(cols)).rstrip())
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(v.ljust(widths[i]) if i == 0 else v.rjust(widths[i])
+                         for i, v in enumerate(r)).rstrip())
+
+
+if __name__ == "__main__":
+    main()

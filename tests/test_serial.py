@@ -1,0 +1,550 @@
+"""Stored programs (engine.graph.serial): a program loaded from its bytes is the program
+compiled (the same steps, plan, run tuples and kernels; bit for bit the same results,
+peaks, response fields, errors, /plan and DOT), for every op sample on every path and the
+graphs of the transforms' and objectives' tests; and damaged bytes are a CorruptProgram."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench import bench_compiled as bc
+from engine.errors import BackwardError, Cancelled, GradserveError
+from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
+from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, execute
+from engine.graph.ir import Lit, Program, Step
+from engine.graph.scan import SCAN, Body
+from engine.graph.serial import (
+    FORMAT_VERSION,
+    MAGIC,
+    CorruptProgram,
+    Unstorable,
+    dump_program,
+    load_program,
+)
+from engine.ops import OPS
+from service.compute import encode_result, planned_steps, program_dot
+from tests import test_objectives, test_transforms
+from tests.op_samples import Sample
+from tests.test_ops import _cases, _is_float_array
+
+# ---------------------------------------------------------------- the same program
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, with the same types all the way down (floats by their bits)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) is dict:
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if type(a) is Lit:
+        return same(a.value, b.value)
+    return bool(a == b)
+
+
+_FIELDS = ("metas", "inputs", "grad_inputs", "outputs", "gradients", "requires_grad",
+           "grad_fn", "no_grad", "backward", "held", "frees", "reuse", "ufunc", "nodes",
+           "planned_peak_bytes", "flops", "bytes_moved", "cost_by_node", "step_costs",
+           "plan_ms", "estimated_bytes", "compute_cost")
+
+
+def assert_same_program(fresh: Program, loaded: Program) -> None:
+    """Every field, step and loop body, and the run tuples with their kernels."""
+    for name in _FIELDS:
+        assert same(getattr(loaded, name), getattr(fresh, name)), name
+    assert len(loaded.steps) == len(fresh.steps)
+    for i, (a, b) in enumerate(zip(fresh.steps, loaded.steps, strict=True)):
+        assert_same_step(a, b, i)
+    assert list(loaded.steps[1:3]) == list(loaded.steps)[1:3]  # (slices of the lazy steps)
+    if fresh.run is None:
+        assert loaded.run is None
+    else:
+        assert_same_bound(fresh.run, loaded.run)
+
+
+def assert_same_step(a: Step, b: Step, i: int) -> None:
+    assert b.op is a.op, i
+    for name in ("args", "out", "kind", "origin", "more"):
+        assert same(getattr(b, name), getattr(a, name)), (i, name)
+    if a.op is SCAN:
+        assert list(b.attrs) == ["body"]
+        assert_same_body(a.attrs["body"], b.attrs["body"])
+    else:
+        assert same(b.attrs, a.attrs), i
+
+
+def assert_same_body(a: Body, b: Body) -> None:
+    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted"):
+        assert same(getattr(b, name), getattr(a, name)), name
+    assert a.program is not None and b.program is not None
+    assert_same_program(a.program, b.program)
+
+
+def assert_same_bound(a: Bound, b: Bound) -> None:
+    assert b.backend is a.backend and same(b.given, a.given)
+    assert len(b.forward) == len(a.forward) and len(b.backward) == len(a.backward)
+    assert_same_runs(a.forward + a.backward, b.forward + b.backward)
+
+
+def assert_same_runs(fresh: list[Run], loaded: list[Run]) -> None:
+    for i, (a, b) in enumerate(zip(fresh, loaded, strict=True)):
+        assert same(b[0], a[0]) and same(b[2:5], a[2:5]) and same(b[6], a[6]), (i, a, b)
+        if a[0] == LOOP:
+            x, y = a[5], b[5]
+            for name in ("args", "carries", "xs", "nexts", "ys", "results", "sources",
+                         "sizes", "given", "distinct"):
+                assert same(getattr(y, name), getattr(x, name)), (i, name)
+            assert_same_runs(x.bound, y.bound)
+            continue
+        assert same(b[5], a[5]) and same_kernel(a[1], b[1]), (i, a, b)
+
+
+def same_kernel(a: Any, b: Any) -> bool:
+    """The same kernel: the memo's own (its key is the step's signature), or one made the
+    same way (a NaN literal is a key of its own, and the memo may have been cleared)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, functools.partial):
+        return (same_kernel(a.func, b.func) and len(a.args) == len(b.args)
+                and all(map(_same_part, a.args, b.args)) and list(a.keywords) == list(b.keywords)
+                and all(_same_part(a.keywords[k], b.keywords[k]) for k in a.keywords))
+    if inspect.isfunction(a):
+        cells = zip(a.__closure__ or (), b.__closure__ or (), strict=True)
+        return a.__code__ is b.__code__ and all(_same_part(x.cell_contents, y.cell_contents)
+                                                 for x, y in cells)
+    return False
+
+
+def _same_part(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return type(b) is np.ndarray and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if callable(a) and not isinstance(a, type):
+        return same_kernel(a, b)
+    return same(a, b)
+
+
+def round_trip(program: Program) -> Program:
+    data = dump_program(program)
+    loaded = load_program(data)
+    assert_same_program(program, loaded)
+    assert dump_program(loaded) == data  # (dump, load, dump: the same bytes)
+    assert planned_steps(loaded) == planned_steps(program)
+    assert program_dot(loaded, 1 << 30) == program_dot(program, 1 << 30)
+    return loaded
+
+
+def run_both(fresh: Program, loaded: Program, inputs: dict[str, Any], **kw: Any) -> Any:
+    """`execute` on both: the same error, or bit for bit the same results, peaks and
+    response; the loaded program's result."""
+    try:
+        expected = execute(fresh, inputs, **kw)
+    except GradserveError as err:
+        with pytest.raises(type(err)) as info:
+            execute(loaded, inputs, **kw)
+        assert (str(info.value), info.value.node, info.value.op) == (str(err), err.node, err.op)
+        raise info.value from None
+    got = execute(loaded, inputs, **kw)
+    for name in ("outputs", "gradients"):
+        a, b = getattr(expected, name), getattr(got, name)
+        assert (a is None) == (b is None) and list(a or {}) == list(b or {}), name
+        for k in a or {}:
+            x, y = np.asarray(a[k]), np.asarray(b[k])
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), (name, k)
+            assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), k
+    for name in ("peak_bytes", "planned_peak_bytes", "nodes"):
+        assert getattr(got, name) == getattr(expected, name), name
+    assert _response(fresh, expected) == _response(loaded, got)
+    return got
+
+
+def _response(program: Program, result: Any) -> Any:
+    """The response body /forward or /backward would send, without its timings."""
+    reply = encode_result(program, result, device="cpu", no_grad=program.no_grad,
+                          encoding="json", graph_id="g")
+    body = orjson.loads(b"".join(bytes(p) for p in reply.parts))
+    del body["meta"]["timings_ms"]
+    return body
+
+
+# ---------------------------------------------------------------- every op sample
+
+
+def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, np.ndarray],
+                                                       list[str]]:
+    """One node of the op on the sample's arrays (floats in float64) and literals; the
+    inputs the op differentiates."""
+    args: list[Any] = []
+    arrays: dict[str, np.ndarray] = {}
+    wrt = []
+    for i, a in enumerate(sample.args):
+        if isinstance(a, np.ndarray):
+            arrays[f"a{i}"] = a.astype("float64") if _is_float_array(a) else a
+            args.append(f"a{i}")
+            if _is_float_array(a) and OPS[name].arg_differentiable(i):
+                wrt.append(f"a{i}")
+        else:
+            args.append(a)
+    return GraphSpec([NodeSpec("out", name, args, sample.attrs)], ["out"]), arrays, wrt
+
+
+def _specs(arrays: dict[str, np.ndarray], wrt: Sequence[str] = ()) -> dict[str, TensorSpec]:
+    return {k: TensorSpec(a.shape, str(a.dtype), k in wrt) for k, a in arrays.items()}
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_every_op_sample_loads_as_compiled_on_every_path(name: str, sample: Sample) -> None:
+    spec, arrays, wrt = _sample_graph(name, sample)
+    paths: list[dict[str, Any]] = [{"no_grad": True}, {}]
+    forward = compile_graph(spec, _specs(arrays, wrt))
+    out = forward.metas[dict(forward.outputs)["out"]]
+    upstream = {"out": np.random.default_rng(3).standard_normal(out.shape).astype(out.dtype)}
+    if wrt and forward.requires_grad[dict(forward.outputs)["out"]]:
+        paths.append({"backward": True, "grad_outputs": upstream})
+    for path in paths:
+        grad_outputs = path.pop("grad_outputs", None)
+        try:
+            fresh = compile_graph(spec, _specs(arrays, wrt), **path,
+                                  grad_outputs=grad_outputs and _specs(grad_outputs))
+        except BackwardError:
+            continue  # (an output that nothing differentiable flows into)
+        loaded = round_trip(fresh)
+        run_both(fresh, loaded, arrays, grad_outputs=grad_outputs, verify=True)
+
+
+# ---------------------------------------------------------------- the transforms' graphs
+
+
+class _Twins:
+    """`compile_graph` and `execute` for another test module: each program compiled is
+    dumped, loaded and checked against itself, and the test gets the loaded one; each run
+    of it runs the compiled one too, and the two must agree bit for bit."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[int, tuple[Program, Program]] = {}
+        self.loaded = 0
+
+    def compile_graph(self, *args: Any, **kw: Any) -> Program:
+        fresh = compile_graph(*args, **kw)
+        loaded = round_trip(fresh)
+        self.compiled[id(loaded)] = (fresh, loaded)
+        self.loaded += 1
+        return loaded
+
+    def execute(self, program: Program, inputs: Any, **kw: Any) -> Any:
+        fresh, _ = self.compiled[id(program)]
+        return run_both(fresh, program, dict(inputs), **kw)
+
+
+@pytest.fixture
+def twins(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Twins]:
+    twins = _Twins()
+    for module in (test_transforms, test_objectives):
+        monkeypatch.setattr(module, "compile_graph", twins.compile_graph)
+        monkeypatch.setattr(module, "execute", twins.execute)
+    yield twins
+
+
+def _tests(module: Any, needs_backend: bool) -> list[str]:
+    return [name for name, fn in vars(module).items() if name.startswith("test_")
+            and ("backend_name" in inspect.signature(fn).parameters) == needs_backend]
+
+
+@pytest.mark.parametrize("name", _tests(test_transforms, needs_backend=False))
+def test_transform_graphs_load_as_compiled(name: str, twins: _Twins) -> None:
+    """grad, jvp, scans, nested and differentiated scans: each test of
+    tests/test_transforms.py, with every program it compiles stored and loaded."""
+    getattr(test_transforms, name)()
+
+
+@pytest.mark.parametrize("name", _tests(test_transforms, needs_backend=True))
+def test_transform_graphs_load_as_compiled_on_each_backend(name: str, backend_name: str,
+                                                           twins: _Twins) -> None:
+    getattr(test_transforms, name)(backend_name)
+    assert twins.loaded
+
+
+@pytest.mark.parametrize("name", sorted(test_objectives.OBJECTIVES))
+def test_objectives_load_as_compiled(name: str, twins: _Twins) -> None:
+    test_objectives.test_objective_matches_torch(name)
+    assert twins.loaded == 1
+
+
+# ---------------------------------------------------------------- the benchmark's workloads
+
+WORKLOADS = bc.small_workloads()
+
+
+@pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
+def test_the_benchmark_workloads_load_as_compiled(workload: bc.Workload) -> None:
+    w = workload
+    fresh = bc.Gradserve().compile(w.graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
+    run_both(fresh, round_trip(fresh), w.inputs, grad_outputs=w.grad_outputs)
+
+
+def test_steps_that_write_into_a_dead_buffer() -> None:
+    """Large enough for the planner to let ufuncs write into their operands' buffers."""
+    spec = GraphSpec([NodeSpec("a", expr="sin(x) * 2.0"), NodeSpec("b", expr="exp(-a) + a"),
+                      NodeSpec("loss", expr="sum(b * b)")], ["loss"])
+    arrays = {"x": np.linspace(-1, 1, 64 * 64).reshape(64, 64)}
+    fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
+    codes = {run[0] for run in fresh.run.forward + fresh.run.backward}
+    assert {UNARY_INTO, BINARY_INTO} <= codes
+    run_both(fresh, round_trip(fresh), arrays)
+
+
+def test_loading_is_ten_times_faster_than_compiling() -> None:
+    w = bc.unrolled(300)  # (3,600 steps)
+
+    def best(fn: Callable[[], Any], times: int) -> float:
+        spent = []
+        for _ in range(times):
+            started = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - started)
+        return min(spent)
+
+    gs = bc.Gradserve()
+    compiled = best(lambda: gs.compile(w.graph, w.inputs, w.wrt), 3)
+    data = dump_program(gs.compile(w.graph, w.inputs, w.wrt))
+    loaded = best(lambda: load_program(data), 5)
+    assert compiled >= 10 * loaded, (compiled, loaded)
+
+
+# ---------------------------------------------------------------- errors while running
+
+
+def _loop_graph(index: str) -> GraphSpec:
+    body = BodySpec(carry=["h"], xs=["x"], nodes=[
+        NodeSpec("p", "gather", ["h", index], {"dim": 0}),
+        NodeSpec("h2", expr="tanh(h * x + sum(p) * 0.5)")], next={"h": "h2"})
+    return GraphSpec([NodeSpec("loop", "scan", ["h0", "xs"], body=body, results={"hs": "h2"}),
+                      NodeSpec("d", "detach", ["hs"]),
+                      NodeSpec("loss", expr="sum(hs * hs) + sum(d)")], ["loss"])
+
+
+LOOP_INPUTS = {"h0": np.linspace(-1, 1, 3), "xs": np.linspace(0.5, 1, 12).reshape(4, 3),
+               "i": np.array([2, 0])}
+
+
+def _loop_program(**kw: Any) -> Program:
+    specs = _specs(LOOP_INPUTS, ["h0", "xs"])
+    return compile_graph(_loop_graph("i"), specs, **kw)
+
+
+@pytest.mark.parametrize("path", [{"no_grad": True}, {}, {"backward": True}])
+def test_an_error_names_the_node_and_op_the_compiled_program_names(path: dict[str, Any]
+                                                                   ) -> None:
+    fresh = _loop_program(**path)
+    loaded = round_trip(fresh)
+    run_both(fresh, loaded, LOOP_INPUTS)  # (good indices: the same results)
+    bad = {**LOOP_INPUTS, "i": np.array([2, 7])}
+    with pytest.raises(GradserveError) as info:
+        run_both(fresh, loaded, bad)  # (and the same error, from inside the loop's body)
+    assert (info.value.node, info.value.op) == ("p", "gather")
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled):
+        run_both(fresh, loaded, LOOP_INPUTS, cancel=cancel)
+
+
+# ---------------------------------------------------------------- values, bytes, refusals
+
+
+def test_values_keep_their_exact_types() -> None:
+    """Literals and attributes: bool, int and float apart, -0.0, NaN and infinities,
+    integers past 64 bits, tuples and lists, None, strings, dicts."""
+    from engine.graph.serial import _decode, _encode
+
+    values = [True, 0, 1, -0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-310,
+              2**70, -(2**63), None, "s", [1, [2.0, (3,)]], (), {"a": (1, None), 2: [False]}]
+    for v in values:
+        assert same(_decode(orjson.loads(orjson.dumps(_encode(v)))), v), v
+    nan = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
+    assert struct.pack("<d", _decode(_encode(nan))) == struct.pack("<d", nan)  # (its payload)
+    with pytest.raises(Unstorable):
+        _encode({1, 2})
+
+
+def test_what_the_format_cannot_express_is_unstorable() -> None:
+    program = _loop_program(backward=True)
+    step = next(s for s in program.steps if s.op is not SCAN and s.attrs)
+    step.attrs = {**step.attrs, "extra": object()}
+    with pytest.raises(Unstorable):
+        dump_program(program)
+
+
+def test_a_loaded_program_keeps_no_reference_to_the_buffer_it_came_from() -> None:
+    data = bytearray(dump_program(_loop_program(backward=True)))
+    view = memoryview(data)
+    loaded = load_program(view)
+    view.release()
+    data[:] = bytes(len(data))  # (a store reusing the memory)
+    run_both(_loop_program(backward=True), loaded, LOOP_INPUTS)
+
+
+# ---------------------------------------------------------------- damage
+
+
+def _split(data: bytes) -> tuple[Any, bytes]:
+    (size,) = struct.unpack_from("<I", data, 24)
+    base = 28 + size + (-(4 + size) % 8)
+    return orjson.loads(data[28:28 + size]), data[base:]
+
+
+def _frame(header: Any, columns: bytes) -> bytes:
+    """Bytes of the format around `header` and `columns`, with a checksum that matches."""
+    text = orjson.dumps(header)
+    rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
+    return struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest
+
+
+@pytest.fixture(scope="module")
+def small() -> bytes:
+    """A small program with a loop, a literal, a detach and a backward."""
+    data = dump_program(_loop_program(backward=True))
+    assert _frame(*_split(data)) == data
+    return data
+
+
+def _corrupt(data: bytes | memoryview) -> None:
+    with pytest.raises(CorruptProgram):
+        load_program(data)
+
+
+def test_every_truncation_and_an_extension_are_corrupt(small: bytes) -> None:
+    for length in range(len(small)):
+        _corrupt(small[:length])
+    _corrupt(small + b"\0")
+    _corrupt(b"")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_flipped_bytes_are_corrupt(small: bytes, data: st.DataObject) -> None:
+    damaged = bytearray(small)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(small) - 1))
+        damaged[at] ^= data.draw(st.integers(1, 255))
+    if bytes(damaged) != small:
+        _corrupt(bytes(damaged))
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(value, list) and value:
+        for i, v in enumerate(value):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path
+
+
+def _replace(header: Any, path: tuple[Any, ...], value: Any) -> Any:
+    header = orjson.loads(orjson.dumps(header))  # (a copy)
+    inner = header
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return header
+
+
+def test_a_header_with_a_value_of_no_type_it_takes_is_corrupt(small: bytes) -> None:
+    """Every leaf of the header replaced by an object with an unknown tag (JSON objects are
+    never plain values): each is a CorruptProgram, with a matching checksum."""
+    header, columns = _split(small)
+    for path in _leaves(header):
+        _corrupt(_frame(_replace(header, path, {"?": 1}), columns))
+
+
+def _loads_or_corrupt(data: bytes) -> None:
+    """CorruptProgram, or a program that plans, draws and runs (or refuses the inputs) like
+    any other: never another exception."""
+    try:
+        program = load_program(data)
+    except CorruptProgram:
+        return
+    planned_steps(program)
+    program_dot(program, 1 << 30)
+    with contextlib.suppress(GradserveError):
+        execute(program, LOOP_INPUTS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_any_header_value_loads_or_is_corrupt(small: bytes, data: st.DataObject) -> None:
+    header, columns = _split(small)
+    path = data.draw(st.sampled_from(list(_leaves(header))))
+    value = data.draw(st.sampled_from([None, True, False, 0, 1, -1, 2, 7, 10**6, 2**40, -2**63,
+                                       0.5, float("1e308"), "", "x", "scan", "float64", [],
+                                       [0], [1, 2]]))
+    _loads_or_corrupt(_frame(_replace(header, path, value), columns))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_garbage_in_the_columns_loads_or_is_corrupt(small: bytes, data: st.DataObject) -> None:
+    header, columns = _split(small)
+    damaged = bytearray(columns)
+    at = data.draw(st.integers(0, len(columns) - 1))
+    garbage = data.draw(st.binary(min_size=1, max_size=16))
+    damaged[at:at + len(garbage)] = garbage
+    _loads_or_corrupt(_frame(header, bytes(damaged[:len(columns)])))
+
+
+def test_the_columns_all_garbage_is_corrupt(small: bytes) -> None:
+    header, columns = _split(small)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        _corrupt(_frame(header, rng.integers(0, 256, len(columns), np.uint8).tobytes()))
+
+
+def _header_of(small: bytes, change: Callable[[Any], None]) -> bytes:
+    header, columns = _split(small)
+    change(header)
+    return _frame(header, columns)
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h["ops"].__setitem__(0, "no_such_op"),
+    lambda h: h["kinds"].__setitem__(0, "sideways"),
+    lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
+    lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
+    lambda h: h["programs"][0]["columns"]["out"].__setitem__(2, 10**9),
+    lambda h: h["programs"][0]["columns"]["out"].__setitem__(0, "<f8"),
+    lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
+    lambda h: h["programs"][0].__setitem__("no_grad", 1),
+    lambda h: h["programs"][0]["scans"][0].__setitem__(1, 0),
+    lambda h: h["programs"].append(h["programs"][1]),
+    lambda h: h["kernels"][0][4].append(0),
+    lambda h: h.__setitem__("programs", []),
+    lambda h: h.pop("attrs"),
+], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
+        "column dtype", "output slot", "flag type", "loop into itself", "body twice",
+        "kernel arity", "no program", "no attrs"])
+def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
+    _corrupt(_header_of(small, change))
+
+
+def test_another_format_version_or_magic_is_corrupt(small: bytes) -> None:
+    _corrupt(small[:8] + struct.pack("<I", FORMAT_VERSION + 1) + small[12:])
+    _corrupt(b"X" + small[1:])
