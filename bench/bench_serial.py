@@ -13,7 +13,8 @@ nodes a step, fwd+bwd) and its 24-step recurrent cell; bench/bench_transforms.py
 one `scan` node (64 steps, fwd+bwd: a program, its loop body and the body's VJP).
 
 Medians over interleaved rounds; ratios are medians of per-round ratios (these machines
-are shared and noisy).
+are shared and noisy). A timed call drops what it made (a compiled or a loaded program)
+before its time is read, alike for both, and the cycle collector runs as it would.
 """
 
 from __future__ import annotations
