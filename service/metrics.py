@@ -198,7 +198,7 @@ class Metrics:
         self.store_bytes = Gauge(
             "gradserve_program_store_bytes", "bytes of the entries in the program store "
             "(one store for the host's processes: the largest figure any of them saw)",
-            registry=r, multiprocess_mode="max",
+            registry=r, multiprocess_mode="livemax",
         )
         self.store_evictions = Counter(
             "gradserve_program_store_evictions",
