@@ -41,6 +41,7 @@ PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 # Set in a request's scope state: a stable, non-secret id of the API key that authorised
 # it (the hex BLAKE2b-128 of the key), or None (keys off, or a path open to all).
 TENANT = "tenant"
+_READ_METHODS = frozenset({"GET", "HEAD"})
 # An incoming id is echoed only if it is short and printable (it goes into logs and headers).
 _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:/+=@-]{1,128}$")
 # Set in a request's scope state by the HTTP protocol (service/protocol.py) when it timed
@@ -89,14 +90,14 @@ class Gateway:
         api_keys: Sequence[str] = (),
         open_paths: Iterable[str] = (),
     ) -> None:
-        """`open_paths`: paths served without a key besides the probes (the explorer's
-        page and assets, which hold no data)."""
+        """`open_paths`: paths that GET and HEAD may read without a key, besides the
+        probes (the explorer's page and files, which hold no data)."""
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         # Each key with its tenant id, computed once: the id, never the key, goes further.
         self.api_keys = [(k.encode(), tenant_id(k)) for k in api_keys]
-        self.open_paths = PROBE_PATHS | frozenset(open_paths)
+        self.open_paths = frozenset(open_paths)
         self.in_flight = 0  # on the event loop only; read when /metrics is scraped
         metrics.track(metrics.in_flight, lambda: self.in_flight)
 
@@ -144,7 +145,7 @@ class Gateway:
 
         self.in_flight += 1
         try:
-            refusal = self._refusal(scope["path"], headers, state)
+            refusal = self._refusal(scope, headers, state)
             if refusal is not None:
                 await self._send_problem(send_wrapper, refusal, rid)
             else:
@@ -175,9 +176,9 @@ class Gateway:
     def _too_large(self) -> str:
         return f"the request body is larger than the limit of {self.max_body_bytes} bytes"
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes], state: dict[str, Any]
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any]
                  ) -> ProblemError | None:
-        if self.api_keys and path not in self.open_paths:
+        if self.api_keys and self._needs_key(scope):
             state[TENANT] = self._tenant(headers)
             if state[TENANT] is None:
                 return ProblemError(
@@ -193,6 +194,12 @@ class Gateway:
             if int(declared) > self.max_body_bytes:
                 return ProblemError("body-too-large", self._too_large())
         return None
+
+    def _needs_key(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if path in PROBE_PATHS:
+            return False
+        return path not in self.open_paths or scope["method"] not in _READ_METHODS
 
     def _tenant(self, headers: dict[bytes, bytes]) -> str | None:
         """The tenant id of the key the request carries, or None: no valid key."""
