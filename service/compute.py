@@ -12,8 +12,6 @@ its own `Compute`, graph-id cache and program cache.
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -22,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-import orjson
 from pydantic import ValidationError
 
 from engine.backends import get_backend, parse_device
@@ -40,6 +37,7 @@ from engine.graph import (
 )
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
+from service.graph_id import graph_key
 from service.schemas import (
     BackwardRequest,
     ForwardRequest,
@@ -440,17 +438,6 @@ def _graph_bytes(graph: Graph) -> int:
 
 def _count_nodes(nodes: list[Node]) -> int:
     return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
-
-
-def graph_key(graph: Any) -> str:
-    """The graph's id: a BLAKE2b-128 hash (32 hex digits) of its canonical form, JSON with
-    keys sorted, no whitespace, and numbers as orjson writes them (shortest round-trip
-    digits), so that neither key order nor spacing changes it, nor the inputs' data."""
-    try:
-        canonical = orjson.dumps(graph, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # an integer past 64 bits (which compiling will refuse)
-        canonical = json.dumps(graph, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
 BINARY_HEADER = "inference-header-content-length"
