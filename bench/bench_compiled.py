@@ -75,7 +75,8 @@ class Gradserve:
 
     def __init__(self) -> None:
         from engine import graph as eg
-        from service.programs import ProgramCache, graph_key
+        from service.graph_id import graph_key
+        from service.programs import ProgramCache
 
         self._graph = eg
         self._graph_key = graph_key

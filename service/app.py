@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics=metrics,
         max_body_bytes=settings.max_body_bytes,
         api_keys=[k.get_secret_value() for k in settings.api_keys],
+        open_paths=explorer.PAGE_PATHS,
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app

@@ -24,7 +24,10 @@ Graphs. The first request with a graph sends it in full and remembers the respon
 graph's canonical JSON); later requests send `graph_id` instead. A 409 graph-unknown (a
 restarted server, or another process of it) resends the request once with the graph; a
 graph whose id misses three times in a row is sent in full from then on.
-`reuse_graphs=False` always sends the graph.
+`reuse_graphs=False` always sends the graph. Either way every request also carries the
+graph's id as computed here, the server's way (service/graph_id.py), in the header
+`X-Gradserve-Graph`: a balancer sends a graph's repeats to one replica by it (the HAProxy
+profile does), and the service ignores it.
 
 Responses, by `encoding`:
 - "binary" (default): every output and gradient is a read-only view (`np.frombuffer`) on
@@ -85,6 +88,7 @@ import orjson
 import pybase64
 import pydantic_core
 
+from service.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
 from service.trace import Catalog, Functional, TraceError, spec_of
 from service.trace import trace as trace_graph
 
@@ -282,6 +286,7 @@ class _Call:
 
     path: str
     key: bytes  # the graph's canonical JSON (sorted keys): the graph-id cache's key
+    route: str  # the graph's id as this client computes it: sent as GRAPH_HEADER
     fields: dict[str, Any]  # the rest of the JSON header
     binary: bool  # some tensor is given by binary_data_size: the body is binary
     tail: list[memoryview]  # those tensors' bytes, in the order `fields` lists them
@@ -291,6 +296,7 @@ class _Call:
 @dataclass(eq=False)
 class _Entry:
     graph_id: str
+    route: str  # (the id computed here, kept: hashing a large graph takes milliseconds)
     misses: int = 0  # 409s in a row to requests that sent this id
 
 
@@ -303,6 +309,12 @@ class _GraphIds:
         self._items: OrderedDict[bytes, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
+    def route(self, key: bytes) -> str:
+        """The graph's id computed here (GRAPH_HEADER): remembered with the server's."""
+        with self._lock:
+            item = self._items.get(key)
+        return item.route if item is not None else id_of_canonical(key)
+
     def get(self, key: bytes) -> str | None:
         """The id to send for the graph, or None: send the graph itself."""
         with self._lock:
@@ -312,11 +324,11 @@ class _GraphIds:
             self._items.move_to_end(key)
             return None if item.misses >= GRAPH_ID_MISSES else item.graph_id
 
-    def put(self, key: bytes, graph_id: str, sent_by_id: bool) -> None:
+    def put(self, key: bytes, graph_id: str, route: str, sent_by_id: bool) -> None:
         with self._lock:
             item = self._items.get(key)
             if item is None:
-                self._items[key] = _Entry(graph_id)
+                self._items[key] = _Entry(graph_id, route)
                 while len(self._items) > self.size:
                     self._items.popitem(last=False)
                 return
@@ -405,9 +417,10 @@ class _Base:
             fields["grad_outputs"] = {
                 n: self._tensor(np.asarray(v), False, tail) for n, v in grad_outputs.items()
             }
-        key = orjson.dumps(graph, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+        key = canonical_graph(graph)
         binary = any("binary_data_size" in t for t in _tensors(fields))
-        return _Call(path, key, fields, binary, tail, sum(v.nbytes for v in tail))
+        return _Call(path, key, self.graph_ids.route(key), fields, binary, tail,
+                     sum(v.nbytes for v in tail))
 
     def _tensor(self, array: np.ndarray, requires_grad: bool,
                 tail: list[memoryview]) -> dict[str, Any]:
@@ -440,7 +453,7 @@ class _Base:
             "graph": orjson.Fragment(call.key)}
         header = orjson.dumps({**ref, **call.fields}, option=orjson.OPT_SERIALIZE_NUMPY)
         if not call.binary:
-            return header, {"Content-Type": "application/json"}
+            return header, {"Content-Type": "application/json", GRAPH_HEADER: call.route}
         size = len(header) + call.tail_bytes
         # A small body is joined (its one copy; h11 writes a lone bytes as it is): one
         # write. A larger one goes as its parts, each copied as it is written.
@@ -449,6 +462,7 @@ class _Base:
             "Content-Type": "application/octet-stream",
             BINARY_HEADER: str(len(header)),
             "Content-Length": str(size),
+            GRAPH_HEADER: call.route,
         }
 
     def _retry_by_graph(self, call: _Call, graph_id: str | None,
@@ -470,7 +484,7 @@ class _Base:
         result = self._result(response)
         served = result.meta.get("graph_id")
         if self.reuse_graphs and isinstance(served, str):
-            self.graph_ids.put(call.key, served, sent_by_id=graph_id is not None)
+            self.graph_ids.put(call.key, served, call.route, sent_by_id=graph_id is not None)
         return result
 
     @staticmethod

@@ -44,7 +44,8 @@ from engine.graph import (
 from engine.graph.serial import Unstorable, dump_program, load_program
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
-from service.programs import Programs, canonical_json, graph_id_of
+from service.graph_id import canonical_graph, id_of_canonical
+from service.programs import Programs
 from service.schemas import (
     BackwardRequest,
     ForwardRequest,
@@ -353,8 +354,8 @@ class Compute:
             if not self.programs.granted(tenant, graph_id):
                 raise _graph_unknown(graph_id)
             return _Found(data, req, graph_id, None, None, 0)
-        canonical = canonical_json(data["graph"])
-        graph_id = graph_id_of(canonical)
+        canonical = canonical_graph(data["graph"])
+        graph_id = id_of_canonical(canonical)
         if req.graph_id is not None and req.graph_id != graph_id:  # type: ignore[attr-defined]
             raise _id_mismatch(req.graph_id, graph_id)  # type: ignore[attr-defined]
         spec = graph_spec(graph)

@@ -11,12 +11,14 @@ the server's graceful shutdown runs out (uvicorn cancels its task) gets a 503 `c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,7 +37,11 @@ access_log = logging.getLogger("gradserve.access")
 error_log = logging.getLogger("gradserve.errors")
 
 # Paths a load balancer or orchestrator probes: never behind an API key.
-AUTH_EXEMPT = frozenset({"/healthz", "/readyz"})
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+# Set in a request's scope state: a stable, non-secret id of the API key that authorised
+# it (the hex BLAKE2b-128 of the key), or None (keys off, or a path open to all).
+TENANT = "tenant"
+_READ_METHODS = frozenset({"GET", "HEAD"})
 # An incoming id is echoed only if it is short and printable (it goes into logs and headers).
 _REQUEST_ID_RE = re.compile(rb"^[A-Za-z0-9._:/+=@-]{1,128}$")
 # Set in a request's scope state by the HTTP protocol (service/protocol.py) when it timed
@@ -66,6 +72,14 @@ def _escape(c: str) -> str:
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
+def tenant_id(api_key: str) -> str:
+    """The tenant id of an API key: its hex BLAKE2b-128. Stable across restarts and
+    replicas (what is scoped by it stays valid), and not the key, so it may be kept where
+    keys must not be. Unsalted, it hides a weak key no better than the key's own
+    strength: it stays inside the service, never sent to a client."""
+    return hashlib.blake2b(api_key.encode(), digest_size=16).hexdigest()
+
+
 class Gateway:
     def __init__(
         self,
@@ -74,11 +88,16 @@ class Gateway:
         metrics: Metrics,
         max_body_bytes: int,
         api_keys: Sequence[str] = (),
+        open_paths: Iterable[str] = (),
     ) -> None:
+        """`open_paths`: paths that GET and HEAD may read without a key, besides the
+        probes (the explorer's page and files, which hold no data)."""
         self.app = app
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.api_keys = [k.encode() for k in api_keys]
+        # Each key with its tenant id, computed once: the id, never the key, goes further.
+        self.api_keys = [(k.encode(), tenant_id(k)) for k in api_keys]
+        self.open_paths = frozenset(open_paths)
         self.in_flight = 0  # on the event loop only; read when /metrics is scraped
         metrics.track(metrics.in_flight, lambda: self.in_flight)
 
@@ -92,7 +111,9 @@ class Gateway:
         # A generated id: 128 random bits as 32 hex digits (uuid4().hex's form, at a
         # quarter of its cost).
         rid = raw_id.decode() if raw_id and _REQUEST_ID_RE.match(raw_id) else os.urandom(16).hex()
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        state[TENANT] = None
         rid_header = (b"x-request-id", rid.encode())
 
         status = 500
@@ -124,7 +145,7 @@ class Gateway:
 
         self.in_flight += 1
         try:
-            refusal = self._refusal(scope["path"], headers)
+            refusal = self._refusal(scope, headers, state)
             if refusal is not None:
                 await self._send_problem(send_wrapper, refusal, rid)
             else:
@@ -155,13 +176,17 @@ class Gateway:
     def _too_large(self) -> str:
         return f"the request body is larger than the limit of {self.max_body_bytes} bytes"
 
-    def _refusal(self, path: str, headers: dict[bytes, bytes]) -> ProblemError | None:
-        if self.api_keys and path not in AUTH_EXEMPT and not self._authorized(headers):
-            return ProblemError(
-                "unauthorized",
-                "a valid API key is required: send 'Authorization: Bearer KEY' or 'X-API-Key: KEY'",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any]
+                 ) -> ProblemError | None:
+        if self.api_keys and self._needs_key(scope):
+            state[TENANT] = self._tenant(headers)
+            if state[TENANT] is None:
+                return ProblemError(
+                    "unauthorized",
+                    "a valid API key is required: send 'Authorization: Bearer KEY' or "
+                    "'X-API-Key: KEY'",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
@@ -170,7 +195,14 @@ class Gateway:
                 return ProblemError("body-too-large", self._too_large())
         return None
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _needs_key(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if path in PROBE_PATHS:
+            return False
+        return path not in self.open_paths or scope["method"] not in _READ_METHODS
+
+    def _tenant(self, headers: dict[bytes, bytes]) -> str | None:
+        """The tenant id of the key the request carries, or None: no valid key."""
         candidate = headers.get(b"x-api-key")
         auth = headers.get(b"authorization")
         if candidate is None and auth is not None:
@@ -178,12 +210,13 @@ class Gateway:
             if scheme.lower() == b"bearer":
                 candidate = token.strip()
         if not candidate:
-            return False
+            return None
         # Compare against every key, so the time taken says nothing about which one matched.
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(candidate, key)
-        return ok
+        tenant = None
+        for key, tenant_of_key in self.api_keys:
+            if hmac.compare_digest(candidate, key):
+                tenant = tenant_of_key
+        return tenant
 
     async def _send_problem(self, send: Send, exc: ProblemError, rid: str) -> None:
         body = problem_body(exc.status, exc.slug, exc.title, exc.detail, request_id=rid)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -330,25 +329,6 @@ def graph_bytes(graph: GraphSpec) -> int:
 
 def _count_nodes(nodes: Any) -> int:
     return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
-
-
-def graph_key(graph: Any) -> str:
-    """A graph's id: the BLAKE2b-128 hash (32 hex digits) of its canonical form, so that
-    neither key order nor spacing changes it, nor the inputs' data."""
-    return graph_id_of(canonical_json(graph))
-
-
-def canonical_json(graph: Any) -> bytes:
-    """A graph's JSON with keys sorted, no whitespace, and numbers as orjson writes them
-    (shortest round-trip digits)."""
-    try:
-        return orjson.dumps(graph, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # an integer past 64 bits (which compiling will refuse)
-        return json.dumps(graph, sort_keys=True, separators=(",", ":")).encode()
-
-
-def graph_id_of(canonical: bytes) -> str:
-    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
 class _Lru(OrderedDict[Any, Any]):

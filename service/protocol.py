@@ -45,7 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from service.errors import SERVICE_PROBLEMS, problem_body
-from service.middleware import AUTH_EXEMPT, TIMED_OUT, loggable
+from service.middleware import PROBE_PATHS, TIMED_OUT, loggable
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ log = logging.getLogger("gradserve.connections")
 
 # The lifespan state key under which the app hands its `ConnectionPolicy` to the protocol.
 POLICY_STATE = "gradserve.connection_policy"
-# The paths a connection in the probe reserve may ask for.
-PROBE_PATHS = AUTH_EXEMPT
 # Connections past the cap that may still serve one probe each: liveness and readiness
 # probes and a load balancer's check, with room to spare.
 PROBE_RESERVE = 8

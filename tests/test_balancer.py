@@ -4,11 +4,14 @@ The gradserve image is built as tests/test_docker.py builds it (its `image` fixt
 HAProxy image from docker/haproxy on the same base image. The profile then runs as a
 user would run it (`docker-compose --profile lb up -d haproxy`), in a project of its own,
 with every port moved to a free one of the loopback (host networking: see the compose
-file). The checks: requests spread over every replica (each replica's own
-`gradserve_requests_total`, scraped from its own port); a replica killed under load
-(`docker kill`) costs no client call, and receives requests again once started; a rolling
-restart (`docker stop`, `docker start`, one replica at a time, each back behind HAProxy
-before the next) loses nothing.
+file). The checks, each counting requests per replica from the replica's own
+`gradserve_requests_total`, scraped from its own port: the repeats of a graph land on one
+replica, whether the graph is named by the client's X-Gradserve-Graph header or by the
+body's graph_id; different graphs spread over every replica, and so do requests that
+name no graph; a hot graph spills over to the other replicas under concurrent load; a
+replica killed under load (`docker kill`) costs no client call, and receives its graphs
+again once started; a rolling restart (`docker stop`, `docker start`, one replica at a
+time, each back behind HAProxy before the next) loses nothing.
 
 The load: a few client threads, each a `service.client.Client` with retries on, each
 bounded in requests and seconds. Skipped, as tests/test_docker.py is, where no base image
@@ -21,6 +24,7 @@ import contextlib
 import csv
 import io
 import os
+import random
 import socket
 import subprocess
 import threading
@@ -28,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,6 +46,7 @@ from bench.bench_compiled import (
     recurrent_numpy,
 )
 from service.client import Client, GradserveHTTPError, Retry
+from service.graph_id import GRAPH_HEADER, graph_key
 from tests import test_docker
 from tests.seeds import SEED_EXPR
 from tests.test_docker import BASE_IMAGE, ROOT, _compose_command, _docker, _unavailable
@@ -55,8 +61,11 @@ UP_TIMEOUT_S = 90  # a replica's start, and HAProxy's two good checks after it
 LOAD_CLIENTS = 4
 LOAD_MAX_REQUESTS = 20_000  # per client thread: the load ends at this or at its time limit
 LOAD_MAX_S = 120.0
-SEED_GRAPH = SEED_EXPR["graph"]
 SEED_INPUTS = {"x": 2.0, "y": 3.0}  # the client's /backward: every float input requires grad
+# The seed example as 30 graphs (ids), each giving the same answers: enough that every
+# replica is the home of some of them (each misses one with odds of (2/3)**30).
+SEED_GRAPHS = [{"nodes": [{"id": "z", "expr": f"(x + y) * (x - y) + {k} - {k}"}],
+                "outputs": ["z"]} for k in range(30)]
 CELL_STEPS = 24
 
 
@@ -155,6 +164,12 @@ class Cluster:
         return int(self.metric(service, "gradserve_requests_total", route="/backward",
                                method="POST", status=status))
 
+    def where(self, calls: Callable[[], None]) -> dict[str, int]:
+        """The POST /backward 200s each replica served while `calls` ran."""
+        before = {s: self.served(s) for s in REPLICAS}
+        calls()
+        return {s: self.served(s) - before[s] for s in REPLICAS}
+
 
 @pytest.fixture(scope="module")
 def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
@@ -192,8 +207,9 @@ def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
             _docker("rm", "-f", "-v", *left, check=False)
 
 
-def _seed_call(gs: Client) -> None:
-    r = gs.backward(SEED_GRAPH, SEED_INPUTS)
+def _seed_call(gs: Client, graph: dict[str, Any] | None = None) -> None:
+    """The seed example, as one of SEED_GRAPHS drawn at random unless `graph` is given."""
+    r = gs.backward(graph or random.choice(SEED_GRAPHS), SEED_INPUTS)
     assert r.gradients is not None
     assert float(r.outputs["z"]) == -5.0, r.outputs
     assert float(r.gradients["x"]) == 4.0, r.gradients
@@ -289,32 +305,144 @@ def test_haproxy_image_and_config(haproxy_image: str) -> None:
     assert config == ["haproxy", "SIGUSR1"], config
 
 
-def test_requests_spread_over_all_replicas(cluster: Cluster) -> None:
-    before = {s: cluster.served(s) for s in REPLICAS}
+def _raw_backward(http: httpx.Client, body: dict[str, Any],
+                  headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """A /backward as a client other than service.client sends it: JSON, no
+    X-Gradserve-Graph unless given. Its answer's meta, checked."""
+    r = http.post("/backward", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["outputs"]["z"]["data"] == -5.0 and answer["gradients"]["x"]["data"] == 4.0
+    return answer["meta"]  # type: ignore[no-any-return]
+
+
+def test_repeats_of_a_graph_land_on_one_replica(cluster: Cluster) -> None:
+    """One graph's repeats go to one replica, and to the same one whether its id comes in
+    the client's header, in the header of another client sending the graph in full, or
+    in the body's graph_id alone (the graph sent once with its id: by id alone, a first
+    request would land anywhere, and a replica not holding the graph answers 409)."""
+    graph = SEED_GRAPHS[0]
+    inputs = SEED_EXPR["inputs"]
+    graph_id = graph_key(graph)
+    n = 20
+
+    def by_client() -> None:
+        with Client(cluster.url, timeout=30.0) as gs:
+            for _ in range(n):
+                _seed_call(gs, graph)
+
+    def by_header() -> None:
+        with httpx.Client(base_url=cluster.url, timeout=30.0) as http:
+            for _ in range(n):
+                _raw_backward(http, {"graph": graph, "inputs": inputs},
+                              headers={GRAPH_HEADER: graph_id})
+
+    def by_body_id() -> None:
+        with httpx.Client(base_url=cluster.url, timeout=30.0) as http:
+            meta = _raw_backward(http, {"graph": graph, "graph_id": graph_id,
+                                        "inputs": inputs})
+            assert meta["graph_id"] == graph_id
+            for _ in range(n - 1):
+                _raw_backward(http, {"graph_id": graph_id, "inputs": inputs})
+
+    placed = {how: cluster.where(calls) for how, calls in
+              (("client", by_client), ("header", by_header), ("body graph_id", by_body_id))}
+    print(f"\n{n} repeats of one graph, by replica: {placed}")
+    for how, served in placed.items():
+        assert sorted(served.values()) == [0, 0, n], (how, served)
+    homes = {max(served, key=lambda s: served[s]) for served in placed.values()}
+    assert len(homes) == 1, placed
+
+
+def test_different_graphs_spread_over_all_replicas(cluster: Cluster) -> None:
+    """30 graphs, each sent 3 times: each graph's repeats on one replica, and every
+    replica the home of several graphs (the placement is fixed by the graphs' ids and
+    the servers' order in haproxy.cfg; 10 each on average)."""
+    homes: dict[str, int] = dict.fromkeys(REPLICAS, 0)
+    with Client(cluster.url, timeout=30.0) as gs:
+        for graph in SEED_GRAPHS:
+            def repeats(graph: dict[str, Any] = graph) -> None:
+                for _ in range(3):
+                    _seed_call(gs, graph)
+
+            served = cluster.where(repeats)
+            assert sorted(served.values()) == [0, 0, 3], (graph, served)
+            homes[max(served, key=lambda s: served[s])] += 1
+    print(f"\nhomes of {len(SEED_GRAPHS)} graphs: {homes}")
+    assert min(homes.values()) >= 3, homes
+
+
+def test_requests_without_a_graph_id_spread_over_all_replicas(cluster: Cluster) -> None:
+    """A client that sends its graph in full with no id (header or body) gets a random
+    replica: requests spread over all of them."""
     n_threads, per_thread = 3, 30
     errors: list[str] = []
 
     def calls() -> None:
-        with Client(cluster.url, timeout=30.0) as gs:
+        with httpx.Client(base_url=cluster.url, timeout=30.0) as http:
             for _ in range(per_thread):
                 try:
-                    r = gs.backward(SEED_GRAPH, SEED_INPUTS)
-                    assert r.gradients is not None
-                    np.testing.assert_array_equal(r.gradients["x"], 4.0)
+                    _raw_backward(http, SEED_EXPR)
                 except Exception as e:  # collected, asserted below
                     errors.append(repr(e))
 
-    threads = [threading.Thread(target=calls) for _ in range(n_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    def load() -> None:
+        threads = [threading.Thread(target=calls) for _ in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+
+    served = cluster.where(load)
     assert not errors, errors
-    served = {s: cluster.served(s) - before[s] for s in REPLICAS}
     print(f"\n/backward 200s by replica for {n_threads * per_thread} calls: {served}")
     # Every call answered once, by exactly one replica, and every replica took a share.
     assert sum(served.values()) == n_threads * per_thread, served
     assert min(served.values()) >= n_threads * per_thread // 10, served
+
+
+# A graph of ~0.1 s of compute on a small body: three 400x400 matmuls.
+SLOW_GRAPH = {"nodes": [{"id": "a", "op": "full", "attrs": {"shape": [400, 400], "value": 0.001}},
+                        {"id": "b", "expr": "a @ a @ a @ a"},
+                        {"id": "z", "expr": "sum(b) * x"}], "outputs": ["z"]}
+
+
+def test_a_hot_graph_spills_over_to_other_replicas(cluster: Cluster) -> None:
+    """One graph from 8 clients at once: its replica takes 4 at most (its maxconn), and
+    hash-balance-factor sends the rest to the others rather than queueing them there.
+    Sent one at a time, the same graph stays on its replica."""
+    def alone() -> None:
+        with Client(cluster.url, timeout=60.0) as gs:
+            for _ in range(5):
+                gs.backward(SLOW_GRAPH, {"x": 1.0})
+
+    single = cluster.where(alone)
+    assert sorted(single.values()) == [0, 0, 5], single
+    errors: list[str] = []
+
+    def calls() -> None:
+        with Client(cluster.url, timeout=60.0) as gs:
+            for _ in range(6):
+                try:
+                    r = gs.backward(SLOW_GRAPH, {"x": 1.0})
+                    np.testing.assert_allclose(float(r.outputs["z"]), 160000 * 400**3 * 1e-12,
+                                               rtol=1e-3)
+                except Exception as e:  # collected, asserted below
+                    errors.append(repr(e))
+
+    def load() -> None:
+        threads = [threading.Thread(target=calls) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+
+    hot = cluster.where(load)
+    print(f"\none graph, 5 calls one at a time: {single}; 48 calls from 8 clients: {hot}")
+    assert not errors, errors
+    assert sum(hot.values()) == 48, hot
+    home = max(single, key=lambda s: single[s])
+    assert hot[home] < 48 and sum(1 for v in hot.values() if v) >= 2, hot
 
 
 def test_the_body_limit_is_enforced_at_the_edge(cluster: Cluster) -> None:
@@ -338,7 +466,11 @@ def test_the_body_limit_is_enforced_at_the_edge(cluster: Cluster) -> None:
 
 
 def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
-    victim = "api-2"
+    # The victim: the home of the recurrent cell's graph, so that a cell is in flight on
+    # it at the kill. The seed calls (SEED_GRAPHS) have homes on every replica.
+    with Client(cluster.url, timeout=30.0, reuse_graphs=False) as gs:
+        cell_home = cluster.where(lambda: _cell_call(gs))
+    victim = max(cell_home, key=lambda s: cell_home[s])
     stats0, front0 = cluster.stats(), cluster.stats("gradserve", "FRONTEND")
     # With retries: the seed example (HAProxy can resend it) and the recurrent cell sent
     # in full each time (it cannot: the client does). Without retries, for the record.
@@ -360,7 +492,8 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
         during_outage = load.ok - at_kill
         _docker("start", cluster.container(victim))
         up_s = cluster.wait_status(victim, "UP")
-        # The replica is a new process (its counters start at 0): it is sent requests again.
+        # The replica is a new process (its counters start at 0): its graphs come back to
+        # it (consistent hashing), and it serves them again.
         _until(f"{victim} serves again", lambda: cluster.served(victim) >= 20, timeout=30)
         load.wait_ok(100)
         cells.wait_ok(5)

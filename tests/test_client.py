@@ -29,6 +29,7 @@ from service.client import (
     GradserveHTTPError,
     Result,
 )
+from service.graph_id import GRAPH_HEADER, canonical_graph, graph_key
 from tests.test_integration_service import Server, _start, _stop
 
 pytestmark = pytest.mark.integration
@@ -408,6 +409,54 @@ def test_graph_sent_once_then_by_id(server: Server) -> None:
         for _ in range(2):
             off.backward(graph, {"x": 2.0, "y": 3.0})
     assert all("graph" in s.header and "graph_id" not in s.header for s in rec_off.sent)
+
+
+# Graphs whose numbers, keys and text a canonical form must keep exactly as the server
+# reads them: float digits, a NumPy float32 (written with its own shortest digits), big
+# and negative ints, exponents, unicode ids, keys in any order.
+ROUTED_GRAPHS = [
+    {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+    {"outputs": ["s"], "nodes": [
+        {"attrs": {"value": 0.1, "shape": [1]}, "op": "full", "id": "c"},
+        {"id": "p", "op": "mul", "args": ["x", "c"]},
+        {"id": "q", "op": "mul", "args": ["p", 1e-7]},
+        {"id": "r", "op": "add", "args": ["q", np.float32(1 / 3)]},
+        {"id": "ζ", "op": "add", "args": ["r", -9007199254740993]},
+        {"id": "s", "op": "add", "args": ["ζ", 1e16]}]},
+]
+
+
+def test_every_compute_request_names_its_graph_as_the_server_does(server: Server) -> None:
+    """X-Gradserve-Graph, on every /forward and /backward (graph sent in full or by id,
+    JSON or binary body, with reuse_graphs on or off, sync or async) is the graph_id the
+    server gives the graph; the client's other requests carry none."""
+    x = np.float32(1.5)
+    for options in ({}, {"reuse_graphs": False}, {"binary_threshold": 1}):
+        gs, rec = client(server, **options)
+        with gs:
+            for graph in ROUTED_GRAPHS:
+                inputs = {"x": x, "y": np.float32(3)}
+                for _ in range(2):
+                    served = gs.forward(graph, inputs).meta["graph_id"]
+                    assert rec.sent[-1].headers[GRAPH_HEADER] == served, options
+                    assert gs.backward(graph, inputs).meta["graph_id"] == served
+                    assert rec.sent[-1].headers[GRAPH_HEADER] == served, options
+                assert served == graph_key(orjson.loads(canonical_graph(graph)))
+            gs.ops()
+            assert GRAPH_HEADER not in rec.sent[-1].headers
+        assert rec.statuses == [200] * len(rec.sent)
+        if options.get("reuse_graphs") is None:  # by id from the second request
+            assert "graph_id" in rec.sent[-2].header and "graph" not in rec.sent[-2].header
+
+    async def run() -> None:
+        rec = AsyncRecorder(server.base)
+        async with AsyncClient("http://gradserve.test", transport=rec) as gs:
+            for graph in ROUTED_GRAPHS:
+                for _ in range(2):
+                    served = (await gs.forward(graph, {"x": x, "y": 1.0})).meta["graph_id"]
+                    assert rec.sent[-1].headers[GRAPH_HEADER] == served
+
+    asyncio.run(run())
 
 
 def test_graph_unknown_resends_the_graph(server: Server, tmp_path: Path) -> None:

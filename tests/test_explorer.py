@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import pytest
 
-from service.routes.explorer import ASSETS, CSP, EXAMPLES, STATIC
+from service.routes.explorer import ASSETS, CSP, EXAMPLES, PAGE_PATHS, STATIC
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 from tests.test_integration_service import Server, _start, _stop
@@ -35,6 +35,7 @@ BAD_MATMUL = {"graph": {"nodes": [{"id": "h", "expr": "x @ w"}, {"id": "y", "exp
                         "outputs": ["y"]},
               "inputs": {"x": [[1.0, 2.0]], "w": [[1.0, 2.0]]}}
 SMALL_BUDGET = 20  # bytes: the seed example's planned peak on /backward is 28
+EXPLORER_KEY = "explorer-test-key"
 
 
 # ------------------------------------------------------------------ without a browser
@@ -74,6 +75,29 @@ async def test_the_page_is_served_with_a_self_only_policy_and_no_outside_urls() 
         assert not outside, (name, outside)
     css = (STATIC / "explorer.css").read_text()
     assert "@import" not in css and "url(" not in css
+
+
+@pytest.mark.anyio
+async def test_with_api_keys_the_page_loads_and_nothing_else_without_a_key() -> None:
+    """The page, its files and its examples hold no data: with keys on they are served to
+    a browser that has no key yet (the page then asks for it); every other path, the
+    page's own requests included, still needs one."""
+    async with serving(api_keys=EXPLORER_KEY) as (client, _):
+        assert sorted(PAGE_PATHS) == [
+            "/explorer", "/explorer/examples.json", "/explorer/explorer.css",
+            "/explorer/explorer.js", "/explorer/favicon.svg"]
+        for path in PAGE_PATHS:
+            r = await client.get(path)
+            assert r.status_code == 200, (path, r.text)
+        for path in ("/explorer/app.py", "/explorer/", "/explorer/index.html", "/ops",
+                     "/docs", "/openapi.json", "/metrics"):
+            r = await client.get(path)
+            assert r.status_code == 401, (path, r.status_code)
+        for path in ("/plan", "/backward", "/explorer"):
+            r = await client.post(path, json=SEED_OP)
+            assert r.status_code == 401, (path, r.status_code)
+        r = await client.post("/backward", json=SEED_OP, headers={"X-API-Key": EXPLORER_KEY})
+        assert r.status_code == 200, r.text
 
 
 def test_the_wheel_ships_the_page(tmp_path: Path) -> None:
@@ -144,6 +168,15 @@ def small_budget_server(browser_paths: tuple[str, str],
     _stop(s)
 
 
+@pytest.fixture(scope="module")
+def keyed_server(browser_paths: tuple[str, str],
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = _start(tmp_path_factory.mktemp("explorer-keys"),
+               GRADSERVE_API_KEYS=f"another-key, {EXPLORER_KEY}")
+    yield s
+    _stop(s)
+
+
 @pytest.fixture
 def driver(browser_paths: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     webdriver = pytest.importorskip(
@@ -194,15 +227,20 @@ def _state(d: Any) -> str:
 
 def _requests(d: Any) -> list[str]:
     """The URL of every request the page made (CDP Network events), drained."""
-    urls = []
+    return [url for url, _ in _requests_with_headers(d)]
+
+
+def _requests_with_headers(d: Any) -> list[tuple[str, dict[str, str]]]:
+    """Every request the page made, with its headers (as the browser sent them), drained."""
+    sent = []
     for entry in d.get_log("performance"):
         message = json.loads(entry["message"])["message"]
         method, params = message.get("method"), message.get("params", {})
         if method == "Network.requestWillBeSent":
-            urls.append(params["request"]["url"])
+            sent.append((params["request"]["url"], params["request"].get("headers", {})))
         elif method in ("Network.webSocketCreated", "Network.webTransportCreated"):
-            urls.append(params["url"])
-    return urls
+            sent.append((params["url"], {}))
+    return sent
 
 
 def _console_errors(d: Any, allowed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -315,3 +353,57 @@ def test_a_problem_is_shown_on_the_node_that_caused_it(
                                        "/plan?format=dot - Failed to load resource")) == []
     _assert_only_the_service(_requests(d), server.base)
     d.save_screenshot(str(tmp_path / "explorer-problem.png"))
+
+
+@pytest.mark.integration
+def test_with_api_keys_the_page_asks_for_the_key_and_sends_it(
+        driver: Any, keyed_server: Server, tmp_path: Path) -> None:
+    """Keys on: the page loads with no key, asks for one at the first 401, shows a wrong
+    key's 401 problem and asks again, then plans and runs the seed example with the right
+    key, which it sends with its API requests only and stores nowhere."""
+    d = driver
+    d.get(f"{keyed_server.base}/explorer?example=seed")
+    _wait(d, lambda: _state(d) == "key-needed", "the page to ask for the key")
+    form = _by(d, "key-form")[0]
+    assert form.is_displayed()
+    assert "asks for an API key" in _by(d, "key-note")[0].text
+    problem = _by(d, "problem")[0]
+    assert problem.is_displayed() and "401" in problem.text and "unauthorized" in problem.text
+    # A wrong key: its 401 problem, and the form again.
+    _by(d, "api-key")[0].send_keys("not-the-key")
+    _by(d, "key-submit")[0].click()
+    _wait(d, lambda: _state(d) == "key-needed" and "refused" in _by(d, "key-note")[0].text,
+          "the wrong key's refusal")
+    assert form.is_displayed()
+    assert "401" in problem.text and "unauthorized" in problem.text
+    assert "a valid API key is required" in _by(d, "problem-detail")[0].text
+    d.save_screenshot(str(tmp_path / "explorer-key-refused.png"))
+    # The right key: the plan, then the run.
+    _by(d, "api-key")[0].send_keys(EXPLORER_KEY)
+    _by(d, "key-submit")[0].click()
+    _wait(d, lambda: _state(d) == "planned", "the plan with the key")
+    assert not form.is_displayed() and not problem.is_displayed()
+    assert _by(d, "api-key")[0].get_attribute("value") == ""
+    _by(d, "run")[0].click()
+    _wait(d, lambda: _state(d) == "ran", "the run with the key")
+    results = _by(d, "results")[0].text
+    assert "POST /backward → 200" in results
+    assert "x: float32 []  = 4.0" in results and "y: float32 []  = -6.0" in results, results
+    # Which requests carried which key: the page's files none, its API requests the key
+    # (the first ones none, then the wrong one), and nothing else anywhere.
+    sent = _requests_with_headers(d)
+    _assert_only_the_service([u for u, _ in sent], keyed_server.base)
+    keys: dict[str, list[str | None]] = {}
+    for url, headers in sent:
+        given = {k.lower(): v for k, v in headers.items()}.get("x-api-key")
+        keys.setdefault(url[len(keyed_server.base):], []).append(given)
+    for path in ("/explorer?example=seed", "/explorer/explorer.js", "/explorer/explorer.css",
+                 "/explorer/examples.json"):
+        assert keys[path] == [None], (path, keys[path])
+    assert keys["/plan"] == [None, "not-the-key", EXPLORER_KEY], keys["/plan"]
+    assert keys["/backward"] == [EXPLORER_KEY], keys["/backward"]
+    assert d.execute_script("return sessionStorage.length + localStorage.length") == 0
+    assert EXPLORER_KEY not in d.execute_script("return document.cookie")
+    assert _console_errors(d, allowed=("status of 401",)) == []
+    assert d.execute_script("return document.body.dataset.cspViolations") is None
+    d.save_screenshot(str(tmp_path / "explorer-keys.png"))

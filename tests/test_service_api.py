@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -17,6 +18,8 @@ import pytest
 import engine
 from engine.graph.transforms import TRANSFORMS
 from service.app import create_app
+from service.metrics import Metrics
+from service.middleware import TENANT, Gateway, tenant_id
 from service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
@@ -416,6 +419,47 @@ async def test_api_keys_accepted_and_probes_exempt() -> None:
             assert r.status_code == 200, r.text
         assert (await c.get("/healthz")).status_code == 200
         assert (await c.get("/readyz")).status_code == 200
+
+
+async def _tenants_seen(api_keys: list[str], requests: list[tuple[str, dict[str, str]]]
+                        ) -> list[tuple[int, Any]]:
+    """(status, the scope's tenant as the app behind the Gateway saw it, or "-" when the
+    app was not reached) for each (path, headers), through a Gateway with these keys and
+    /open as an open path."""
+    seen: list[Any] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(scope["state"][TENANT])
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    gateway = Gateway(app, metrics=Metrics(), max_body_bytes=1000, api_keys=api_keys,
+                      open_paths={"/open"})
+    out = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(gateway),
+                                 base_url="http://test") as c:
+        for path, headers in requests:
+            seen.clear()
+            r = await c.get(path, headers=headers)
+            out.append((r.status_code, seen[0] if seen else "-"))
+    return out
+
+
+async def test_the_tenant_is_the_keys_hash_never_the_key() -> None:
+    """With keys on, the scope's state carries the BLAKE2b-128 of the key that was used
+    (whichever header carried it), None on the paths open to all; with keys off, None."""
+    k1, k2 = "key-one", "key-two"
+    t1, t2 = (hashlib.blake2b(k.encode(), digest_size=16).hexdigest() for k in (k1, k2))
+    assert tenant_id(k1) == t1
+    seen = await _tenants_seen([k1, k2], [
+        ("/x", {"X-API-Key": k1}), ("/x", {"Authorization": f"Bearer {k2}"}),
+        ("/x", {"X-API-Key": k2}), ("/x", {"X-API-Key": "key-three"}), ("/x", {}),
+        ("/open", {}), ("/open", {"X-API-Key": k1}), ("/healthz", {"X-API-Key": k1}),
+    ])
+    assert seen == [(204, t1), (204, t2), (204, t2), (401, "-"), (401, "-"),
+                    (204, None), (204, None), (204, None)]
+    assert await _tenants_seen([], [("/x", {}), ("/x", {"X-API-Key": k1})]) == [
+        (204, None), (204, None)]
 
 
 async def test_404_and_405(client: httpx.AsyncClient) -> None:

@@ -39,6 +39,11 @@ ASSETS = {
     "favicon.svg": "image/svg+xml",
 }
 
+# The page, its files and its examples: data-free, so served without an API key (the
+# Gateway's open paths) while everything the page asks of the API needs one.
+PAGE_PATHS = frozenset({"/explorer", "/explorer/examples.json",
+                        *(f"/explorer/{name}" for name in ASSETS)})
+
 # The examples the page offers (`/explorer?example=NAME`): the contract's seed examples
 # (docs/contract.md; tests/seeds.py has the same bodies) and a small least-squares MLP.
 _SEED_INPUTS = {"x": {"data": 2.0, "requires_grad": True},

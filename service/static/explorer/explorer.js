@@ -12,6 +12,7 @@
     status: byTestId("status"), problem: byTestId("problem"), results: byTestId("results"),
     summary: byTestId("plan-summary"), graph: byTestId("graph"),
     timeline: byTestId("timeline"), costly: byTestId("costly"),
+    keyForm: byTestId("key-form"), keyNote: byTestId("key-note"), key: byTestId("api-key"),
   };
   const ITEMSIZE = { float16: 2, float32: 4, float64: 8, int32: 4, int64: 8, bool: 1 };
   const AUX_KINDS = new Set(["cast", "constant", "derived"]);
@@ -188,21 +189,68 @@
     return copy;
   }
 
+  // ------------------------------------------------------------ the API key
+  // With API keys on, the page and its files (no data) load without one; a request of
+  // the page that gets 401 asks for the key, and is sent again with it. The key is kept
+  // in this variable for the page's life, and nowhere else: not in sessionStorage, which
+  // a browser may write to disk to restore a session, for a credential that a reload
+  // costs only retyping.
+  let apiKey = null;
+  let keysGiven = 0; // how many keys were entered: a request tells a newer key by it
+  let keyWanted = null; // while the form is shown: {promise, resolve}, shared by requests
+
+  function askKey(refused) {
+    ui.keyNote.textContent = refused
+      ? "The service refused this key (401): enter a valid API key."
+      : "This service asks for an API key.";
+    if (!keyWanted) {
+      let resolve;
+      const promise = new Promise((r) => { resolve = r; });
+      keyWanted = { promise, resolve };
+      ui.keyForm.hidden = false;
+      ui.key.focus();
+    }
+    return keyWanted.promise;
+  }
+
+  function useKey(event) {
+    event.preventDefault(); // nothing is submitted anywhere (form-action 'none')
+    const key = ui.key.value.trim();
+    if (!key || !keyWanted) return;
+    apiKey = key;
+    keysGiven += 1;
+    ui.key.value = "";
+    ui.keyForm.hidden = true;
+    clearProblem();
+    setStatus("Sending again with the key…", "key-given");
+    const { resolve } = keyWanted;
+    keyWanted = null;
+    resolve();
+  }
+
   async function post(path, text) {
-    const r = await fetch(path, {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: text,
-    });
-    const type = r.headers.get("content-type") || "";
-    const raw = await r.text();
-    if (!r.ok) {
+    for (;;) {
+      const sent = apiKey;
+      const given = keysGiven;
+      const headers = { "Content-Type": "application/json" };
+      if (sent !== null) headers["X-API-Key"] = sent;
+      const r = await fetch(path, { method: "POST", headers, body: text });
+      const type = r.headers.get("content-type") || "";
+      const raw = await r.text();
+      if (r.ok) return { ok: true, status: r.status, type, raw };
       let problem;
       try { problem = JSON.parse(raw); } catch { problem = null; }
       if (!problem || typeof problem !== "object" || !type.includes("json")) {
         problem = { status: r.status, title: r.statusText || "Error", detail: clip(raw, 1000) };
       }
-      return { ok: false, status: r.status, problem };
+      if (r.status !== 401) return { ok: false, status: r.status, problem };
+      if (keysGiven !== given) continue; // a key was entered while this was on its way
+      apiKey = null; // (a refused key is forgotten)
+      showProblem(problem);
+      setStatus(`POST ${path.split("?")[0]} answered 401: the service asks for an API key.`,
+                "key-needed");
+      await askKey(sent !== null);
     }
-    return { ok: true, status: r.status, type, raw };
   }
 
   // ------------------------------------------------------------ plan
@@ -725,6 +773,7 @@
   }
 
   async function start() {
+    ui.keyForm.addEventListener("submit", useKey);
     let examples = {};
     try {
       examples = await loadExamples();
