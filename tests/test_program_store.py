@@ -241,3 +241,32 @@ async def test_an_http_repeat_reports_where_its_program_came_from(store_dir: str
         sources = [strict_json(await c.post("/backward", json=chain_body([0.5, 1.0])))
                    ["meta"]["program"] for _ in range(2)]
     assert sources == ["compiled", "process"]
+
+
+async def test_over_http_an_id_resolves_only_for_the_key_that_sent_the_graph(
+        store_dir: str) -> None:
+    async with serving(program_store_dir=store_dir, api_keys="key-a,key-b") as (c, _):
+        a, b = {"X-API-Key": "key-a"}, {"Authorization": "Bearer key-b"}
+        first = strict_json(await c.post("/backward", json=chain_body([0.5, 1.0]), headers=a))
+        by_id = {"graph_id": first["meta"]["graph_id"],
+                 **{k: chain_body([0.5, 1.0])[k] for k in ("inputs", "grad_outputs")}}
+        unknown = {"graph_id": "0" * 32, "inputs": by_id["inputs"],
+                   "grad_outputs": by_id["grad_outputs"]}
+        refused = await c.post("/backward", json=by_id, headers=b)
+        never = await c.post("/backward", json=unknown, headers=b)
+        assert refused.status_code == never.status_code == 409
+        # B learns nothing: the same problem as for an id that does not exist.
+        assert refused.json()["detail"].replace(by_id["graph_id"], "0" * 32) == \
+            never.json()["detail"]
+        plan = await c.post("/plan", json={"graph_id": by_id["graph_id"],
+                                           "inputs": {"x": {"shape": [2], "dtype": "float32",
+                                                            "requires_grad": True}}},
+                            headers=b)
+        assert plan.status_code == 409 and "nodes" not in plan.text
+        ok = strict_json(await c.post("/backward", json=by_id, headers=a))
+        assert ok["gradients"] == first["gradients"]
+        # B sends the graph itself: from then on the id is B's too.
+        assert (await c.post("/backward", json=chain_body([0.5, 1.0]), headers=b)
+                ).status_code == 200
+        assert strict_json(await c.post("/backward", json=by_id, headers=b))["gradients"] == \
+            first["gradients"]

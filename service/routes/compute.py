@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from service.compute import BINARY_HEADER
 from service.deps import runner_of
 from service.errors import ProblemError
+from service.middleware import TENANT
 from service.routes import operation_id
 from service.runner import Runner
 from service.schemas import (
@@ -59,7 +60,7 @@ class ComputeRoute(APIRoute):
         state = scope.get("state", {})
         reply = await runner.serve(kind, receive, _content_length(headers),
                                    state.get("request_id", "-"), header_length,
-                                   state.get("tenant"))
+                                   state.get(TENANT))
         start = [(b"content-type", reply.media_type.encode())] \
             if reply.header_length is None else [
                 _BINARY_HEADER, (BINARY_HEADER.encode(), b"%d" % reply.header_length)]
@@ -259,7 +260,7 @@ async def _serve(request: Request, kind: str) -> Response:
     state = request.scope.get("state", {})
     reply = await runner_of(request).serve(
         kind, request.receive, _content_length(request.scope["headers"]),
-        state.get("request_id", "-"), header_length, state.get("tenant"))
+        state.get("request_id", "-"), header_length, state.get(TENANT))
     try:
         content = b"".join(reply.parts)
     finally:
