@@ -71,6 +71,9 @@ class Stats:
     cache_bytes: int = 0  # of the cache of the process that computed
     graph_evictions: int = 0
     pid: int = 0  # that process, when a worker
+    # What the computation left in its process's memory (its graph id, its program key):
+    # the pool sends later tasks with these keys to that worker while it is idle.
+    affinity_keys: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)

@@ -122,10 +122,11 @@ class Metrics:
         if self.multiproc_dir is not None:
             self._scrape_registry = CollectorRegistry()
             MultiProcessCollector(self._scrape_registry, self.multiproc_dir)
-        # Gauges in multiprocess mode (ignored otherwise): "livesum" for all four, since
+        # Gauges in multiprocess mode (ignored otherwise): "livesum" for all of them, since
         # each is a per-process amount whose server-wide figure is the sum over the front
-        # processes (requests, computations, reserved bytes and cached bytes of each add
-        # up), and a dead process holds none of them any more ("live": its file goes).
+        # processes (requests, computations, workers, reserved bytes and
+        # cached bytes of each add up), and a dead process holds none of them any more
+        # ("live": its file goes).
         self.requests = Counter(
             "gradserve_requests", "HTTP requests by route, method and status",
             ["route", "method", "status"], registry=r,
@@ -174,6 +175,15 @@ class Metrics:
             "gradserve_program_cache_bytes",
             "estimated bytes of the compiled programs cached, summed over the processes",
             registry=r, multiprocess_mode="livesum",
+        )
+        self.compute_workers = Gauge(
+            "gradserve_compute_workers", "compute worker processes alive (starting, warm, or "
+            "leaving)", registry=r, multiprocess_mode="livesum",
+        )
+        self.worker_exits = Counter(
+            "gradserve_compute_worker_exits", "compute worker processes gone, by reason: rss "
+            "(recycled), idle (above the minimum), killed (its request's deadline or hang-up), "
+            "died", ["reason"], registry=r,
         )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r

@@ -80,7 +80,7 @@ class Runner:
         self.metrics = metrics
         self.compute = Compute(settings)
         self.admission = Admission(settings.max_concurrency, metrics)
-        self.pool = Pool(settings, settings.max_concurrency)
+        self.pool = Pool(settings, settings.max_concurrency, metrics)
         self.ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
         metrics.track(metrics.reserved_bytes, self.ledger.total)
@@ -92,15 +92,21 @@ class Runner:
         """One small request end to end in the front process, off the books."""
         warm_up(self.settings, body)
 
+    async def start(self) -> None:
+        """Warm up this process and start the compute workers, warm, side by side."""
+        await asyncio.gather(asyncio.to_thread(self.warm_up), self.pool.start())
+
     def close(self) -> None:
         self.pool.close()
 
     async def housekeeping(self) -> None:
-        """Stop idle workers, now and then (runs for the life of the app)."""
+        """Retire idle workers and replace lost ones, now and then (runs for the life of
+        the app)."""
         while True:
             await asyncio.sleep(1.0)
-            if self.pool.active == 0 and await asyncio.to_thread(self.pool.stop_if_idle):
-                self._worker_cache_bytes.clear()
+            self.pool.housekeeping()
+            for pid in self._worker_cache_bytes.keys() - self.pool.pids():
+                del self._worker_cache_bytes[pid]
 
     # ------------------------------------------------------------------ a request
     async def serve(self, kind: str, receive: Receive, declared: int | None,

@@ -34,6 +34,17 @@ class Settings(BaseSettings):
     # more processes than cores only add memory; admitted requests beyond them wait their
     # turn inside their deadline.
     compute_workers: int | None = Field(None, ge=1)
+    # Workers always alive, started and warm before /readyz says ready (at most
+    # compute_workers): the first request, and the first after any idle time, finds one.
+    min_compute_workers: int = Field(1, ge=1)
+    # A worker whose RSS passes this after a task is replaced (its replacement first). A
+    # warm worker holds ~45 MiB, and its caches at most program_cache_bytes +
+    # graph_cache_bytes (320 MiB by default) more: past that, it holds freed memory the
+    # allocator cannot give back, or a leak.
+    compute_worker_max_rss_bytes: int = Field(512 * MiB, ge=1)
+    # Workers above the minimum exit after this long idle: their memory goes back within
+    # seconds of a burst's end, and one starts again in ~20 ms, off the request path.
+    compute_worker_idle_s: float = Field(5.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
     # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

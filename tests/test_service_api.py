@@ -305,6 +305,8 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
         'gradserve_rejections_total{reason="concurrency"} 0.0',
         "gradserve_requests_in_flight 1.0",  # this scrape
         "gradserve_computations_in_flight 0.0",
+        "gradserve_compute_workers 1.0",  # the minimum, warm from the start
+        'gradserve_compute_worker_exits_total{reason="died"} 0.0',
     ]:
         assert line in text, line
     assert 'gradserve_request_bytes_total{route="/backward"}' in text
