@@ -9,8 +9,9 @@ worker process (service/workers.py) with its deadline; the worker reserves the p
 planned bytes in the same in-flight memory before running it. If the client hangs up
 while a worker computes, the worker is stopped.
 
-Nothing is queued: a request that finds no slot or no memory gets 503 at once with
-`Retry-After`, so that a client can back off or go to another replica.
+A request that finds no free slot waits for one in a bounded queue (service/admission.py);
+one that finds no memory gets 503 at once with `Retry-After`, so that a client can back off
+or go to another replica.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Runner:
         self.settings = settings
         self.metrics = metrics
         self.compute = Compute(settings)
-        self.admission = Admission(settings.max_concurrency, metrics)
+        self.admission = Admission(settings, metrics)
         self.pool = Pool(settings, settings.max_concurrency, metrics)
         self.ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
@@ -135,7 +136,7 @@ class Runner:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
-            slot = self.admission.enter()
+            slot = await self.admission.enter(deadline)
             try:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0

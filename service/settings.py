@@ -45,6 +45,12 @@ class Settings(BaseSettings):
     # Workers above the minimum exit after this long idle: their memory goes back within
     # seconds of a burst's end, and one starts again in ~20 ms, off the request path.
     compute_worker_idle_s: float = Field(5.0, gt=0)
+    # Admission queue (as Triton's queue policy): requests that find every compute slot
+    # busy wait for one, first come first served, at most this many; past it, 503.
+    max_queue_size: int = Field(16, ge=0)
+    # How long a request may wait for a slot (never past its own deadline: 504 then);
+    # past it, 503 with Retry-After, for the client to go elsewhere.
+    queue_timeout_s: float = Field(10.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
     # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

@@ -143,7 +143,7 @@ async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> Non
     async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=1 << 20,
                        inflight_memory_bytes=4 << 20) as (c, app):
         runner = app.state.runner
-        slot = runner.admission.enter()
+        slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 3 << 20)  # another request holds 3 of the 4 MiB
         streamed = 0
 
