@@ -37,11 +37,12 @@ class Settings(BaseSettings):
     # Workers always alive, started and warm before /readyz says ready (at most
     # compute_workers): the first request, and the first after any idle time, finds one.
     min_compute_workers: int = Field(1, ge=1)
-    # A worker whose RSS passes this after a task is replaced (its replacement first). A
-    # warm worker holds ~45 MiB, and its caches at most program_cache_bytes +
-    # graph_cache_bytes (320 MiB by default) more: past that, it holds freed memory the
-    # allocator cannot give back, or a leak.
-    compute_worker_max_rss_bytes: int = Field(512 * MiB, ge=1)
+    # A worker whose RSS has grown by more than this since it was warm is replaced (its
+    # replacement first). Its caches may add at most program_cache_bytes +
+    # graph_cache_bytes (320 MiB by default): past that, it holds freed memory the allocator
+    # cannot give back, or a leak. (Growth, not RSS: a warm worker holds ~45 MiB on a CPU,
+    # and far more once CUDA is loaded.)
+    compute_worker_max_rss_growth_bytes: int = Field(512 * MiB, ge=0)
     # Workers above the minimum exit after this long idle: their memory goes back within
     # seconds of a burst's end, and one starts again in ~20 ms, off the request path.
     compute_worker_idle_s: float = Field(5.0, gt=0)

@@ -16,9 +16,9 @@ admission and the tiny requests, so its event loop always answers.
 - The pool is never cold: `GRADSERVE_MIN_COMPUTE_WORKERS` are started and warm before the
   server says it is ready, and stay for the life of the server; more start on demand, up to
   `GRADSERVE_COMPUTE_WORKERS`, and those above the minimum retire after
-  `GRADSERVE_COMPUTE_WORKER_IDLE_S` idle. A worker whose RSS passes
-  `GRADSERVE_COMPUTE_WORKER_MAX_RSS_BYTES` is recycled: its replacement starts first, and
-  it keeps serving until that one is warm.
+  `GRADSERVE_COMPUTE_WORKER_IDLE_S` idle. A worker whose RSS has grown by more than
+  `GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES` since it was warm is recycled: its
+  replacement starts first, and it keeps serving until that one is warm.
 - Each worker reports what it holds in memory (a request's graph or program key): when
   several are idle, a task goes to one that holds its key.
 """
@@ -459,7 +459,8 @@ def start_forkserver() -> None:
     """This process's forkserver, started once and kept for the life of the process: every
     pool of the process (every app a test suite builds, too) forks its workers from it.
     It has imported the engine (~50 MB, shared with the workers until they write), so a
-    replacement costs milliseconds of CPU, not a Python start."""
+    worker starts in milliseconds of CPU, not a Python start. (Each child also runs the
+    main module again, as multiprocessing does: `gradserve serve`'s imports nothing more.)"""
     _CONTEXT.set_forkserver_preload(["service.workers"])
     forkserver.ensure_running()
 
@@ -479,7 +480,7 @@ class _Worker:
         self.ready: asyncio.Future[bool] = pool.loop.create_future()  # warm, or failed
         self.task: asyncio.Future[Reply] | None = None  # the reply it owes
         self.keys: OrderedDict[str, None] = OrderedDict()  # what it holds (affinity)
-        self.rss = 0
+        self.rss = self.warm_rss = 0  # now, and when it was warm
         self.idle_since = time.monotonic()
         self.successor: _Worker | None = None  # starting, to replace this one (RSS)
         self.retired = False  # its successor is warm: it exits once free
@@ -714,6 +715,7 @@ class Pool:
     def on_message(self, worker: _Worker, message: tuple[str, Any, int]) -> None:
         kind, body, worker.rss = message
         if kind == "ready":
+            worker.warm_rss = worker.rss
             worker.ready.set_result(True)
             self._succeed(worker)
             self._free(worker)
@@ -728,11 +730,11 @@ class Pool:
             reply.set_result(body)
         else:
             reply.set_exception(RuntimeError(f"the compute worker failed:\n{body}"))
-        if worker.rss > self.settings.compute_worker_max_rss_bytes and \
+        growth = worker.rss - worker.warm_rss
+        if growth > self.settings.compute_worker_max_rss_growth_bytes and \
                 worker.successor is None and not worker.exiting and not self._closed:
-            log.info("compute worker %s holds %d MiB, over the %d MiB limit: replacing it",
-                     worker.pid, worker.rss >> 20,
-                     self.settings.compute_worker_max_rss_bytes >> 20)
+            log.info("compute worker %s holds %d MiB, %d more than when it was warm: "
+                     "replacing it", worker.pid, worker.rss >> 20, growth >> 20)
             worker.successor = self._spawn()
         self._free(worker)
 

@@ -121,15 +121,19 @@ async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> No
 
 async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_warm(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a limit every worker passes, each is recycled after a task: its replacement is
-    warm before it exits (and it exits cleanly, not killed); no request fails or waits."""
+    """Every worker says it has grown by a GiB with each answer, so each is recycled after
+    a task: its replacement is warm before it exits (and it exits cleanly, not killed); no
+    request fails or waits."""
     events: list[tuple[str, int | None, int | None]] = []
     on_message, on_exit = Pool.on_message, Pool.on_exit
 
     def seen_message(pool: Pool, worker: _Worker, message: tuple[str, Any, int]) -> None:
-        if message[0] == "ready":
+        kind, body, rss = message
+        if kind == "ready":
             events.append(("ready", worker.pid, None))
-        on_message(pool, worker, message)
+        else:
+            rss += 1 << 30
+        on_message(pool, worker, (kind, body, rss))
 
     def seen_exit(pool: Pool, worker: _Worker, exitcode: int | None) -> None:
         events.append(("exit", worker.pid, exitcode))
@@ -137,7 +141,7 @@ async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_
 
     monkeypatch.setattr(Pool, "on_message", seen_message)
     monkeypatch.setattr(Pool, "on_exit", seen_exit)
-    async with serving(compute_workers=2, compute_worker_max_rss_bytes=1) as (c, app):
+    async with serving(compute_workers=2) as (c, app):
         pool = app.state.runner.pool
         for k in range(8):
             r = await c.post("/forward", json=worker_body(float(k)))
@@ -229,6 +233,8 @@ async def test_a_key_goes_to_the_idle_worker_that_holds_it() -> None:
     try:
         await pool.start()
         assert pool.warm == 2
+        # Each worker said what it holds when warm (a CPU worker: ~45 MiB).
+        assert all(16 << 20 < w.warm_rss < 256 << 20 for w in pool._workers)
         a, b = await asyncio.gather(pool.submit(_task(pool, "a", 0)),
                                     pool.submit(_task(pool, "b", 1)))
         holder = {"a": a[2].pid, "b": b[2].pid}
