@@ -561,7 +561,6 @@ class Pool:
     def __init__(self, settings: Settings, slots: int, metrics: Metrics) -> None:
         self.settings = settings
         self.slots = slots
-        self.metrics = metrics
         self._dir = tempfile.mkdtemp(prefix="gradserve-", dir=_shm_dir())
         self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
         self.worker_args = (settings.model_dump_json(), self.ledger.path, slots,
