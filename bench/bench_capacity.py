@@ -393,7 +393,7 @@ def report(results: dict[str, Any]) -> None:
                   f"{_mib(m.peak_rss)} | {_cpu(m)} |")
     if results.get("replica"):
         print("\n| replica | idle RSS MiB (summed), compute pool up | idle PSS MiB | peak RSS "
-              "MiB, seed (no worker needed: the pool stops after 10 s idle) / cell / at "
+              "MiB, seed (computed in the front process; the pool keeps its minimum) / cell / at "
               "budget | budget request planned MiB |")
         print("| --- | --- | --- | --- | --- |")
         for ph in results["replica"]:

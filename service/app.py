@@ -46,8 +46,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     parse_device(settings.default_device)  # fail at startup, not on the first request
     runner: Runner = app.state.runner
-    # The seed example, run once at startup so the first request pays for no lazy import.
-    await anyio.to_thread.run_sync(runner.warm_up)
+    # The seed example, run once at startup so the first request pays for no lazy import;
+    # and the compute workers, started and warm before the server says it is ready.
+    await runner.start()
     metrics: Metrics = app.state.metrics
 
     def drain() -> None:

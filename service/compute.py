@@ -83,6 +83,9 @@ class Stats:
     graph_id: str | None = None
     store_evictions: int = 0  # by this process since it last reported
     store_damaged: int = 0
+    # What the computation left in its process's memory (its graph id, its program key):
+    # the pool sends later tasks with these keys to that worker while it is idle.
+    affinity_keys: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -160,11 +163,12 @@ class Compute:
 
     def run(self, body: bytes | memoryview, model: Model, deadline: float, reserve: Reserve,
             stats: Stats | None = None, header_length: int | None = None,
-            tenant: str | None = None) -> Reply:
+            tenant: str | None = None, raw_key: str | None = None) -> Reply:
         """The whole computation; `stats` (if given) is filled in as it goes, also when it
         ends in an error. `header_length`: the body is binary (its JSON header's length).
-        `tenant`: the API key's id (service/middleware.py), None with keys off."""
-        p = self.prepare(body, model, stats, header_length, tenant)
+        `tenant`: the API key's id (service/middleware.py), None with keys off. `raw_key`:
+        its graph's bytes' key, when the front process has hashed them (`locate`)."""
+        p = self.prepare(body, model, stats, header_length, tenant, raw_key)
         del body
         if p.program is None:
             self.compile(p)
@@ -201,7 +205,8 @@ class Compute:
                        backward=p.backward, program=program, graph=p.graph_raw)
 
     def prepare(self, body: bytes | memoryview, model: Model, stats: Stats | None = None,
-                header_length: int | None = None, tenant: str | None = None) -> Prepared:
+                header_length: int | None = None, tenant: str | None = None,
+                raw_key: str | None = None) -> Prepared:
         """Split a binary body, find the graph, parse the rest, check limits, decode, and
         look the program up."""
         started = time.perf_counter()
@@ -211,7 +216,7 @@ class Compute:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            found = self._request(header, model, tenant)
+            found = self._request(header, model, tenant, raw_key)
             req = found.req
             assert isinstance(req, ForwardRequest | BackwardRequest)
             binary = binary_tensors(found.data, tail)
@@ -249,25 +254,26 @@ class Compute:
         if found.source == "store":
             p.stats.load_ms = found.load_ms
 
-    def affinity(self, body: bytes | memoryview, header_length: int | None) -> str | None:
-        """The graph id of a body, if it can be had without parsing it (sent by id, or
-        its graph's bytes seen before): which worker may hold its program."""
-        header = bytes(memoryview(body)[:header_length]) if header_length is not None \
-            else body
+    def locate(self, header: bytes | memoryview) -> Located:
+        """Where a body's graph may be had without parsing it: the raw key of its bytes
+        (and the id of a graph seen before), or the id it is sent by. The front process
+        sends it to a worker that holds the graph's programs, which is handed the raw key
+        rather than hashing the bytes again."""
         envelope = split_envelope(header)
         if envelope is None:
-            return None
+            return Located(None, None)
         raw = envelope.get("graph")
         if raw is not None and raw != b"null":
-            return self.programs.alias(self.programs.raw_key(raw))
+            raw_key = self.programs.raw_key(raw)
+            return Located(raw_key, self.programs.alias(raw_key))
         graph_id = envelope.get("graph_id")
         if graph_id is None:
-            return None
+            return Located(None, None)
         try:
             value = codec.loads(bytes(graph_id))
         except codec.JSONError:
-            return None
-        return value if isinstance(value, str) else None
+            return Located(None, None)
+        return Located(None, value if isinstance(value, str) else None)
 
     def plan(self, body: bytes, dot: bool = False, max_nodes: int | None = None,
              tenant: str | None = None) -> Reply | None:
@@ -325,15 +331,17 @@ class Compute:
                       compute_budget=compute_budget, max_inputs=s.max_inputs,
                       max_id_chars=s.max_id_chars)
 
-    def _request(self, header: bytes, model: type[W], tenant: str | None) -> _Found:
+    def _request(self, header: bytes, model: type[W], tenant: str | None,
+                 raw_key: str | None = None) -> _Found:
         """The request's members, validated, and its graph: found by its bytes as sent
         (a graph seen before: neither parsed nor validated again), or parsed with the rest
-        of the body, or named by id."""
+        of the body, or named by id. `raw_key`: the graph's bytes' key, if known."""
         envelope = split_envelope(header)
         raw = None if envelope is None else envelope.get("graph")
-        raw_key = None
-        if raw is not None and raw != b"null":
-            raw_key = self.programs.raw_key(raw)
+        if raw is None or raw == b"null":
+            raw_key = None
+        else:
+            raw_key = raw_key or self.programs.raw_key(raw)
             graph_id = self.programs.alias(raw_key)
             rest = None if graph_id is None else _parse_members(envelope, skip="graph")
             if rest is not None and graph_id is not None:
@@ -442,6 +450,14 @@ class Compute:
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
                              encoding=p.encoding, graph_id=p.graph_id,
                              source=p.stats.program or "compiled")
+
+
+@dataclass(frozen=True)
+class Located:
+    """A body's graph as far as it is known without a parse (see `Compute.locate`)."""
+
+    raw_key: str | None  # of the graph's bytes as sent
+    graph_id: str | None
 
 
 @dataclass(eq=False)

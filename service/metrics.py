@@ -122,10 +122,11 @@ class Metrics:
         if self.multiproc_dir is not None:
             self._scrape_registry = CollectorRegistry()
             MultiProcessCollector(self._scrape_registry, self.multiproc_dir)
-        # Gauges in multiprocess mode (ignored otherwise): "livesum" for all four, since
+        # Gauges in multiprocess mode (ignored otherwise): "livesum" for all of them, since
         # each is a per-process amount whose server-wide figure is the sum over the front
-        # processes (requests, computations, reserved bytes and cached bytes of each add
-        # up), and a dead process holds none of them any more ("live": its file goes).
+        # processes (requests, computations, queued requests, workers, reserved bytes and
+        # cached bytes of each add up), and a dead process holds none of them any more
+        # ("live": its file goes).
         self.requests = Counter(
             "gradserve_requests", "HTTP requests by route, method and status",
             ["route", "method", "status"], registry=r,
@@ -208,6 +209,24 @@ class Metrics:
             "gradserve_program_store_damaged",
             "program store entries found damaged (truncated, garbage, half-written), deleted "
             "and compiled again", registry=r,
+        )
+        self.queue_length = Gauge(
+            "gradserve_queue_length", "requests waiting for a compute slot", registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.queue_wait = Histogram(
+            "gradserve_queue_wait_seconds", "how long requests that found every compute slot "
+            "busy waited for one (admitted, or refused at the queue's bound or deadline)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.compute_workers = Gauge(
+            "gradserve_compute_workers", "compute worker processes alive (starting, warm, or "
+            "leaving)", registry=r, multiprocess_mode="livesum",
+        )
+        self.worker_exits = Counter(
+            "gradserve_compute_worker_exits", "compute worker processes gone, by reason: rss "
+            "(recycled), idle (above the minimum), killed (its request's deadline or hang-up), "
+            "died", ["reason"], registry=r,
         )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
@@ -292,13 +311,14 @@ class Metrics:
 
 
 REJECTION_REASONS = (
-    "concurrency",  # 503: all compute slots busy
+    "queue_full",  # 503: all compute slots busy, and the queue for them full
+    "queue_timeout",  # 503: no compute slot came free within GRADSERVE_QUEUE_TIMEOUT_S
     "inflight_memory",  # 503: the in-flight memory budget is full (body, parse or plan)
     "memory_budget",  # 422: the plan is over the per-request budget
     "compute_budget",  # 422: the plan's compute cost is over the budget
     "body_size",  # 413
     "unauthorized",  # 401
-    "timeout",  # 504
+    "timeout",  # 504 (also when a request's deadline passes while it waits for a slot)
     "connections",  # 503: over the open-connection cap (service/protocol.py)
     "request_timeout",  # 408: the request head or body came too slowly (service/protocol.py)
 )

@@ -9,8 +9,9 @@ worker process (service/workers.py) with its deadline; the worker reserves the p
 planned bytes in the same in-flight memory before running it. If the client hangs up
 while a worker computes, the worker is stopped.
 
-Nothing is queued: a request that finds no slot or no memory gets 503 at once with
-`Retry-After`, so that a client can back off or go to another replica.
+A request that finds no free slot waits for one in a bounded queue (service/admission.py);
+one that finds no memory gets 503 at once with `Retry-After`, so that a client can back off
+or go to another replica.
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ from starlette.types import Message, Receive
 
 from engine.errors import DeadlineExceeded, GradserveError
 from service.admission import Admission
-from service.compute import MODELS, PLANS, WARM_UP, Compute, Handoff, Reply, Stats, warm_up
+from service.compute import (
+    MODELS,
+    PLANS,
+    WARM_UP,
+    Compute,
+    Handoff,
+    Located,
+    Reply,
+    Stats,
+    warm_up,
+)
 from service.errors import ProblemError
 from service.metrics import Metrics
 from service.settings import Settings
@@ -56,6 +67,9 @@ log = logging.getLogger("gradserve")
 INLINE_MAX_BODY_BYTES = 16 * 1024
 INLINE_MAX_COMPILE_NODES = 64
 INLINE_MAX_COST = 10_000_000
+# A body's graph is located (its bytes hashed, to choose the worker that holds it) up to
+# this size of JSON, on the event loop: ~2 ms at most.
+LOCATE_MAX_BYTES = 4 << 20
 
 # Parsing a body takes memory beyond its bytes: per JSON value a Python object and a
 # list slot, per object its dict and model, and per graph node its compiled steps.
@@ -92,8 +106,8 @@ class Runner:
         self.compute = Compute(settings)
         # Writes to the store leave the event loop: they follow the answer.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gradserve-store")
-        self.admission = Admission(settings.max_concurrency, metrics)
-        self.pool = Pool(settings, settings.max_concurrency)
+        self.admission = Admission(settings, metrics)
+        self.pool = Pool(settings, settings.max_concurrency, metrics)
         self.ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
         metrics.track(metrics.reserved_bytes, self.ledger.total)
@@ -108,6 +122,10 @@ class Runner:
         """One small request end to end in the front process, off the books."""
         warm_up(self.settings, body)
 
+    async def start(self) -> None:
+        """Warm up this process and start the compute workers, warm, side by side."""
+        await asyncio.gather(asyncio.to_thread(self.warm_up), self.pool.start())
+
     def close(self) -> None:
         self.pool.close()
         self._writer.shutdown(wait=True)
@@ -120,11 +138,13 @@ class Runner:
             self._writer.submit(self.compute.programs.flush)
 
     async def housekeeping(self) -> None:
-        """Stop idle workers, now and then (runs for the life of the app)."""
+        """Retire idle workers and replace lost ones, now and then (runs for the life of
+        the app)."""
         while True:
             await asyncio.sleep(1.0)
-            if self.pool.active == 0 and await asyncio.to_thread(self.pool.stop_if_idle):
-                self._worker_cache_bytes.clear()
+            self.pool.housekeeping()
+            for pid in self._worker_cache_bytes.keys() - self.pool.pids():
+                del self._worker_cache_bytes[pid]
 
     # ------------------------------------------------------------------ a request
     async def serve(self, kind: str, receive: Receive, declared: int | None,
@@ -155,7 +175,7 @@ class Runner:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
-            slot = self.admission.enter()
+            slot = await self.admission.enter(deadline)
             try:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
@@ -167,14 +187,18 @@ class Runner:
                         return content
                     handoff = content  # prepared here, to run in a worker: no second parse
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
-                affinity = handoff.graph_id if handoff is not None else self.compute.affinity(
-                    payload_head(direct, header_length or 0) if direct else body, header_length)
+                located = Located(None, None if handoff is None else handoff.graph_id)
+                if handoff is None and kind not in PLANS:
+                    header = payload_head(direct, header_length) if direct is not None \
+                        and header_length is not None else body[:header_length]
+                    if len(header) <= LOCATE_MAX_BYTES:  # (a scan and a hash: ~1 ms a MB)
+                        located = self.compute.locate(header)
                 payload = direct or (b"" if handoff is not None else pack(body, name))
                 del body  # a large body is in shared memory now: this process keeps no copy
                 try:
                     return await self._in_worker(kind, payload, name, slot, deadline, receive,
                                                  request_id, header_length, tenant, handoff,
-                                                 affinity)
+                                                 located)
                 finally:
                     if large:
                         trim_memory()
@@ -300,12 +324,12 @@ class Runner:
 
     async def _in_worker(self, kind: str, payload: Any, name: str, slot: int, deadline: float,
                          receive: Receive, request_id: str, header_length: int | None,
-                         tenant: str | None, handoff: Handoff | None, affinity: str | None
+                         tenant: str | None, handoff: Handoff | None, located: Located
                          ) -> Reply:
         task = Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
                     deadline=deadline, out_name=name + "o", request_id=request_id,
                     header_length=header_length, tenant=tenant, handoff=handoff,
-                    affinity=affinity)
+                    affinity=located.graph_id, raw_key=located.raw_key)
         del payload
         done = False
         try:

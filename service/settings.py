@@ -34,6 +34,24 @@ class Settings(BaseSettings):
     # more processes than cores only add memory; admitted requests beyond them wait their
     # turn inside their deadline.
     compute_workers: int | None = Field(None, ge=1)
+    # Workers always alive, started and warm before /readyz says ready (at most
+    # compute_workers): the first request, and the first after any idle time, finds one.
+    min_compute_workers: int = Field(1, ge=1)
+    # A worker whose RSS has grown by more than this since it was warm is replaced (its
+    # replacement first). Its caches may add at most program_cache_bytes +
+    # graph_cache_bytes (320 MiB by default): past that, it holds freed memory the allocator
+    # cannot give back, or a leak. (Growth, not RSS: a warm worker holds ~45 MiB on a CPU,
+    # and far more once CUDA is loaded.)
+    compute_worker_max_rss_growth_bytes: int = Field(512 * MiB, ge=0)
+    # Workers above the minimum exit after this long idle: their memory goes back within
+    # seconds of a burst's end, and one starts again in ~20 ms, off the request path.
+    compute_worker_idle_s: float = Field(5.0, gt=0)
+    # Admission queue (as Triton's queue policy): requests that find every compute slot
+    # busy wait for one, first come first served, at most this many; past it, 503.
+    max_queue_size: int = Field(16, ge=0)
+    # How long a request may wait for a slot (never past its own deadline: 504 then);
+    # past it, 503 with Retry-After, for the client to go elsewhere.
+    queue_timeout_s: float = Field(10.0, gt=0)
     request_timeout_s: float = Field(60.0, gt=0)
     # NoDecode: a comma-separated list, not the JSON pydantic-settings expects for a list.
     api_keys: Annotated[tuple[SecretStr, ...], NoDecode] = ()

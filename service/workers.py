@@ -2,19 +2,25 @@
 
 A request past its time limit must stop burning CPU even inside one long kernel, and a
 thread cannot be interrupted inside NumPy: so requests compute in a pool of worker
-processes (pebble), and a task that passes its deadline, or whose client has gone, is
-stopped by terminating its worker (pebble starts another). The front process keeps the
-I/O, admission and the tiny requests, so its event loop always answers.
+processes, and a task that passes its deadline, or whose client has gone, is stopped by
+killing its worker (SIGKILL), which is then replaced. The front process keeps the I/O,
+admission and the tiny requests, so its event loop always answers.
 
 - Bodies and responses of a MiB or more cross through shared memory, not pickles.
 - The in-flight memory budget is one for all processes: a `Ledger` of the bytes each
   compute slot holds, in a small shared file, changed under an `flock` (the kernel
   releases it should a worker die holding it).
-- Workers fork from a forkserver that has already imported the engine (a replacement
-  costs milliseconds of CPU, not a Python start), die at once on SIGTERM (even inside a
-  kernel), run at a lower priority than the front process, give their free memory back to
-  the system after large tasks, and are recycled after a number of tasks; the whole pool
-  stops when idle and starts again on demand.
+- Workers fork from a forkserver that has already imported the engine (a worker starts
+  and warms up in ~20 ms, not a Python start), run at a lower priority than the front
+  process, and give their free memory back to the system after large tasks and when idle.
+- The pool is never cold: `GRADSERVE_MIN_COMPUTE_WORKERS` are started and warm before the
+  server says it is ready, and stay for the life of the server; more start on demand, up to
+  `GRADSERVE_COMPUTE_WORKERS`, and those above the minimum retire after
+  `GRADSERVE_COMPUTE_WORKER_IDLE_S` idle. A worker whose RSS has grown by more than
+  `GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES` since it was warm is recycled: its
+  replacement starts first, and it keeps serving until that one is warm.
+- Each worker reports what it holds in memory (a request's graph or program key): when
+  several are idle, a task goes to one that holds its key.
 """
 
 from __future__ import annotations
@@ -35,30 +41,36 @@ import signal
 import tempfile
 import threading
 import time
+import traceback
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
-from pebble import ProcessExpired, ProcessPool
 
 from engine.errors import GradserveError
 from service.admission import RETRY_AFTER_S
 from service.compute import MODELS, PLANS, Compute, Handoff, Stats, warm_up
 from service.errors import ProblemError, as_problem
+from service.metrics import Metrics
 from service.settings import Settings
 
 log = logging.getLogger("gradserve.workers")
 
-SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the pool's pipe
+SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the worker's pipe
 SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
-TASKS_PER_WORKER = 200  # then the worker is replaced, with whatever its heap held
-IDLE_STOP_S = 10.0  # a pool with nothing to do for this long stops its workers
 TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
+TRIM_IDLE_S = 1.0  # a worker idle this long gives its free memory back (once)
 WORKER_NICENESS = 10  # below the front process, whose event loop answers health checks
+AFFINITY_KEYS = 1024  # keys the pool remembers per worker, the least recently used out
+# A task pickled to this much or less is written to its worker's pipe on the event loop
+# (an idle worker's socket buffer takes it whole); a larger one, from a thread.
+SEND_INLINE_BYTES = 64 << 10
 
 
 # ---------------------------------------------------------------- the shared in-flight memory
@@ -298,7 +310,10 @@ class Task:
     header_length: int | None = None  # a binary body's JSON header's length
     tenant: str | None = None  # the API key's id (service/middleware.py)
     handoff: Handoff | None = None  # a small request the front process prepared
-    affinity: str | None = None  # the request's graph id, when known without parsing
+    # What the computation will hold in memory once done (its graph's id, when the front
+    # process knows it without parsing): the pool prefers an idle worker that holds it.
+    affinity: str | None = None
+    raw_key: str | None = None  # its graph's bytes' key, hashed by the front process
 
 
 # (status "ok", (response payload, its binary header's length, media type), stats), or
@@ -309,11 +324,61 @@ _compute: Compute | None = None
 _ledger: Ledger | None = None
 
 
+def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: int,
+                 limit: int) -> None:
+    """A worker process: warm up, say so, then run the tasks its pipe brings until told to
+    stop (None) or the front process is gone. Every message to the front process carries
+    this process's RSS, by which the pool recycles it.
+
+    What a task leaves behind is dealt with after its answer is sent, not on its request's
+    path: the program store's writes, and the cycle collector, which is off while a task
+    runs (a program loaded or compiled is a hundred thousand new objects, which the
+    collector would otherwise walk in the middle of the next request)."""
+    _start_worker(settings_json, ledger_path, slots, limit)
+    message: tuple[str, Any, int] = ("ready", None, _rss())
+    tasks = 0
+    try:
+        while True:
+            conn.send(message)
+            if tasks:
+                _after_reply(tasks)
+            if not conn.poll(TRIM_IDLE_S):
+                gc.collect()  # idle: a full collection, and what it frees goes back
+                trim_memory()
+            task = conn.recv()
+            if task is None:
+                return
+            tasks += 1
+            gc.disable()
+            try:
+                message = ("reply", run_task(task), _rss())
+            except Exception:
+                message = ("error", traceback.format_exc(), _rss())
+    except (EOFError, OSError):  # the front process is gone
+        return
+
+
+FULL_COLLECTION_EVERY = 64  # tasks between two full collections under continuous load
+
+
+def _after_reply(tasks: int) -> None:
+    """After a task's answer is sent: write what it left for the store, and collect (the
+    young generations each time; everything now and then, and when idle)."""
+    assert _compute is not None
+    if _compute.programs.pending():
+        _compute.programs.flush()
+    gc.enable()
+    gc.collect(2 if tasks % FULL_COLLECTION_EVERY == 0 else 1)
+
+
 def _start_worker(settings_json: str, ledger_path: str, slots: int, limit: int) -> None:
-    """The worker's initializer: die at once on SIGTERM (pebble's handler would wait for
-    the kernel in progress to return), step aside for the front process, and warm up."""
+    """Leave Ctrl-C to the front process (it reaches the whole process group), die with the
+    forkserver (which exits with the front process), step aside for the front process, and
+    warm up."""
     global _compute, _ledger
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
     settings = Settings.model_validate_json(settings_json)
@@ -321,6 +386,15 @@ def _start_worker(settings_json: str, ledger_path: str, slots: int, limit: int) 
     _ledger = Ledger(ledger_path, slots, limit)
     warm_up(settings)
     gc.freeze()  # the imported engine, out of the cycle collector's sight
+
+
+def _rss() -> int:
+    """This process's resident set size in bytes (0 where /proc has no statm)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def run_task(task: Task) -> Reply:
@@ -354,7 +428,7 @@ def run_task(task: Task) -> Reply:
                 content = planned
             else:
                 content = _compute.run(body, MODELS[task.kind], task.deadline, reserve, stats,
-                                       task.header_length, task.tenant)
+                                       task.header_length, task.tenant, task.raw_key)
         finally:
             del body  # (the arrays viewing it went with the computation)
         # The answer goes into the body's own segment when it fits there (its pages are
@@ -374,8 +448,9 @@ def run_task(task: Task) -> Reply:
             trim_memory()
         stats.pid = os.getpid()
         stats.store_evictions, stats.store_damaged = _compute.programs.changes()
-        if _compute.programs.pending():  # (written while this worker waits for the next)
-            threading.Thread(target=_compute.programs.flush, daemon=True).start()
+    # What this worker holds now: the graph the front process named, and the one it
+    # found (the same, or one the front process could not know without a parse).
+    stats.affinity_keys = tuple(dict.fromkeys(k for k in (task.affinity, stats.graph_id) if k))
     return "ok", reply, stats
 
 
@@ -395,103 +470,366 @@ def trim_memory() -> None:
         _malloc_trim(0)
 
 
-_libc = ctypes.util.find_library("c")
-_malloc_trim = getattr(ctypes.CDLL(_libc), "malloc_trim", None) if _libc else None
-
+_libc_name = ctypes.util.find_library("c")
+_libc = ctypes.CDLL(_libc_name) if _libc_name else None
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+_prctl = getattr(_libc, "prctl", None)  # (Linux)
+PR_SET_PDEATHSIG = 1  # prctl(2): a signal this process gets when its parent exits
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 # ---------------------------------------------------------------- the pool, in the front
 
 
-class Pool:
-    """The worker pool of one front process: started on first use, stopped when idle."""
+_CONTEXT = multiprocessing.get_context("forkserver")
+# One process start at a time: multiprocessing keeps its own books of a process's
+# children, and each start is a short exchange with the forkserver.
+_START_LOCK = threading.Lock()
 
-    def __init__(self, settings: Settings, slots: int) -> None:
+
+def start_forkserver() -> None:
+    """This process's forkserver, started once and kept for the life of the process: every
+    pool of the process (every app a test suite builds, too) forks its workers from it.
+    It has imported the engine (~50 MB, shared with the workers until they write), so a
+    worker starts in milliseconds of CPU, not a Python start. (Each child also runs the
+    main module again, as multiprocessing does: `gradserve serve`'s imports nothing more.)"""
+    _CONTEXT.set_forkserver_preload(["service.workers"])
+    forkserver.ensure_running()
+
+
+class _Worker:
+    """A worker process as the front process sees it: its pipe, the thread that starts it
+    and reads its messages (handing each to the event loop), and the pool's notes on it.
+    The notes are read and changed on the event loop only."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.conn, child = _CONTEXT.Pipe()
+        self._child = child
+        self.proc = _CONTEXT.Process(target=_worker_main, args=(child, *pool.worker_args),
+                                     name="gradserve-compute", daemon=True)
+        self.pid: int | None = None
+        self.ready: asyncio.Future[bool] = pool.loop.create_future()  # warm, or failed
+        self.task: asyncio.Future[Reply] | None = None  # the reply it owes
+        self.keys: OrderedDict[str, None] = OrderedDict()  # what it holds (affinity)
+        self.rss = self.warm_rss = 0  # now, and when it was warm
+        self.idle_since = time.monotonic()
+        self.successor: _Worker | None = None  # starting, to replace this one (RSS)
+        self.retired = False  # its successor is warm: it exits once free
+        self.exiting = False  # told to exit, or killed: it takes no more tasks
+        self._gone = False  # its end of the pipe closed: it has exited
+        self._pipe = threading.Lock()  # writes to the pipe, and its close
+        self.thread = threading.Thread(target=self._run, name="gradserve-worker", daemon=True)
+
+    def _run(self) -> None:
+        """Start the process, then hand each of its messages to the loop until it exits."""
+        exitcode: int | None = None
+        try:
+            with _START_LOCK:
+                if not self.exiting:
+                    self.proc.start()
+            self._child.close()
+            if self.proc.pid is None:
+                return
+            self.pid = self.proc.pid
+            if self.exiting:  # killed while it started
+                self.kill()
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):
+                    break
+                self.pool.post(self.pool.on_message, self, message)
+            self._gone = True
+            self.proc.join(5)
+            exitcode = self.proc.exitcode
+        except Exception:
+            log.exception("a compute worker failed to start")
+        finally:
+            self.pool.post(self.pool.on_exit, self, exitcode)
+
+    async def send(self, task: Task) -> None:
+        data = ForkingPickler.dumps(task)
+        if len(data) <= SEND_INLINE_BYTES:
+            self._send(data)
+        else:  # the worker reads it as it is written: not on the event loop
+            await asyncio.to_thread(self._send, data)
+
+    def _send(self, data: bytes | memoryview) -> None:
+        # A worker that has died fails its task when its exit is seen.
+        with self._pipe, contextlib.suppress(OSError):
+            self.conn.send_bytes(data)
+
+    def stop(self) -> None:
+        """Exit once idle (it is)."""
+        self.exiting = True
+        self._send(ForkingPickler.dumps(None))
+
+    def kill(self) -> None:
+        """Stop it now, whatever it computes (any thread)."""
+        self.exiting = True
+        if self.pid is not None and not self._gone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        with self._pipe:
+            self.conn.close()
+
+    def remember(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > AFFINITY_KEYS:
+            self.keys.popitem(last=False)
+
+
+class Pool:
+    """The compute workers of one front process: at least `min_compute_workers`, started
+    and warm before the server is ready and kept while it runs; more on demand, up to
+    `workers_for_compute`. Used from the event loop (`start`, `submit`, `housekeeping`);
+    `close` from any thread."""
+
+    def __init__(self, settings: Settings, slots: int, metrics: Metrics) -> None:
         self.settings = settings
         self.slots = slots
         self._dir = tempfile.mkdtemp(prefix="gradserve-", dir=state_dir())
         self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
-        self._pool: ProcessPool | None = None
-        self._lock = threading.Lock()
+        self.worker_args = (settings.model_dump_json(), self.ledger.path, slots,
+                            settings.inflight_memory_bytes)
+        self.size = settings.workers_for_compute
+        self.minimum = min(settings.min_compute_workers, self.size)
         self._names = itertools.count()
-        self.active = 0
-        self._idle_since = time.monotonic()
-        self.started = 0  # pools started, for tests and logs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._workers: set[_Worker] = set()  # started and not yet gone
+        self._idle: list[_Worker] = []  # warm and free, the most recently freed last
+        self._waiting: deque[asyncio.Future[_Worker]] = deque()  # tasks, first come first
+        self._closed = False
+        self.starts = 0  # worker processes started
+        self.tasks = 0  # tasks sent to workers
+        self.waits = 0  # tasks that found no idle worker and waited for one
+        self._exits = {reason: metrics.worker_exits.labels(reason) for reason in EXITS}
+        metrics.track(metrics.compute_workers, lambda: len(self._workers))
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None
+        return self._loop
 
     def segment(self) -> str:
         """A new, unique shared memory name."""
         return f"gs{os.getpid()}-{next(self._names)}"
 
-    def _ensure(self) -> ProcessPool:
-        with self._lock:
-            if self._pool is None:
-                context = multiprocessing.get_context("forkserver")
-                context.set_forkserver_preload(["service.workers"])
-                self._pool = ProcessPool(
-                    max_workers=self.settings.workers_for_compute, max_tasks=TASKS_PER_WORKER,
-                    initializer=_start_worker,
-                    initargs=(self.settings.model_dump_json(), self.ledger.path, self.slots,
-                              self.settings.inflight_memory_bytes),
-                    context=context,
-                )
-                self.started += 1
-            return self._pool
+    def pids(self) -> set[int]:
+        """The workers' process ids (those started)."""
+        return {w.pid for w in self._workers if w.pid is not None}
 
+    @property
+    def warm(self) -> int:
+        """Workers warm and taking tasks (busy or idle)."""
+        return sum(w.ready.done() and w.ready.result() and not w.exiting
+                   for w in self._workers)
+
+    async def start(self) -> None:
+        """Start the minimum of workers and wait until they are warm (before the server
+        says it is ready); raises if one cannot start."""
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(start_forkserver)
+        for worker in [self._spawn() for _ in range(self.minimum)]:
+            if not await worker.ready:
+                raise RuntimeError("a compute worker exited as it started (see the log)")
+
+    # ------------------------------------------------------------ a task
     async def submit(self, task: Task) -> Reply:
         """Run `task` in a worker; its deadline and the caller's cancellation (a client
-        gone, a shutdown) stop the worker."""
-        pool = self._pool if self._pool is not None else await asyncio.to_thread(self._ensure)
-        self.active += 1
+        gone, a shutdown) kill the worker, which is replaced."""
+        await self.start()
+        worker = await self._acquire(task)
+        self.tasks += 1
+        reply = worker.task = self.loop.create_future()
         try:
-            remaining = max(task.deadline - time.monotonic(), 0.001)
-            future = pool.schedule(run_task, args=(task,), timeout=remaining)
-            try:
-                return await asyncio.wrap_future(future)  # cancelling this cancels the task
-            except TimeoutError:
-                raise GradserveTimeout(task.deadline) from None
-            except ProcessExpired as exc:
-                raise WorkerDied(exc.exitcode) from None
-            except CancelledError:
-                raise asyncio.CancelledError from None
+            await worker.send(task)
+            remaining = task.deadline - time.monotonic()
+            if remaining > 0:
+                await asyncio.wait({reply}, timeout=remaining)
+            if reply.done():
+                return reply.result()
+            raise GradserveTimeout(task.deadline)
         finally:
-            self.active -= 1
-            self._idle_since = time.monotonic()
+            if not reply.done():  # timed out, or the caller was cancelled: stop it
+                worker.task = None
+                reply.cancel()
+                self._kill(worker)
 
-    def stop_if_idle(self) -> bool:
-        """Stop the workers when nothing has run for IDLE_STOP_S (called periodically);
-        whether it did."""
-        if self._pool is None or self.active or \
-                time.monotonic() - self._idle_since < IDLE_STOP_S:
-            return False
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is None:
-            return False
-        pool.stop()
-        pool.join(timeout=5)
-        _stop_forkserver()
-        log.info("stopped the idle worker pool")
-        return True
+    async def _acquire(self, task: Task) -> _Worker:
+        """An idle worker (one holding the task's key if any does), or the first to be
+        free, in the order tasks came; GradserveTimeout at the task's deadline."""
+        worker = self._pick(task.affinity)
+        if worker is not None:
+            return worker
+        self.waits += 1
+        turn: asyncio.Future[_Worker] = self.loop.create_future()
+        self._waiting.append(turn)
+        self._maintain()  # (a worker more, if there is room)
+        try:
+            remaining = task.deadline - time.monotonic()
+            if remaining > 0:
+                await asyncio.wait({turn}, timeout=remaining)
+        except BaseException:
+            self._give_up(turn)
+            raise
+        if not turn.done():
+            self._give_up(turn)
+            raise GradserveTimeout(task.deadline)
+        return turn.result()
+
+    def _give_up(self, turn: asyncio.Future[_Worker]) -> None:
+        if turn.done():  # handed a worker as it gave up: the next task's
+            self._free(turn.result())
+        else:
+            turn.cancel()
+            self._waiting.remove(turn)
+
+    def _pick(self, key: str | None) -> _Worker | None:
+        idle = self._idle
+        if key is not None:
+            for i in range(len(idle) - 1, -1, -1):
+                if key in idle[i].keys:
+                    return idle.pop(i)
+        return idle.pop() if idle else None
+
+    def _free(self, worker: _Worker) -> None:
+        """`worker` is free: to the first task waiting, or idle (or gone, if retired)."""
+        if worker.exiting or self._closed:
+            return
+        if worker.retired:
+            worker.stop()
+            self._exits["rss"].inc()
+            return
+        if self._waiting:
+            self._waiting.popleft().set_result(worker)
+            return
+        worker.idle_since = time.monotonic()
+        self._idle.append(worker)
+
+    def _kill(self, worker: _Worker) -> None:
+        worker.kill()
+        self._exits["killed"].inc()
+        self._maintain()  # its replacement starts now
+
+    # ------------------------------------------------------------ the workers' lives
+    def _spawn(self) -> _Worker:
+        worker = _Worker(self)
+        self._workers.add(worker)
+        self.starts += 1
+        worker.thread.start()
+        return worker
+
+    def _maintain(self) -> None:
+        """Start workers: up to the minimum, and one for each task waiting that no worker
+        starting will take, within the size."""
+        if self._closed or self._loop is None:
+            return
+        live = [w for w in self._workers if not w.exiting and w.successor is None]
+        starting = sum(not w.ready.done() for w in live)
+        wanted = max(self.minimum, min(self.size, len(live) - starting + len(self._waiting)))
+        for _ in range(wanted - len(live)):
+            self._spawn()
+
+    def post(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run `callback(*args)` on the event loop (from a worker's thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to tell
+            self.loop.call_soon_threadsafe(callback, *args)
+
+    def on_message(self, worker: _Worker, message: tuple[str, Any, int]) -> None:
+        kind, body, worker.rss = message
+        if kind == "ready":
+            worker.warm_rss = worker.rss
+            worker.ready.set_result(True)
+            self._succeed(worker)
+            self._free(worker)
+            return
+        reply, worker.task = worker.task, None
+        if kind == "reply":
+            worker.remember(body[2].affinity_keys)
+        if reply is None or reply.done():  # abandoned: its answer's segment is no one's
+            if kind == "reply" and body[0] == "ok" and not isinstance(body[1][0], bytes):
+                unlink(body[1][0][0])
+        elif kind == "reply":
+            reply.set_result(body)
+        else:
+            reply.set_exception(RuntimeError(f"the compute worker failed:\n{body}"))
+        growth = worker.rss - worker.warm_rss
+        if growth > self.settings.compute_worker_max_rss_growth_bytes and \
+                worker.successor is None and not worker.exiting and not self._closed:
+            log.info("compute worker %s holds %d MiB, %d more than when it was warm: "
+                     "replacing it", worker.pid, worker.rss >> 20, growth >> 20)
+            worker.successor = self._spawn()
+        self._free(worker)
+
+    def _succeed(self, successor: _Worker) -> None:
+        """A worker is warm: the worker it replaces exits, now if idle, else once free."""
+        for old in self._workers:
+            if old.successor is successor:
+                old.retired = True
+                if old in self._idle:
+                    self._idle.remove(old)
+                    self._free(old)
+
+    def on_exit(self, worker: _Worker, exitcode: int | None) -> None:
+        self._workers.discard(worker)
+        if worker in self._idle:
+            self._idle.remove(worker)
+        worker.close()
+        warm = worker.ready.done()
+        if not warm:
+            worker.ready.set_result(False)
+        for old in self._workers:  # its predecessor, if it had one, stays on
+            if old.successor is worker:
+                old.successor = None
+        reply, worker.task = worker.task, None
+        if reply is not None and not reply.done():
+            reply.set_exception(WorkerDied(exitcode))
+        if worker.exiting or self._closed:
+            return
+        self._exits["died"].inc()
+        log.error("compute worker %s exited (exit code %s)%s", worker.pid, exitcode,
+                  "; starting another" if warm else " before it was warm")
+        if warm:  # (one that cannot start is tried again by the housekeeping, once a second)
+            self._maintain()
+
+    def housekeeping(self) -> None:
+        """Once a second: workers above the minimum that have been idle for
+        `compute_worker_idle_s` exit, the longest idle first; and the minimum is kept."""
+        if self._closed or self._loop is None:
+            return
+        since = time.monotonic() - self.settings.compute_worker_idle_s
+        above = sum(not w.exiting and w.successor is None for w in self._workers) - self.minimum
+        for worker in list(self._idle):  # (the longest idle first)
+            if above <= 0 or worker.idle_since > since:
+                break
+            if worker.successor is None:  # (one being replaced goes when that one is warm)
+                self._idle.remove(worker)
+                worker.stop()
+                self._exits["idle"].inc()
+                above -= 1
+        self._maintain()
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.stop()
-            pool.join(timeout=5)
-            _stop_forkserver()
+        self._closed = True
+        workers = list(self._workers)
+        for worker in workers:
+            worker.kill()
+        for worker in workers:
+            worker.thread.join(timeout=10)
+            worker.close()
         self.ledger.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _stop_forkserver() -> None:
-    """Stop the forkserver too (it holds the imported engine, ~50 MB): the next pool starts
-    a new one. Python exposes no public call for it; its own tests use this one, and if it
-    is ever gone the server simply stays up."""
-    from multiprocessing import forkserver
-
-    with contextlib.suppress(Exception):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]
+EXITS = ("rss", "idle", "killed", "died")  # why compute workers went (the metrics' reasons)
 
 
 class GradserveTimeout(Exception):

@@ -303,11 +303,12 @@ def test_a_server_killed_mid_request_is_retried_on_its_successor(
 
 def test_503_waits_for_retry_after_and_504_is_not_retried(servers: list[Server],
                                                            tmp_path: Path) -> None:
-    """One compute slot, taken by a request that runs past the 2 s time limit: another
-    request gets 503 (Retry-After: 1) and is retried after a second or more until the
-    slot is free; the long one gets 504, once: the same work would time out again."""
+    """One compute slot, taken by a request that runs past the 2 s time limit, and no
+    queue for it: another request gets 503 (Retry-After: 1) and is retried after a second
+    or more until the slot is free; the long one gets 504, once: the same work would time
+    out again."""
     s = _ready(_launch(tmp_path, _free_port(), GRADSERVE_MAX_CONCURRENCY="1",
-                       GRADSERVE_REQUEST_TIMEOUT_S="2"))
+                       GRADSERVE_MAX_QUEUE_SIZE="0", GRADSERVE_REQUEST_TIMEOUT_S="2"))
     servers.append(s)
     long_tap, tap = Tap(), Tap()
     retry = Retry(attempts=20, deadline=30.0, backoff=0.02, max_backoff=0.1)

@@ -9,12 +9,14 @@ need a socket start a real server on loopback. Every loop is bounded in count an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,7 @@ async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_work
     async with serving() as (c, app):
         runner = app.state.runner
         r = await c.post("/backward", json=SEED_OP)
-        assert r.status_code == 200 and runner.pool.started == 0
+        assert r.status_code == 200 and runner.pool.tasks == 0
         x = np.linspace(-1, 1, 5000)
         body = {"graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}], "outputs": ["z"]},
                 "inputs": {"x": {"data": x.tolist(), "dtype": "float64",
@@ -59,7 +61,7 @@ async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_work
         assert len(json.dumps(body)) > INLINE_MAX_BODY_BYTES
         r = await c.post("/backward", json=body)
         assert r.status_code == 200, r.text
-        assert runner.pool.started == 1
+        assert runner.pool.tasks == 1
         got = r.json()
         np.testing.assert_allclose(got["outputs"]["z"]["data"], np.sum(np.sin(x) * x))
         np.testing.assert_allclose(got["gradients"]["x"]["data"], np.sin(x) + x * np.cos(x))
@@ -141,7 +143,7 @@ async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> Non
     async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=1 << 20,
                        inflight_memory_bytes=4 << 20) as (c, app):
         runner = app.state.runner
-        slot = runner.admission.enter()
+        slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 3 << 20)  # another request holds 3 of the 4 MiB
         streamed = 0
 
@@ -264,21 +266,45 @@ def test_a_client_that_hangs_up_stops_its_computation(server: Server) -> None:
     assert "Traceback" not in server.log_text()
 
 
+def _compute_workers(server: Server) -> set[int]:
+    """The server's compute workers: the children of its forkserver."""
+    workers: set[int] = set()
+    for child in psutil.Process(server.proc.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if "forkserver" in " ".join(child.cmdline()):
+                workers |= {p.pid for p in child.children()}
+    return workers
+
+
 @pytest.mark.integration
-def test_idle_workers_stop_and_start_again(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    proc = psutil.Process(server.proc.pid)
-    r = httpx.post(server.base + "/forward", json=_matmuls(1, 64, pad=2000), timeout=30)
-    assert r.status_code == 200
-    assert len(proc.children(recursive=True)) >= 2  # a forkserver and workers
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(proc.children(recursive=True)) > 2:
-        time.sleep(0.5)
-    # The workers are gone (the forkserver and the resource tracker may stay).
-    assert len([p for p in proc.children(recursive=True)
-                if "forkserver" not in " ".join(p.cmdline())
-                and "resource_tracker" not in " ".join(p.cmdline())]) == 0
-    r = httpx.post(server.base + "/forward", json=_matmuls(1, 64, pad=2000), timeout=30)
-    assert r.status_code == 200
+def test_idle_workers_above_the_minimum_retire_and_the_pool_stays_warm(tmp_path: Path) -> None:
+    """Two workers under load; idle, the one above the minimum exits and the other stays
+    (for the life of the server): the first request after the idle time starts no process."""
+    server = _start(tmp_path, GRADSERVE_COMPUTE_WORKERS="2", GRADSERVE_MAX_CONCURRENCY="2",
+                    GRADSERVE_COMPUTE_WORKER_IDLE_S="1")
+    try:
+        assert len(_compute_workers(server)) == 1  # warm before ready
+        body = _matmuls(6, 512, pad=2000)  # a few tenths of a second each: they overlap
+        with ThreadPoolExecutor(2) as threads:
+            codes = list(threads.map(lambda _: httpx.post(
+                server.base + "/forward", json=body, timeout=60).status_code, range(2)))
+        assert codes == [200, 200]
+        deadline = time.monotonic() + 30
+        while len(_compute_workers(server)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        kept = _compute_workers(server)
+        assert len(kept) == 1
+        time.sleep(2)  # idle for twice the idle time: still there
+        assert _compute_workers(server) == kept
+        r = httpx.post(server.base + "/forward", json=_matmuls(1, 64, pad=2000), timeout=30)
+        assert r.status_code == 200
+        assert _compute_workers(server) == kept  # served by it: no process started
+        metrics = httpx.get(server.base + "/metrics", timeout=5).text
+        assert 'gradserve_compute_worker_exits_total{reason="idle"} 1.0' in metrics
+        assert "gradserve_compute_workers 1.0" in metrics
+    finally:
+        _stop(server)
+    assert "Traceback" not in server.log_text()
 
 
 async def test_a_hung_up_client_in_process_is_not_a_500() -> None:

@@ -18,3 +18,12 @@ def test_engine_example_runs() -> None:
         assert namespace["z"].item() == -5.0  # type: ignore[attr-defined]
         assert namespace["x"].grad.item() == 4.0  # type: ignore[attr-defined]
         assert namespace["b"].tolist() == [41.0]  # type: ignore[attr-defined]
+
+
+def test_every_setting_has_a_row_in_the_settings_table() -> None:
+    from service.settings import Settings
+
+    text = README.read_text()
+    missing = [name for name in Settings.model_fields
+               if f"| `GRADSERVE_{name.upper()}` |" not in text]
+    assert not missing, f"settings without a row in the README's table: {missing}"

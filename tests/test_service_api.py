@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -305,9 +306,14 @@ async def test_metrics(client: httpx.AsyncClient) -> None:
         'gradserve_request_duration_seconds_count{method="POST",route="/forward"} 2.0',
         'gradserve_planned_peak_bytes_count{path="no_grad"} 1.0',
         'gradserve_peak_bytes_count{path="grad"} 1.0',
-        'gradserve_rejections_total{reason="concurrency"} 0.0',
+        'gradserve_rejections_total{reason="queue_full"} 0.0',
+        'gradserve_rejections_total{reason="queue_timeout"} 0.0',
         "gradserve_requests_in_flight 1.0",  # this scrape
         "gradserve_computations_in_flight 0.0",
+        "gradserve_queue_length 0.0",
+        "gradserve_queue_wait_seconds_count 0.0",
+        "gradserve_compute_workers 1.0",  # the minimum, warm from the start
+        'gradserve_compute_worker_exits_total{reason="died"} 0.0',
     ]:
         assert line in text, line
     assert 'gradserve_request_bytes_total{route="/backward"}' in text
@@ -707,23 +713,24 @@ async def test_422_grad_outputs_errors_name_the_output(client: httpx.AsyncClient
     assert p["errors"][0]["loc"] == ["grad_outputs", "z", "data"]
 
 
-async def test_503_when_all_slots_are_busy() -> None:
-    async with serving(max_concurrency=1) as (c, app):
-        slot = app.state.runner.admission.enter()  # a computation holds the only slot
+async def test_503_when_all_slots_are_busy_and_nothing_may_queue() -> None:
+    async with serving(max_concurrency=1, max_queue_size=0) as (c, app):
+        # A computation holds the only slot.
+        slot = await app.state.runner.admission.enter(time.monotonic() + 60)
         r = await c.post("/backward", json=SEED_OP)
         assert_problem(r, 503, "overloaded", "compute slots")
         assert r.headers["retry-after"] == "1"
         app.state.runner.admission.leave(slot)
         assert (await c.post("/backward", json=SEED_OP)).status_code == 200
         metrics = (await c.get("/metrics")).text
-        assert 'gradserve_rejections_total{reason="concurrency"} 1.0' in metrics
+        assert 'gradserve_rejections_total{reason="queue_full"} 1.0' in metrics
 
 
 async def test_503_when_in_flight_memory_is_full() -> None:
     async with serving(memory_budget_bytes=10_000, no_grad_memory_budget_bytes=10_000,
                            inflight_memory_bytes=100_000) as (c, app):
         runner = app.state.runner
-        slot = runner.admission.enter()
+        slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 99_990)  # another request holds most of it
         r = await c.post("/backward", json=SEED_OP)
         p = assert_problem(r, 503, "overloaded", "in-flight")

@@ -1,0 +1,186 @@
+"""The admission queue (service/admission.py): a request that finds every compute slot
+busy waits for one, first come first served, within the queue's bound, its wait's bound
+and its own deadline.
+
+The apps run in process on ASGI. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from engine.errors import DeadlineExceeded
+from service.admission import Admission
+from service.errors import ProblemError
+from service.metrics import Metrics
+from service.settings import Settings
+from tests.in_process import serving
+from tests.seeds import SEED_OP
+from tests.test_pool import worker_body
+from tests.test_service_api import assert_problem
+
+pytestmark = pytest.mark.anyio
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+async def _hold_the_slot(app: FastAPI) -> int:
+    """The only compute slot, taken as a long computation would hold it."""
+    slot: int = await app.state.runner.admission.enter(time.monotonic() + 60)
+    return slot
+
+
+async def _until_queued(c: httpx.AsyncClient, n: int) -> None:
+    for _ in range(500):
+        if _metric((await c.get("/metrics")).text, "gradserve_queue_length") == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests never queued")
+
+
+async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_answers() -> None:
+    async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
+        admission = app.state.runner.admission
+        slot = await _hold_the_slot(app)
+        done: list[int] = []
+
+        async def send(k: int) -> httpx.Response:
+            body = {**SEED_OP, "inputs": {"x": {"data": float(k), "requires_grad": True},
+                                          "y": {"data": 1.0, "requires_grad": True}}}
+            r = await c.post("/backward", json=body)
+            done.append(k)
+            return r
+
+        first = asyncio.create_task(send(1))
+        await _until_queued(c, 1)
+        second = asyncio.create_task(send(2))
+        await _until_queued(c, 2)
+        # The queue is full: refused at once, and the probes still answer.
+        t0 = time.perf_counter()
+        r = await c.post("/backward", json=SEED_OP)
+        assert time.perf_counter() - t0 < 1.0
+        assert_problem(r, 503, "overloaded", "the queue's bound")
+        assert r.headers["retry-after"] == "1"
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert (await c.get("/healthz")).json() == {"status": "ok"}
+            assert time.perf_counter() - t0 < 0.5
+        assert (await c.get("/readyz")).status_code == 200
+        assert not first.done() and not second.done()
+
+        admission.leave(slot)  # the long computation ends: the queue drains in order
+        one, two = await first, await second
+        assert one.status_code == two.status_code == 200
+        assert one.json()["outputs"]["z"]["data"] == 1 * 1 - 1
+        assert two.json()["outputs"]["z"]["data"] == 2 * 2 - 1
+        assert done == [1, 2]
+        metrics = (await c.get("/metrics")).text
+        assert _metric(metrics, "gradserve_queue_length") == 0
+        assert _metric(metrics, "gradserve_queue_wait_seconds_count") == 2
+        assert _metric(metrics, "gradserve_queue_wait_seconds_sum") > 0
+        assert _metric(metrics, 'gradserve_rejections_total{reason="queue_full"}') == 1
+        assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 0
+        assert admission.active == 0
+
+
+async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> None:
+    async with serving(max_concurrency=1, queue_timeout_s=0.3) as (c, app):
+        await _hold_the_slot(app)
+        t0 = time.monotonic()
+        r = await c.post("/backward", json=SEED_OP)
+        elapsed = time.monotonic() - t0
+        assert_problem(r, 503, "overloaded", "no compute slot came free within 0.3 s")
+        assert r.headers["retry-after"] == "1" and 0.3 <= elapsed < 2.0
+        metrics = (await c.get("/metrics")).text
+        assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 1
+        assert _metric(metrics, "gradserve_queue_wait_seconds_count") == 1
+        assert _metric(metrics, "gradserve_queue_length") == 0
+
+
+async def test_a_request_queued_past_its_deadline_gets_504() -> None:
+    async with serving(max_concurrency=1, request_timeout_s=0.5) as (c, app):
+        await _hold_the_slot(app)
+        t0 = time.monotonic()
+        r = await c.post("/backward", json=SEED_OP)
+        elapsed = time.monotonic() - t0
+        assert_problem(r, 504, "timeout", "waiting for a compute slot")
+        assert 0.5 <= elapsed < 2.0
+        metrics = (await c.get("/metrics")).text
+        assert _metric(metrics, 'gradserve_rejections_total{reason="timeout"}') == 1
+        assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 0
+        assert _metric(metrics, "gradserve_queue_length") == 0
+
+
+async def test_the_queue_is_first_come_first_served_and_loses_no_slot() -> None:
+    admission = Admission(Settings(max_concurrency=1, max_queue_size=8), Metrics())
+    deadline = time.monotonic() + 30
+    slot = await admission.enter(deadline)
+    order: list[int] = []
+
+    async def wait(k: int) -> None:
+        got = await admission.enter(deadline)
+        order.append(k)
+        await asyncio.sleep(0.01)
+        admission.leave(got)
+
+    waiting = []
+    for k in range(6):
+        waiting.append(asyncio.create_task(wait(k)))
+        await asyncio.sleep(0)  # (each in the queue before the next)
+    cancelled = asyncio.create_task(wait(99))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # a request gone while it waited leaves its place
+    admission.leave(slot)
+    await asyncio.gather(*waiting)
+    assert order == list(range(6))
+    assert admission.active == 0 and not admission._queue
+    # A waiter handed a slot as it is cancelled passes the slot on.
+    slot = await admission.enter(deadline)
+    one = asyncio.create_task(admission.enter(deadline))
+    two = asyncio.create_task(admission.enter(deadline))
+    await asyncio.sleep(0)
+    admission.leave(slot)  # to `one`, which is cancelled before it runs
+    one.cancel()
+    assert await two == slot
+    admission.leave(slot)
+    assert admission.active == 0
+
+
+async def test_the_queue_bounds_and_deadlines_directly() -> None:
+    admission = Admission(Settings(max_concurrency=1, max_queue_size=1, queue_timeout_s=5,
+                                   request_timeout_s=0.2), Metrics())
+    await admission.enter(time.monotonic() + 30)
+    waiter = asyncio.create_task(admission.enter(time.monotonic() + 0.2))
+    await asyncio.sleep(0)
+    with pytest.raises(ProblemError, match="queue's bound"):
+        await admission.enter(time.monotonic() + 30)
+    with pytest.raises(DeadlineExceeded, match="waiting for a compute slot"):
+        await waiter
+    with pytest.raises(DeadlineExceeded):  # a deadline already past: no wait at all
+        await admission.enter(time.monotonic() - 1)
+
+
+async def test_16_clients_on_8_slots_all_wait_their_turn() -> None:
+    """The soak's shape: 16 requests at once computing in workers, 8 slots, the default
+    queue: every one is answered, none refused."""
+    async with serving(max_concurrency=8) as (c, app):
+        replies = await asyncio.gather(*(c.post("/forward", json=worker_body(float(k)))
+                                         for k in range(16)))
+        assert [r.status_code for r in replies] == [200] * 16
+        assert [r.json()["outputs"]["s"]["data"] for r in replies] == [
+            5000.0 * k for k in range(16)]
+        metrics = (await c.get("/metrics")).text
+        assert _metric(metrics, "gradserve_queue_wait_seconds_count") >= 1
+        for reason in ("queue_full", "queue_timeout", "timeout", "inflight_memory"):
+            assert _metric(metrics, f'gradserve_rejections_total{{reason="{reason}"}}') == 0
+        assert app.state.runner.admission.active == 0

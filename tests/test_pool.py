@@ -1,0 +1,249 @@
+"""The compute worker pool (service/workers.py): never cold, recycled by RSS with the
+replacement first, workers killed at a deadline or from outside replaced, and tasks sent
+to the worker that holds their key.
+
+The apps run in process on ASGI; their workers are real processes. Every loop is bounded
+in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+
+from service.app import create_app
+from service.compute import WARM_UP
+from service.metrics import Metrics
+from service.settings import Settings
+from service.workers import Pool, Task, _Worker
+from tests.in_process import serving
+from tests.test_service_api import assert_problem
+
+pytestmark = pytest.mark.anyio
+
+
+def worker_body(k: float = 1.0, n: int = 5000) -> dict[str, Any]:
+    """A cheap request with a body over 16 KiB: it computes in a worker."""
+    return {"graph": {"nodes": [{"id": "s", "expr": f"sum(x * {k})"}], "outputs": ["s"]},
+            "inputs": {"x": [1.0] * n}, "no_grad": True}
+
+
+async def _until(what: str, check: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def _served_by(app: Any) -> set[int]:
+    """The workers that have answered (their pids), from what the runner counted."""
+    return set(app.state.runner._worker_cache_bytes)
+
+
+# ---------------------------------------------------------------- never cold
+
+
+async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/readyz says ready only once a worker is warm: with the worker's "ready" held back
+    0.3 s, every 200 comes with a warm worker, and the probes before it are 503."""
+    on_message = Pool.on_message
+
+    def late(pool: Pool, worker: _Worker, message: tuple[str, Any, int]) -> None:
+        if message[0] == "ready":
+            pool.loop.call_later(0.3, on_message, pool, worker, message)
+        else:
+            on_message(pool, worker, message)
+
+    monkeypatch.setattr(Pool, "on_message", late)
+    app = create_app(Settings())
+    pool = app.state.runner.pool
+    seen: list[tuple[int, int]] = []
+    manager = LifespanManager(app, startup_timeout=60)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                 base_url="http://test") as c:
+        starting = asyncio.create_task(manager.__aenter__())
+        while not starting.done():
+            seen.append(((await c.get("/readyz")).status_code, pool.warm))
+            await asyncio.sleep(0.01)
+        await starting
+        try:
+            seen.append(((await c.get("/readyz")).status_code, pool.warm))
+            assert seen[-1] == (200, 1) and pool.starts == 1
+            assert [s for s, _ in seen].count(503) >= 5, seen  # (0.3 s of probes)
+            assert all(warm >= 1 for status, warm in seen if status == 200), seen
+        finally:
+            await manager.__aexit__(None, None, None)
+
+
+async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> None:
+    """Two workers under load; idle, the one above the minimum exits and the other stays:
+    the first request after the idle time starts no process and waits for none."""
+    async with serving(compute_workers=2, compute_worker_idle_s=0.5) as (c, app):
+        runner = app.state.runner
+        pool = runner.pool
+        assert pool.warm == 1 and pool.starts == 1
+        replies = await asyncio.gather(*(c.post("/forward", json=worker_body(k))
+                                         for k in range(6)))
+        assert [r.status_code for r in replies] == [200] * 6
+        await _until("a second worker", lambda: pool.starts == 2)
+        deadline = time.monotonic() + 20
+        while len(pool.pids()) > 1 and time.monotonic() < deadline:
+            runner.pool.housekeeping()  # (the app's own runs once a second)
+            await asyncio.sleep(0.1)
+        assert len(pool.pids()) == 1 and pool.warm == 1
+        kept = pool.pids()
+        await asyncio.sleep(1.5)  # idle for three times the idle time: still there
+        assert pool.pids() == kept
+        starts, waits = pool.starts, pool.waits
+        t0 = time.perf_counter()
+        r = await c.post("/forward", json=worker_body(9.0))
+        elapsed = time.perf_counter() - t0
+        assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 45000.0
+        assert (pool.starts, pool.waits) == (starts, waits), "the request started a worker"
+        assert pool.pids() == kept and elapsed < 2.0
+        metrics = (await c.get("/metrics")).text
+        assert 'gradserve_compute_worker_exits_total{reason="idle"} 1.0' in metrics
+        assert "gradserve_compute_workers 1.0" in metrics
+
+
+# ---------------------------------------------------------------- recycling by RSS
+
+
+async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_warm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every worker says it has grown by a GiB with each answer, so each is recycled after
+    a task: its replacement is warm before it exits (and it exits cleanly, not killed); no
+    request fails or waits."""
+    events: list[tuple[str, int | None, int | None]] = []
+    on_message, on_exit = Pool.on_message, Pool.on_exit
+
+    def seen_message(pool: Pool, worker: _Worker, message: tuple[str, Any, int]) -> None:
+        kind, body, rss = message
+        if kind == "ready":
+            events.append(("ready", worker.pid, None))
+        else:
+            rss += 1 << 30
+        on_message(pool, worker, (kind, body, rss))
+
+    def seen_exit(pool: Pool, worker: _Worker, exitcode: int | None) -> None:
+        events.append(("exit", worker.pid, exitcode))
+        on_exit(pool, worker, exitcode)
+
+    monkeypatch.setattr(Pool, "on_message", seen_message)
+    monkeypatch.setattr(Pool, "on_exit", seen_exit)
+    async with serving(compute_workers=2) as (c, app):
+        pool = app.state.runner.pool
+        for k in range(8):
+            r = await c.post("/forward", json=worker_body(float(k)))
+            assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 5000.0 * k
+            await asyncio.sleep(0.05)
+        await _until("the last replacement", lambda: pool.warm == 1 and len(pool.pids()) == 1)
+        assert pool.waits == 0, "a request waited for a worker to start"
+        exits = [e for e in events if e[0] == "exit"]
+        assert len(exits) >= 3, events
+        warm: set[int | None] = set()
+        for kind, pid, exitcode in events:
+            if kind == "ready":
+                warm.add(pid)
+            else:
+                assert exitcode == 0, events  # told to exit, not killed
+                warm.discard(pid)
+                assert warm, f"{pid} exited with no warm worker left: {events}"
+        assert len(_served_by(app)) >= 3  # the requests went to the new workers
+        metrics = (await c.get("/metrics")).text
+        assert f'gradserve_compute_worker_exits_total{{reason="rss"}} {len(exits)}.0' in metrics
+
+
+# ---------------------------------------------------------------- workers lost
+
+
+async def test_a_worker_killed_from_outside_is_replaced() -> None:
+    async with serving() as (c, app):
+        pool = app.state.runner.pool
+        (victim,) = pool.pids()
+        os.kill(victim, signal.SIGKILL)  # idle: no request sees it
+        await _until("a replacement", lambda: pool.warm == 1 and pool.pids() - {victim})
+        starts = pool.starts
+        r = await c.post("/forward", json=worker_body(2.0))
+        assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 10000.0
+        assert pool.starts == starts and victim not in _served_by(app)
+
+        # Killed while it computes: that request is a 500 (logged), the next one is served.
+        long = {"graph": {"nodes": [
+            {"id": "a", "expr": "full(shape=[1024, 1024], value=0.001, dtype='float64')"},
+            *({"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+              for i in range(200))], "outputs": ["m199"]}, "no_grad": True,
+            "inputs": {f"pad{i}": 0.0 for i in range(2000)}}
+        computing = asyncio.create_task(c.post("/forward", json=long))
+        await _until("the long request in a worker", lambda: pool.tasks == 2)
+        (busy,) = pool.pids()
+        await asyncio.sleep(0.3)
+        os.kill(busy, signal.SIGKILL)
+        assert_problem(await computing, 500, "internal", "the worker computing this request died")
+        await _until("a replacement", lambda: pool.warm == 1 and pool.pids() - {busy})
+        r = await c.post("/forward", json=worker_body(3.0))
+        assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 15000.0
+        metrics = (await c.get("/metrics")).text
+        assert 'gradserve_compute_worker_exits_total{reason="died"} 2.0' in metrics
+        assert app.state.runner.ledger.total() == 0
+
+
+async def test_a_worker_past_the_deadline_is_killed_and_replaced() -> None:
+    async with serving(request_timeout_s=1.0) as (c, app):
+        pool = app.state.runner.pool
+        (first,) = pool.pids()
+        long = {"graph": {"nodes": [
+            {"id": "a", "expr": "full(shape=[2048, 2048], value=0.001, dtype='float64')"},
+            *({"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+              for i in range(40))], "outputs": ["m39"]}, "no_grad": True,
+            "inputs": {f"pad{i}": 0.0 for i in range(2000)}}
+        assert_problem(await c.post("/forward", json=long), 504, "timeout", "was stopped")
+        await _until("a replacement", lambda: pool.warm == 1 and pool.pids() - {first})
+        r = await c.post("/forward", json=worker_body(1.0))
+        assert r.status_code == 200
+        metrics = (await c.get("/metrics")).text
+        assert 'gradserve_compute_worker_exits_total{reason="killed"} 1.0' in metrics
+        assert 'gradserve_compute_worker_exits_total{reason="died"} 0.0' in metrics
+
+
+# ---------------------------------------------------------------- affinity
+
+
+def _task(pool: Pool, key: str, slot: int) -> Task:
+    return Task(kind="backward", body=WARM_UP, slot=slot, held=0,
+                deadline=time.monotonic() + 30, out_name=pool.segment() + "o",
+                request_id=f"affinity-{key}", affinity=key)
+
+
+async def test_a_key_goes_to_the_idle_worker_that_holds_it() -> None:
+    """Two warm workers hold one key each: every later task with a key goes to its holder,
+    whichever worker was freed last; a task with a key no one holds goes to either."""
+    settings = Settings(compute_workers=2, min_compute_workers=2)
+    pool = Pool(settings, settings.max_concurrency, Metrics())
+    try:
+        await pool.start()
+        assert pool.warm == 2
+        # Each worker said what it holds when warm (a CPU worker: ~45 MiB).
+        assert all(16 << 20 < w.warm_rss < 256 << 20 for w in pool._workers)
+        a, b = await asyncio.gather(pool.submit(_task(pool, "a", 0)),
+                                    pool.submit(_task(pool, "b", 1)))
+        holder = {"a": a[2].pid, "b": b[2].pid}
+        assert holder["a"] != holder["b"] and a[2].affinity_keys == ("a",)
+        for key in "abbaab":
+            status, reply, stats = await pool.submit(_task(pool, key, 0))
+            assert status == "ok" and json.loads(reply[0])["outputs"]["z"]["data"] == -5.0
+            assert stats.pid == holder[key], (key, stats.pid, holder)
+        _, _, stats = await pool.submit(_task(pool, "c", 0))
+        assert stats.pid in holder.values() and pool.waits == 0
+    finally:
+        await asyncio.to_thread(pool.close)
