@@ -238,7 +238,7 @@ async def test_a_key_goes_to_the_idle_worker_that_holds_it() -> None:
         a, b = await asyncio.gather(pool.submit(_task(pool, "a", 0)),
                                     pool.submit(_task(pool, "b", 1)))
         holder = {"a": a[2].pid, "b": b[2].pid}
-        assert holder["a"] != holder["b"] and a[2].affinity_keys == ("a",)
+        assert holder["a"] != holder["b"] and "a" in a[2].affinity_keys
         for key in "abbaab":
             status, reply, stats = await pool.submit(_task(pool, key, 0))
             assert status == "ok" and json.loads(reply[0])["outputs"]["z"]["data"] == -5.0
