@@ -5,8 +5,10 @@ never a wrong answer or a 5xx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -270,3 +272,91 @@ async def test_over_http_an_id_resolves_only_for_the_key_that_sent_the_graph(
                 ).status_code == 200
         assert strict_json(await c.post("/backward", json=by_id, headers=b))["gradients"] == \
             first["gradients"]
+
+
+# ---------------------------------------------------------------- across worker processes
+
+BIG = 800  # inputs of this many values: a body over the 16 KiB that compute inline
+
+
+async def _worker_request(c: Any, x: list[float]) -> dict[str, Any]:
+    r = await c.post("/backward", json=chain_body(x))
+    doc = strict_json(r)
+    _, grad = chain_numpy(np.array(x))
+    np.testing.assert_allclose(doc["gradients"]["x"]["data"], grad, rtol=1e-5)
+    return doc
+
+
+def _holders(app: Any, graph_id: str) -> list[int]:
+    return [w.pid for w in app.state.runner.pool._workers if graph_id in w.keys]
+
+
+def _lookups(text: str) -> dict[str, float]:
+    return {source: float(text.split(f'gradserve_program_lookups_total{{source="{source}"}} ')
+                          [1].split()[0]) for source in ("process", "store", "compiled")}
+
+
+async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: str) -> None:
+    """Worker A compiles; while A is busy the same graph goes to worker B, which loads A's
+    program from the store (no compile, as the metrics count); afterwards each holds it."""
+    x = list(np.linspace(-1, 1, BIG))
+    async with serving(program_store_dir=store_dir, compute_workers=2,
+                       min_compute_workers=2) as (c, app):
+        first = await _worker_request(c, x)
+        assert first["meta"]["program"] == "compiled"
+        await asyncio.sleep(0.5)  # (A writes the program to the store after its answer)
+        big = 'full(shape=[1500, 1500], value=1.0, dtype="float64")'
+        slow = {"graph": {"nodes": [{"id": "m", "expr": f"sum({big} @ {big})"}],
+                          "outputs": ["m"]}, "inputs": {}, "no_grad": True}
+        holder = _holders(app, first["meta"]["graph_id"])
+        assert len(holder) == 1
+        # Keep A busy (affinity would send the graph to it when idle).
+        busy = asyncio.create_task(c.post("/forward", json=slow))
+        workers = app.state.runner.pool._workers
+        for _ in range(200):  # until A has the slow task (the worker freed last gets it)
+            if any(w.pid in holder and w.task is not None for w in workers):
+                break
+            await asyncio.sleep(0.01)
+        docs = [await _worker_request(c, x) for _ in range(3)]
+        await asyncio.wait([busy])
+        text = (await c.get("/metrics")).text
+    sources = [d["meta"]["program"] for d in docs]
+    assert sources[0] == "store" and "compiled" not in sources, sources
+    assert (await busy).status_code == 200
+    assert "gradserve_compiles_total 2.0" in text  # (the chain, and the slow graph)
+    assert _lookups(text)["store"] >= 1
+
+
+async def test_after_a_worker_is_killed_the_next_request_loads_from_the_store(
+        store_dir: str) -> None:
+    x = list(np.linspace(-1, 1, BIG))
+    async with serving(program_store_dir=store_dir, compute_workers=1,
+                       min_compute_workers=1) as (c, app):
+        first = await _worker_request(c, x)
+        await asyncio.sleep(0.5)
+        (pid,) = _holders(app, first["meta"]["graph_id"])
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        again = await _worker_request(c, x)
+        assert again["meta"]["program"] == "store"
+        assert again["gradients"] == first["gradients"]
+        assert _holders(app, first["meta"]["graph_id"]) != [pid]
+
+
+async def test_after_a_worker_is_recycled_the_next_request_loads_from_the_store(
+        store_dir: str) -> None:
+    """With no RSS growth allowed, every task recycles its worker: the replacement starts
+    first, the old one exits once it is warm, and the replacement loads the program."""
+    x = list(np.linspace(-1, 1, BIG))
+    async with serving(program_store_dir=store_dir, compute_workers=1, min_compute_workers=1,
+                       compute_worker_max_rss_growth_bytes=0) as (c, app):
+        first = await _worker_request(c, x)
+        old = {w.pid for w in app.state.runner.pool._workers}
+        for _ in range(100):  # (the replacement warms up, then the old worker goes)
+            await asyncio.sleep(0.1)
+            now = {w.pid for w in app.state.runner.pool._workers}
+            if now and not now & old:
+                break
+        again = await _worker_request(c, x)
+    assert again["meta"]["program"] == "store"
+    assert again["gradients"] == first["gradients"]
