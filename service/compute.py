@@ -81,6 +81,7 @@ class Stats:
     compile_ms: float | None = None  # when it was compiled
     load_ms: float | None = None  # when it was loaded from the store
     graph_id: str | None = None
+    program_key: str | None = None  # the program's, when it is in the process's memory now
     store_evictions: int = 0  # by this process since it last reported
     store_damaged: int = 0
     # What the computation left in its process's memory (its graph id, its program key):
@@ -188,6 +189,7 @@ class Compute:
         if p.program is None and h.program is not None:
             p.program = load_program(h.program, h.device)
             self.programs.memory.put(h.key, p.program)
+            p.stats.program_key = h.key
         if p.program is None:
             self.compile(p)
         return self.execute(p, deadline, reserve, None)
@@ -251,6 +253,8 @@ class Compute:
         found = self.programs.find(p.key, p.device)
         p.program = found.program
         p.stats.program = found.source or "compiled"
+        if found.program is not None:
+            p.stats.program_key = p.key
         if found.source == "store":
             p.stats.load_ms = found.load_ms
 
@@ -409,7 +413,8 @@ class Compute:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         p.stats.compile_ms = (time.perf_counter() - started) * 1000
-        p.stats.cache_evictions = self.programs.remember(p.key, p.program)
+        p.stats.cache_evictions = self.programs.remember(p.key, p.program, p.device)
+        p.stats.program_key = p.key
         p.stats.cache_bytes = self.programs.memory.bytes
 
     def check_budgets(self, p: Prepared) -> None:

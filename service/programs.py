@@ -30,19 +30,21 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from engine.backends import get_backend
+from engine.errors import GradserveError
 from engine.graph import GraphSpec, Program
 from engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
 from service.settings import Settings
 from service.store import Store, entry_name, version_key
 
 ALIASES = 8192  # raw keys remembered per process (each ~150 bytes)
+EVICT_BEFORE = 0.9  # a preload stops where it would start evicting what it loaded
 GRANTS = 8192  # (tenant, graph) grants remembered per process
 
 
@@ -172,14 +174,35 @@ class Programs:
                     return Found(program, "store", (time.perf_counter() - started) * 1000)
         return Found(None, None)
 
-    def remember(self, key: str, program: Program) -> int:
+    def remember(self, key: str, program: Program, device: str) -> int:
         """A program just compiled: kept in memory, and written to the store after the
         answer. Returns how many programs the memory evicted for it."""
         evicted = self.memory.put(key, program)
-        meta = {"cost": program.compute_cost, "peak": program.planned_peak_bytes,
-                "steps": len(program.steps)}
+        meta = {"device": device, "cost": program.compute_cost,
+                "peak": program.planned_peak_bytes, "steps": len(program.steps)}
         self._defer(f"p-{key}", lambda: dump_program(program), meta)
         return evicted
+
+    def preload(self, keys: Sequence[str] | None, seconds: float) -> int:
+        """Load programs from the store into memory before this process takes work:
+        `keys` (those of a worker it replaces, the most recent first), or None: the store's
+        most recently written or used. Within `seconds`, and the memory's bound; how many
+        were loaded."""
+        if self.store is None:
+            return 0
+        deadline = time.monotonic() + seconds
+        names = [f"p-{k}" for k in keys] if keys is not None else self.store.recent("p", 256)
+        loaded = 0
+        for name in names:
+            if time.monotonic() > deadline or self.memory.bytes >= EVICT_BEFORE * \
+                    self.memory.max_bytes:
+                break
+            meta = self.store.meta(name)  # (None: gone, or another version's)
+            device = meta.get("device") if meta else None
+            if isinstance(device, str):
+                with contextlib.suppress(GradserveError):  # (a device this host lacks)
+                    loaded += self.find(name[2:], device).source == "store"
+        return loaded
 
     def stored(self, key: str) -> bool:
         """Write the program of `key` to the store now, if it is waiting to be (a worker

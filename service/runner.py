@@ -348,6 +348,8 @@ class Runner:
             if not done:
                 unlink(name)  # (the front process owns every segment's end)
         try:
+            if handoff is not None:
+                stats.program = None  # (the front process counted this request's lookup)
             self._count(stats)
             if status == "problem":
                 raise ProblemError.from_wire(reply)

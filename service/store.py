@@ -235,6 +235,14 @@ class Store:
             self._failed("scan", exc)
         return entries, stale
 
+    def recent(self, kind: str, limit: int) -> list[str]:
+        """The names of the `limit` entries of `kind` written or used last, newest first."""
+        entries, _ = self._scan()
+        named = [(mtime, os.path.basename(path)) for path, _, mtime in entries
+                 if os.path.basename(path).startswith(f"{kind}-")]
+        named.sort(reverse=True)
+        return [name for _, name in named[:limit]]
+
     def total_bytes(self) -> int:
         """The bytes of the entries (a scan: for metrics and tests, not per request)."""
         with self._lock:

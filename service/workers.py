@@ -325,7 +325,7 @@ _ledger: Ledger | None = None
 
 
 def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: int,
-                 limit: int) -> None:
+                 limit: int, preload: tuple[str, ...] | None) -> None:
     """A worker process: warm up, say so, then run the tasks its pipe brings until told to
     stop (None) or the front process is gone. Every message to the front process carries
     this process's RSS, by which the pool recycles it.
@@ -335,6 +335,10 @@ def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: 
     runs (a program loaded or compiled is a hundred thousand new objects, which the
     collector would otherwise walk in the middle of the next request)."""
     _start_worker(settings_json, ledger_path, slots, limit)
+    assert _compute is not None
+    if preload != ():
+        _compute.programs.preload(preload, PRELOAD_S)
+        gc.collect()  # (what the loads made is walked once here, not in a request)
     message: tuple[str, Any, int] = ("ready", None, _rss())
     tasks = 0
     try:
@@ -359,6 +363,9 @@ def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: 
 
 
 FULL_COLLECTION_EVERY = 64  # tasks between two full collections under continuous load
+# A worker that takes over another's programs, or starts a server, loads them for at most
+# this long before it says it is ready (its predecessor, if any, serves meanwhile).
+PRELOAD_S = 2.0
 
 
 def _after_reply(tasks: int) -> None:
@@ -502,16 +509,18 @@ class _Worker:
     and reads its messages (handing each to the event loop), and the pool's notes on it.
     The notes are read and changed on the event loop only."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, preload: tuple[str, ...] | None = ()) -> None:
         self.pool = pool
         self.conn, child = _CONTEXT.Pipe()
         self._child = child
-        self.proc = _CONTEXT.Process(target=_worker_main, args=(child, *pool.worker_args),
+        self.proc = _CONTEXT.Process(target=_worker_main,
+                                     args=(child, *pool.worker_args, preload),
                                      name="gradserve-compute", daemon=True)
         self.pid: int | None = None
         self.ready: asyncio.Future[bool] = pool.loop.create_future()  # warm, or failed
         self.task: asyncio.Future[Reply] | None = None  # the reply it owes
         self.keys: OrderedDict[str, None] = OrderedDict()  # what it holds (affinity)
+        self.programs: OrderedDict[str, None] = OrderedDict()  # its programs' keys
         self.rss = self.warm_rss = 0  # now, and when it was warm
         self.idle_since = time.monotonic()
         self.successor: _Worker | None = None  # starting, to replace this one (RSS)
@@ -576,12 +585,13 @@ class _Worker:
         with self._pipe:
             self.conn.close()
 
-    def remember(self, keys: tuple[str, ...]) -> None:
-        for key in keys:
-            self.keys[key] = None
-            self.keys.move_to_end(key)
-        while len(self.keys) > AFFINITY_KEYS:
-            self.keys.popitem(last=False)
+    def remember(self, keys: tuple[str, ...], program: str | None) -> None:
+        for held, key in [*((self.keys, k) for k in keys),
+                          *(((self.programs, program),) if program else ())]:
+            held[key] = None
+            held.move_to_end(key)
+            if len(held) > AFFINITY_KEYS:
+                held.popitem(last=False)
 
 
 class Pool:
@@ -637,7 +647,9 @@ class Pool:
             return
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(start_forkserver)
-        for worker in [self._spawn() for _ in range(self.minimum)]:
+        # (Each takes the store's most recent programs first: a server that restarts on a
+        # persistent store is warm from its first request.)
+        for worker in [self._spawn(preload=None) for _ in range(self.minimum)]:
             if not await worker.ready:
                 raise RuntimeError("a compute worker exited as it started (see the log)")
 
@@ -720,8 +732,10 @@ class Pool:
         self._maintain()  # its replacement starts now
 
     # ------------------------------------------------------------ the workers' lives
-    def _spawn(self) -> _Worker:
-        worker = _Worker(self)
+    def _spawn(self, preload: tuple[str, ...] | None = ()) -> _Worker:
+        """A new worker; `preload`: the programs it loads from the store before it says it
+        is ready (None: the store's most recent ones)."""
+        worker = _Worker(self, preload)
         self._workers.add(worker)
         self.starts += 1
         worker.thread.start()
@@ -753,7 +767,7 @@ class Pool:
             return
         reply, worker.task = worker.task, None
         if kind == "reply":
-            worker.remember(body[2].affinity_keys)
+            worker.remember(body[2].affinity_keys, body[2].program_key)
         if reply is None or reply.done():  # abandoned: its answer's segment is no one's
             if kind == "reply" and body[0] == "ok" and not isinstance(body[1][0], bytes):
                 unlink(body[1][0][0])
@@ -766,7 +780,10 @@ class Pool:
                 worker.successor is None and not worker.exiting and not self._closed:
             log.info("compute worker %s holds %d MiB, %d more than when it was warm: "
                      "replacing it", worker.pid, worker.rss >> 20, growth >> 20)
-            worker.successor = self._spawn()
+            # Its successor takes over its programs (from the store) before it is ready, and
+            # the graphs it holds, so that no request pays for the change.
+            worker.successor = self._spawn(preload=tuple(reversed(worker.programs)))
+            worker.successor.keys = worker.keys.copy()
         self._free(worker)
 
     def _succeed(self, successor: _Worker) -> None:

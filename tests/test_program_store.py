@@ -343,20 +343,38 @@ async def test_after_a_worker_is_killed_the_next_request_loads_from_the_store(
         assert _holders(app, first["meta"]["graph_id"]) != [pid]
 
 
-async def test_after_a_worker_is_recycled_the_next_request_loads_from_the_store(
-        store_dir: str) -> None:
-    """With no RSS growth allowed, every task recycles its worker: the replacement starts
-    first, the old one exits once it is warm, and the replacement loads the program."""
+async def test_a_recycled_workers_successor_takes_over_its_programs(store_dir: str) -> None:
+    """The successor loads its predecessor's programs before it says it is ready: the first
+    request it serves finds the program in its memory, not in the store."""
     x = list(np.linspace(-1, 1, BIG))
     async with serving(program_store_dir=store_dir, compute_workers=1, min_compute_workers=1,
-                       compute_worker_max_rss_growth_bytes=0) as (c, app):
+                       compute_worker_max_rss_growth_bytes=1 << 40) as (c, app):
         first = await _worker_request(c, x)
-        old = {w.pid for w in app.state.runner.pool._workers}
-        for _ in range(100):  # (the replacement warms up, then the old worker goes)
+        await asyncio.sleep(0.5)  # (the program is written to the store after the answer)
+        pool = app.state.runner.pool
+        (old,) = pool._workers
+        pool.settings = pool.settings.model_copy(
+            update={"compute_worker_max_rss_growth_bytes": 0})  # (recycle after the next)
+        await _worker_request(c, x)
+        for _ in range(100):
             await asyncio.sleep(0.1)
-            now = {w.pid for w in app.state.runner.pool._workers}
-            if now and not now & old:
+            if old not in pool._workers:
                 break
+        (new,) = pool._workers
+        assert new.pid != old.pid and first["meta"]["graph_id"] in new.keys
+        pool.settings = pool.settings.model_copy(
+            update={"compute_worker_max_rss_growth_bytes": 1 << 40})
         again = await _worker_request(c, x)
-    assert again["meta"]["program"] == "store"
+    assert again["meta"]["program"] == "process"
+
+
+async def test_a_server_on_a_persistent_store_starts_with_its_recent_programs(
+        store_dir: str) -> None:
+    x = list(np.linspace(-1, 1, BIG))
+    async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
+        first = await _worker_request(c, x)
+        await asyncio.sleep(0.5)
+    async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
+        again = await _worker_request(c, x)  # (a restart: the worker preloaded it)
+    assert again["meta"]["program"] == "process"
     assert again["gradients"] == first["gradients"]
