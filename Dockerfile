@@ -80,7 +80,11 @@ LABEL org.opencontainers.image.title="gradserve" \
 # directory is writable for caches that libraries keep there (CuPy's kernel cache).
 RUN groupadd --system --gid 10001 gradserve \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/gradserve \
-       --shell /usr/sbin/nologin gradserve
+       --shell /usr/sbin/nologin gradserve \
+    && install -d -o 10001 -g 10001 -m 0700 /var/lib/gradserve/programs
+# /var/lib/gradserve/programs: where a volume for the program store goes
+# (GRADSERVE_PROGRAM_STORE_DIR; compose and deploy/ mount one). It is the service's own, so
+# that a new named volume mounted there is too (Docker copies the mount point's owner).
 
 # Owned by root: the service cannot modify its own code.
 COPY --from=builder /opt/venv /opt/venv

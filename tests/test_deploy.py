@@ -349,7 +349,12 @@ def test_writable_mounts_match_compose(deployment: dict[str, Any]) -> None:
     mounts = {m["mountPath"]: volumes[m["name"]] for m in _container(deployment)["volumeMounts"]}
     service = _compose_service(deployment)
     tmpfs = [entry.split(":")[0] for entry in service["tmpfs"]]
-    assert sorted(mounts) == sorted([*tmpfs, "/dev/shm"])
+    volumes_ = [entry.split(":")[1] for entry in service.get("volumes", [])]
+    assert sorted(mounts) == sorted([*tmpfs, *volumes_, "/dev/shm"])
+    # The program store: compose's named volume, a disk emptyDir here, named to the service.
+    store = _env_values(deployment)["GRADSERVE_PROGRAM_STORE_DIR"]
+    assert volumes_ == [store] and "medium" not in mounts[store]["emptyDir"]
+    assert service["environment"]["GRADSERVE_PROGRAM_STORE_DIR"] == store
     for path in tmpfs:
         assert "emptyDir" in mounts[path], path
         assert not mounts[path].get("readOnly", False)
