@@ -41,6 +41,11 @@ class Admission:
     def active(self) -> int:
         return self.max_concurrency - len(self._free)
 
+    def take(self) -> int | None:
+        """A compute slot that is free now (its number), or None: the caller waits in turn
+        with `enter`."""
+        return self._free.pop() if self._free else None
+
     async def enter(self, deadline: float) -> int:
         """Take a compute slot (its number), waiting for one in turn if none is free; 503
         when the queue is full or the wait runs out, 504 at `deadline` (time.monotonic())."""

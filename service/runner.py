@@ -175,7 +175,9 @@ class Runner:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
-            slot = await self.admission.enter(deadline)
+            slot = self.admission.take()
+            if slot is None:  # in turn; a client that hangs up meanwhile leaves the queue
+                slot = await _until_disconnect(self.admission.enter(deadline), receive)
             try:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0

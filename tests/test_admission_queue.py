@@ -8,12 +8,15 @@ The apps run in process on ASGI. Every loop is bounded in count and time.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.requests import ClientDisconnect
 
 from engine.errors import DeadlineExceeded
 from service.admission import Admission
@@ -23,7 +26,7 @@ from service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
 from tests.test_pool import worker_body
-from tests.test_service_api import assert_problem
+from tests.test_service_api import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 
@@ -184,3 +187,31 @@ async def test_16_clients_on_8_slots_all_wait_their_turn() -> None:
         for reason in ("queue_full", "queue_timeout", "timeout", "inflight_memory"):
             assert _metric(metrics, f'gradserve_rejections_total{{reason="{reason}"}}') == 0
         assert app.state.runner.admission.active == 0
+
+
+async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
+    """Its place in the queue goes at once (not when a slot would have come to it), and it
+    is counted as a client that closed the request."""
+    async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
+        runner = app.state.runner
+        slot = await _hold_the_slot(app)
+        body = json.dumps(SEED_OP).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        hang_up = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await hang_up.wait()
+            return {"type": "http.disconnect"}
+
+        task = asyncio.create_task(runner.serve("backward", receive, len(body), "r-gone"))
+        await _until_queued(c, 1)
+        hang_up.set()
+        with pytest.raises(ClientDisconnect):
+            await task
+        await _until_queued(c, 0)
+        runner.admission.leave(slot)
+        assert runner.admission.active == 0
+        assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] \
+            == -5.0
