@@ -345,8 +345,9 @@ class GraphCache:
 
 
 def graph_bytes(graph: GraphSpec) -> int:
-    """What a held graph takes: about 600 bytes a node (measured: its NodeSpec, args and
-    attrs; a loop body's nodes count too)."""
+    """What a held graph takes, bounded: 600 bytes a node (measured with tracemalloc: 370 a
+    node on the 30,000-node chain, 420 on the recurrent cell, its NodeSpecs with their args
+    and attrs; a loop body's nodes count too)."""
     return 600 * (1 + _count_nodes(graph.nodes))
 
 
