@@ -404,13 +404,20 @@ def test_a_loaded_program_keeps_no_reference_to_the_buffer_it_came_from() -> Non
 
 
 def _split(data: bytes) -> tuple[Any, bytes]:
+    """The header (each signature's JSON text parsed, so that damage reaches inside it) and
+    the columns."""
     (size,) = struct.unpack_from("<I", data, 24)
     base = 28 + size + (-(4 + size) % 8)
-    return orjson.loads(data[28:28 + size]), data[base:]
+    header = orjson.loads(data[28:28 + size])
+    header["signatures"] = [orjson.loads(text) for text in header["signatures"]]
+    return header, data[base:]
 
 
 def _frame(header: Any, columns: bytes) -> bytes:
     """Bytes of the format around `header` and `columns`, with a checksum that matches."""
+    if isinstance(header, dict) and isinstance(header.get("signatures"), list):
+        header = {**header, "signatures": [orjson.dumps(s).decode()
+                                           for s in header["signatures"]]}
     text = orjson.dumps(header)
     rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
     return struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest
@@ -532,24 +539,38 @@ def _header_of(small: bytes, change: Callable[[Any], None]) -> bytes:
 
 
 @pytest.mark.parametrize("change", [
-    lambda h: h["ops"].__setitem__(0, "no_such_op"),
+    lambda h: h["signatures"][0].__setitem__(0, "no_such_op"),
     lambda h: h["kinds"].__setitem__(0, "sideways"),
     lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
     lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
     lambda h: h["programs"][0]["columns"][3].__setitem__(2, 10**9),
     lambda h: h["programs"][0]["columns"][3].__setitem__(0, "<f8"),
+    lambda h: h["programs"][0]["columns"][3].__setitem__(0, "|i1"),
     lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
     lambda h: h["programs"].append(h["programs"][1]),
-    lambda h: h["signatures"][0][4].append(0),
+    lambda h: h["signatures"][0][4].append([[], "float64", False]),
+    lambda h: h["signatures"][0][4].append(2.5),
+    lambda h: h["signatures"].append(h["signatures"][0]),
     lambda h: h.__setitem__("programs", []),
-    lambda h: h.pop("attrs"),
+    lambda h: h.pop("metas"),
 ], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
-        "column dtype", "output slot", "flag type", "loop into itself", "body twice",
-        "signature arity", "no program", "no attrs"])
+        "column dtype", "column signed", "output slot", "flag type", "loop into itself",
+        "body twice", "signature arity", "a literal more", "a signature no step has",
+        "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
+
+
+def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:
+    header, columns = _split(small)
+    signatures = [orjson.dumps(s).decode() for s in header["signatures"]]
+    for value in (header["signatures"][0], None, 0):
+        text = orjson.dumps({**header, "signatures": [value, *signatures[1:]]})
+        rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
+        _corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest))
+                 + rest)
 
 
 def test_another_format_version_or_magic_is_corrupt(small: bytes) -> None:

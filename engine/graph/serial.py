@@ -100,6 +100,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 _DTYPES = tuple(np.dtype(d) for d in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
 _FORMATS = dict(zip((d.str for d in _DTYPES), "BbHhIiq", strict=True))
 _ITEMSIZES = {_FORMATS[d.str]: d.itemsize for d in _DTYPES}
+# Every column but the costs holds counts or indices, unsigned (reused slots are stored + 1).
+_UNSIGNED = {d: f for d, f in _FORMATS.items() if f in "BHI"}
 # Programs of up to this many steps are checked in Python (see the module's docstring).
 SMALL = 48 if sys.byteorder == "little" else -1
 # By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
@@ -181,11 +183,9 @@ def dump_program(program: Program) -> bytes:
     name_lengths = writer.column([len(name) for name in writer.name_list])
     try:
         header = orjson.dumps({
-            "ops": writer.op_names, "kinds": writer.kind_names,
-            "names": "".join(writer.name_list), "name_lengths": name_lengths,
-            "metas": writer.meta_list, "literals": writer.literal_list,
-            "attrs": writer.attrs_list, "signatures": writer.signature_list,
-            "programs": writer.records,
+            "kinds": writer.kind_names, "names": "".join(writer.name_list),
+            "name_lengths": name_lengths, "metas": writer.meta_list,
+            "signatures": writer.signature_list, "programs": writer.records,
         })
     except TypeError as exc:  # (a name or a value orjson refuses)
         raise Unstorable(str(exc)) from None
@@ -199,21 +199,15 @@ class _Writer:
     """The tables shared by a program and its loops' bodies, and the columns written."""
 
     def __init__(self) -> None:
-        self.op_names: list[str] = []
-        self.ops: dict[int, int] = {}  # id(OpDef) -> index
         self.kind_names: list[str] = []
         self.kinds: dict[str, int] = {}
         self.name_list: list[str] = []  # (name i + 1: name 0 is None)
         self.names: dict[str | None, int] = {None: 0}
         self.meta_list: list[list[Any]] = []
         self.metas: dict[Meta, int] = {}
-        self.literal_list: list[Any] = []
-        self.literals: dict[tuple[type, Any], int] = {}
-        self.literal_ids: dict[int, int] = {}  # id(Lit) -> index (Lits are often shared)
-        self.attrs_list: list[Any] = []
-        self.attrs: dict[bytes, int] = {}
-        self.attrs_ids: dict[int, int] = {}  # id(dict) -> index (attrs are often shared)
-        self.signature_list: list[list[Any]] = []
+        self.literals: dict[int, Any] = {}  # id(Lit) -> its value as stored (Lits are shared)
+        self.attrs: dict[int, Any] = {}  # id(dict) -> attributes as stored (and shared)
+        self.signature_list: list[str] = []
         self.signatures: dict[tuple[Any, ...], int] = {}
         self.records: list[dict[str, Any]] = []
         self.columns: list[bytes] = []
@@ -233,15 +227,6 @@ class _Writer:
         self.columns.append(data + bytes(-len(data) % 8))
         self.size += len(self.columns[-1])
         return [dtype.str, offset, len(array)]
-
-    def op(self, op: OpDef) -> int:
-        index = self.ops.get(id(op))
-        if index is None:
-            if op is not SCAN and OPS.get(op.name) is not op:
-                raise Unstorable(f"op {op.name!r} is not the registry's")
-            index = self.ops[id(op)] = len(self.op_names)
-            self.op_names.append(op.name)
-        return index
 
     def meta(self, meta: Meta) -> int:
         index = self.metas.get(meta)
@@ -263,33 +248,23 @@ class _Writer:
             index = self.names[name] = len(self.name_list)
         return index
 
-    def literal(self, lit: Lit) -> int:
-        index = self.literal_ids.get(id(lit))
-        if index is None:
+    def literal(self, lit: Lit) -> Any:
+        stored = self.literals.get(id(lit))
+        if stored is None:
             value = lit.value
             if type(value) not in (bool, int, float):
                 raise Unstorable(f"a literal of type {type(value).__name__}")
-            key = _literal_key(value)
-            index = self.literals.get(key)
-            if index is None:
-                index = self.literals[key] = len(self.literal_list)
-                self.literal_list.append(_encode(value))
-            self.literal_ids[id(lit)] = index
-        return index
+            stored = self.literals[id(lit)] = (_literal_key(value), _encode(value))
+        return stored
 
-    def attributes(self, attrs: dict[str, Any]) -> int:
-        index = self.attrs_ids.get(id(attrs))
-        if index is None:
+    def attributes(self, attrs: dict[str, Any]) -> Any:
+        stored = self.attrs.get(id(attrs))
+        if stored is None:
             if type(attrs) is not dict or any(type(k) is not str for k in attrs):
                 raise Unstorable(f"attributes that are not a dict by name: {attrs!r:.60}")
             encoded = {k: _encode(v) for k, v in attrs.items()}
-            key = orjson.dumps(encoded)
-            index = self.attrs.get(key)
-            if index is None:
-                index = self.attrs[key] = len(self.attrs_list)
-                self.attrs_list.append(encoded)
-            self.attrs_ids[id(attrs)] = index
-        return index
+            stored = self.attrs[id(attrs)] = (orjson.dumps(encoded), encoded)
+        return stored
 
     def kind(self, kind: str) -> int:
         index = self.kinds.get(kind)
@@ -300,14 +275,24 @@ class _Writer:
             self.kind_names.append(kind)
         return index
 
-    def signature(self, op: int, attrs: int, ufunc: bool, into: bool, args: list[int]) -> int:
-        """A step signature's index: its op, attributes (-1: a loop's, which has its body
-        instead), how it runs, and per argument its slot's meta or -1 - its literal."""
-        key = (op, attrs, ufunc, into, *args)
+    def signature(self, step: Step, ufunc: bool, into: bool, slot_metas: list[int]) -> int:
+        """The index of `step`'s signature: JSON text of its op, attributes (None for a
+        loop's step, which has its body instead), how it runs, and per argument the meta of
+        the slot it reads or the literal."""
+        op = step.op
+        if op is not SCAN and OPS.get(op.name) is not op:
+            raise Unstorable(f"op {op.name!r} is not the registry's")
+        attrs = None if op is SCAN else self.attributes(step.attrs)
+        args: list[Any] = [slot_metas[a] if type(a) is int
+                           else self.literal(a) for a in step.args]  # type: ignore[arg-type]
+        key = (id(op), attrs and attrs[0], ufunc, into,
+               *[a if type(a) is int else a[0] for a in args])
         index = self.signatures.get(key)
         if index is None:
             index = self.signatures[key] = len(self.signature_list)
-            self.signature_list.append([op, attrs, ufunc, into, args])
+            self.signature_list.append(orjson.dumps([
+                op.name, attrs and attrs[1], ufunc, into,
+                [self.meta_list[a] if type(a) is int else a[1] for a in args]]).decode())
         return index
 
     def program(self, program: Program, body: Body | None) -> int:
@@ -332,29 +317,18 @@ class _Writer:
         loops: list[list[Any]] = []
         ufunc, reuse = program.ufunc, program.reuse
         for i, step in enumerate(steps):
-            op = step.op
-            codes = []
-            for a in step.args:
-                if type(a) is int:
-                    slots.append(a)
-                    codes.append(slot_metas[a])
-                else:
-                    codes.append(-1 - self.literal(a))  # type: ignore[arg-type]
-            if op is SCAN:
-                attrs = -1
+            if step.op is SCAN:
                 loops.append([i, -1, list(step.more)])  # (the body's record comes after)
             elif step.more:
                 raise Unstorable("a step that is not a loop writes several slots")
-            else:
-                attrs = self.attributes(step.attrs)
-            signatures.append(self.signature(self.op(op), attrs, ufunc[i], reuse[i] >= 0,
-                                             codes))
+            signatures.append(self.signature(step, ufunc[i], reuse[i] >= 0, slot_metas))
+            slots += [a for a in step.args if type(a) is int]  # type: ignore[misc]
             kinds.append(self.kind(step.kind))
             origins.append(self.name(step.origin))
             outs.append(step.out)
         frees = program.frees
         record["columns"] = [self.column(values) for values in (
-            signatures, kinds, origins, outs, reuse, program.step_costs,
+            signatures, kinds, origins, outs, [r + 1 for r in reuse], program.step_costs,
             [len(f) for f in frees], slots, list(itertools.chain(*frees)), slot_metas,
             program.requires_grad, [self.name(g) for g in program.grad_fn],
             sorted(program.held))]
@@ -433,15 +407,10 @@ def _typed_list(value: Any, kind: type, what: str) -> list[Any]:
     return cast(list[Any], value)
 
 
-def _within(values: Column, lo: int, hi: int, what: str) -> None:
-    """Every value in [lo, hi)."""
-    if len(values):
-        if isinstance(values, list):
-            ok = lo <= min(values) and max(values) < hi
-        else:
-            ok = (((lo <= 0 and values.dtype.kind == "u") or int(values.min()) >= lo)
-                  and int(values.max()) < hi)
-        _check(ok, f"{what} out of range")
+def _within(values: Column, hi: int, what: str) -> None:
+    """Every value (unsigned) below `hi`."""
+    if len(values) and (max(values) if isinstance(values, list) else int(values.max())) >= hi:
+        raise CorruptProgram(f"{what} out of range")
 
 
 def _total(values: Column) -> int:
@@ -452,75 +421,85 @@ def _ints(values: Column) -> list[int]:
     return values if isinstance(values, list) else values.tolist()  # type: ignore[no-any-return]
 
 
-# A signature's checks (its attributes against its op's declaration, the result its shape
-# rule gives), by what they depend on: the op, the attributes (as stored), and per argument
-# a meta or a literal (by type and bits). Loads of programs alike check each once.
-_CHECKED = Memo(1 << 12)
+def _meta(data: Any) -> Meta:
+    _check(type(data) is list and len(data) == 3, "a meta is not [shape, dtype, literal]")
+    shape, dtype, literal = data
+    _check(type(shape) is list and dtype in ITEMSIZE and type(literal) is bool, "a meta")
+    for d in shape:
+        _check(type(d) is int and d >= 0, "a meta's shape")
+    return Meta(tuple(shape), dtype, literal)
 
 
-class _Signature:
-    """A step signature, checked, and what it decides: the run tuple's code, the metas of
-    the slots the step reads and of its result, and its arguments around those slots."""
+def _literal(data: Any) -> Lit:
+    value = _decode(data)
+    _check(type(value) in (bool, int, float), "a literal that is not a number")
+    return Lit(value)
 
-    __slots__ = ("attrs", "code", "into", "kernel", "metas", "nslots", "op", "out", "template",
+
+class _Known:
+    """A step signature's JSON text, decoded and checked: its op, attributes, how it runs,
+    its arguments (per slot it reads, None; a literal otherwise) and the metas of the slots
+    it reads; attributes its op takes; its result's meta (None: a loop's, whose body is
+    checked against its step instead); the run tuple's code; its kernels by how they are
+    bound (backend, ufunc), as `executor.kernel_of` made them."""
+
+    __slots__ = ("attrs", "code", "into", "kernels", "metas", "nslots", "op", "out", "template",
                  "ufunc")
 
-    def __init__(self, reader: _Reader, data: Any) -> None:
-        if type(data) is not list or len(data) != 5:
-            raise CorruptProgram("a signature")
-        op, attrs, ufunc, into, codes = data
-        if not (type(op) is int and 0 <= op < len(reader.ops) and type(attrs) is int
-                and type(ufunc) is bool and type(into) is bool and type(codes) is list):
-            raise CorruptProgram("a signature")
-        metas, literals = reader.metas, reader.literals
-        key: list[Any] = [reader.ops[op], attrs if attrs < 0 else reader.attrs_key(attrs)]
-        self.metas: list[int] = []
-        self.template: list[Lit | None] = []  # (the step's arguments: None per slot read)
-        slot_metas, template = self.metas, self.template
-        for c in codes:
-            if type(c) is not int or not -len(literals) <= c < len(metas):
-                raise CorruptProgram("a signature's arguments")
-            if c >= 0:
-                slot_metas.append(c)
-                template.append(None)
-                key.append(metas[c])
-            else:
-                template.append(literals[-1 - c])
-                key.append(reader.literal_keys[-1 - c])
-        self.op = opdef = key[0]
+    def __init__(self, text: str) -> None:
+        data = orjson.loads(text)
+        _check(type(data) is list and len(data) == 5, "a signature")
+        name, attrs, ufunc, into, args = data
+        found = SCAN if name == SCAN.name else OPS.get(name) if type(name) is str else None
+        _check(found is not None and type(ufunc) is bool and type(into) is bool
+               and type(args) is list, "a signature")
+        self.op = op = cast(OpDef, found)
         self.ufunc, self.into = ufunc, into
-        self.nslots = k = len(slot_metas)
-        self.out = -1  # (a loop's: its body is checked against its step instead)
-        self.kernel = False
-        if opdef is SCAN:
-            if attrs != -1 or k != len(codes):
-                raise CorruptProgram("a loop's signature")
+        self.metas = [_meta(a) for a in args if type(a) is list]
+        self.template = [None if type(a) is list else _literal(a) for a in args]
+        self.nslots = k = len(self.metas)
+        self.kernels: dict[tuple[Backend, bool], Any] = {}
+        self.out: Meta | None = None
+        if op is SCAN:
+            _check(attrs is None and k == len(args) and not into, "a loop's signature")
             self.attrs: dict[str, Any] = {}  # (a loop's step has its body instead)
             self.code = LOOP
             return
-        if not 0 <= attrs < len(reader.attrs):
-            raise CorruptProgram("a signature's attributes")
-        if not k and (into or opdef.returns_input):
-            raise CorruptProgram("a step that reads nothing")
-        self.attrs = reader.attrs[attrs]
-        if opdef.returns_input:
-            self.code = ALIAS
-        elif into:
-            self.code = UNARY_INTO if k == 1 else BINARY_INTO
-        else:
-            self.code = (NULLARY, UNARY, BINARY, NARY)[min(k, 3)]
-        self.kernel = self.code != ALIAS
-        made: Any = _CHECKED.get(checked := tuple(key))
-        if made is None:
-            bind_attributes(opdef.name, opdef.attrs, opdef.defaults, self.attrs)
-            made = True if opdef.returns_input else opdef.infer(
-                [metas[c] if c >= 0 else literal_meta(literals[-1 - c].value) for c in codes],
-                **self.attrs)
-            _CHECKED.remember(checked, made)
-        # (a step that returns its argument has that argument's meta)
-        self.out = slot_metas[0] if made is True else reader.meta_index.get(made, -1)
-        if self.out < 0:
-            raise CorruptProgram("a signature's result is not a meta of the table")
+        _check(type(attrs) is dict, "a signature's attributes")
+        _check(k or not (into or op.returns_input), "a step that reads nothing")
+        self.attrs = {key: _decode(value) for key, value in attrs.items()}
+        bind_attributes(op.name, op.attrs, op.defaults, self.attrs)
+        if op.returns_input:
+            self.code, self.out = ALIAS, self.metas[0]
+            return
+        self.code = (UNARY_INTO if k == 1 else BINARY_INTO) if into else \
+            (NULLARY, UNARY, BINARY, NARY)[min(k, 3)]
+        metas = iter(self.metas)
+        self.out = op.infer([next(metas) if t is None else literal_meta(t.value)
+                             for t in self.template], **self.attrs)
+
+
+# Signatures by their text, checked (loads of programs that share signatures check them once)
+_KNOWN = Memo(1 << 12)
+
+
+class _Signature:
+    """A signature of this program's table: what it is known to be, with its metas (those
+    of the slots a step of it reads, and of its result) as indices of the program's metas."""
+
+    __slots__ = ("attrs", "code", "into", "known", "metas", "nslots", "op", "out", "template",
+                 "ufunc")
+
+    def __init__(self, text: Any, meta_index: dict[Meta, int]) -> None:
+        known = _KNOWN.get(text) if type(text) is str else None
+        if known is None:
+            _check(type(text) is str, "a signature is not a string")
+            known = _KNOWN.remember(text, _Known(text))
+        self.known, self.op, self.attrs = known, known.op, known.attrs
+        self.ufunc, self.into, self.code = known.ufunc, known.into, known.code
+        self.nslots, self.template = known.nslots, known.template
+        self.metas = [meta_index[m] for m in known.metas]
+        self.out = -1 if known.out is None else meta_index[known.out]
 
     def args(self, slots: list[int]) -> tuple[Any, ...]:
         """A step's arguments, from the slots it reads."""
@@ -581,75 +560,45 @@ class _Reader:
     """One stored program's bytes, checked, and the tables they share."""
 
     def __init__(self, raw: bytes, backend: Backend) -> None:
-        _check(len(raw) >= _PREFIX.size, f"truncated: {len(raw)} bytes")
+        if len(raw) < _PREFIX.size:
+            raise CorruptProgram(f"truncated: {len(raw)} bytes")
         magic, version, crc, length = _PREFIX.unpack_from(raw)
         _check(magic == MAGIC, "not a stored program")
-        _check(version == FORMAT_VERSION,
-               f"format version {version}; this build reads {FORMAT_VERSION}")
-        _check(len(raw) - _PREFIX.size == length,
-               f"truncated or extended: {len(raw) - _PREFIX.size} bytes after the prefix, "
-               f"not {length}")
+        if version != FORMAT_VERSION:
+            raise CorruptProgram(f"format version {version}; this build reads {FORMAT_VERSION}")
+        if len(raw) - _PREFIX.size != length:
+            raise CorruptProgram(f"truncated or extended: {len(raw) - _PREFIX.size} bytes after "
+                                 f"the prefix, not {length}")
         self.view = memoryview(raw)
         _check(zlib.crc32(self.view[_PREFIX.size:]) == crc, "the checksum does not match")
         _check(length >= _U32.size, "truncated header")
         (size,) = _U32.unpack_from(raw, _PREFIX.size)
         _check(_U32.size + size <= length, "the header runs past the end")
         start = _PREFIX.size + _U32.size
-        header = _typed(orjson.loads(self.view[start:start + size]), dict, "the header")
+        header = orjson.loads(self.view[start:start + size])
+        _check(type(header) is dict, "the header is not a dict")
         self.raw, self.backend = raw, backend
         self.base = start + size + (-(_U32.size + size) % 8)
-        self.ops = [SCAN if name == SCAN.name else OPS.get(name)
-                    for name in _typed_list(header["ops"], str, "ops")]
-        _check(None not in self.ops, "an unknown op")
-        self.kinds = _typed(header["kinds"], list, "kinds")
-        _check(set(self.kinds) <= _KINDS, "an unknown step kind")
+        self.kinds = kinds = header["kinds"]
+        _check(type(kinds) is list and set(kinds) <= _KINDS, "an unknown step kind")
         lengths = self.column(header["name_lengths"], "name_lengths")
-        text = _typed(header["names"], str, "names")
-        _within(lengths, 0, len(text) + 1, "a name's length")
-        _check(_total(lengths) == len(text), "the names' lengths")
+        text = header["names"]
+        _check(type(text) is str and _total(lengths) == len(text), "the names' lengths")
         self.names = _Names(text, lengths)
-        self.metas = [self._meta(m) for m in _typed(header["metas"], list, "metas")]
+        metas = header["metas"]
+        _check(type(metas) is list, "metas")
+        self.metas = [_meta(m) for m in metas]
         self.meta_index = {m: i for i, m in enumerate(self.metas)}
         _check(len(self.meta_index) == len(self.metas), "a meta twice")
-        self.literals = [self._literal(v) for v in _typed(header["literals"], list, "literals")]
-        self.literal_keys = [_literal_key(lit.value) for lit in self.literals]
-        self.raw_attrs = _typed(header["attrs"], list, "attrs")
-        self.attrs = [self._attrs(a) for a in self.raw_attrs]
-        self.attrs_keys: dict[int, bytes] = {}
-        self.signatures = [_Signature(self, s)
-                           for s in _typed(header["signatures"], list, "signatures")]
+        signatures = header["signatures"]
+        _check(type(signatures) is list, "signatures")
+        self.signatures = [_Signature(text, self.meta_index) for text in signatures]
         self._arrays: _Signatures | None = None
-        self.records = _typed_list(header["programs"], dict, "programs")
-        _check(self.records, "no program")
+        self.records = records = header["programs"]
+        _check(type(records) is list and records and all(type(r) is dict for r in records),
+               "programs")
         self.claimed = {0}
         self.used: set[int] = set()  # the signatures some step has
-
-    @staticmethod
-    def _meta(data: Any) -> Meta:
-        _check(type(data) is list and len(data) == 3, "a meta is not [shape, dtype, literal]")
-        shape, dtype, literal = data
-        _check(type(shape) is list and all(type(d) is int and d >= 0 for d in shape),
-               "a meta's shape")
-        _check(dtype in ITEMSIZE and type(literal) is bool, "a meta's dtype or flag")
-        return Meta(tuple(shape), dtype, literal)
-
-    @staticmethod
-    def _literal(data: Any) -> Lit:
-        value = _decode(data)
-        _check(type(value) in (bool, int, float), "a literal that is not a number")
-        return Lit(value)
-
-    @staticmethod
-    def _attrs(data: Any) -> dict[str, Any]:
-        _check(type(data) is dict, "attributes are not a dict")
-        return {k: _decode(v) for k, v in data.items()}
-
-    def attrs_key(self, index: int) -> bytes:
-        """Attribute set `index` as stored (its values keep their types there)."""
-        key = self.attrs_keys.get(index)
-        if key is None:
-            key = self.attrs_keys[index] = orjson.dumps(self.raw_attrs[index])
-        return key
 
     def arrays(self) -> _Signatures:
         if self._arrays is None:
@@ -662,7 +611,8 @@ class _Reader:
         if type(spec) is not list or len(spec) != 3:
             raise CorruptProgram(f"column {name!r}")
         dtype, offset, count = spec
-        fmt = _FORMATS.get(dtype) if type(dtype) is str else None
+        fmt = (_FORMATS if name == "cost" else _UNSIGNED).get(dtype) if type(dtype) is str \
+            else None
         if fmt is None or type(offset) is not int or type(count) is not int or offset < 0 \
                 or count < 0:
             raise CorruptProgram(f"column {name!r}")
@@ -686,8 +636,8 @@ class _Reader:
         """Program `index` (and the bodies of its loops), checked; without its run."""
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
-        specs = _typed(record["columns"], list, "columns")
-        _check(len(specs) == len(_COLUMNS), "the columns")
+        specs = record["columns"]
+        _check(type(specs) is list and len(specs) == len(_COLUMNS), "the columns")
         sig = self.column(specs[0], _COLUMNS[0])
         small = type(sig) is list
         (kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad, grad_fn,
@@ -703,15 +653,16 @@ class _Reader:
         _check(len(requires_grad) == len(grad_fn) <= nslots, "per-slot columns")
         _check(_total(nfrees) == len(frees), "column 'frees': counts")
         signatures = self.signatures
-        _within(sig, 0, len(signatures), "a signature")
-        _within(kind, 0, len(self.kinds), "a kind")
-        _within(origin, 0, self.names.count, "an origin")
-        _within(grad_fn, 0, self.names.count, "a grad_fn")
-        _within(meta, 0, len(self.metas), "a meta")
-        for name, column in (("out", out), ("slots", slots), ("frees", frees), ("held", held)):
-            _within(column, 0, nslots, f"a slot of {name!r}")
-        _within(reuse, -1, nslots, "a reused slot")
-        _within(requires_grad, 0, 2, "a requires_grad flag")
+        _within(kind, len(self.kinds), "a kind")
+        _within(origin, self.names.count, "an origin")
+        _within(grad_fn, self.names.count, "a grad_fn")
+        _within(requires_grad, 2, "a requires_grad flag")
+        if not small:  # (a small program's lists bound their indices: see _Flow)
+            _within(sig, len(signatures), "a signature")
+            _within(meta, len(self.metas), "a meta")
+            for name, column in (("out", out), ("slots", slots), ("frees", frees),
+                                 ("held", held), ("reuse", reuse)):
+                _within(column, nslots + (name == "reuse"), f"a slot of {name!r}")
 
         inputs = self._pairs(record["inputs"], nslots)
         grad_inputs = self._pairs(record["grad_inputs"], nslots)
@@ -766,7 +717,7 @@ class _Reader:
         p._lazy = {
             "requires_grad": lambda: list(map(bool, _ints(requires_grad))),
             "grad_fn": lambda: list(map(names.list().__getitem__, _ints(grad_fn))),
-            "reuse": lambda: _ints(reuse), "step_costs": lambda: _ints(cost),
+            "reuse": lambda: [r - 1 for r in _ints(reuse)], "step_costs": lambda: _ints(cost),
             "ufunc": lambda: [signatures[s].ufunc for s in _ints(sig)],
             "cost_by_node": lambda: _cost_by_node(
                 list(map(names.list().__getitem__, _ints(origin))), _ints(cost)),
@@ -838,8 +789,12 @@ class _Reader:
         fns: list[Any] = [None] * len(signatures)  # (None: a step that runs without one)
         for s, i in flow.rep.items():
             g = signatures[s]
-            if g.kernel:
-                fns[s] = kernel_of(columns.step(i), p, backend, g.ufunc and ufuncs, g.into)
+            if g.code not in (ALIAS, LOOP):
+                how = (backend, g.ufunc and ufuncs)
+                fn = g.known.kernels.get(how)
+                if fn is None:
+                    fn = g.known.kernels[how] = kernel_of(columns.step(i), p, *how, g.into)
+                fns[s] = fn
         backward = self.kinds.index(BACKWARD) if BACKWARD in self.kinds else -1
         frees, starts, n = flow.frees, flow.starts, len(sig)
         if type(sig) is list:
@@ -850,10 +805,11 @@ class _Reader:
                 if code == LOOP:
                     runs.append(_run(p.steps[i], p, backend, False, -1, frees[i]))
                     continue
-                runs.append((code, fns[s], out[i], flow.first[i] if code in _READS_FIRST else 0,
-                             flow.last[i] if code in _READS_LAST else 0,
-                             reuse[i] if code >= UNARY_INTO else tuple(
-                                 slots[starts[i]:starts[i] + g.nslots]) if code == NARY else None,
+                at = starts[i]
+                runs.append((code, fns[s], out[i], slots[at] if code in _READS_FIRST else 0,
+                             slots[at + g.nslots - 1] if code in _READS_LAST else 0,
+                             reuse[i] - 1 if code >= UNARY_INTO else tuple(
+                                 slots[at:at + g.nslots]) if code == NARY else None,
                              frees[i]))
             split = kind.index(backward) if backward in kind else n
             return Bound(backend, runs[:split], runs[split:], given_of(p))
@@ -862,14 +818,15 @@ class _Reader:
         codes: list[int] = arrays.code.take(sig).tolist()  # type: ignore[assignment]
         rest: list[Any] = [None] * n
         for i in np.flatnonzero(arrays.rest.take(sig)).tolist():
-            rest[i] = int(reuse[i]) if codes[i] >= UNARY_INTO else tuple(
+            rest[i] = int(reuse[i]) - 1 if codes[i] >= UNARY_INTO else tuple(
                 slots[starts[i]:starts[i] + signatures[int(sig[i])].nslots].tolist())
         at = np.flatnonzero(kind == backward)
         split = int(at[0]) if len(at) else n
-        tuples = zip(codes, _objects(fns).take(sig).tolist(), out.tolist(),
-                   np.where(arrays.first.take(sig), flow.first, 0).tolist(),
-                   np.where(arrays.last.take(sig), flow.last, 0).tolist(), rest, frees,
-                   strict=True)
+        ints = flow.ints
+        tuples = zip(codes, _objects(fns).take(sig).tolist(), ints.take(out).tolist(),
+                     ints.take(np.where(arrays.first.take(sig), flow.first, 0)).tolist(),
+                     ints.take(np.where(arrays.last.take(sig), flow.last, 0)).tolist(), rest,
+                     frees, strict=True)
         forward = list(itertools.islice(tuples, split))
         parts = (forward, list(tuples))
         for i in np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else ():
@@ -884,18 +841,20 @@ class _Flow:
     and never if it is kept (given, a result, held); each step reads slots of its
     signature's metas and writes its result's; a step writes into a buffer only where its
     signature says, and then into its first or last argument's, freed there, of the result's
-    meta. Per step: the tuple of slots it frees, where its slots start in the flat column,
-    the first and last slot it reads; per signature used, a step that has it (`rep`).
+    meta. Per step: the tuple of slots it frees, and where its slots start in the flat
+    column (and for a large program, the first and last slot it reads); per signature
+    used, a step that has it (`rep`).
 
     `_Flow(...)` checks a small program's lists step by step, `_Flow.of_arrays` a large
     one's arrays a column at a time: the same checks."""
 
     frees: list[tuple[int, ...]]
     starts: Column
-    first: Column
-    last: Column
     rep: dict[int, int]
-    sig: np.ndarray  # (a large program's signatures, as indices)
+    first: np.ndarray
+    last: np.ndarray
+    sig: np.ndarray  # (a large program's: its signatures, as indices, and its slot numbers as
+    ints: np.ndarray  # objects, one int per slot that the run tuples and frees share)
 
     def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
                  out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
@@ -907,51 +866,43 @@ class _Flow:
             made[s] = -1
         self.frees = step_frees = []
         self.starts = starts = []
-        self.first = first = []
-        self.last = last = []
-        self.rep = rep = {}
         at = taken = 0
         for i, s in enumerate(sig):
             g = signatures[s]
-            if s not in rep:
-                rep[s] = i
-            end = at + g.nslots
-            reads = slots[at:end]
             starts.append(at)
-            at = end
-            for a in reads:
+            reads = slots[at:at + g.nslots]
+            at += g.nslots
+            for a, m in zip(reads, g.metas, strict=True):
                 if made[a] >= i or freed[a] != n:
                     raise CorruptProgram("a slot read before it is written, or after it is freed")
-            if [meta[a] for a in reads] != g.metas:
-                raise CorruptProgram("a step's arguments are not its signature's")
+                if meta[a] != m:
+                    raise CorruptProgram("a step's arguments are not its signature's")
             o = out[i]
-            for w in (o, *more[i]) if more and i in more else (o,):
-                if made[w] != n:
-                    raise CorruptProgram("a slot written twice")
-                made[w] = i
+            if made[o] != n:
+                raise CorruptProgram("a slot written twice")
+            made[o] = i
             if meta[o] != g.out and g.code != LOOP:
                 raise CorruptProgram("a step's result meta")
-            end = taken + nfrees[i]
-            gone = frees[taken:end]
-            taken = end
+            if more and i in more:
+                for w in more[i]:
+                    if made[w] != n:
+                        raise CorruptProgram("a slot written twice")
+                    made[w] = i
+            gone = frees[taken:taken + nfrees[i]]
+            taken += nfrees[i]
             for f in gone:
                 if freed[f] != n or made[f] > i:
                     raise CorruptProgram("a slot freed twice, or before it is written")
                 freed[f] = i
             step_frees.append(tuple(gone))
-            r = reuse[i]
+            r = reuse[i] - 1
             if (r >= 0) != g.into or (r >= 0 and not (
                     freed[r] == i and (r == reads[0] or r == reads[-1]) and meta[r] == meta[o])):
                 raise CorruptProgram("a step writes into a buffer that is not its dead "
                                      "argument's")
-            if reads:
-                first.append(reads[0])
-                last.append(reads[-1])
-            else:
-                first.append(0)
-                last.append(0)
         _check(at == len(slots), "column 'slots': counts")
         _check(all(freed[s] == n and made[s] < n for s in kept), "a result freed, or never made")
+        self.rep = dict(zip(sig, range(n), strict=True))  # (the last step of each signature)
 
     @classmethod
     def of_arrays(cls, arrays: _Signatures, n: int, nslots: int, sig: np.ndarray,
@@ -1016,23 +967,24 @@ class _Flow:
         _check((same | arrays.loop.take(sig) if arrays.loops else same).all(),
                "a step's result meta")
         if arrays.intos:
-            into = reuse >= 0
+            into = reuse > 0
             _check(np.array_equal(into, arrays.into.take(sig)),
                    "a step writes into a buffer that is not its dead argument's")
             at = np.flatnonzero(into)
-            r = reuse[at].astype(np.intp)
+            r = reuse[at].astype(np.intp) - 1
             _check(np.array_equal(freed.take(r), at)
                    and ((r == first[at]) | (r == last[at])).all()
                    and np.array_equal(metas.take(r), result[at]),
                    "a step writes into a buffer that is not its dead argument's")
         else:
-            _check(not n or int(reuse.max()) < 0,
+            _check(not n or int(reuse.max()) == 0,
                    "a step writes into a buffer that is not its dead argument's")
         rep = np.full(len(arrays.nslots), -1)
         rep[sig] = steps
         used = np.flatnonzero(rep >= 0)
         self.rep = dict(zip(used.tolist(), rep[used].tolist(), strict=True))
-        self.frees = _tuples(nfrees, gone)
+        self.ints = np.arange(nslots + 1).astype(object)
+        self.frees = _tuples(nfrees, self.ints.take(gone))
         return self
 
 
@@ -1135,15 +1087,15 @@ class _NoCycles:
             gc.enable()
 
 
-def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...]]:
-    """Row i of a ragged array (`counts[i]` values of `flat`, in order) as a tuple. The rows
+def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[Any, ...]]:
+    """Row i of a ragged array (`counts[i]` objects of `flat`, in order) as a tuple. The rows
     of one length are made together, zipping their columns (in C), then put in row order."""
     ends = np.cumsum(counts, dtype=np.int64)
     starts = ends - counts
-    pool: list[tuple[int, ...]] = [()]
+    pool: list[tuple[Any, ...]] = [()]
     where = np.zeros(len(counts), np.int64)  # per row, its tuple's place in the pool
     sizes = np.bincount(counts)
-    values: list[int] | None = None
+    values: list[Any] | None = None
     for k in np.flatnonzero(sizes[1:]).tolist():
         k += 1
         rows = counts == k
