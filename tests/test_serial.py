@@ -538,14 +538,21 @@ def _header_of(small: bytes, change: Callable[[Any], None]) -> bytes:
     return _frame(header, columns)
 
 
+def _format_of(header: Any, column: int, fmt: str) -> None:
+    """Column `column` of the top program read in another format (the same size)."""
+    table = header["programs"][0]["columns"]
+    assert struct.calcsize(table[0][column]) == struct.calcsize(fmt)
+    table[0] = table[0][:column] + fmt + table[0][column + 1:]
+
+
 @pytest.mark.parametrize("change", [
     lambda h: h["signatures"][0].__setitem__(0, "no_such_op"),
     lambda h: h["kinds"].__setitem__(0, "sideways"),
     lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
     lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
-    lambda h: h["programs"][0]["columns"][3].__setitem__(2, 10**9),
-    lambda h: h["programs"][0]["columns"][3].__setitem__(0, "<f8"),
-    lambda h: h["programs"][0]["columns"][3].__setitem__(0, "|i1"),
+    lambda h: h["programs"][0]["columns"][2].__setitem__(3, 10**9),
+    lambda h: _format_of(h, 3, "?"),
+    lambda h: _format_of(h, 3, "b"),
     lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),

@@ -95,13 +95,12 @@ _PREFIX = struct.Struct("<8sIIQ")  # magic, version, CRC-32 and length of what f
 _U32 = struct.Struct("<I")
 _KINDS = frozenset({NODE, CAST, CONSTANT, BACKWARD, DERIVED})
 _INT64 = (-(2**63), 2**63 - 1)
-# The narrowest dtype first: a column takes the first that holds its values. A small
-# program's columns are read as memoryviews of these formats (native: little-endian only).
-_DTYPES = tuple(np.dtype(d) for d in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
-_FORMATS = dict(zip((d.str for d in _DTYPES), "BbHhIiq", strict=True))
-_ITEMSIZES = {_FORMATS[d.str]: d.itemsize for d in _DTYPES}
+# A column's dtype, by its struct format (little-endian), the narrowest first: a column takes
+# the first that holds its values. A small program's columns are read as memoryviews of
+# these formats (native: little-endian only, see SMALL).
+_DTYPES = {f: np.dtype("<" + f) for f in "BbHhIiq"}
 # Every column but the costs holds counts or indices, unsigned (reused slots are stored + 1).
-_UNSIGNED = {d: f for d, f in _FORMATS.items() if f in "BHI"}
+_UNSIGNED = "BHI"
 # Programs of up to this many steps are checked in Python (see the module's docstring).
 SMALL = 48 if sys.byteorder == "little" else -1
 # By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
@@ -180,7 +179,7 @@ def dump_program(program: Program) -> bytes:
     the format cannot express."""
     writer = _Writer()
     writer.program(program, None)
-    name_lengths = writer.column([len(name) for name in writer.name_list])
+    name_lengths = writer.table([len(name) for name in writer.name_list])
     try:
         header = orjson.dumps({
             "kinds": writer.kind_names, "names": "".join(writer.name_list),
@@ -213,20 +212,23 @@ class _Writer:
         self.columns: list[bytes] = []
         self.size = 0
 
-    def column(self, values: Sequence[int]) -> list[Any]:
-        """Write `values` in the narrowest dtype that holds them; (dtype, offset, count)."""
-        try:
-            array = np.asarray(values, dtype=np.int64)
-        except OverflowError:
-            raise Unstorable("an integer past 64 bits in a column") from None
-        lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
-        dtype = next(d for d in _DTYPES
-                     if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
-        data = array.astype(dtype).tobytes()
-        offset = self.size
-        self.columns.append(data + bytes(-len(data) % 8))
-        self.size += len(self.columns[-1])
-        return [dtype.str, offset, len(array)]
+    def table(self, *columns: Sequence[int]) -> list[Any]:
+        """Write `columns` one after another, each in the narrowest dtype that holds its
+        values and 8-byte aligned: (their formats, where they start, their counts)."""
+        offset, formats = self.size, ""
+        for values in columns:
+            try:
+                array = np.asarray(values, dtype=np.int64)
+            except OverflowError:
+                raise Unstorable("an integer past 64 bits in a column") from None
+            lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
+            fmt = next(f for f, d in _DTYPES.items()
+                       if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+            data = array.astype(_DTYPES[fmt]).tobytes()
+            self.columns.append(data + bytes(-len(data) % 8))
+            self.size += len(self.columns[-1])
+            formats += fmt
+        return [formats, offset, [len(values) for values in columns]]
 
     def meta(self, meta: Meta) -> int:
         index = self.metas.get(meta)
@@ -327,11 +329,11 @@ class _Writer:
             origins.append(self.name(step.origin))
             outs.append(step.out)
         frees = program.frees
-        record["columns"] = [self.column(values) for values in (
+        record["columns"] = self.table(
             signatures, kinds, origins, outs, [r + 1 for r in reuse], program.step_costs,
             [len(f) for f in frees], slots, list(itertools.chain(*frees)), slot_metas,
             program.requires_grad, [self.name(g) for g in program.grad_fn],
-            sorted(program.held))]
+            sorted(program.held))
         if type(program.plan_ms) is not float:
             raise Unstorable("plan_ms is not a float")
         if program.cost_by_node != _cost_by_node([s.origin for s in steps], program.step_costs):
@@ -581,7 +583,7 @@ class _Reader:
         self.base = start + size + (-(_U32.size + size) % 8)
         self.kinds = kinds = header["kinds"]
         _check(type(kinds) is list and set(kinds) <= _KINDS, "an unknown step kind")
-        lengths = self.column(header["name_lengths"], "name_lengths")
+        (lengths,) = self.columns(header["name_lengths"], ("name_lengths",))
         text = header["names"]
         _check(type(text) is str and _total(lengths) == len(text), "the names' lengths")
         self.names = _Names(text, lengths)
@@ -605,24 +607,31 @@ class _Reader:
             self._arrays = _Signatures(self.signatures)
         return self._arrays
 
-    def column(self, spec: Any, name: str, small: bool | None = None) -> Column:
-        """A column that lies within the bytes: a list if `small` (by default, if it has at
-        most SMALL values), else an array."""
-        if type(spec) is not list or len(spec) != 3:
-            raise CorruptProgram(f"column {name!r}")
-        dtype, offset, count = spec
-        fmt = (_FORMATS if name == "cost" else _UNSIGNED).get(dtype) if type(dtype) is str \
-            else None
-        if fmt is None or type(offset) is not int or type(count) is not int or offset < 0 \
-                or count < 0:
-            raise CorruptProgram(f"column {name!r}")
-        start = self.base + offset
-        end = start + count * _ITEMSIZES[fmt]
-        if end > len(self.raw):
-            raise CorruptProgram(f"column {name!r}")
-        if count <= SMALL if small is None else small:
-            return self.view[start:end].cast(fmt).tolist()  # type: ignore[call-overload]
-        return np.frombuffer(self.raw, dtype, count, start)
+    def columns(self, spec: Any, names: tuple[str, ...]) -> list[Column]:
+        """The columns of a table (their formats, where the first starts, their counts: see
+        _Writer.table), each within the bytes: lists if the first has at most SMALL
+        values, else arrays."""
+        _check(type(spec) is list and len(spec) == 3, "a table of columns")
+        formats, offset, counts = spec
+        _check(type(formats) is str and len(formats) == len(names) and type(offset) is int
+               and offset >= 0 and type(counts) is list and len(counts) == len(names),
+               "a table of columns")
+        raw, view, base = self.raw, self.view, self.base
+        small = type(counts[0]) is int and counts[0] <= SMALL
+        start = base + offset
+        out: list[Column] = []
+        for fmt, count, name in zip(formats, counts, names, strict=True):
+            if type(count) is not int or count < 0 or fmt not in (
+                    _DTYPES if name == "cost" else _UNSIGNED):
+                raise CorruptProgram(f"column {name!r}")
+            dtype = _DTYPES[fmt]
+            end = start + count * dtype.itemsize
+            if end > len(raw):
+                raise CorruptProgram(f"column {name!r} runs past the end")
+            out.append(view[start:end].cast(fmt).tolist() if small  # type: ignore[call-overload]
+                       else np.frombuffer(raw, dtype, count, start))
+            start = end + (base - end) % 8
+        return out
 
     def load(self) -> Program:
         program = self.program(0, None)
@@ -636,13 +645,9 @@ class _Reader:
         """Program `index` (and the bodies of its loops), checked; without its run."""
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
-        specs = record["columns"]
-        _check(type(specs) is list and len(specs) == len(_COLUMNS), "the columns")
-        sig = self.column(specs[0], _COLUMNS[0])
+        (sig, kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad,
+         grad_fn, held) = self.columns(record["columns"], _COLUMNS)
         small = type(sig) is list
-        (kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad, grad_fn,
-         held) = [self.column(spec, name, small)
-                  for spec, name in zip(specs[1:], _COLUMNS[1:], strict=True)]
         n, nslots = len(sig), len(meta)
         for name, column in zip(_COLUMNS[1:7], (kind, origin, out, reuse, cost, nfrees),
                                 strict=True):
