@@ -438,12 +438,13 @@ def _literal(data: Any) -> Lit:
     return Lit(value)
 
 
-class _Known:
+class _Signature:
     """A step signature's JSON text, decoded and checked: its op, attributes, how it runs,
     its arguments (per slot it reads, None; a literal otherwise) and the metas of the slots
     it reads; attributes its op takes; its result's meta (None: a loop's, whose body is
     checked against its step instead); the run tuple's code; its kernels by how they are
-    bound (backend, ufunc), as `executor.kernel_of` made them."""
+    bound (backend, ufunc), as `executor.kernel_of` made them. Shared by every program
+    loaded with that text (see _SIGNATURES)."""
 
     __slots__ = ("attrs", "code", "into", "kernels", "metas", "nslots", "op", "out", "template",
                  "ufunc")
@@ -480,29 +481,6 @@ class _Known:
         self.out = op.infer([next(metas) if t is None else literal_meta(t.value)
                              for t in self.template], **self.attrs)
 
-
-# Signatures by their text, checked (loads of programs that share signatures check them once)
-_KNOWN = Memo(1 << 12)
-
-
-class _Signature:
-    """A signature of this program's table: what it is known to be, with its metas (those
-    of the slots a step of it reads, and of its result) as indices of the program's metas."""
-
-    __slots__ = ("attrs", "code", "into", "known", "metas", "nslots", "op", "out", "template",
-                 "ufunc")
-
-    def __init__(self, text: Any, meta_index: dict[Meta, int]) -> None:
-        known = _KNOWN.get(text) if type(text) is str else None
-        if known is None:
-            _check(type(text) is str, "a signature is not a string")
-            known = _KNOWN.remember(text, _Known(text))
-        self.known, self.op, self.attrs = known, known.op, known.attrs
-        self.ufunc, self.into, self.code = known.ufunc, known.into, known.code
-        self.nslots, self.template = known.nslots, known.template
-        self.metas = [meta_index[m] for m in known.metas]
-        self.out = -1 if known.out is None else meta_index[known.out]
-
     def args(self, slots: list[int]) -> tuple[Any, ...]:
         """A step's arguments, from the slots it reads."""
         if len(slots) == len(self.template):
@@ -511,18 +489,34 @@ class _Signature:
         return tuple(next(it) if t is None else t for t in self.template)
 
 
-class _Signatures:
-    """The signatures as arrays, to gather from by step (the checks of large programs)."""
+# Signatures by their text, checked: loads of programs that share signatures decode and
+# check each once, and bind its kernel once.
+_SIGNATURES = Memo(1 << 12)
 
-    def __init__(self, signatures: list[_Signature]) -> None:
+
+def _signature(text: Any) -> _Signature:
+    known = _SIGNATURES.get(text) if type(text) is str else None
+    if known is None:
+        _check(type(text) is str, "a signature is not a string")
+        known = _SIGNATURES.remember(text, _Signature(text))
+    return cast(_Signature, known)
+
+
+class _Signatures:
+    """A program's signatures as arrays (metas as indices of its table), to gather from by
+    step: the checks of large programs."""
+
+    def __init__(self, signatures: list[_Signature], meta_index: dict[Meta, int]) -> None:
+        metas = [[meta_index[m] for m in s.metas] for s in signatures]
         self.nslots = np.array([s.nslots for s in signatures], np.intp)
         self.start = np.cumsum(self.nslots) - self.nslots  # (of its metas in `metas`)
-        self.metas = np.array([m for s in signatures for m in s.metas] or [0], np.intp)
+        self.metas = np.array([m for ms in metas for m in ms] or [0], np.intp)
         # (the metas of the first and last slot read; -1: none, as the reads of a step
         # that reads nothing are the placeholder slot, of meta -1: see _Flow.of_arrays)
-        self.first_meta = np.array([s.metas[0] if s.metas else -1 for s in signatures], np.intp)
-        self.last_meta = np.array([s.metas[-1] if s.metas else -1 for s in signatures], np.intp)
-        self.out = np.array([s.out for s in signatures], np.intp)
+        self.first_meta = np.array([ms[0] if ms else -1 for ms in metas], np.intp)
+        self.last_meta = np.array([ms[-1] if ms else -1 for ms in metas], np.intp)
+        self.out = np.array([-1 if s.out is None else meta_index[s.out] for s in signatures],
+                            np.intp)
         self.into = np.array([s.into for s in signatures], bool)
         self.code = np.array([s.code for s in signatures], np.intp)
         self.first = np.array([s.code in _READS_FIRST for s in signatures], bool)
@@ -594,7 +588,7 @@ class _Reader:
         _check(len(self.meta_index) == len(self.metas), "a meta twice")
         signatures = header["signatures"]
         _check(type(signatures) is list, "signatures")
-        self.signatures = [_Signature(text, self.meta_index) for text in signatures]
+        self.signatures = [_signature(text) for text in signatures]
         self._arrays: _Signatures | None = None
         self.records = records = header["programs"]
         _check(type(records) is list and records and all(type(r) is dict for r in records),
@@ -604,7 +598,7 @@ class _Reader:
 
     def arrays(self) -> _Signatures:
         if self._arrays is None:
-            self._arrays = _Signatures(self.signatures)
+            self._arrays = _Signatures(self.signatures, self.meta_index)
         return self._arrays
 
     def columns(self, spec: Any, names: tuple[str, ...]) -> list[Column]:
@@ -688,16 +682,16 @@ class _Reader:
             scans = np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else []
         _check([loop[0] for loop in loops] == scans, "the loops")
         more = {i: results for i, _, results in loops if results}
+        metas = self.metas
         if small:
+            slot_metas = [metas[m] for m in meta]
             flow = _Flow(signatures, n, nslots, sig, out, reuse, nfrees, slots, frees, meta,
-                         given, kept, more)
+                         slot_metas, given, kept, more)
         else:
             flow = _Flow.of_arrays(self.arrays(), n, nslots, sig, out, reuse, nfrees, slots,
                                    frees, meta, given, kept, more)
+            slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
-
-        metas = self.metas
-        slot_metas = [metas[m] for m in meta] if small else _objects(metas).take(meta).tolist()
         p = _Loaded.__new__(_Loaded)
         p.__dict__.update(
             metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
@@ -796,26 +790,26 @@ class _Reader:
             g = signatures[s]
             if g.code not in (ALIAS, LOOP):
                 how = (backend, g.ufunc and ufuncs)
-                fn = g.known.kernels.get(how)
+                fn = g.kernels.get(how)
                 if fn is None:
-                    fn = g.known.kernels[how] = kernel_of(columns.step(i), p, *how, g.into)
+                    fn = g.kernels[how] = kernel_of(columns.step(i), p, *how, g.into)
                 fns[s] = fn
         backward = self.kinds.index(BACKWARD) if BACKWARD in self.kinds else -1
         frees, starts, n = flow.frees, flow.starts, len(sig)
         if type(sig) is list:
             runs: list[Run] = []
+            first, last = flow.first, flow.last
             for i, s in enumerate(sig):
                 g = signatures[s]
                 code = g.code
                 if code == LOOP:
                     runs.append(_run(p.steps[i], p, backend, False, -1, frees[i]))
                     continue
-                at = starts[i]
-                runs.append((code, fns[s], out[i], slots[at] if code in _READS_FIRST else 0,
-                             slots[at + g.nslots - 1] if code in _READS_LAST else 0,
+                runs.append((code, fns[s], out[i], first[i] if code in _READS_FIRST else 0,
+                             last[i] if code in _READS_LAST else 0,
                              reuse[i] - 1 if code >= UNARY_INTO else tuple(
-                                 slots[at:at + g.nslots]) if code == NARY else None,
-                             frees[i]))
+                                 slots[starts[i]:starts[i] + g.nslots]) if code == NARY
+                             else None, frees[i]))
             split = kind.index(backward) if backward in kind else n
             return Bound(backend, runs[:split], runs[split:], given_of(p))
         arrays = self.arrays()
@@ -840,69 +834,80 @@ class _Reader:
         return Bound(backend, *parts, given_of(p))
 
 
+_BAD_READ = "a slot read before it is written, after it is freed, or not of its signature's meta"
+
+
 class _Flow:
     """A program's data flow, from its columns, checked: each slot is written once (by a
     step, or given), read after it is written and not after it is freed, freed at most once
     and never if it is kept (given, a result, held); each step reads slots of its
     signature's metas and writes its result's; a step writes into a buffer only where its
     signature says, and then into its first or last argument's, freed there, of the result's
-    meta. Per step: the tuple of slots it frees, and where its slots start in the flat
-    column (and for a large program, the first and last slot it reads); per signature
-    used, a step that has it (`rep`).
+    meta. Per step: the tuple of slots it frees, where its slots start in the flat column,
+    the first and last slot it reads; per signature used, a step that has it (`rep`).
 
     `_Flow(...)` checks a small program's lists step by step, `_Flow.of_arrays` a large
     one's arrays a column at a time: the same checks."""
 
     frees: list[tuple[int, ...]]
     starts: Column
+    first: Column
+    last: Column
     rep: dict[int, int]
-    first: np.ndarray
-    last: np.ndarray
     sig: np.ndarray  # (a large program's: its signatures, as indices, and its slot numbers as
     ints: np.ndarray  # objects, one int per slot that the run tuples and frees share)
 
     def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
                  out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
-                 frees: list[int], meta: list[int], given: list[int], kept: list[int],
-                 more: dict[int, list[int]]) -> None:
+                 frees: list[int], meta: list[int], metas: list[Meta], given: list[int],
+                 kept: list[int], more: dict[int, list[int]]) -> None:
+        # (an index past the end of a list it indexes is an IndexError: a CorruptProgram)
         made = [n] * nslots  # the step that writes each slot (-1: given; n: none)
         freed = [n] * nslots  # the step after which it goes (n: never)
         for s in given:
             made[s] = -1
-        self.frees = step_frees = []
-        self.starts = starts = []
+        empty: tuple[int, ...] = ()
+        self.frees = step_frees = [empty] * n
+        self.starts = starts = [0] * n
+        self.first = first = [0] * n
+        self.last = last = [0] * n
         at = taken = 0
         for i, s in enumerate(sig):
             g = signatures[s]
-            starts.append(at)
-            reads = slots[at:at + g.nslots]
-            at += g.nslots
-            for a, m in zip(reads, g.metas, strict=True):
-                if made[a] >= i or freed[a] != n:
-                    raise CorruptProgram("a slot read before it is written, or after it is freed")
-                if meta[a] != m:
-                    raise CorruptProgram("a step's arguments are not its signature's")
+            starts[i] = at
+            if g.nslots:
+                a = first[i] = slots[at]
+                if made[a] >= i or freed[a] != n or metas[a] != g.metas[0]:
+                    raise CorruptProgram(_BAD_READ)
+                for j in range(1, g.nslots):
+                    a = slots[at + j]
+                    if made[a] >= i or freed[a] != n or metas[a] != g.metas[j]:
+                        raise CorruptProgram(_BAD_READ)
+                last[i] = a
+                at += g.nslots
             o = out[i]
             if made[o] != n:
                 raise CorruptProgram("a slot written twice")
             made[o] = i
-            if meta[o] != g.out and g.code != LOOP:
+            if metas[o] != g.out and g.code != LOOP:
                 raise CorruptProgram("a step's result meta")
             if more and i in more:
                 for w in more[i]:
                     if made[w] != n:
                         raise CorruptProgram("a slot written twice")
                     made[w] = i
-            gone = frees[taken:taken + nfrees[i]]
-            taken += nfrees[i]
-            for f in gone:
-                if freed[f] != n or made[f] > i:
-                    raise CorruptProgram("a slot freed twice, or before it is written")
-                freed[f] = i
-            step_frees.append(tuple(gone))
+            count = nfrees[i]
+            if count:
+                gone = frees[taken:taken + count]
+                taken += count
+                for f in gone:
+                    if freed[f] != n or made[f] > i:
+                        raise CorruptProgram("a slot freed twice, or before it is written")
+                    freed[f] = i
+                step_frees[i] = tuple(gone)
             r = reuse[i] - 1
-            if (r >= 0) != g.into or (r >= 0 and not (
-                    freed[r] == i and (r == reads[0] or r == reads[-1]) and meta[r] == meta[o])):
+            if (r >= 0 or g.into) and not (g.into and r >= 0 and freed[r] == i and (
+                    r == first[i] or r == last[i]) and meta[r] == meta[o]):
                 raise CorruptProgram("a step writes into a buffer that is not its dead "
                                      "argument's")
         _check(at == len(slots), "column 'slots': counts")
