@@ -589,6 +589,7 @@ class _Reader:
         signatures = header["signatures"]
         _check(type(signatures) is list, "signatures")
         self.signatures = [_signature(text) for text in signatures]
+        self.loops = any(g.code == LOOP for g in self.signatures)
         self._arrays: _Signatures | None = None
         self.records = records = header["programs"]
         _check(type(records) is list and records and all(type(r) is dict for r in records),
@@ -643,20 +644,22 @@ class _Reader:
          grad_fn, held) = self.columns(record["columns"], _COLUMNS)
         small = type(sig) is list
         n, nslots = len(sig), len(meta)
-        for name, column in zip(_COLUMNS[1:7], (kind, origin, out, reuse, cost, nfrees),
-                                strict=True):
-            if len(column) != n:
-                raise CorruptProgram(f"column {name!r} has {len(column)} rows, not {n}")
         # (requires_grad and grad_fn cover the slots there were before the backward, and
         # a body has neither)
-        _check(len(requires_grad) == len(grad_fn) <= nslots, "per-slot columns")
-        _check(_total(nfrees) == len(frees), "column 'frees': counts")
+        _check(len(kind) == len(origin) == len(out) == len(reuse) == len(cost) == len(nfrees)
+               == n and len(requires_grad) == len(grad_fn) <= nslots
+               and _total(nfrees) == len(frees), "the columns' lengths")
         signatures = self.signatures
-        _within(kind, len(self.kinds), "a kind")
-        _within(origin, self.names.count, "an origin")
-        _within(grad_fn, self.names.count, "a grad_fn")
-        _within(requires_grad, 2, "a requires_grad flag")
-        if not small:  # (a small program's lists bound their indices: see _Flow)
+        if small:  # (its lists bound the indices the load reads: see _Flow)
+            _check(not n or max(kind) < len(self.kinds), "a kind out of range")
+            _check(not origin + grad_fn or max(origin + grad_fn) < self.names.count,
+                   "a name out of range")
+            _check(not requires_grad or max(requires_grad) < 2, "a requires_grad flag")
+        else:
+            _within(kind, len(self.kinds), "a kind")
+            _within(origin, self.names.count, "an origin")
+            _within(grad_fn, self.names.count, "a grad_fn")
+            _within(requires_grad, 2, "a requires_grad flag")
             _within(sig, len(signatures), "a signature")
             _within(meta, len(self.metas), "a meta")
             for name, column in (("out", out), ("slots", slots), ("frees", frees),
@@ -670,16 +673,18 @@ class _Reader:
         given = [s for _, s in (*inputs, *grad_inputs)]
         kept = [*given, *_ints(held), *(s for _, s in (*outputs, *gradients))]
         # The loops: each scan step's body is a record of its own, after this one.
-        loops = _typed_list(record["loops"], list, "loops")
-        _check(all(len(loop) == 3 and type(loop[0]) is int and type(loop[1]) is int
-                   and type(loop[2]) is list
-                   and all(type(s) is int and 0 <= s < nslots for s in loop[2])
-                   for loop in loops), "a loop")
-        if small:
+        loops = record["loops"]
+        _check(type(loops) is list and all(
+            type(loop) is list and len(loop) == 3 and type(loop[0]) is int
+            and type(loop[1]) is int and type(loop[2]) is list
+            and all(type(s) is int and 0 <= s < nslots for s in loop[2]) for loop in loops),
+            "a loop")
+        if not self.loops:
+            scans = []
+        elif small:
             scans = [i for i, s in enumerate(sig) if signatures[s].code == LOOP]
         else:
-            arrays = self.arrays()
-            scans = np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else []
+            scans = np.flatnonzero(self.arrays().loop.take(sig)).tolist()
         _check([loop[0] for loop in loops] == scans, "the loops")
         more = {i: results for i, _, results in loops if results}
         metas = self.metas
@@ -692,24 +697,19 @@ class _Reader:
                                    frees, meta, given, kept, more)
             slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
+        no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
+        nodes, peak, flops, moved = (_decode(record[key]) for key in (
+            "nodes", "planned_peak_bytes", "flops", "bytes_moved"))
+        _check(type(no_grad) is bool and type(backward) is bool and type(plan_ms) is float
+               and type(nodes) is int and type(peak) is int and type(flops) is int
+               and type(moved) is int, "a program's scalars")
+        _check(_total(cost) == flops + BYTE_COST * moved, "the steps' costs are not the program's")
         p = _Loaded.__new__(_Loaded)
         p.__dict__.update(
             metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
-            outputs=outputs, gradients=gradients,
-            no_grad=_typed(record["no_grad"], bool, "no_grad"),
-            backward=_typed(record["backward"], bool, "backward"),
-            held=set(_ints(held)),
-            frees=flow.frees,
-            nodes=_typed(_decode(record["nodes"]), int, "nodes"),
-            planned_peak_bytes=_typed(_decode(record["planned_peak_bytes"]), int,
-                                      "planned_peak_bytes"),
-            flops=_typed(_decode(record["flops"]), int, "flops"),
-            bytes_moved=_typed(_decode(record["bytes_moved"]), int, "bytes_moved"),
-            plan_ms=_typed(record["plan_ms"], float, "plan_ms"),
-            run=None,
-        )
-        _check(_total(cost) == p.flops + BYTE_COST * p.bytes_moved,
-               "the steps' costs are not the program's")
+            outputs=outputs, gradients=gradients, no_grad=no_grad, backward=backward,
+            held=set(_ints(held)), frees=flow.frees, nodes=nodes, planned_peak_bytes=peak,
+            flops=flops, bytes_moved=moved, plan_ms=plan_ms, run=None)
         if len(grad_fn):
             _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
         names = self.names
@@ -742,11 +742,16 @@ class _Reader:
 
     @staticmethod
     def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
-        _check(type(data) is list and all(
-            type(pair) is list and len(pair) == 2 and type(pair[0]) is str
-            and type(pair[1]) is int and 0 <= pair[1] < nslots for pair in data),
-            "names and slots")
-        return [(name, slot) for name, slot in data]
+        _check(type(data) is list, "names and slots")
+        pairs = []
+        for pair in data:
+            if type(pair) is not list or len(pair) != 2:
+                raise CorruptProgram("names and slots")
+            name, slot = pair
+            if type(name) is not str or type(slot) is not int or not 0 <= slot < nslots:
+                raise CorruptProgram("names and slots")
+            pairs.append((name, slot))
+        return pairs
 
     def _body(self, spec: dict[str, Any], program: _Loaded, args: list[Meta],
               outs: list[Meta]) -> Body:
