@@ -99,8 +99,9 @@ _INT64 = (-(2**63), 2**63 - 1)
 # the first that holds its values. A small program's columns are read as memoryviews of
 # these formats (native: little-endian only, see SMALL).
 _DTYPES = {f: np.dtype("<" + f) for f in "BbHhIiq"}
+_ITEMSIZES = {f: d.itemsize for f, d in _DTYPES.items()}
 # Every column but the costs holds counts or indices, unsigned (reused slots are stored + 1).
-_UNSIGNED = "BHI"
+_UNSIGNED = frozenset("BHI")
 # Programs of up to this many steps are checked in Python (see the module's docstring).
 SMALL = 48 if sys.byteorder == "little" else -1
 # By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
@@ -602,31 +603,36 @@ class _Reader:
             self._arrays = _Signatures(self.signatures, self.meta_index)
         return self._arrays
 
-    def columns(self, spec: Any, names: tuple[str, ...]) -> list[Column]:
+    def columns(self, spec: Any, names: tuple[str, ...], signed: int = -1) -> list[Column]:
         """The columns of a table (their formats, where the first starts, their counts: see
         _Writer.table), each within the bytes: lists if the first has at most SMALL
-        values, else arrays."""
+        values, else arrays. Only column `signed` may be of a signed dtype."""
         _check(type(spec) is list and len(spec) == 3, "a table of columns")
         formats, offset, counts = spec
         _check(type(formats) is str and len(formats) == len(names) and type(offset) is int
-               and offset >= 0 and type(counts) is list and len(counts) == len(names),
-               "a table of columns")
-        raw, view, base = self.raw, self.view, self.base
-        small = type(counts[0]) is int and counts[0] <= SMALL
-        start = base + offset
-        out: list[Column] = []
-        for fmt, count, name in zip(formats, counts, names, strict=True):
-            if type(count) is not int or count < 0 or fmt not in (
-                    _DTYPES if name == "cost" else _UNSIGNED):
-                raise CorruptProgram(f"column {name!r}")
-            dtype = _DTYPES[fmt]
-            end = start + count * dtype.itemsize
-            if end > len(raw):
-                raise CorruptProgram(f"column {name!r} runs past the end")
-            out.append(view[start:end].cast(fmt).tolist() if small  # type: ignore[call-overload]
-                       else np.frombuffer(raw, dtype, count, start))
-            start = end + (base - end) % 8
-        return out
+               and offset >= 0 and type(counts) is list and len(counts) == len(names)
+               and _UNSIGNED.issuperset(formats[:signed] + formats[signed + 1:] if signed >= 0
+                                        else formats), "a table of columns")
+        raw, base = self.raw, self.base
+        starts = []
+        at = end = base + offset
+        for fmt, count in zip(formats, counts, strict=True):
+            size = _ITEMSIZES.get(fmt)
+            if size is None or type(count) is not int or count < 0:
+                raise CorruptProgram("a column")
+            at = end + (base - end) % 8
+            starts.append(at)
+            end = at + count * size
+        _check(end <= len(raw), "a column runs past the end")
+        if counts[0] > SMALL:
+            return [np.frombuffer(raw, _DTYPES[fmt], count, start)
+                    for fmt, count, start in zip(formats, counts, starts, strict=True)]
+        first = starts[0]
+        values = list(raw[first:end])  # (a small program's bytes: most of its columns)
+        view = self.view
+        return [values[start - first:start - first + count] if fmt == "B"
+                else view[start:start + count * _ITEMSIZES[fmt]].cast(fmt).tolist()
+                for fmt, count, start in zip(formats, counts, starts, strict=True)]
 
     def load(self) -> Program:
         program = self.program(0, None)
@@ -641,7 +647,7 @@ class _Reader:
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
         (sig, kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad,
-         grad_fn, held) = self.columns(record["columns"], _COLUMNS)
+         grad_fn, held) = self.columns(record["columns"], _COLUMNS, _COLUMNS.index("cost"))
         small = type(sig) is list
         n, nslots = len(sig), len(meta)
         # (requires_grad and grad_fn cover the slots there were before the backward, and
