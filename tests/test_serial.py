@@ -142,18 +142,19 @@ def _same_part(a: Any, b: Any) -> bool:
 
 
 # The loader checks a small program step by step in Python and a large one a column at a
-# time with NumPy: tests load every program both ways, whatever its size.
+# time with NumPy (the largest sharing one int object per slot): tests load every program
+# both ways, whatever its size.
 CHECKS = ("steps", "columns")
 
 
 @contextlib.contextmanager
 def checked_by(how: str) -> Iterator[None]:
-    saved = serial.SMALL
-    serial.SMALL = 1 << 62 if how == "steps" else -1
+    saved = serial.SMALL, serial._SHARED_INTS
+    serial.SMALL, serial._SHARED_INTS = (1 << 62, 1 << 62) if how == "steps" else (-1, 0)
     try:
         yield
     finally:
-        serial.SMALL = saved
+        serial.SMALL, serial._SHARED_INTS = saved
 
 
 def round_trip(program: Program) -> Program:

@@ -102,6 +102,8 @@ _DTYPES = {f: np.dtype("<" + f) for f in "BbHhIiq"}
 _ITEMSIZES = {f: d.itemsize for f, d in _DTYPES.items()}
 # Every column but the costs holds counts or indices, unsigned (reused slots are stored + 1).
 _UNSIGNED = frozenset("BHI")
+# A large program of this many slots or more shares one int object per slot (_Flow.ints).
+_SHARED_INTS = 1 << 15
 # Programs of up to this many steps are checked in Python (see the module's docstring).
 SMALL = 48 if sys.byteorder == "little" else -1
 # By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
@@ -833,9 +835,9 @@ class _Reader:
         at = np.flatnonzero(kind == backward)
         split = int(at[0]) if len(at) else n
         ints = flow.ints
-        tuples = zip(codes, _objects(fns).take(sig).tolist(), ints.take(out).tolist(),
-                     ints.take(np.where(arrays.first.take(sig), flow.first, 0)).tolist(),
-                     ints.take(np.where(arrays.last.take(sig), flow.last, 0)).tolist(), rest,
+        tuples = zip(codes, _objects(fns).take(sig).tolist(), ints(out),
+                     ints(np.where(arrays.first.take(sig), flow.first, 0)),
+                     ints(np.where(arrays.last.take(sig), flow.last, 0)), rest,
                      frees, strict=True)
         forward = list(itertools.islice(tuples, split))
         parts = (forward, list(tuples))
@@ -865,8 +867,8 @@ class _Flow:
     first: Column
     last: Column
     rep: dict[int, int]
-    sig: np.ndarray  # (a large program's: its signatures, as indices, and its slot numbers as
-    ints: np.ndarray  # objects, one int per slot that the run tuples and frees share)
+    sig: np.ndarray  # (a large program's signatures, as indices)
+    pool: np.ndarray | None  # (and one int object per slot, to share: see ints)
 
     def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
                  out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
@@ -924,6 +926,12 @@ class _Flow:
         _check(at == len(slots), "column 'slots': counts")
         _check(all(freed[s] == n and made[s] < n for s in kept), "a result freed, or never made")
         self.rep = dict(zip(sig, range(n), strict=True))  # (the last step of each signature)
+
+    def ints(self, slots: np.ndarray) -> list[int]:
+        """A large program's `slots` as ints. Past _SHARED_INTS slots, one int object per
+        slot serves every run tuple and frees tuple that names it: megabytes fewer to
+        allocate, fault in and free, for what taking from the pool costs."""
+        return slots.tolist() if self.pool is None else self.pool.take(slots).tolist()
 
     @classmethod
     def of_arrays(cls, arrays: _Signatures, n: int, nslots: int, sig: np.ndarray,
@@ -1004,8 +1012,8 @@ class _Flow:
         rep[sig] = steps
         used = np.flatnonzero(rep >= 0)
         self.rep = dict(zip(used.tolist(), rep[used].tolist(), strict=True))
-        self.ints = np.arange(nslots + 1).astype(object)
-        self.frees = _tuples(nfrees, self.ints.take(gone))
+        self.pool = np.arange(nslots + 1).astype(object) if nslots >= _SHARED_INTS else None
+        self.frees = _tuples(nfrees, gone if self.pool is None else self.pool.take(gone))
         return self
 
 
