@@ -557,6 +557,8 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
+    lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
+    lambda h: h["programs"][1]["outputs"].pop(),
     lambda h: h["programs"].append(h["programs"][1]),
     lambda h: h["signatures"][0][4].append([[], "float64", False]),
     lambda h: h["signatures"][0][4].append(2.5),
@@ -565,6 +567,7 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h.pop("metas"),
 ], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
         "column dtype", "column signed", "output slot", "flag type", "loop into itself",
+        "a body's closure not its input", "a body's result not its output",
         "body twice", "signature arity", "a literal more", "a signature no step has",
         "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:

@@ -785,6 +785,13 @@ class _Reader:
                and [stacked(s) for s in xs] == args[nc:nc + nx]
                and [metas[s] for s in closures] == args[nc + nx:]
                and [stacked(s) for s in ys] == outs[nc:], "a loop's body does not fit its step")
+        # (the loop gives the body's program its carries, slices and closures, and reads
+        # back its next carries and the results it stacks: exactly its inputs and outputs)
+        _check(list(program.inputs.values()) == [*carries, *xs, *closures]
+               and not program.grad_inputs
+               and [s for _, s in program.outputs] == [
+                   *nexts, *(y for y, want in zip(ys, wanted[nc:], strict=True) if want)],
+               "a loop's body does not fit its program")
         b = Builder()
         b.metas = metas
         return Body(b=b, steps=program.steps, length=length, wanted=wanted,
