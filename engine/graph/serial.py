@@ -1125,24 +1125,24 @@ class _NoCycles:
 
 def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[Any, ...]]:
     """Row i of a ragged array (`counts[i]` objects of `flat`, in order) as a tuple. The rows
-    of one length are made together, zipping their columns (in C), then put in row order."""
-    ends = np.cumsum(counts, dtype=np.int64)
-    starts = ends - counts
-    pool: list[tuple[Any, ...]] = [()]
-    where = np.zeros(len(counts), np.int64)  # per row, its tuple's place in the pool
-    sizes = np.bincount(counts)
+    of one length are made together, zipping their columns (in C), and put in their places
+    in an array of empty tuples."""
+    rows = np.empty(len(counts), object)
+    rows.fill(())
+    starts = np.cumsum(counts, dtype=np.intp) - counts
     values: list[Any] | None = None
-    for k in np.flatnonzero(sizes[1:]).tolist():
+    for k in np.flatnonzero(np.bincount(counts)[1:]).tolist():
         k += 1
-        rows = counts == k
-        where[rows] = np.arange(len(pool), len(pool) + sizes[k])
-        firsts = starts[rows]
+        at = np.flatnonzero(counts == k)
+        firsts = starts[at]
         if k <= 4:
-            pool += zip(*[flat[firsts + j].tolist() for j in range(k)], strict=True)
+            made: Iterable[tuple[Any, ...]] = zip(
+                *[flat[firsts + j].tolist() for j in range(k)], strict=True)
         else:
             values = flat.tolist() if values is None else values
-            pool += [tuple(values[f:f + k]) for f in firsts.tolist()]
-    return _objects(pool).take(where).tolist()  # type: ignore[no-any-return]
+            made = (tuple(values[f:f + k]) for f in firsts.tolist())
+        rows[at] = np.fromiter(made, object, len(at))
+    return rows.tolist()  # type: ignore[no-any-return]
 
 
 def _objects(items: list[Any]) -> np.ndarray:
