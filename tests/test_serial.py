@@ -558,6 +558,7 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
     lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
+    lambda h: h["programs"][0]["loops"][0][2].__setitem__(1, h["programs"][0]["loops"][0][2][0]),
     lambda h: h["programs"][1]["outputs"].pop(),
     lambda h: h["programs"].append(h["programs"][1]),
     lambda h: h["signatures"][0][4].append([[], "float64", False]),
@@ -567,11 +568,42 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h.pop("metas"),
 ], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
         "column dtype", "column signed", "output slot", "flag type", "loop into itself",
-        "a body's closure not its input", "a body's result not its output",
+        "a body's closure not its input", "a loop's result twice", "a body's result not its output",
         "body twice", "signature arity", "a literal more", "a signature no step has",
         "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
+
+
+def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:
+    """Where column `name` of program `record` starts among the columns, its format and
+    its count."""
+    formats, at, counts = header["programs"][record]["columns"]
+    for fmt, count, column in zip(formats, counts, serial._COLUMNS, strict=True):
+        if column == name:
+            return at, fmt, count
+        at += count * struct.calcsize(fmt)
+        at += -at % 8
+    raise KeyError(name)
+
+
+def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
+    """(Twice at one step: a column at a time, the step a slot goes at is the same.)"""
+    header, columns = _split(small)
+    for record in range(len(header["programs"])):
+        at, fmt, _ = _column(header, record, "nfrees")
+        counts = struct.unpack_from(f"<{_column(header, record, 'nfrees')[2]}{fmt}", columns, at)
+        if max(counts) < 2:
+            continue
+        first = sum(counts[:counts.index(max(counts))])
+        at, fmt, _ = _column(header, record, "frees")
+        size = struct.calcsize(fmt)
+        damaged = bytearray(columns)
+        damaged[at + size * (first + 1):at + size * (first + 2)] = \
+            columns[at + size * first:at + size * (first + 1)]
+        _corrupt(_frame(header, bytes(damaged)))
+        return
+    raise AssertionError("no step frees two slots")
 
 
 def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:

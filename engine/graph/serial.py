@@ -516,8 +516,8 @@ class _Signatures:
         self.metas = np.array([m for ms in metas for m in ms] or [0], np.intp)
         # (the metas of the first and last slot read; -1: none, as the reads of a step
         # that reads nothing are the placeholder slot, of meta -1: see _Flow.of_arrays)
-        self.first_meta = np.array([ms[0] if ms else -1 for ms in metas], np.intp)
-        self.last_meta = np.array([ms[-1] if ms else -1 for ms in metas], np.intp)
+        self.first_last = np.array([[ms[0] if ms else -1 for ms in metas],
+                                    [ms[-1] if ms else -1 for ms in metas]], np.intp)
         self.out = np.array([-1 if s.out is None else meta_index[s.out] for s in signatures],
                             np.intp)
         self.into = np.array([s.into for s in signatures], bool)
@@ -947,70 +947,73 @@ class _Flow:
                   more: dict[int, list[int]]) -> _Flow:
         self = cls.__new__(cls)
         self.sig = sig = sig.astype(np.intp)
-        counts = arrays.nslots.take(sig)
-        ends = np.cumsum(counts)
+        counts = arrays.nslots.take(sig)  # (an index past a table is an IndexError here)
+        ends = counts.cumsum()
         total = int(ends[-1]) if n else 0
         _check(len(slots) == total, "column 'slots': counts")
         self.starts = starts = ends - counts
         steps = np.arange(n)
-        # Slot `nslots`, given and never freed, of meta -1, stands for the first and last
-        # slot of a step that reads none (its signature's first and last metas are -1).
+        # Per step, the first and the last slot it reads (for one that reads none, slot
+        # `nslots`: given, never freed, of meta -1, as its signature's first and last).
         reads = np.empty(total + 1, np.intp)
         reads[:total] = slots
         reads[total] = nslots
-        none = counts == 0
-        self.first = first = reads.take(np.where(none, total, starts))
-        self.last = last = reads.take(np.where(none, total, ends - 1))
+        at = np.empty((2, n), np.intp)
+        at[0] = starts
+        np.subtract(ends, 1, out=at[1])
+        at[:, counts == 0] = total
+        first_last = reads.take(at)
+        self.first, self.last = first, last = first_last
         metas = np.empty(nslots + 1, np.intp)
         metas[:nslots] = meta
         metas[nslots] = -1
 
         o, gone = out.astype(np.intp), frees.astype(np.intp)
-        results = np.array([s for slots in more.values() for s in slots], np.intp)
-        results_at = np.array([i for i, slots in more.items() for _ in slots], np.intp)
-        made = np.full(nslots + 1, n)  # the step that writes each slot (-1: given; n: none)
+        made = np.empty(nslots + 1, np.intp)  # the step that writes each slot (-1: given)
+        made.fill(n)  # (n: none)
         made[given] = -1
         made[nslots] = -1
         made[o] = steps
-        made[results] = results_at
-        _check((made[given] == -1).all() and np.array_equal(made.take(o), steps)
-               and np.array_equal(made[results], results_at), "a slot written twice")
-        free_at = np.repeat(steps, nfrees.astype(np.intp))
-        freed = np.full(nslots + 1, n)  # the step after which it goes (n: never)
+        if more:  # (a loop step's results: none twice, nor its first result)
+            results = np.array([s for slots in more.values() for s in slots], np.intp)
+            made[results] = np.array([i for i, slots in more.items() for _ in slots], np.intp)
+            _check(np.bincount(np.concatenate([o, results])).max() <= 1, "a slot written twice")
+        _check((made[given] == -1).all() and (made.take(o) == steps).all(),
+               "a slot written twice")
+        free_at = np.repeat(steps, nfrees)
+        freed = np.empty(nslots + 1, np.intp)  # the step after which it goes
+        freed.fill(n)  # (n: never)
         freed[gone] = free_at
-        _check(np.array_equal(freed.take(gone), free_at) and (made.take(gone) <= free_at).all(),
+        _check(not len(gone) or (np.bincount(gone).max() <= 1
+                                 and (made.take(gone) <= free_at).all()),
                "a slot freed twice, or before it is written")
         _check((freed[kept] == n).all() and (made[kept] < n).all(),
                "a result freed, or never made")
         # The first and last slot each step reads, by step; the others (where a step reads
         # more than two), by slot read.
-        _check((made.take(first) < steps).all() and (made.take(last) < steps).all()
-               and (freed.take(first) >= steps).all() and (freed.take(last) >= steps).all(),
+        _check((made.take(first_last) < steps).all() and (freed.take(first_last) >= steps).all(),
                "a slot read before it is written, or after it is freed")
-        _check(np.array_equal(metas.take(first), arrays.first_meta.take(sig))
-               and np.array_equal(metas.take(last), arrays.last_meta.take(sig)),
+        _check((metas.take(first_last) == arrays.first_last.take(sig, axis=1)).all(),
                "a step's arguments are not its signature's")
         if total and int(counts.max()) > 2:
             read = reads[:total]
             read_at = np.repeat(steps, counts)  # per slot read, the step that reads it
-            at = np.repeat(arrays.start.take(sig) - starts, counts) + np.arange(total)
+            position = np.repeat(arrays.start.take(sig) - starts, counts) + np.arange(total)
             _check((made.take(read) < read_at).all() and (freed.take(read) >= read_at).all(),
                    "a slot read before it is written, or after it is freed")
-            _check(np.array_equal(metas.take(read), arrays.metas.take(at)),
+            _check((metas.take(read) == arrays.metas.take(position)).all(),
                    "a step's arguments are not its signature's")
         result = metas.take(o)
         same = result == arrays.out.take(sig)
         _check((same | arrays.loop.take(sig) if arrays.loops else same).all(),
                "a step's result meta")
         if arrays.intos:
-            into = reuse > 0
-            _check(np.array_equal(into, arrays.into.take(sig)),
+            _check(((reuse > 0) == arrays.into.take(sig)).all(),
                    "a step writes into a buffer that is not its dead argument's")
-            at = np.flatnonzero(into)
-            r = reuse[at].astype(np.intp) - 1
-            _check(np.array_equal(freed.take(r), at)
-                   and ((r == first[at]) | (r == last[at])).all()
-                   and np.array_equal(metas.take(r), result[at]),
+            into = np.flatnonzero(reuse)
+            r = reuse[into].astype(np.intp) - 1
+            _check((freed.take(r) == into).all() and ((r == first[into]) | (r == last[into])).all()
+                   and (metas.take(r) == result[into]).all(),
                    "a step writes into a buffer that is not its dead argument's")
         else:
             _check(not n or int(reuse.max()) == 0,
