@@ -104,8 +104,9 @@ _ITEMSIZES = {f: d.itemsize for f, d in _DTYPES.items()}
 _UNSIGNED = frozenset("BHI")
 # A large program of this many slots or more shares one int object per slot (_Flow.ints).
 _SHARED_INTS = 1 << 15
-# Programs of up to this many steps are checked in Python (see the module's docstring).
-SMALL = 48 if sys.byteorder == "little" else -1
+# Programs of up to this many steps are checked in Python (see the module's docstring): the
+# loads of the two ways cost the same at about 100 steps (callgrind, unrolled recurrences).
+SMALL = 96 if sys.byteorder == "little" else -1
 # By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
 _READS_FIRST = frozenset({UNARY, BINARY, ALIAS, UNARY_INTO, BINARY_INTO})
 _READS_LAST = frozenset({BINARY, UNARY_INTO, BINARY_INTO})
