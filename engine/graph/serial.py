@@ -80,7 +80,7 @@ from engine.graph.executor import (
     UNARY_INTO,
     Bound,
     Run,
-    _run,
+    _Loop,
     given_of,
     kernel_of,
 )
@@ -638,15 +638,17 @@ class _Reader:
                 for fmt, count, start in zip(formats, counts, starts, strict=True)]
 
     def load(self) -> Program:
-        program = self.program(0, None)
+        program, runs = self.program(0, None)
         _check(len(self.claimed) == len(self.records), "a body no loop runs")
         _check(len(self.used) == len(self.signatures), "a signature no step has")
-        program.run = self.bind(program, *self.top)
-        del self.top
+        forward, backward = runs
+        program.run = Bound(self.backend, forward, backward, given_of(program))
         return program
 
-    def program(self, index: int, body: dict[str, Any] | None) -> _Loaded:
-        """Program `index` (and the bodies of its loops), checked; without its run."""
+    def program(self, index: int, body: dict[str, Any] | None
+                ) -> tuple[_Loaded, list[list[Run]]]:
+        """Program `index` (and the bodies of its loops), checked, and its run tuples: the
+        top program's forward and backward (its run), a body's all in one."""
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
         (sig, kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad,
@@ -732,12 +734,13 @@ class _Reader:
         }
 
         bodies: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
+        body_runs: dict[int, list[Run]] = {}
         for i, inner, results in loops:
             _check(index < inner < len(self.records) and inner not in self.claimed,
                    "a loop's body")
             self.claimed.add(inner)
             spec = _typed(self.records[inner].get("body"), dict, "a body")
-            loop = self.program(inner, spec)
+            loop, (body_runs[i],) = self.program(inner, spec)
             start = int(flow.starts[i])
             reads = _ints(slots[start:start + signatures[int(sig[i])].nslots])
             bodies[i] = ({"body": self._body(spec, loop, [slot_metas[a] for a in reads],
@@ -745,9 +748,8 @@ class _Reader:
                          tuple(results))
         p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
             self, sig, kind, origin, out, slots, flow.starts, bodies)))
-        if index == 0:
-            self.top = (sig, out, reuse, slots, kind, flow)
-        return p
+        return p, self.bind(p, sig, out, reuse, slots, kind if body is None else None, flow,
+                            body_runs)
 
     @staticmethod
     def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
@@ -800,9 +802,11 @@ class _Reader:
                     program=program, **lists)
 
     def bind(self, p: _Loaded, sig: Column, out: Column, reuse: Column, slots: Column,
-             kind: Column, flow: _Flow) -> Bound:
-        """The run of the top program: its run tuples with the decisions `executor._run`
-        makes, its kernels one per signature."""
+             kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]]
+             ) -> list[list[Run]]:
+        """A program's run tuples, with the decisions `executor._run` makes (and its loops'
+        bodies' runs, as `executor._bind` makes them), its kernels one per signature:
+        forward and backward by `kind` (the top program's), else all in one."""
         backend, signatures = self.backend, self.signatures
         ufuncs = backend.ufuncs is not None
         columns = cast(_Steps, p.steps).columns
@@ -824,15 +828,18 @@ class _Reader:
                 g = signatures[s]
                 code = g.code
                 if code == LOOP:
-                    runs.append(_run(p.steps[i], p, backend, False, -1, frees[i]))
+                    runs.append((LOOP, None, out[i], 0, 0,
+                                 _Loop(p.steps[i], backend, body_runs[i]), frees[i]))
                     continue
                 runs.append((code, fns[s], out[i], first[i] if code in _READS_FIRST else 0,
                              last[i] if code in _READS_LAST else 0,
                              reuse[i] - 1 if code >= UNARY_INTO else tuple(
                                  slots[starts[i]:starts[i] + g.nslots]) if code == NARY
                              else None, frees[i]))
+            if kind is None:
+                return [runs]
             split = kind.index(backward) if backward in kind else n
-            return Bound(backend, runs[:split], runs[split:], given_of(p))
+            return [runs[:split], runs[split:]]
         arrays = self.arrays()
         sig = flow.sig
         codes: list[int] = arrays.code.take(sig).tolist()  # type: ignore[assignment]
@@ -840,19 +847,21 @@ class _Reader:
         for i in np.flatnonzero(arrays.rest.take(sig)).tolist():
             rest[i] = int(reuse[i]) - 1 if codes[i] >= UNARY_INTO else tuple(
                 slots[starts[i]:starts[i] + signatures[int(sig[i])].nslots].tolist())
-        at = np.flatnonzero(kind == backward)
-        split = int(at[0]) if len(at) else n
+        split = n  # (the first backward step)
+        if kind is not None and backward >= 0:
+            at = np.flatnonzero(kind == backward)
+            split = int(at[0]) if len(at) else n
         ints = flow.ints
         tuples = zip(codes, _objects(fns).take(sig).tolist(), ints(out),
                      ints(np.where(arrays.first.take(sig), flow.first, 0)),
                      ints(np.where(arrays.last.take(sig), flow.last, 0)), rest,
                      frees, strict=True)
-        forward = list(itertools.islice(tuples, split))
-        parts = (forward, list(tuples))
+        parts = [list(itertools.islice(tuples, split)), list(tuples)]
         for i in np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else ():
             part = int(i >= split)
-            parts[part][i - split * part] = _run(p.steps[i], p, backend, False, -1, frees[i])
-        return Bound(backend, *parts, given_of(p))
+            parts[part][i - split * part] = (LOOP, None, int(out[i]), 0, 0, _Loop(
+                p.steps[i], backend, body_runs[i]), frees[i])
+        return parts if kind is not None else parts[:1]
 
 
 _BAD_READ = "a slot read before it is written, after it is freed, or not of its signature's meta"
@@ -953,7 +962,7 @@ class _Flow:
         total = int(ends[-1]) if n else 0
         _check(len(slots) == total, "column 'slots': counts")
         self.starts = starts = ends - counts
-        steps = np.arange(n)
+        steps = np.arange(n, dtype=np.int32)  # (steps and slots below 2**31: half the bytes)
         # Per step, the first and the last slot it reads (for one that reads none, slot
         # `nslots`: given, never freed, of meta -1, as its signature's first and last).
         reads = np.empty(total + 1, np.intp)
@@ -970,7 +979,7 @@ class _Flow:
         metas[nslots] = -1
 
         o, gone = out.astype(np.intp), frees.astype(np.intp)
-        made = np.empty(nslots + 1, np.intp)  # the step that writes each slot (-1: given)
+        made = np.empty(nslots + 1, np.int32)  # the step that writes each slot (-1: given)
         made.fill(n)  # (n: none)
         made[given] = -1
         made[nslots] = -1
@@ -982,7 +991,7 @@ class _Flow:
         _check((made[given] == -1).all() and (made.take(o) == steps).all(),
                "a slot written twice")
         free_at = np.repeat(steps, nfrees)
-        freed = np.empty(nslots + 1, np.intp)  # the step after which it goes
+        freed = np.empty(nslots + 1, np.int32)  # the step after which it goes
         freed.fill(n)  # (n: never)
         freed[gone] = free_at
         _check(not len(gone) or (np.bincount(gone).max() <= 1
