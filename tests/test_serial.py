@@ -591,8 +591,7 @@ def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
     """(Twice at one step: a column at a time, the step a slot goes at is the same.)"""
     header, columns = _split(small)
     for record in range(len(header["programs"])):
-        at, fmt, _ = _column(header, record, "nfrees")
-        counts = struct.unpack_from(f"<{_column(header, record, 'nfrees')[2]}{fmt}", columns, at)
+        counts = _ints_of(header, columns, record, "nfrees")
         if max(counts) < 2:
             continue
         first = sum(counts[:counts.index(max(counts))])
@@ -604,6 +603,28 @@ def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
         _corrupt(_frame(header, bytes(damaged)))
         return
     raise AssertionError("no step frees two slots")
+
+
+def test_reading_a_result_the_loop_does_not_make_is_corrupt(small: bytes) -> None:
+    """A loop writes only the results its body is planned for (`wanted`): its first result
+    here (the final carry, of the meta of the slot the last step reads last) is never
+    written, and a step that reads it is corrupt."""
+    header, columns = _split(small)
+    step, body, _ = header["programs"][0]["loops"][0]
+    assert header["programs"][body]["body"]["wanted"][0] is False
+    unmade = _ints_of(header, columns, 0, "out")[step]
+    slots = _ints_of(header, columns, 0, "slots")
+    metas = _ints_of(header, columns, 0, "meta")
+    assert metas[slots[-1]] == metas[unmade] and slots[-1] != unmade
+    at, fmt, count = _column(header, 0, "slots")
+    damaged = bytearray(columns)
+    struct.pack_into(f"<{fmt}", damaged, at + struct.calcsize(fmt) * (count - 1), unmade)
+    _corrupt(_frame(header, bytes(damaged)))
+
+
+def _ints_of(header: Any, columns: bytes, record: int, name: str) -> list[int]:
+    at, fmt, count = _column(header, record, name)
+    return list(struct.unpack_from(f"<{count}{fmt}", columns, at))
 
 
 def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:

@@ -698,14 +698,24 @@ class _Reader:
             scans = np.flatnonzero(self.arrays().loop.take(sig)).tolist()
         _check([loop[0] for loop in loops] == scans, "the loops")
         more = {i: results for i, _, results in loops if results}
+        # (a loop writes only the results its body is planned for: the others are never
+        # written, and so never read)
+        unwanted: dict[int, list[int]] = {}
+        for i, inner, results in loops:
+            _check(index < inner < len(self.records), "a loop's body")
+            wanted = self.records[inner].get("body", {}).get("wanted")
+            _check(type(wanted) is list and len(wanted) == 1 + len(results)
+                   and all(type(w) is bool for w in wanted), "a body's wanted")
+            unwanted[i] = [w for w, want in zip((int(out[i]), *results), wanted, strict=True)
+                           if not want]
         metas = self.metas
         if small:
             slot_metas = [metas[m] for m in meta]
             flow = _Flow(signatures, n, nslots, sig, out, reuse, nfrees, slots, frees, meta,
-                         slot_metas, given, kept, more)
+                         slot_metas, given, kept, more, unwanted)
         else:
             flow = _Flow.of_arrays(self.arrays(), n, nslots, sig, out, reuse, nfrees, slots,
-                                   frees, meta, given, kept, more)
+                                   frees, meta, given, kept, more, unwanted)
             slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
         no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
@@ -890,7 +900,8 @@ class _Flow:
     def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
                  out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
                  frees: list[int], meta: list[int], metas: list[Meta], given: list[int],
-                 kept: list[int], more: dict[int, list[int]]) -> None:
+                 kept: list[int], more: dict[int, list[int]],
+                 unwanted: dict[int, list[int]]) -> None:
         # (an index past the end of a list it indexes is an IndexError: a CorruptProgram)
         made = [n] * nslots  # the step that writes each slot (-1: given; n: none)
         freed = [n] * nslots  # the step after which it goes (n: never)
@@ -926,6 +937,9 @@ class _Flow:
                     if made[w] != n:
                         raise CorruptProgram("a slot written twice")
                     made[w] = i
+            if unwanted and i in unwanted:
+                for w in unwanted[i]:
+                    made[w] = n + 1  # (never written: never read, nor written again)
             count = nfrees[i]
             if count:
                 gone = frees[taken:taken + count]
@@ -954,7 +968,7 @@ class _Flow:
     def of_arrays(cls, arrays: _Signatures, n: int, nslots: int, sig: np.ndarray,
                   out: np.ndarray, reuse: np.ndarray, nfrees: np.ndarray, slots: np.ndarray,
                   frees: np.ndarray, meta: np.ndarray, given: list[int], kept: list[int],
-                  more: dict[int, list[int]]) -> _Flow:
+                  more: dict[int, list[int]], unwanted: dict[int, list[int]]) -> _Flow:
         self = cls.__new__(cls)
         self.sig = sig = sig.astype(np.intp)
         counts = arrays.nslots.take(sig)  # (an index past a table is an IndexError here)
@@ -990,6 +1004,7 @@ class _Flow:
             _check(np.bincount(np.concatenate([o, results])).max() <= 1, "a slot written twice")
         _check((made[given] == -1).all() and (made.take(o) == steps).all(),
                "a slot written twice")
+        made[[w for slots in unwanted.values() for w in slots]] = n  # (never written)
         free_at = np.repeat(steps, nfrees)
         freed = np.empty(nslots + 1, np.int32)  # the step after which it goes
         freed.fill(n)  # (n: never)
