@@ -514,13 +514,13 @@ class _Signatures:
         metas = [[meta_index[m] for m in s.metas] for s in signatures]
         self.nslots = np.array([s.nslots for s in signatures], np.intp)
         self.start = np.cumsum(self.nslots) - self.nslots  # (of its metas in `metas`)
-        self.metas = np.array([m for ms in metas for m in ms] or [0], np.intp)
+        self.metas = np.array([m for ms in metas for m in ms] or [0], np.int32)
         # (the metas of the first and last slot read; -1: none, as the reads of a step
         # that reads nothing are the placeholder slot, of meta -1: see _Flow.of_arrays)
-        self.first_last = np.array([[ms[0] if ms else -1 for ms in metas],
-                                    [ms[-1] if ms else -1 for ms in metas]], np.intp)
+        self.first_meta = np.array([ms[0] if ms else -1 for ms in metas], np.int32)
+        self.last_meta = np.array([ms[-1] if ms else -1 for ms in metas], np.int32)
         self.out = np.array([-1 if s.out is None else meta_index[s.out] for s in signatures],
-                            np.intp)
+                            np.int32)
         self.into = np.array([s.into for s in signatures], bool)
         self.code = np.array([s.code for s in signatures], np.intp)
         self.first = np.array([s.code in _READS_FIRST for s in signatures], bool)
@@ -985,10 +985,10 @@ class _Flow:
         at = np.empty((2, n), np.intp)
         at[0] = starts
         np.subtract(ends, 1, out=at[1])
-        at[:, counts == 0] = total
+        at[:, np.flatnonzero(counts == 0)] = total
         first_last = reads.take(at)
         self.first, self.last = first, last = first_last
-        metas = np.empty(nslots + 1, np.intp)
+        metas = np.empty(nslots + 1, np.int32)
         metas[:nslots] = meta
         metas[nslots] = -1
 
@@ -1018,7 +1018,8 @@ class _Flow:
         # more than two), by slot read.
         _check((made.take(first_last) < steps).all() and (freed.take(first_last) >= steps).all(),
                "a slot read before it is written, or after it is freed")
-        _check((metas.take(first_last) == arrays.first_last.take(sig, axis=1)).all(),
+        _check((metas.take(first) == arrays.first_meta.take(sig)).all()
+               and (metas.take(last) == arrays.last_meta.take(sig)).all(),
                "a step's arguments are not its signature's")
         if total and int(counts.max()) > 2:
             read = reads[:total]
