@@ -7,49 +7,54 @@ of kernels by signature, once per distinct signature (`executor.kernel_of`). A s
 someone else can write can give wrong programs, but never run code in the service.
 
 A step is stored as its signature, the slots it reads and writes, and what the plan says
-of it. The signature is an index into a table: the step's op and attributes, whether it
+of it. A signature is a JSON text of its own: the step's op and attributes, whether it
 runs as a ufunc and into a dead argument's buffer, and per argument the meta of the slot
 it reads or the literal it is given. Everything a step's run tuple and kernel depend on
 but its slots is in its signature: the loader decides and checks that once per signature
-(and remembers the checks across loads), and per step only compares whole columns.
+(a process remembers each text it has checked, with its kernel), and per step only
+compares columns.
 
 The layout, little-endian:
 
     prefix   magic (8 bytes), FORMAT_VERSION (u32), CRC-32 of the rest (u32), length of
              the rest (u64)
-    header   its length (u32), then JSON: the tables (op names, step kinds, metas,
-             literals, attribute sets, signatures; the names as one string, their lengths
-             a column) and one record per program (the program, then its loops' bodies,
-             each after the program it is in), with the record's scalars, its loops, and
-             where its columns lie
-    columns  8-byte aligned integer arrays, each in the narrowest dtype its values fit:
-             the names' lengths; per program, per step its signature, kind, origin,
-             result, reused slot, cost, and the slots it reads and frees (the counts of
+    header   its length (u32), then JSON: the step kinds, the names as one string (their
+             lengths a column), the metas, the signatures (texts), and one record per
+             program (the program, then its loops' bodies, each after the program it is
+             in) with the program's scalars, its loops, and its table of columns
+    columns  tables of 8-byte aligned integer columns, each in the narrowest dtype its
+             values fit (unsigned but for the costs): per step its signature, kind, origin,
+             result, reused slot + 1, cost, and the slots it reads and frees (the counts of
              frees, then the values flat; the counts of reads are its signature's); per
              slot its meta, requires_grad and grad_fn; the held slots
 
 Loading checks, before anything is built: the length and the checksum; the type of every
 header value; every index against its table; the data flow (each slot written once, read
-after it is written and before it is freed; a buffer reused only from a dead argument);
-each step against its signature (the metas of the slots it reads and of its result); per
-signature, its result against its op's shape rule and its attributes against the op's
-declaration; each loop body against its step. Whatever is wrong raises CorruptProgram,
+after it is written and before it is freed, freed at most once; a loop writes only the
+results its body is planned for; a buffer reused only from a dead argument); each step
+against its signature (the metas of the slots it reads and of its result); per signature,
+its result against its op's shape rule and its attributes against the op's declaration;
+each loop body against its step and its program. Whatever is wrong raises CorruptProgram,
 never another exception. (A checksum that matches is no proof of origin: someone who can
 write the store can write a consistent program that computes something else, but nothing
 that runs code or loads half-formed.)
 
-A program of up to SMALL steps is checked step by step in Python, a larger one over
-whole columns with NumPy: the same checks, but NumPy's cost per call is most of a small
-program's load. The run tuples are built with the decisions `executor._run` makes (tests
-hold the two equal). The Step objects, which only /plan, errors and loop bodies read, are
-decoded when first read, and so are the names and the per-slot and per-step lists that a
-run does not read.
+A program of up to SMALL steps is checked step by step in Python, a larger one a column at
+a time with NumPy: the same checks (tests load every program both ways, and fuzz them
+against each other), as NumPy's cost per call is most of a small program's load. The run
+tuples are built with the decisions `executor._run` makes (tests hold the two equal), a
+loop body's too (handed to `executor._Loop`). The Step objects, which only /plan, errors
+and loop bodies read, are decoded when first read, and so are the names and the per-slot
+and per-step lists that a run does not read.
 
-The cycle collector is off while a load makes its objects: about two container objects a
-step (its run tuple, and the tuple of slots it frees), none in a cycle. They are young
-when it returns, so the collector's next pass walks them once (and untracks the frees);
-a process that keeps the program should run that pass after its answer is sent
-(`gc.collect(1)`, which also moves them past the young generations) or `gc.freeze()` them.
+The cycle collector is off while a load makes its objects: about two containers a step
+(its run tuple and the tuple of slots it frees), none in a cycle. Its caller pays for them
+later: the collector's first pass walks them all (about 10 ms for 100,000 steps; it then
+untracks the frees), and every full collection walks the run tuples again (they hold the
+kernels). A process that keeps the program should keep the collector off from the load
+until its answer is sent, then run `gc.collect(1)` (that first pass, and the request's own
+garbage) and `gc.freeze()` (the program out of every later collection; it is still freed
+when dropped, as nothing in it is in a cycle).
 """
 
 from __future__ import annotations
@@ -216,11 +221,12 @@ class _Writer:
         self.columns: list[bytes] = []
         self.size = 0
 
-    def table(self, *columns: Sequence[int]) -> list[Any]:
+    def table(self, *columns: Sequence[int], signed: int = -1) -> list[Any]:
         """Write `columns` one after another, each in the narrowest dtype that holds its
-        values and 8-byte aligned: (their formats, where they start, their counts)."""
+        values and 8-byte aligned: (their formats, where they start, their counts). Only
+        column `signed` may hold a negative value or one past 32 bits (as load reads)."""
         offset, formats = self.size, ""
-        for values in columns:
+        for i, values in enumerate(columns):
             try:
                 array = np.asarray(values, dtype=np.int64)
             except OverflowError:
@@ -228,6 +234,8 @@ class _Writer:
             lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
             fmt = next(f for f, d in _DTYPES.items()
                        if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+            if fmt not in _UNSIGNED and i != signed:
+                raise Unstorable(f"a count or an index out of range: {lo}..{hi}")
             data = array.astype(_DTYPES[fmt]).tobytes()
             self.columns.append(data + bytes(-len(data) % 8))
             self.size += len(self.columns[-1])
@@ -337,7 +345,7 @@ class _Writer:
             signatures, kinds, origins, outs, [r + 1 for r in reuse], program.step_costs,
             [len(f) for f in frees], slots, list(itertools.chain(*frees)), slot_metas,
             program.requires_grad, [self.name(g) for g in program.grad_fn],
-            sorted(program.held))
+            sorted(program.held), signed=_COLUMNS.index("cost"))
         if type(program.plan_ms) is not float:
             raise Unstorable("plan_ms is not a float")
         if program.cost_by_node != _cost_by_node([s.origin for s in steps], program.step_costs):
@@ -592,7 +600,7 @@ class _Reader:
         _check(len(self.meta_index) == len(self.metas), "a meta twice")
         signatures = header["signatures"]
         _check(type(signatures) is list, "signatures")
-        self.signatures = [_signature(text) for text in signatures]
+        self.signatures = [_signature(signature) for signature in signatures]
         self.loops = any(g.code == LOOP for g in self.signatures)
         self._arrays: _Signatures | None = None
         self.records = records = header["programs"]
