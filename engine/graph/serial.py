@@ -116,6 +116,8 @@ SMALL = 96 if sys.byteorder == "little" else -1
 _READS_FIRST = frozenset({UNARY, BINARY, ALIAS, UNARY_INTO, BINARY_INTO})
 _READS_LAST = frozenset({BINARY, UNARY_INTO, BINARY_INTO})
 
+# A loop body's lists of slots (engine.graph.scan.Body).
+_BODY_LISTS = ("carries", "xs", "closures", "nexts", "ys")
 # A program's columns, in the order they are written: per step, then flat, then per slot.
 _COLUMNS = ("signature", "kind", "origin", "out", "reuse", "cost", "nfrees", "slots", "frees",
             "meta", "requires_grad", "grad_fn", "held")
@@ -415,12 +417,6 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
-def _typed_list(value: Any, kind: type, what: str) -> list[Any]:
-    _check(type(value) is list and all(type(v) is kind for v in value),
-           f"{what} is not a list of {kind.__name__}")
-    return cast(list[Any], value)
-
-
 def _within(values: Column, hi: int, what: str) -> None:
     """Every value (unsigned) below `hi`."""
     if len(values) and (max(values) if isinstance(values, list) else int(values.max())) >= hi:
@@ -436,12 +432,25 @@ def _ints(values: Column) -> list[int]:
 
 
 def _meta(data: Any) -> Meta:
-    _check(type(data) is list and len(data) == 3, "a meta is not [shape, dtype, literal]")
+    if type(data) is not list or len(data) != 3:
+        raise CorruptProgram("a meta is not [shape, dtype, literal]")
     shape, dtype, literal = data
-    _check(type(shape) is list and dtype in ITEMSIZE and type(literal) is bool, "a meta")
+    if type(shape) is not list or dtype not in ITEMSIZE or type(literal) is not bool:
+        raise CorruptProgram("a meta")
     for d in shape:
-        _check(type(d) is int and d >= 0, "a meta's shape")
+        if type(d) is not int or d < 0:
+            raise CorruptProgram("a meta's shape")
     return Meta(tuple(shape), dtype, literal)
+
+
+def _slots(value: Any, count: int, what: str) -> list[int]:
+    """`value`, checked: a list of slots (below `count`)."""
+    if type(value) is not list:
+        raise CorruptProgram(f"{what} is not a list")
+    for s in value:
+        if type(s) is not int or not 0 <= s < count:
+            raise CorruptProgram(f"{what}: not a slot")
+    return value
 
 
 def _literal(data: Any) -> Lit:
@@ -693,11 +702,11 @@ class _Reader:
         kept = [*given, *_ints(held), *(s for _, s in (*outputs, *gradients))]
         # The loops: each scan step's body is a record of its own, after this one.
         loops = record["loops"]
-        _check(type(loops) is list and all(
-            type(loop) is list and len(loop) == 3 and type(loop[0]) is int
-            and type(loop[1]) is int and type(loop[2]) is list
-            and all(type(s) is int and 0 <= s < nslots for s in loop[2]) for loop in loops),
-            "a loop")
+        _check(type(loops) is list, "the loops")
+        for loop in loops:
+            _check(type(loop) is list and len(loop) == 3 and type(loop[0]) is int
+                   and type(loop[1]) is int, "a loop")
+            _slots(loop[2], nslots, "a loop's results")
         if not self.loops:
             scans = []
         elif small:
@@ -771,6 +780,7 @@ class _Reader:
 
     @staticmethod
     def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
+        """`data`, checked: a list of [name, slot] pairs."""
         _check(type(data) is list, "names and slots")
         pairs = []
         for pair in data:
@@ -787,13 +797,10 @@ class _Reader:
         """A loop's Body around its planned `program`, checked against its scan step (the
         metas of its arguments and results): what the loop allocates is what they say."""
         metas = program.metas
-        lists = {key: _typed_list(spec[key], int, key)
-                 for key in ("carries", "xs", "closures", "nexts", "ys")}
-        for key, slots in lists.items():
-            _check(all(0 <= s < len(metas) for s in slots), f"a body's {key}")
-        length = _typed(spec["length"], int, "a body's length")
-        wanted = _typed_list(spec["wanted"], bool, "a body's wanted")
-        carries, xs, closures, nexts, ys = lists.values()
+        carries, xs, closures, nexts, ys = lists = [
+            _slots(spec[key], len(metas), key) for key in _BODY_LISTS]
+        length, wanted = spec["length"], spec["wanted"]  # (wanted: checked with the loop)
+        _check(type(length) is int, "a body's length")
         nc, nx = len(carries), len(xs)
 
         def stacked(slot: int) -> Meta:
@@ -817,7 +824,7 @@ class _Reader:
         b.metas = metas
         return Body(b=b, steps=program.steps, length=length, wanted=wanted,
                     reverse=_typed(spec["reverse"], bool, "a body's reverse"),
-                    program=program, **lists)
+                    program=program, **dict(zip(_BODY_LISTS, lists, strict=True)))
 
     def bind(self, p: _Loaded, sig: Column, out: Column, reuse: Column, slots: Column,
              kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]]
