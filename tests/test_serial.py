@@ -329,6 +329,17 @@ def test_steps_that_write_into_a_dead_buffer() -> None:
     run_both(fresh, round_trip(fresh), arrays)
 
 
+def test_literals_that_json_cannot_hold_load_as_compiled() -> None:
+    """Non-finite floats and -0.0 among a program's literals (stored tagged, or by bits)."""
+    spec = GraphSpec([NodeSpec("a", "mul", ["x", float("inf")]),
+                      NodeSpec("b", "add", ["x", float("nan")]),
+                      NodeSpec("c", "mul", ["x", -0.0]), NodeSpec("d", "mul", ["x", 0.0]),
+                      NodeSpec("loss", expr="sum(a + b + c + d)")], ["loss"])
+    arrays = {"x": np.linspace(-1, 1, 6)}
+    fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
+    run_both(fresh, round_trip(fresh), arrays)
+
+
 # ---------------------------------------------------------------- errors while running
 
 

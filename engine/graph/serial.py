@@ -291,24 +291,29 @@ class _Writer:
             self.kind_names.append(kind)
         return index
 
-    def signature(self, step: Step, ufunc: bool, into: bool, slot_metas: list[int]) -> int:
+    def signature(self, step: Step, ufunc: bool, into: bool, slot_metas: list[int],
+                  slots: list[int]) -> int:
         """The index of `step`'s signature: JSON text of its op, attributes (None for a
         loop's step, which has its body instead), how it runs, and per argument the meta of
-        the slot it reads or the literal."""
+        the slot it reads or the literal; the slots it reads go on `slots`."""
         op = step.op
-        if op is not SCAN and OPS.get(op.name) is not op:
-            raise Unstorable(f"op {op.name!r} is not the registry's")
         attrs = None if op is SCAN else self.attributes(step.attrs)
-        args: list[Any] = [slot_metas[a] if type(a) is int
-                           else self.literal(a) for a in step.args]  # type: ignore[arg-type]
-        key = (id(op), attrs and attrs[0], ufunc, into,
-               *[a if type(a) is int else a[0] for a in args])
-        index = self.signatures.get(key)
+        key: list[Any] = [op, attrs and attrs[0], ufunc, into]
+        for a in step.args:
+            if type(a) is int:
+                slots.append(a)
+                key.append(slot_metas[a])
+            else:
+                key.append(self.literal(a)[0])  # type: ignore[arg-type]
+        index = self.signatures.get(signature := tuple(key))
         if index is None:
-            index = self.signatures[key] = len(self.signature_list)
+            if op is not SCAN and OPS.get(op.name) is not op:
+                raise Unstorable(f"op {op.name!r} is not the registry's")
+            index = self.signatures[signature] = len(self.signature_list)
             self.signature_list.append(orjson.dumps([
                 op.name, attrs and attrs[1], ufunc, into,
-                [self.meta_list[a] if type(a) is int else a[1] for a in args]]).decode())
+                [self.meta_list[slot_metas[a]] if type(a) is int
+                 else self.literal(a)[1] for a in step.args]]).decode())  # type: ignore[arg-type]
         return index
 
     def program(self, program: Program, body: Body | None) -> int:
@@ -337,8 +342,7 @@ class _Writer:
                 loops.append([i, -1, list(step.more)])  # (the body's record comes after)
             elif step.more:
                 raise Unstorable("a step that is not a loop writes several slots")
-            signatures.append(self.signature(step, ufunc[i], reuse[i] >= 0, slot_metas))
-            slots += [a for a in step.args if type(a) is int]  # type: ignore[misc]
+            signatures.append(self.signature(step, ufunc[i], reuse[i] >= 0, slot_metas, slots))
             kinds.append(self.kind(step.kind))
             origins.append(self.name(step.origin))
             outs.append(step.out)
