@@ -10,7 +10,6 @@ import functools
 import inspect
 import struct
 import threading
-import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from hypothesis import strategies as st
 
 from bench import bench_compiled as bc
 from engine.errors import BackwardError, Cancelled, GradserveError
-from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
+from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
 from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, execute
 from engine.graph.ir import Lit, Program, Step
 from engine.graph.scan import SCAN, Body
@@ -142,10 +141,29 @@ def _same_part(a: Any, b: Any) -> bool:
     return same(a, b)
 
 
+# The loader checks a small program step by step in Python and a large one a column at a
+# time with NumPy (the largest sharing one int object per slot): tests load every program
+# both ways, whatever its size.
+CHECKS = ("steps", "columns")
+
+
+@contextlib.contextmanager
+def checked_by(how: str) -> Iterator[None]:
+    saved = serial.SMALL, serial._SHARED_INTS
+    serial.SMALL, serial._SHARED_INTS = (1 << 62, 1 << 62) if how == "steps" else (-1, 0)
+    try:
+        yield
+    finally:
+        serial.SMALL, serial._SHARED_INTS = saved
+
+
 def round_trip(program: Program) -> Program:
     data = dump_program(program)
     loaded = load_program(data)
     assert_same_program(program, loaded)
+    for how in CHECKS:
+        with checked_by(how):
+            assert_same_program(program, load_program(data))
     assert dump_program(loaded) == data  # (dump, load, dump: the same bytes)
     assert planned_steps(loaded) == planned_steps(program)
     assert program_dot(loaded, 1 << 30) == program_dot(program, 1 << 30)
@@ -311,22 +329,15 @@ def test_steps_that_write_into_a_dead_buffer() -> None:
     run_both(fresh, round_trip(fresh), arrays)
 
 
-def test_loading_is_ten_times_faster_than_compiling() -> None:
-    w = bc.unrolled(300)  # (3,600 steps)
-
-    def best(fn: Callable[[], Any], times: int) -> float:
-        spent = []
-        for _ in range(times):
-            started = time.perf_counter()
-            fn()
-            spent.append(time.perf_counter() - started)
-        return min(spent)
-
-    gs = bc.Gradserve()
-    compiled = best(lambda: gs.compile(w.graph, w.inputs, w.wrt), 3)
-    data = dump_program(gs.compile(w.graph, w.inputs, w.wrt))
-    loaded = best(lambda: load_program(data), 5)
-    assert compiled >= 10 * loaded, (compiled, loaded)
+def test_literals_that_json_cannot_hold_load_as_compiled() -> None:
+    """Non-finite floats and -0.0 among a program's literals (stored tagged, or by bits)."""
+    spec = GraphSpec([NodeSpec("a", "mul", ["x", float("inf")]),
+                      NodeSpec("b", "add", ["x", float("nan")]),
+                      NodeSpec("c", "mul", ["x", -0.0]), NodeSpec("d", "mul", ["x", 0.0]),
+                      NodeSpec("loss", expr="sum(a + b + c + d)")], ["loss"])
+    arrays = {"x": np.linspace(-1, 1, 6)}
+    fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
+    run_both(fresh, round_trip(fresh), arrays)
 
 
 # ---------------------------------------------------------------- errors while running
@@ -405,13 +416,20 @@ def test_a_loaded_program_keeps_no_reference_to_the_buffer_it_came_from() -> Non
 
 
 def _split(data: bytes) -> tuple[Any, bytes]:
+    """The header (each signature's JSON text parsed, so that damage reaches inside it) and
+    the columns."""
     (size,) = struct.unpack_from("<I", data, 24)
     base = 28 + size + (-(4 + size) % 8)
-    return orjson.loads(data[28:28 + size]), data[base:]
+    header = orjson.loads(data[28:28 + size])
+    header["signatures"] = [orjson.loads(text) for text in header["signatures"]]
+    return header, data[base:]
 
 
 def _frame(header: Any, columns: bytes) -> bytes:
     """Bytes of the format around `header` and `columns`, with a checksum that matches."""
+    if isinstance(header, dict) and isinstance(header.get("signatures"), list):
+        header = {**header, "signatures": [orjson.dumps(s).decode()
+                                           for s in header["signatures"]]}
     text = orjson.dumps(header)
     rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
     return struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest
@@ -426,8 +444,9 @@ def small() -> bytes:
 
 
 def _corrupt(data: bytes | memoryview) -> None:
-    with pytest.raises(CorruptProgram):
-        load_program(data)
+    for how in CHECKS:
+        with checked_by(how), pytest.raises(CorruptProgram):
+            load_program(data)
 
 
 def test_every_truncation_and_an_extension_are_corrupt(small: bytes) -> None:
@@ -478,15 +497,22 @@ def test_a_header_with_a_value_of_no_type_it_takes_is_corrupt(small: bytes) -> N
 
 def _loads_or_corrupt(data: bytes) -> None:
     """CorruptProgram, or a program that plans, draws and runs (or refuses the inputs) like
-    any other: never another exception."""
-    try:
-        program = load_program(data)
-    except CorruptProgram:
-        return
-    planned_steps(program)
-    program_dot(program, 1 << 30)
-    with contextlib.suppress(GradserveError):
-        execute(program, LOOP_INPUTS)
+    any other: never another exception. Checked step by step or a column at a time, the
+    verdict is the same, and so is the program."""
+    loaded = []
+    for how in CHECKS:
+        with checked_by(how):
+            try:
+                loaded.append(load_program(data))
+            except CorruptProgram:
+                continue
+        program = loaded[-1]
+        planned_steps(program)
+        program_dot(program, 1 << 30)
+        with contextlib.suppress(GradserveError):
+            execute(program, LOOP_INPUTS)
+    assert len(loaded) in (0, len(CHECKS))
+    assert len({dump_program(program) for program in loaded}) <= 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -524,25 +550,102 @@ def _header_of(small: bytes, change: Callable[[Any], None]) -> bytes:
     return _frame(header, columns)
 
 
+def _format_of(header: Any, column: int, fmt: str) -> None:
+    """Column `column` of the top program read in another format (the same size)."""
+    table = header["programs"][0]["columns"]
+    assert struct.calcsize(table[0][column]) == struct.calcsize(fmt)
+    table[0] = table[0][:column] + fmt + table[0][column + 1:]
+
+
 @pytest.mark.parametrize("change", [
-    lambda h: h["ops"].__setitem__(0, "no_such_op"),
+    lambda h: h["signatures"][0].__setitem__(0, "no_such_op"),
     lambda h: h["kinds"].__setitem__(0, "sideways"),
     lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
     lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
-    lambda h: h["programs"][0]["columns"]["out"].__setitem__(2, 10**9),
-    lambda h: h["programs"][0]["columns"]["out"].__setitem__(0, "<f8"),
+    lambda h: h["programs"][0]["columns"][2].__setitem__(3, 10**9),
+    lambda h: _format_of(h, 3, "?"),
+    lambda h: _format_of(h, 3, "b"),
     lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
-    lambda h: h["programs"][0]["scans"][0].__setitem__(1, 0),
+    lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
+    lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
+    lambda h: h["programs"][0]["loops"][0][2].__setitem__(1, h["programs"][0]["loops"][0][2][0]),
+    lambda h: h["programs"][1]["outputs"].pop(),
     lambda h: h["programs"].append(h["programs"][1]),
-    lambda h: h["kernels"][0][4].append(0),
+    lambda h: h["signatures"][0][4].append([[], "float64", False]),
+    lambda h: h["signatures"][0][4].append(2.5),
+    lambda h: h["signatures"].append(h["signatures"][0]),
     lambda h: h.__setitem__("programs", []),
-    lambda h: h.pop("attrs"),
+    lambda h: h.pop("metas"),
 ], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
-        "column dtype", "output slot", "flag type", "loop into itself", "body twice",
-        "kernel arity", "no program", "no attrs"])
+        "column dtype", "column signed", "output slot", "flag type", "loop into itself",
+        "a body's closure not its input", "a loop's result twice", "a body's result not its output",
+        "body twice", "signature arity", "a literal more", "a signature no step has",
+        "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
+
+
+def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:
+    """Where column `name` of program `record` starts among the columns, its format and
+    its count."""
+    formats, at, counts = header["programs"][record]["columns"]
+    for fmt, count, column in zip(formats, counts, serial._COLUMNS, strict=True):
+        if column == name:
+            return at, fmt, count
+        at += count * struct.calcsize(fmt)
+        at += -at % 8
+    raise KeyError(name)
+
+
+def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
+    """(Twice at one step: a column at a time, the step a slot goes at is the same.)"""
+    header, columns = _split(small)
+    for record in range(len(header["programs"])):
+        counts = _ints_of(header, columns, record, "nfrees")
+        if max(counts) < 2:
+            continue
+        first = sum(counts[:counts.index(max(counts))])
+        at, fmt, _ = _column(header, record, "frees")
+        size = struct.calcsize(fmt)
+        damaged = bytearray(columns)
+        damaged[at + size * (first + 1):at + size * (first + 2)] = \
+            columns[at + size * first:at + size * (first + 1)]
+        _corrupt(_frame(header, bytes(damaged)))
+        return
+    raise AssertionError("no step frees two slots")
+
+
+def test_reading_a_result_the_loop_does_not_make_is_corrupt(small: bytes) -> None:
+    """A loop writes only the results its body is planned for (`wanted`): its first result
+    here (the final carry, of the meta of the slot the last step reads last) is never
+    written, and a step that reads it is corrupt."""
+    header, columns = _split(small)
+    step, body, _ = header["programs"][0]["loops"][0]
+    assert header["programs"][body]["body"]["wanted"][0] is False
+    unmade = _ints_of(header, columns, 0, "out")[step]
+    slots = _ints_of(header, columns, 0, "slots")
+    metas = _ints_of(header, columns, 0, "meta")
+    assert metas[slots[-1]] == metas[unmade] and slots[-1] != unmade
+    at, fmt, count = _column(header, 0, "slots")
+    damaged = bytearray(columns)
+    struct.pack_into(f"<{fmt}", damaged, at + struct.calcsize(fmt) * (count - 1), unmade)
+    _corrupt(_frame(header, bytes(damaged)))
+
+
+def _ints_of(header: Any, columns: bytes, record: int, name: str) -> list[int]:
+    at, fmt, count = _column(header, record, name)
+    return list(struct.unpack_from(f"<{count}{fmt}", columns, at))
+
+
+def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:
+    header, columns = _split(small)
+    signatures = [orjson.dumps(s).decode() for s in header["signatures"]]
+    for value in (header["signatures"][0], None, 0):
+        text = orjson.dumps({**header, "signatures": [value, *signatures[1:]]})
+        rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
+        _corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest))
+                 + rest)
 
 
 def test_another_format_version_or_magic_is_corrupt(small: bytes) -> None:

@@ -318,13 +318,15 @@ class _Loop:
     __slots__ = ("args", "body", "bound", "carries", "distinct", "given", "nexts", "results",
                  "sizes", "sources", "xs", "ys")
 
-    def __init__(self, step: Step, backend: Backend) -> None:
+    def __init__(self, step: Step, backend: Backend, runs: list[Run] | None = None) -> None:
         body: Body = step.attrs["body"]
         self.body = body
         program = body.program
         assert program is not None, "a scan is bound after its body is planned"
-        bound = _bind(program, backend)
-        self.bound = bound.forward + bound.backward
+        if runs is None:  # (a loaded program's loader has them: engine.graph.serial)
+            bound = _bind(program, backend)
+            runs = bound.forward + bound.backward
+        self.bound = runs
         self.args = step.slots
         nc = len(body.carries)
         self.carries = nc

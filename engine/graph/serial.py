@@ -6,41 +6,64 @@ not stored: `load_program(data, device)` binds them again through the executor's
 of kernels by signature, once per distinct signature (`executor.kernel_of`). A store that
 someone else can write can give wrong programs, but never run code in the service.
 
+A step is stored as its signature, the slots it reads and writes, and what the plan says
+of it. A signature is a JSON text of its own: the step's op and attributes, whether it
+runs as a ufunc and into a dead argument's buffer, and per argument the meta of the slot
+it reads or the literal it is given. Everything a step's run tuple and kernel depend on
+but its slots is in its signature: the loader decides and checks that once per signature
+(a process remembers each text it has checked, with its kernel), and per step only
+compares columns.
+
 The layout, little-endian:
 
     prefix   magic (8 bytes), FORMAT_VERSION (u32), CRC-32 of the rest (u32), length of
              the rest (u64)
-    header   its length (u32), then JSON: the tables (op names, step kinds, names, metas,
-             literals, attribute sets, kernel signatures) and one record per program (the
-             program, then its loops' bodies, each after the program it is in), with the
-             record's scalars and where its columns lie
-    columns  8-byte aligned integer arrays, each in the narrowest dtype its values fit:
-             per step its op, kind, origin, attributes, result, reuse, ufunc, cost, kernel
-             signature, and its arguments, extra results and frees (counts, then the values
-             flat); per slot its meta, requires_grad and grad_fn; the held slots
+    header   its length (u32), then JSON: the step kinds, the names as one string (their
+             lengths a column), the metas, the signatures (texts), and one record per
+             program (the program, then its loops' bodies, each after the program it is
+             in) with the program's scalars, its loops, and its table of columns
+    columns  tables of 8-byte aligned integer columns, each in the narrowest dtype its
+             values fit (unsigned but for the costs): per step its signature, kind, origin,
+             result, reused slot + 1, cost, and the slots it reads and frees (the counts of
+             frees, then the values flat; the counts of reads are its signature's); per
+             slot its meta, requires_grad and grad_fn; the held slots
 
 Loading checks, before anything is built: the length and the checksum; the type of every
 header value; every index against its table; the data flow (each slot written once, read
-after it is written and before it is freed; a buffer reused only from a dead argument);
-each step against its kernel's signature, and each signature's result against its op's
-shape rule; each attribute set against its op's declaration; each loop body against its
-step. Whatever is wrong raises CorruptProgram, never another exception. (A checksum that
-matches is no proof of origin: someone who can write the store can write a consistent
-program that computes something else, but nothing that runs code or loads half-formed.)
+after it is written and before it is freed, freed at most once; a loop writes only the
+results its body is planned for; a buffer reused only from a dead argument); each step
+against its signature (the metas of the slots it reads and of its result); per signature,
+its result against its op's shape rule and its attributes against the op's declaration;
+each loop body against its step and its program. Whatever is wrong raises CorruptProgram,
+never another exception. (A checksum that matches is no proof of origin: someone who can
+write the store can write a consistent program that computes something else, but nothing
+that runs code or loads half-formed.)
 
-The run tuples are built from the columns with NumPy, with the decisions `executor._run`
-makes (tests hold the two equal). The Step objects, which only /plan, errors and loop
-bodies read, are decoded when first read, and so are the per-slot and per-step lists that
-a run does not read.
+A program of up to SMALL steps is checked step by step in Python, a larger one a column at
+a time with NumPy: the same checks (tests load every program both ways, and fuzz them
+against each other), as NumPy's cost per call is most of a small program's load. The run
+tuples are built with the decisions `executor._run` makes (tests hold the two equal), a
+loop body's too (handed to `executor._Loop`). The Step objects, which only /plan, errors
+and loop bodies read, are decoded when first read, and so are the names and the per-slot
+and per-step lists that a run does not read.
+
+The cycle collector is off while a load makes its objects: about two containers a step
+(its run tuple and the tuple of slots it frees), none in a cycle. Its caller pays for them
+later: the collector's first pass walks them all (about 10 ms for 100,000 steps; it then
+untracks the frees), and every full collection walks the run tuples again (they hold the
+kernels). A process that keeps the program should keep the collector off from the load
+until its answer is sent, then run `gc.collect(1)` (that first pass, and the request's own
+garbage) and `gc.freeze()` (the program out of every later collection; it is still freed
+when dropped, as nothing in it is in a cycle).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import math
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast, overload
@@ -50,7 +73,7 @@ import orjson
 
 from engine.backends import Backend, get_backend
 from engine.dtypes import ITEMSIZE
-from engine.graph.builder import Builder
+from engine.graph.builder import Builder, Memo
 from engine.graph.executor import (
     ALIAS,
     BINARY,
@@ -62,7 +85,7 @@ from engine.graph.executor import (
     UNARY_INTO,
     Bound,
     Run,
-    _run,
+    _Loop,
     given_of,
     kernel_of,
 )
@@ -71,28 +94,36 @@ from engine.graph.scan import SCAN, Body
 from engine.ops import OPS
 from engine.ops.registry import Meta, OpDef, bind_attributes, literal_meta
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"GSPROG\r\n"
 _PREFIX = struct.Struct("<8sIIQ")  # magic, version, CRC-32 and length of what follows
 _U32 = struct.Struct("<I")
 _KINDS = frozenset({NODE, CAST, CONSTANT, BACKWARD, DERIVED})
 _INT64 = (-(2**63), 2**63 - 1)
-# A step's code by how many slots it reads (0, 1, 2, more), when it runs a kernel of its own.
-_BY_SLOTS = np.array([NULLARY, UNARY, BINARY, NARY])
-# By step code: whether its run tuple names its first slot (a0), and its last (a1).
-_READS_FIRST = np.zeros(8, bool)
-_READS_FIRST[[UNARY, BINARY, ALIAS, UNARY_INTO, BINARY_INTO]] = True
-_READS_LAST = np.zeros(8, bool)
-_READS_LAST[[BINARY, UNARY_INTO, BINARY_INTO]] = True
-# The narrowest dtype first: a column takes the first that holds its values.
-_DTYPES = tuple(np.dtype(d) for d in ("<u1", "<i1", "<u2", "<i2", "<u4", "<i4", "<i8"))
-_DTYPE_NAMES = {d.str: d for d in _DTYPES}
+# A column's dtype, by its struct format (little-endian), the narrowest first: a column takes
+# the first that holds its values. A small program's columns are read as memoryviews of
+# these formats (native: little-endian only, see SMALL).
+_DTYPES = {f: np.dtype("<" + f) for f in "BbHhIiq"}
+_ITEMSIZES = {f: d.itemsize for f, d in _DTYPES.items()}
+# Every column but the costs holds counts or indices, unsigned (reused slots are stored + 1).
+_UNSIGNED = frozenset("BHI")
+# A large program of this many slots or more shares one int object per slot (_Flow.ints).
+_SHARED_INTS = 1 << 15
+# Programs of up to this many steps are checked in Python (see the module's docstring): the
+# loads of the two ways cost the same at about 100 steps (callgrind, unrolled recurrences).
+SMALL = 96 if sys.byteorder == "little" else -1
+# By step code: whether its run tuple names the first slot it reads (a0), and the last (a1).
+_READS_FIRST = frozenset({UNARY, BINARY, ALIAS, UNARY_INTO, BINARY_INTO})
+_READS_LAST = frozenset({BINARY, UNARY_INTO, BINARY_INTO})
 
+# A loop body's lists of slots (engine.graph.scan.Body).
+_BODY_LISTS = ("carries", "xs", "closures", "nexts", "ys")
+# A program's columns, in the order they are written: per step, then flat, then per slot.
+_COLUMNS = ("signature", "kind", "origin", "out", "reuse", "cost", "nfrees", "slots", "frees",
+            "meta", "requires_grad", "grad_fn", "held")
 
-# A program's columns, in the order they are written (the top program's also "kernel").
-_COLUMNS = ("op", "kind", "origin", "attrs", "out", "nargs", "args", "nmore", "more", "reuse",
-            "ufunc", "cost", "nfrees", "frees", "meta", "requires_grad", "grad_fn", "held")
-_TOP_COLUMNS = frozenset({*_COLUMNS, "kernel"})
+# A column: a small program's as a list of ints, a large one's as an integer array.
+Column = Any
 
 
 class CorruptProgram(Exception):
@@ -159,12 +190,12 @@ def dump_program(program: Program) -> bytes:
     the format cannot express."""
     writer = _Writer()
     writer.program(program, None)
+    name_lengths = writer.table([len(name) for name in writer.name_list])
     try:
         header = orjson.dumps({
-            "ops": writer.op_names, "kinds": writer.kind_names, "names": writer.name_list,
-            "metas": writer.meta_list, "literals": writer.literal_list,
-            "attrs": writer.attrs_list, "kernels": writer.kernel_list,
-            "programs": writer.records,
+            "kinds": writer.kind_names, "names": "".join(writer.name_list),
+            "name_lengths": name_lengths, "metas": writer.meta_list,
+            "signatures": writer.signature_list, "programs": writer.records,
         })
     except TypeError as exc:  # (a name or a value orjson refuses)
         raise Unstorable(str(exc)) from None
@@ -178,49 +209,40 @@ class _Writer:
     """The tables shared by a program and its loops' bodies, and the columns written."""
 
     def __init__(self) -> None:
-        self.op_names: list[str] = []
-        self.ops: dict[int, int] = {}  # id(OpDef) -> index
         self.kind_names: list[str] = []
         self.kinds: dict[str, int] = {}
-        self.name_list: list[str | None] = [None]
+        self.name_list: list[str] = []  # (name i + 1: name 0 is None)
         self.names: dict[str | None, int] = {None: 0}
         self.meta_list: list[list[Any]] = []
         self.metas: dict[Meta, int] = {}
-        self.literal_list: list[Any] = []
-        self.literals: dict[tuple[type, Any], int] = {}
-        self.literal_ids: dict[int, int] = {}  # id(Lit) -> index (Lits are often shared)
-        self.attrs_list: list[Any] = []
-        self.attrs: dict[bytes, int] = {}
-        self.attrs_ids: dict[int, int] = {}  # id(dict) -> index (attrs are often shared)
-        self.kernel_list: list[list[Any]] = []
-        self.kernels: dict[tuple[Any, ...], int] = {}
+        self.literals: dict[int, Any] = {}  # id(Lit) -> its value as stored (Lits are shared)
+        self.attrs: dict[int, Any] = {}  # id(dict) -> attributes as stored (and shared)
+        self.signature_list: list[str] = []
+        self.signatures: dict[tuple[Any, ...], int] = {}
         self.records: list[dict[str, Any]] = []
         self.columns: list[bytes] = []
         self.size = 0
 
-    def column(self, values: Sequence[int]) -> list[Any]:
-        """Write `values` in the narrowest dtype that holds them; (dtype, offset, count)."""
-        try:
-            array = np.asarray(values, dtype=np.int64)
-        except OverflowError:
-            raise Unstorable("an integer past 64 bits in a column") from None
-        lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
-        dtype = next(d for d in _DTYPES
-                     if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
-        data = array.astype(dtype).tobytes()
-        offset = self.size
-        self.columns.append(data + bytes(-len(data) % 8))
-        self.size += len(self.columns[-1])
-        return [dtype.str, offset, len(array)]
-
-    def op(self, op: OpDef) -> int:
-        index = self.ops.get(id(op))
-        if index is None:
-            if op is not SCAN and OPS.get(op.name) is not op:
-                raise Unstorable(f"op {op.name!r} is not the registry's")
-            index = self.ops[id(op)] = len(self.op_names)
-            self.op_names.append(op.name)
-        return index
+    def table(self, *columns: Sequence[int], signed: int = -1) -> list[Any]:
+        """Write `columns` one after another, each in the narrowest dtype that holds its
+        values and 8-byte aligned: (their formats, where they start, their counts). Only
+        column `signed` may hold a negative value or one past 32 bits (as load reads)."""
+        offset, formats = self.size, ""
+        for i, values in enumerate(columns):
+            try:
+                array = np.asarray(values, dtype=np.int64)
+            except OverflowError:
+                raise Unstorable("an integer past 64 bits in a column") from None
+            lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
+            fmt = next(f for f, d in _DTYPES.items()
+                       if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+            if fmt not in _UNSIGNED and i != signed:
+                raise Unstorable(f"a count or an index out of range: {lo}..{hi}")
+            data = array.astype(_DTYPES[fmt]).tobytes()
+            self.columns.append(data + bytes(-len(data) % 8))
+            self.size += len(self.columns[-1])
+            formats += fmt
+        return [formats, offset, [len(values) for values in columns]]
 
     def meta(self, meta: Meta) -> int:
         index = self.metas.get(meta)
@@ -238,37 +260,27 @@ class _Writer:
         if index is None:
             if type(name) is not str:
                 raise Unstorable(f"a name that is not a string: {name!r:.60}")
-            index = self.names[name] = len(self.name_list)
             self.name_list.append(name)
+            index = self.names[name] = len(self.name_list)
         return index
 
-    def literal(self, lit: Lit) -> int:
-        index = self.literal_ids.get(id(lit))
-        if index is None:
+    def literal(self, lit: Lit) -> Any:
+        stored = self.literals.get(id(lit))
+        if stored is None:
             value = lit.value
             if type(value) not in (bool, int, float):
                 raise Unstorable(f"a literal of type {type(value).__name__}")
-            key = _literal_key(value)
-            index = self.literals.get(key)
-            if index is None:
-                index = self.literals[key] = len(self.literal_list)
-                self.literal_list.append(_encode(value))
-            self.literal_ids[id(lit)] = index
-        return index
+            stored = self.literals[id(lit)] = (_literal_key(value), _encode(value))
+        return stored
 
-    def attributes(self, attrs: dict[str, Any]) -> int:
-        index = self.attrs_ids.get(id(attrs))
-        if index is None:
+    def attributes(self, attrs: dict[str, Any]) -> Any:
+        stored = self.attrs.get(id(attrs))
+        if stored is None:
             if type(attrs) is not dict or any(type(k) is not str for k in attrs):
                 raise Unstorable(f"attributes that are not a dict by name: {attrs!r:.60}")
             encoded = {k: _encode(v) for k, v in attrs.items()}
-            key = orjson.dumps(encoded)
-            index = self.attrs.get(key)
-            if index is None:
-                index = self.attrs[key] = len(self.attrs_list)
-                self.attrs_list.append(encoded)
-            self.attrs_ids[id(attrs)] = index
-        return index
+            stored = self.attrs[id(attrs)] = (orjson.dumps(encoded), encoded)
+        return stored
 
     def kind(self, kind: str) -> int:
         index = self.kinds.get(kind)
@@ -277,6 +289,31 @@ class _Writer:
                 raise Unstorable(f"a step of kind {kind!r}")
             index = self.kinds[kind] = len(self.kind_names)
             self.kind_names.append(kind)
+        return index
+
+    def signature(self, step: Step, ufunc: bool, into: bool, slot_metas: list[int],
+                  slots: list[int]) -> int:
+        """The index of `step`'s signature: JSON text of its op, attributes (None for a
+        loop's step, which has its body instead), how it runs, and per argument the meta of
+        the slot it reads or the literal; the slots it reads go on `slots`."""
+        op = step.op
+        attrs = None if op is SCAN else self.attributes(step.attrs)
+        key: list[Any] = [op, attrs and attrs[0], ufunc, into]
+        for a in step.args:
+            if type(a) is int:
+                slots.append(a)
+                key.append(slot_metas[a])
+            else:
+                key.append(self.literal(a)[0])  # type: ignore[arg-type]
+        index = self.signatures.get(signature := tuple(key))
+        if index is None:
+            if op is not SCAN and OPS.get(op.name) is not op:
+                raise Unstorable(f"op {op.name!r} is not the registry's")
+            index = self.signatures[signature] = len(self.signature_list)
+            self.signature_list.append(orjson.dumps([
+                op.name, attrs and attrs[1], ufunc, into,
+                [self.meta_list[slot_metas[a]] if type(a) is int
+                 else self.literal(a)[1] for a in step.args]]).decode())  # type: ignore[arg-type]
         return index
 
     def program(self, program: Program, body: Body | None) -> int:
@@ -289,57 +326,32 @@ class _Writer:
         if not (len(program.frees) == len(program.reuse) == len(program.ufunc)
                 == len(program.step_costs) == n):
             raise Unstorable("the program is not planned")
-        slot_metas = [self.meta(m) for m in program.metas]
-        ops: list[int] = []
-        kinds: list[int] = []
-        origins: list[int] = []
-        attrs: list[int] = []
-        outs: list[int] = []
-        nargs: list[int] = []
-        args: list[int] = []
-        nmore: list[int] = []
-        more: list[int] = []
-        scans: list[list[int]] = []
-        kernels: list[int] = []
-        top = body is None
-        ufunc, reuse = program.ufunc, program.reuse
-        for i, step in enumerate(steps):
-            op = step.op
-            ops.append(self.op(op))
-            kinds.append(self.kind(step.kind))
-            origins.append(self.name(step.origin))
-            outs.append(step.out)
-            codes = [a if type(a) is int else -1 - self.literal(a)  # type: ignore[arg-type]
-                     for a in step.args]
-            nargs.append(len(codes))
-            args += codes
-            nmore.append(len(step.more))
-            more += step.more
-            if op is SCAN:
-                attrs.append(-1)
-                scans.append([i, -1])  # (the body's record comes after this one)
-                kernels.append(-1)
-                continue
-            attrs.append(self.attributes(step.attrs))
-            if top:
-                kernels.append(-1 if op.returns_input else self.kernel(
-                    ops[-1], attrs[-1], ufunc[i], reuse[i] >= 0,
-                    [c if c < 0 else slot_metas[c] for c in codes]))
-        frees = program.frees
-        columns: dict[str, Sequence[int]] = {
-            "op": ops, "kind": kinds, "origin": origins, "attrs": attrs, "out": outs,
-            "nargs": nargs, "args": args, "nmore": nmore, "more": more,
-            "reuse": reuse, "ufunc": [bool(u) for u in ufunc], "cost": program.step_costs,
-            "nfrees": [len(f) for f in frees], "frees": list(itertools.chain(*frees)),
-            "meta": slot_metas, "requires_grad": [bool(r) for r in program.requires_grad],
-            "grad_fn": [self.name(g) for g in program.grad_fn], "held": sorted(program.held),
-        }
-        if top:
-            columns["kernel"] = kernels
-        record["columns"] = {name: self.column(values) for name, values in columns.items()}
         if any(type(v) is not bool for v in (*program.ufunc, *program.requires_grad,
                                              program.no_grad, program.backward)):
             raise Unstorable("a flag that is not a bool")
+        slot_metas = [self.meta(m) for m in program.metas]
+        signatures: list[int] = []
+        kinds: list[int] = []
+        origins: list[int] = []
+        outs: list[int] = []
+        slots: list[int] = []
+        loops: list[list[Any]] = []
+        ufunc, reuse = program.ufunc, program.reuse
+        for i, step in enumerate(steps):
+            if step.op is SCAN:
+                loops.append([i, -1, list(step.more)])  # (the body's record comes after)
+            elif step.more:
+                raise Unstorable("a step that is not a loop writes several slots")
+            signatures.append(self.signature(step, ufunc[i], reuse[i] >= 0, slot_metas, slots))
+            kinds.append(self.kind(step.kind))
+            origins.append(self.name(step.origin))
+            outs.append(step.out)
+        frees = program.frees
+        record["columns"] = self.table(
+            signatures, kinds, origins, outs, [r + 1 for r in reuse], program.step_costs,
+            [len(f) for f in frees], slots, list(itertools.chain(*frees)), slot_metas,
+            program.requires_grad, [self.name(g) for g in program.grad_fn],
+            sorted(program.held), signed=_COLUMNS.index("cost"))
         if type(program.plan_ms) is not float:
             raise Unstorable("plan_ms is not a float")
         if program.cost_by_node != _cost_by_node([s.origin for s in steps], program.step_costs):
@@ -356,22 +368,12 @@ class _Writer:
                 "carries": body.carries, "xs": body.xs, "closures": body.closures,
                 "nexts": body.nexts, "ys": body.ys, "length": body.length,
                 "reverse": body.reverse, "wanted": body.wanted}
-        for scan in scans:
-            inner: Body = steps[scan[0]].attrs["body"]
+        for loop in loops:
+            inner: Body = steps[loop[0]].attrs["body"]
             if inner.program is None:
                 raise Unstorable("a loop whose body is not planned")
-            scan[1] = self.program(inner.program, inner)
-        record["scans"] = scans
-        return index
-
-    def kernel(self, op: int, attrs: int, ufunc: bool, into: bool, args: list[int]) -> int:
-        """A kernel signature's index: the op, attributes, how it runs, and per argument
-        its meta or literal (the executor's key, but for the backend)."""
-        key = (op, attrs, ufunc, into, *args)
-        index = self.kernels.get(key)
-        if index is None:
-            index = self.kernels[key] = len(self.kernel_list)
-            self.kernel_list.append([op, attrs, bool(ufunc), bool(into), args])
+            loop[1] = self.program(inner.program, inner)
+        record["loops"] = loops
         return index
 
 
@@ -401,25 +403,12 @@ def load_program(data: bytes | memoryview, device: str = "cpu") -> Program:
     backend = get_backend(device)
     raw = bytes(data)  # (no copy of bytes; a view is copied before it is checked)
     try:
-        with _no_cycles():
-            return _Reader(raw).load(backend)
+        with _NoCycles():
+            return _Reader(raw, backend).load()
     except CorruptProgram:
         raise
     except Exception as exc:  # whatever the damage, the caller gets one kind of error
         raise CorruptProgram(f"not a valid program: {type(exc).__name__}: {exc}") from exc
-
-
-@contextlib.contextmanager
-def _no_cycles() -> Iterator[None]:
-    """No cycle collection while a load makes its objects: a large program is a hundred
-    thousand tuples, none of them in a cycle, and each collection would walk them all."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _check(ok: Any, what: str) -> None:
@@ -432,17 +421,655 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
-def _typed_list(value: Any, kind: type, what: str) -> list[Any]:
-    _check(type(value) is list and all(type(v) is kind for v in value),
-           f"{what} is not a list of {kind.__name__}")
-    return cast(list[Any], value)
+def _within(values: Column, hi: int, what: str) -> None:
+    """Every value (unsigned) below `hi`."""
+    if len(values) and (max(values) if isinstance(values, list) else int(values.max())) >= hi:
+        raise CorruptProgram(f"{what} out of range")
 
 
-def _within(array: np.ndarray, lo: int, hi: int, what: str) -> None:
-    """Every value of `array` in [lo, hi)."""
-    if len(array):
-        _check(((lo <= 0 and array.dtype.kind == "u") or int(array.min()) >= lo)
-               and int(array.max()) < hi, f"{what} out of range")
+def _total(values: Column) -> int:
+    return sum(values) if isinstance(values, list) else int(values.sum(dtype=np.int64))
+
+
+def _ints(values: Column) -> list[int]:
+    return values if isinstance(values, list) else values.tolist()  # type: ignore[no-any-return]
+
+
+def _meta(data: Any) -> Meta:
+    if type(data) is not list or len(data) != 3:
+        raise CorruptProgram("a meta is not [shape, dtype, literal]")
+    shape, dtype, literal = data
+    if type(shape) is not list or dtype not in ITEMSIZE or type(literal) is not bool:
+        raise CorruptProgram("a meta")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise CorruptProgram("a meta's shape")
+    return Meta(tuple(shape), dtype, literal)
+
+
+def _slots(value: Any, count: int, what: str) -> list[int]:
+    """`value`, checked: a list of slots (below `count`)."""
+    if type(value) is not list:
+        raise CorruptProgram(f"{what} is not a list")
+    for s in value:
+        if type(s) is not int or not 0 <= s < count:
+            raise CorruptProgram(f"{what}: not a slot")
+    return value
+
+
+def _literal(data: Any) -> Lit:
+    value = _decode(data)
+    _check(type(value) in (bool, int, float), "a literal that is not a number")
+    return Lit(value)
+
+
+class _Signature:
+    """A step signature's JSON text, decoded and checked: its op, attributes, how it runs,
+    its arguments (per slot it reads, None; a literal otherwise) and the metas of the slots
+    it reads; attributes its op takes; its result's meta (None: a loop's, whose body is
+    checked against its step instead); the run tuple's code; its kernels by how they are
+    bound (backend, ufunc), as `executor.kernel_of` made them. Shared by every program
+    loaded with that text (see _SIGNATURES)."""
+
+    __slots__ = ("attrs", "code", "into", "kernels", "metas", "nslots", "op", "out", "template",
+                 "ufunc")
+
+    def __init__(self, text: str) -> None:
+        data = orjson.loads(text)
+        _check(type(data) is list and len(data) == 5, "a signature")
+        name, attrs, ufunc, into, args = data
+        found = SCAN if name == SCAN.name else OPS.get(name) if type(name) is str else None
+        _check(found is not None and type(ufunc) is bool and type(into) is bool
+               and type(args) is list, "a signature")
+        self.op = op = cast(OpDef, found)
+        self.ufunc, self.into = ufunc, into
+        self.metas = [_meta(a) for a in args if type(a) is list]
+        self.template = [None if type(a) is list else _literal(a) for a in args]
+        self.nslots = k = len(self.metas)
+        self.kernels: dict[tuple[Backend, bool], Any] = {}
+        self.out: Meta | None = None
+        if op is SCAN:
+            _check(attrs is None and k == len(args) and not into, "a loop's signature")
+            self.attrs: dict[str, Any] = {}  # (a loop's step has its body instead)
+            self.code = LOOP
+            return
+        _check(type(attrs) is dict, "a signature's attributes")
+        _check(k or not (into or op.returns_input), "a step that reads nothing")
+        self.attrs = {key: _decode(value) for key, value in attrs.items()}
+        bind_attributes(op.name, op.attrs, op.defaults, self.attrs)
+        if op.returns_input:
+            self.code, self.out = ALIAS, self.metas[0]
+            return
+        self.code = (UNARY_INTO if k == 1 else BINARY_INTO) if into else \
+            (NULLARY, UNARY, BINARY, NARY)[min(k, 3)]
+        metas = iter(self.metas)
+        self.out = op.infer([next(metas) if t is None else literal_meta(t.value)
+                             for t in self.template], **self.attrs)
+
+    def args(self, slots: list[int]) -> tuple[Any, ...]:
+        """A step's arguments, from the slots it reads."""
+        if len(slots) == len(self.template):
+            return tuple(slots)
+        it = iter(slots)
+        return tuple(next(it) if t is None else t for t in self.template)
+
+
+# Signatures by their text, checked: loads of programs that share signatures decode and
+# check each once, and bind its kernel once.
+_SIGNATURES = Memo(1 << 12)
+
+
+def _signature(text: Any) -> _Signature:
+    known = _SIGNATURES.get(text) if type(text) is str else None
+    if known is None:
+        _check(type(text) is str, "a signature is not a string")
+        known = _SIGNATURES.remember(text, _Signature(text))
+    return cast(_Signature, known)
+
+
+class _Signatures:
+    """A program's signatures as arrays (metas as indices of its table), to gather from by
+    step: the checks of large programs."""
+
+    def __init__(self, signatures: list[_Signature], meta_index: dict[Meta, int]) -> None:
+        metas = [[meta_index[m] for m in s.metas] for s in signatures]
+        self.nslots = np.array([s.nslots for s in signatures], np.intp)
+        self.start = np.cumsum(self.nslots) - self.nslots  # (of its metas in `metas`)
+        self.metas = np.array([m for ms in metas for m in ms] or [0], np.int32)
+        # (the metas of the first and last slot read; -1: none, as the reads of a step
+        # that reads nothing are the placeholder slot, of meta -1: see _Flow.of_arrays)
+        self.first_meta = np.array([ms[0] if ms else -1 for ms in metas], np.int32)
+        self.last_meta = np.array([ms[-1] if ms else -1 for ms in metas], np.int32)
+        self.out = np.array([-1 if s.out is None else meta_index[s.out] for s in signatures],
+                            np.int32)
+        self.into = np.array([s.into for s in signatures], bool)
+        self.code = np.array([s.code for s in signatures], np.intp)
+        self.first = np.array([s.code in _READS_FIRST for s in signatures], bool)
+        self.last = np.array([s.code in _READS_LAST for s in signatures], bool)
+        self.rest = np.array([s.code in (NARY, UNARY_INTO, BINARY_INTO) for s in signatures],
+                             bool)
+        self.loop = np.array([s.code == LOOP for s in signatures], bool)
+        self.loops, self.intos = bool(self.loop.any()), bool(self.into.any())
+
+
+class _Names:
+    """The names table (origins, grad_fn), kept as one string and split when first read."""
+
+    def __init__(self, text: str, lengths: Column) -> None:
+        self.text, self.lengths = text, lengths
+        self.count = 1 + len(lengths)
+        self._list: list[str | None] | None = None
+
+    def list(self) -> list[str | None]:
+        if self._list is None:
+            text, lengths = self.text, _ints(self.lengths)
+            self._list = [None, *(text[end - k:end] for k, end in
+                                  zip(lengths, itertools.accumulate(lengths), strict=True))]
+        return self._list
+
+    def get(self, index: int) -> str | None:
+        """Name `index`, without splitting them all."""
+        if not index:
+            return None
+        if self._list is not None:
+            return self._list[index]
+        end = _total(self.lengths[:index])
+        return self.text[end - int(self.lengths[index - 1]):end]
+
+
+class _Reader:
+    """One stored program's bytes, checked, and the tables they share."""
+
+    def __init__(self, raw: bytes, backend: Backend) -> None:
+        if len(raw) < _PREFIX.size:
+            raise CorruptProgram(f"truncated: {len(raw)} bytes")
+        magic, version, crc, length = _PREFIX.unpack_from(raw)
+        _check(magic == MAGIC, "not a stored program")
+        if version != FORMAT_VERSION:
+            raise CorruptProgram(f"format version {version}; this build reads {FORMAT_VERSION}")
+        if len(raw) - _PREFIX.size != length:
+            raise CorruptProgram(f"truncated or extended: {len(raw) - _PREFIX.size} bytes after "
+                                 f"the prefix, not {length}")
+        self.view = memoryview(raw)
+        _check(zlib.crc32(self.view[_PREFIX.size:]) == crc, "the checksum does not match")
+        _check(length >= _U32.size, "truncated header")
+        (size,) = _U32.unpack_from(raw, _PREFIX.size)
+        _check(_U32.size + size <= length, "the header runs past the end")
+        start = _PREFIX.size + _U32.size
+        header = orjson.loads(self.view[start:start + size])
+        _check(type(header) is dict, "the header is not a dict")
+        self.raw, self.backend = raw, backend
+        self.base = start + size + (-(_U32.size + size) % 8)
+        self.kinds = kinds = header["kinds"]
+        _check(type(kinds) is list and set(kinds) <= _KINDS, "an unknown step kind")
+        (lengths,) = self.columns(header["name_lengths"], ("name_lengths",))
+        text = header["names"]
+        _check(type(text) is str and _total(lengths) == len(text), "the names' lengths")
+        self.names = _Names(text, lengths)
+        metas = header["metas"]
+        _check(type(metas) is list, "metas")
+        self.metas = [_meta(m) for m in metas]
+        self.meta_index = {m: i for i, m in enumerate(self.metas)}
+        _check(len(self.meta_index) == len(self.metas), "a meta twice")
+        signatures = header["signatures"]
+        _check(type(signatures) is list, "signatures")
+        self.signatures = [_signature(signature) for signature in signatures]
+        self.loops = any(g.code == LOOP for g in self.signatures)
+        self._arrays: _Signatures | None = None
+        self.records = records = header["programs"]
+        _check(type(records) is list and records and all(type(r) is dict for r in records),
+               "programs")
+        self.claimed = {0}
+        self.used: set[int] = set()  # the signatures some step has
+
+    def arrays(self) -> _Signatures:
+        if self._arrays is None:
+            self._arrays = _Signatures(self.signatures, self.meta_index)
+        return self._arrays
+
+    def columns(self, spec: Any, names: tuple[str, ...], signed: int = -1) -> list[Column]:
+        """The columns of a table (their formats, where the first starts, their counts: see
+        _Writer.table), each within the bytes: lists if the first has at most SMALL
+        values, else arrays. Only column `signed` may be of a signed dtype."""
+        _check(type(spec) is list and len(spec) == 3, "a table of columns")
+        formats, offset, counts = spec
+        _check(type(formats) is str and len(formats) == len(names) and type(offset) is int
+               and offset >= 0 and type(counts) is list and len(counts) == len(names)
+               and _UNSIGNED.issuperset(formats[:signed] + formats[signed + 1:] if signed >= 0
+                                        else formats), "a table of columns")
+        raw, base = self.raw, self.base
+        starts = []
+        at = end = base + offset
+        for fmt, count in zip(formats, counts, strict=True):
+            size = _ITEMSIZES.get(fmt)
+            if size is None or type(count) is not int or count < 0:
+                raise CorruptProgram("a column")
+            at = end + (base - end) % 8
+            starts.append(at)
+            end = at + count * size
+        _check(end <= len(raw), "a column runs past the end")
+        if counts[0] > SMALL:
+            return [np.frombuffer(raw, _DTYPES[fmt], count, start)
+                    for fmt, count, start in zip(formats, counts, starts, strict=True)]
+        first = starts[0]
+        values = list(raw[first:end])  # (a small program's bytes: most of its columns)
+        view = self.view
+        return [values[start - first:start - first + count] if fmt == "B"
+                else view[start:start + count * _ITEMSIZES[fmt]].cast(fmt).tolist()
+                for fmt, count, start in zip(formats, counts, starts, strict=True)]
+
+    def load(self) -> Program:
+        program, runs = self.program(0, None)
+        _check(len(self.claimed) == len(self.records), "a body no loop runs")
+        _check(len(self.used) == len(self.signatures), "a signature no step has")
+        forward, backward = runs
+        program.run = Bound(self.backend, forward, backward, given_of(program))
+        return program
+
+    def program(self, index: int, body: dict[str, Any] | None
+                ) -> tuple[_Loaded, list[list[Run]]]:
+        """Program `index` (and the bodies of its loops), checked, and its run tuples: the
+        top program's forward and backward (its run), a body's all in one."""
+        record = self.records[index]
+        _check((body is None) == ("body" not in record), "a body where none belongs")
+        (sig, kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad,
+         grad_fn, held) = self.columns(record["columns"], _COLUMNS, _COLUMNS.index("cost"))
+        small = type(sig) is list
+        n, nslots = len(sig), len(meta)
+        # (requires_grad and grad_fn cover the slots there were before the backward, and
+        # a body has neither)
+        _check(len(kind) == len(origin) == len(out) == len(reuse) == len(cost) == len(nfrees)
+               == n and len(requires_grad) == len(grad_fn) <= nslots
+               and _total(nfrees) == len(frees), "the columns' lengths")
+        signatures = self.signatures
+        if small:  # (its lists bound the indices the load reads: see _Flow)
+            _check(not n or max(kind) < len(self.kinds), "a kind out of range")
+            _check(not origin + grad_fn or max(origin + grad_fn) < self.names.count,
+                   "a name out of range")
+            _check(not requires_grad or max(requires_grad) < 2, "a requires_grad flag")
+        else:
+            _within(kind, len(self.kinds), "a kind")
+            _within(origin, self.names.count, "an origin")
+            _within(grad_fn, self.names.count, "a grad_fn")
+            _within(requires_grad, 2, "a requires_grad flag")
+            _within(sig, len(signatures), "a signature")
+            _within(meta, len(self.metas), "a meta")
+            for name, column in (("out", out), ("slots", slots), ("frees", frees),
+                                 ("held", held), ("reuse", reuse)):
+                _within(column, nslots + (name == "reuse"), f"a slot of {name!r}")
+
+        inputs = self._pairs(record["inputs"], nslots)
+        grad_inputs = self._pairs(record["grad_inputs"], nslots)
+        outputs = self._pairs(record["outputs"], nslots)
+        gradients = self._pairs(record["gradients"], nslots)
+        given = [s for _, s in (*inputs, *grad_inputs)]
+        kept = [*given, *_ints(held), *(s for _, s in (*outputs, *gradients))]
+        # The loops: each scan step's body is a record of its own, after this one.
+        loops = record["loops"]
+        _check(type(loops) is list, "the loops")
+        for loop in loops:
+            _check(type(loop) is list and len(loop) == 3 and type(loop[0]) is int
+                   and type(loop[1]) is int, "a loop")
+            _slots(loop[2], nslots, "a loop's results")
+        if not self.loops:
+            scans = []
+        elif small:
+            scans = [i for i, s in enumerate(sig) if signatures[s].code == LOOP]
+        else:
+            scans = np.flatnonzero(self.arrays().loop.take(sig)).tolist()
+        _check([loop[0] for loop in loops] == scans, "the loops")
+        more = {i: results for i, _, results in loops if results}
+        # (a loop writes only the results its body is planned for: the others are never
+        # written, and so never read)
+        unwanted: dict[int, list[int]] = {}
+        for i, inner, results in loops:
+            _check(index < inner < len(self.records), "a loop's body")
+            wanted = self.records[inner].get("body", {}).get("wanted")
+            _check(type(wanted) is list and len(wanted) == 1 + len(results)
+                   and all(type(w) is bool for w in wanted), "a body's wanted")
+            unwanted[i] = [w for w, want in zip((int(out[i]), *results), wanted, strict=True)
+                           if not want]
+        metas = self.metas
+        if small:
+            slot_metas = [metas[m] for m in meta]
+            flow = _Flow(signatures, n, nslots, sig, out, reuse, nfrees, slots, frees, meta,
+                         slot_metas, given, kept, more, unwanted)
+        else:
+            flow = _Flow.of_arrays(self.arrays(), n, nslots, sig, out, reuse, nfrees, slots,
+                                   frees, meta, given, kept, more, unwanted)
+            slot_metas = _objects(metas).take(meta).tolist()
+        self.used.update(flow.rep)
+        no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
+        nodes, peak, flops, moved = (_decode(record[key]) for key in (
+            "nodes", "planned_peak_bytes", "flops", "bytes_moved"))
+        _check(type(no_grad) is bool and type(backward) is bool and type(plan_ms) is float
+               and type(nodes) is int and type(peak) is int and type(flops) is int
+               and type(moved) is int, "a program's scalars")
+        _check(_total(cost) == flops + BYTE_COST * moved, "the steps' costs are not the program's")
+        p = _Loaded.__new__(_Loaded)
+        p.__dict__.update(
+            metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
+            outputs=outputs, gradients=gradients, no_grad=no_grad, backward=backward,
+            held=set(_ints(held)), frees=flow.frees, nodes=nodes, planned_peak_bytes=peak,
+            flops=flops, bytes_moved=moved, plan_ms=plan_ms, run=None)
+        if len(grad_fn):
+            _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
+        names = self.names
+        p._lazy = {
+            "requires_grad": lambda: list(map(bool, _ints(requires_grad))),
+            "grad_fn": lambda: list(map(names.list().__getitem__, _ints(grad_fn))),
+            "reuse": lambda: [r - 1 for r in _ints(reuse)], "step_costs": lambda: _ints(cost),
+            "ufunc": lambda: [signatures[s].ufunc for s in _ints(sig)],
+            "cost_by_node": lambda: _cost_by_node(
+                list(map(names.list().__getitem__, _ints(origin))), _ints(cost)),
+        }
+
+        bodies: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
+        body_runs: dict[int, list[Run]] = {}
+        for i, inner, results in loops:
+            _check(index < inner < len(self.records) and inner not in self.claimed,
+                   "a loop's body")
+            self.claimed.add(inner)
+            spec = _typed(self.records[inner].get("body"), dict, "a body")
+            loop, (body_runs[i],) = self.program(inner, spec)
+            start = int(flow.starts[i])
+            reads = _ints(slots[start:start + signatures[int(sig[i])].nslots])
+            bodies[i] = ({"body": self._body(spec, loop, [slot_metas[a] for a in reads],
+                                             [slot_metas[o] for o in (int(out[i]), *results)])},
+                         tuple(results))
+        p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
+            self, sig, kind, origin, out, slots, flow.starts, bodies)))
+        return p, self.bind(p, sig, out, reuse, slots, kind if body is None else None, flow,
+                            body_runs)
+
+    @staticmethod
+    def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
+        """`data`, checked: a list of [name, slot] pairs."""
+        _check(type(data) is list, "names and slots")
+        pairs = []
+        for pair in data:
+            if type(pair) is not list or len(pair) != 2:
+                raise CorruptProgram("names and slots")
+            name, slot = pair
+            if type(name) is not str or type(slot) is not int or not 0 <= slot < nslots:
+                raise CorruptProgram("names and slots")
+            pairs.append((name, slot))
+        return pairs
+
+    def _body(self, spec: dict[str, Any], program: _Loaded, args: list[Meta],
+              outs: list[Meta]) -> Body:
+        """A loop's Body around its planned `program`, checked against its scan step (the
+        metas of its arguments and results): what the loop allocates is what they say."""
+        metas = program.metas
+        carries, xs, closures, nexts, ys = lists = [
+            _slots(spec[key], len(metas), key) for key in _BODY_LISTS]
+        length, wanted = spec["length"], spec["wanted"]  # (wanted: checked with the loop)
+        _check(type(length) is int, "a body's length")
+        nc, nx = len(carries), len(xs)
+
+        def stacked(slot: int) -> Meta:
+            return Meta((length, *metas[slot].shape), metas[slot].dtype)
+
+        _check(length >= 0 and len(nexts) == nc and len(wanted) == len(outs) == nc + len(ys)
+               and len(args) == nc + nx + len(closures)
+               and [metas[s] for s in carries] == args[:nc] == outs[:nc]
+               and [metas[s] for s in nexts] == args[:nc]
+               and [stacked(s) for s in xs] == args[nc:nc + nx]
+               and [metas[s] for s in closures] == args[nc + nx:]
+               and [stacked(s) for s in ys] == outs[nc:], "a loop's body does not fit its step")
+        # (the loop gives the body's program its carries, slices and closures, and reads
+        # back its next carries and the results it stacks: exactly its inputs and outputs)
+        _check(list(program.inputs.values()) == [*carries, *xs, *closures]
+               and not program.grad_inputs
+               and [s for _, s in program.outputs] == [
+                   *nexts, *(y for y, want in zip(ys, wanted[nc:], strict=True) if want)],
+               "a loop's body does not fit its program")
+        b = Builder()
+        b.metas = metas
+        return Body(b=b, steps=program.steps, length=length, wanted=wanted,
+                    reverse=_typed(spec["reverse"], bool, "a body's reverse"),
+                    program=program, **dict(zip(_BODY_LISTS, lists, strict=True)))
+
+    def bind(self, p: _Loaded, sig: Column, out: Column, reuse: Column, slots: Column,
+             kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]]
+             ) -> list[list[Run]]:
+        """A program's run tuples, with the decisions `executor._run` makes (and its loops'
+        bodies' runs, as `executor._bind` makes them), its kernels one per signature:
+        forward and backward by `kind` (the top program's), else all in one."""
+        backend, signatures = self.backend, self.signatures
+        ufuncs = backend.ufuncs is not None
+        columns = cast(_Steps, p.steps).columns
+        fns: list[Any] = [None] * len(signatures)  # (None: a step that runs without one)
+        for s, i in flow.rep.items():
+            g = signatures[s]
+            if g.code not in (ALIAS, LOOP):
+                how = (backend, g.ufunc and ufuncs)
+                fn = g.kernels.get(how)
+                if fn is None:
+                    fn = g.kernels[how] = kernel_of(columns.step(i), p, *how, g.into)
+                fns[s] = fn
+        backward = self.kinds.index(BACKWARD) if BACKWARD in self.kinds else -1
+        frees, starts, n = flow.frees, flow.starts, len(sig)
+        if type(sig) is list:
+            runs: list[Run] = []
+            first, last = flow.first, flow.last
+            for i, s in enumerate(sig):
+                g = signatures[s]
+                code = g.code
+                if code == LOOP:
+                    runs.append((LOOP, None, out[i], 0, 0,
+                                 _Loop(p.steps[i], backend, body_runs[i]), frees[i]))
+                    continue
+                runs.append((code, fns[s], out[i], first[i] if code in _READS_FIRST else 0,
+                             last[i] if code in _READS_LAST else 0,
+                             reuse[i] - 1 if code >= UNARY_INTO else tuple(
+                                 slots[starts[i]:starts[i] + g.nslots]) if code == NARY
+                             else None, frees[i]))
+            if kind is None:
+                return [runs]
+            split = kind.index(backward) if backward in kind else n
+            return [runs[:split], runs[split:]]
+        arrays = self.arrays()
+        sig = flow.sig
+        codes: list[int] = arrays.code.take(sig).tolist()  # type: ignore[assignment]
+        rest: list[Any] = [None] * n
+        for i in np.flatnonzero(arrays.rest.take(sig)).tolist():
+            rest[i] = int(reuse[i]) - 1 if codes[i] >= UNARY_INTO else tuple(
+                slots[starts[i]:starts[i] + signatures[int(sig[i])].nslots].tolist())
+        split = n  # (the first backward step)
+        if kind is not None and backward >= 0:
+            at = np.flatnonzero(kind == backward)
+            split = int(at[0]) if len(at) else n
+        ints = flow.ints
+        tuples = zip(codes, _objects(fns).take(sig).tolist(), ints(out),
+                     ints(np.where(arrays.first.take(sig), flow.first, 0)),
+                     ints(np.where(arrays.last.take(sig), flow.last, 0)), rest,
+                     frees, strict=True)
+        parts = [list(itertools.islice(tuples, split)), list(tuples)]
+        for i in np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else ():
+            part = int(i >= split)
+            parts[part][i - split * part] = (LOOP, None, int(out[i]), 0, 0, _Loop(
+                p.steps[i], backend, body_runs[i]), frees[i])
+        return parts if kind is not None else parts[:1]
+
+
+_BAD_READ = "a slot read before it is written, after it is freed, or not of its signature's meta"
+
+
+class _Flow:
+    """A program's data flow, from its columns, checked: each slot is written once (by a
+    step, or given), read after it is written and not after it is freed, freed at most once
+    and never if it is kept (given, a result, held); each step reads slots of its
+    signature's metas and writes its result's; a step writes into a buffer only where its
+    signature says, and then into its first or last argument's, freed there, of the result's
+    meta. Per step: the tuple of slots it frees, where its slots start in the flat column,
+    the first and last slot it reads; per signature used, a step that has it (`rep`).
+
+    `_Flow(...)` checks a small program's lists step by step, `_Flow.of_arrays` a large
+    one's arrays a column at a time: the same checks."""
+
+    frees: list[tuple[int, ...]]
+    starts: Column
+    first: Column
+    last: Column
+    rep: dict[int, int]
+    sig: np.ndarray  # (a large program's signatures, as indices)
+    pool: np.ndarray | None  # (and one int object per slot, to share: see ints)
+
+    def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
+                 out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
+                 frees: list[int], meta: list[int], metas: list[Meta], given: list[int],
+                 kept: list[int], more: dict[int, list[int]],
+                 unwanted: dict[int, list[int]]) -> None:
+        # (an index past the end of a list it indexes is an IndexError: a CorruptProgram)
+        made = [n] * nslots  # the step that writes each slot (-1: given; n: none)
+        freed = [n] * nslots  # the step after which it goes (n: never)
+        for s in given:
+            made[s] = -1
+        empty: tuple[int, ...] = ()
+        self.frees = step_frees = [empty] * n
+        self.starts = starts = [0] * n
+        self.first = first = [0] * n
+        self.last = last = [0] * n
+        at = taken = 0
+        for i, s in enumerate(sig):
+            g = signatures[s]
+            starts[i] = at
+            if g.nslots:
+                a = first[i] = slots[at]
+                if made[a] >= i or freed[a] != n or metas[a] != g.metas[0]:
+                    raise CorruptProgram(_BAD_READ)
+                for j in range(1, g.nslots):
+                    a = slots[at + j]
+                    if made[a] >= i or freed[a] != n or metas[a] != g.metas[j]:
+                        raise CorruptProgram(_BAD_READ)
+                last[i] = a
+                at += g.nslots
+            o = out[i]
+            if made[o] != n:
+                raise CorruptProgram("a slot written twice")
+            made[o] = i
+            if metas[o] != g.out and g.code != LOOP:
+                raise CorruptProgram("a step's result meta")
+            if more and i in more:
+                for w in more[i]:
+                    if made[w] != n:
+                        raise CorruptProgram("a slot written twice")
+                    made[w] = i
+            if unwanted and i in unwanted:
+                for w in unwanted[i]:
+                    made[w] = n + 1  # (never written: never read, nor written again)
+            count = nfrees[i]
+            if count:
+                gone = frees[taken:taken + count]
+                taken += count
+                for f in gone:
+                    if freed[f] != n or made[f] > i:
+                        raise CorruptProgram("a slot freed twice, or before it is written")
+                    freed[f] = i
+                step_frees[i] = tuple(gone)
+            r = reuse[i] - 1
+            if (r >= 0 or g.into) and not (g.into and r >= 0 and freed[r] == i and (
+                    r == first[i] or r == last[i]) and meta[r] == meta[o]):
+                raise CorruptProgram("a step writes into a buffer that is not its dead "
+                                     "argument's")
+        _check(at == len(slots), "column 'slots': counts")
+        _check(all(freed[s] == n and made[s] < n for s in kept), "a result freed, or never made")
+        self.rep = dict(zip(sig, range(n), strict=True))  # (the last step of each signature)
+
+    def ints(self, slots: np.ndarray) -> list[int]:
+        """A large program's `slots` as ints. Past _SHARED_INTS slots, one int object per
+        slot serves every run tuple and frees tuple that names it: megabytes fewer to
+        allocate, fault in and free, for what taking from the pool costs."""
+        return slots.tolist() if self.pool is None else self.pool.take(slots).tolist()
+
+    @classmethod
+    def of_arrays(cls, arrays: _Signatures, n: int, nslots: int, sig: np.ndarray,
+                  out: np.ndarray, reuse: np.ndarray, nfrees: np.ndarray, slots: np.ndarray,
+                  frees: np.ndarray, meta: np.ndarray, given: list[int], kept: list[int],
+                  more: dict[int, list[int]], unwanted: dict[int, list[int]]) -> _Flow:
+        self = cls.__new__(cls)
+        self.sig = sig = sig.astype(np.intp)
+        counts = arrays.nslots.take(sig)  # (an index past a table is an IndexError here)
+        ends = counts.cumsum()
+        total = int(ends[-1]) if n else 0
+        _check(len(slots) == total, "column 'slots': counts")
+        self.starts = starts = ends - counts
+        steps = np.arange(n, dtype=np.int32)  # (steps and slots below 2**31: half the bytes)
+        # Per step, the first and the last slot it reads (for one that reads none, slot
+        # `nslots`: given, never freed, of meta -1, as its signature's first and last).
+        reads = np.empty(total + 1, np.intp)
+        reads[:total] = slots
+        reads[total] = nslots
+        at = np.empty((2, n), np.intp)
+        at[0] = starts
+        np.subtract(ends, 1, out=at[1])
+        at[:, np.flatnonzero(counts == 0)] = total
+        first_last = reads.take(at)
+        self.first, self.last = first, last = first_last
+        metas = np.empty(nslots + 1, np.int32)
+        metas[:nslots] = meta
+        metas[nslots] = -1
+
+        o, gone = out.astype(np.intp), frees.astype(np.intp)
+        made = np.empty(nslots + 1, np.int32)  # the step that writes each slot (-1: given)
+        made.fill(n)  # (n: none)
+        made[given] = -1
+        made[nslots] = -1
+        made[o] = steps
+        if more:  # (a loop step's results: none twice, nor its first result)
+            results = np.array([s for slots in more.values() for s in slots], np.intp)
+            made[results] = np.array([i for i, slots in more.items() for _ in slots], np.intp)
+            _check(np.bincount(np.concatenate([o, results])).max() <= 1, "a slot written twice")
+        _check((made[given] == -1).all() and (made.take(o) == steps).all(),
+               "a slot written twice")
+        made[[w for slots in unwanted.values() for w in slots]] = n  # (never written)
+        free_at = np.repeat(steps, nfrees)
+        freed = np.empty(nslots + 1, np.int32)  # the step after which it goes
+        freed.fill(n)  # (n: never)
+        freed[gone] = free_at
+        _check(not len(gone) or (np.bincount(gone).max() <= 1
+                                 and (made.take(gone) <= free_at).all()),
+               "a slot freed twice, or before it is written")
+        _check((freed[kept] == n).all() and (made[kept] < n).all(),
+               "a result freed, or never made")
+        # The first and last slot each step reads, by step; the others (where a step reads
+        # more than two), by slot read.
+        _check((made.take(first_last) < steps).all() and (freed.take(first_last) >= steps).all(),
+               "a slot read before it is written, or after it is freed")
+        _check((metas.take(first) == arrays.first_meta.take(sig)).all()
+               and (metas.take(last) == arrays.last_meta.take(sig)).all(),
+               "a step's arguments are not its signature's")
+        if total and int(counts.max()) > 2:
+            read = reads[:total]
+            read_at = np.repeat(steps, counts)  # per slot read, the step that reads it
+            position = np.repeat(arrays.start.take(sig) - starts, counts) + np.arange(total)
+            _check((made.take(read) < read_at).all() and (freed.take(read) >= read_at).all(),
+                   "a slot read before it is written, or after it is freed")
+            _check((metas.take(read) == arrays.metas.take(position)).all(),
+                   "a step's arguments are not its signature's")
+        result = metas.take(o)
+        same = result == arrays.out.take(sig)
+        _check((same | arrays.loop.take(sig) if arrays.loops else same).all(),
+               "a step's result meta")
+        if arrays.intos:
+            _check(((reuse > 0) == arrays.into.take(sig)).all(),
+                   "a step writes into a buffer that is not its dead argument's")
+            into = np.flatnonzero(reuse)
+            r = reuse[into].astype(np.intp) - 1
+            _check((freed.take(r) == into).all() and ((r == first[into]) | (r == last[into])).all()
+                   and (metas.take(r) == result[into]).all(),
+                   "a step writes into a buffer that is not its dead argument's")
+        else:
+            _check(not n or int(reuse.max()) == 0,
+                   "a step writes into a buffer that is not its dead argument's")
+        rep = np.full(len(arrays.nslots), -1)
+        rep[sig] = steps
+        used = np.flatnonzero(rep >= 0)
+        self.rep = dict(zip(used.tolist(), rep[used].tolist(), strict=True))
+        self.pool = np.arange(nslots + 1).astype(object) if nslots >= _SHARED_INTS else None
+        self.frees = _tuples(nfrees, gone if self.pool is None else self.pool.take(gone))
+        return self
 
 
 class _Loaded(Program):
@@ -464,8 +1091,8 @@ class _Steps(Sequence[Step]):
     a program runs from its run tuples, and only /plan, errors and loops read its steps."""
 
     def __init__(self, columns: _StepColumns) -> None:
-        self._items: list[Step | None] = [None] * len(columns.op)
-        self._columns = columns
+        self._items: list[Step | None] = [None] * len(columns.sig)
+        self.columns = columns
         self._whole = not self._items
 
     def __len__(self) -> int:
@@ -483,7 +1110,7 @@ class _Steps(Sequence[Step]):
         item = self._items[index]  # (an IndexError as a list's)
         if item is None:
             i = index % len(self._items)
-            item = self._items[i] = self._columns.step(i)
+            item = self._items[i] = self.columns.step(i)
         return item
 
     def __iter__(self) -> Iterator[Step]:
@@ -491,7 +1118,8 @@ class _Steps(Sequence[Step]):
 
     def _all(self) -> list[Step]:
         if not self._whole:
-            decoded = self._columns.steps()
+            with _NoCycles():
+                decoded = self.columns.steps()
             self._items = [old or new for old, new in zip(self._items, decoded, strict=True)]
             self._whole = True
         return cast(list[Step], self._items)
@@ -499,463 +1127,72 @@ class _Steps(Sequence[Step]):
 
 class _StepColumns:
     """A program's step columns (checked), and the Step objects they hold: the compiler's
-    lists of Python values, with the tables' ops, Lits and attribute dicts."""
+    values, with the tables' ops, Lits and attribute dicts."""
 
-    def __init__(self, reader: _Reader, op: np.ndarray, kind: np.ndarray, origin: np.ndarray,
-                 attrs: np.ndarray, out: np.ndarray, nargs: np.ndarray, args: np.ndarray,
-                 arg_ends: np.ndarray, nmore: np.ndarray, more: np.ndarray,
-                 more_ends: np.ndarray, loops: dict[int, dict[str, Any]]) -> None:
-        self.ops, self.kinds, self.names = reader.ops, reader.kinds, reader.names
-        self.literals, self.attr_list, self.loops = reader.literals, reader.attrs, loops
-        self.op, self.kind, self.origin, self.attrs, self.out = op, kind, origin, attrs, out
-        self.nargs, self.args, self.arg_ends = nargs, args, arg_ends
-        self.nmore, self.more, self.more_ends = nmore, more, more_ends
+    def __init__(self, reader: _Reader, sig: Column, kind: Column, origin: Column,
+                 out: Column, slots: Column, starts: Column,
+                 loops: dict[int, tuple[dict[str, Any], tuple[int, ...]]]) -> None:
+        self.signatures, self.kinds, self.names = reader.signatures, reader.kinds, reader.names
+        self.sig, self.kind, self.origin, self.out = sig, kind, origin, out
+        self.slots, self.starts, self.loops = slots, starts, loops
 
     def step(self, i: int) -> Step:
-        literals = self.literals
-        end = self.arg_ends.item(i)
-        args = tuple([a if a >= 0 else literals[-1 - a]
-                      for a in self.args[end - self.nargs.item(i):end].tolist()])
-        end = self.more_ends.item(i)
-        more = tuple(self.more[end - self.nmore.item(i):end].tolist())
-        a = self.attrs.item(i)
-        return Step(self.ops[self.op.item(i)], args,
-                    self.attr_list[a] if a >= 0 else self.loops[i], self.out.item(i),
-                    self.kinds[self.kind.item(i)], self.names[self.origin.item(i)], more)
+        g = self.signatures[int(self.sig[i])]
+        start = int(self.starts[i])
+        attrs, more = self.loops.get(i) or (g.attrs, ())
+        return Step(g.op, g.args(_ints(self.slots[start:start + g.nslots])), attrs,
+                    int(self.out[i]), self.kinds[int(self.kind[i])],
+                    self.names.get(int(self.origin[i])), more)
 
     def steps(self) -> list[Step]:
-        with _no_cycles():
-            return self._steps()
-
-    def _steps(self) -> list[Step]:
-        literals, attr_list, loops = self.literals, self.attr_list, self.loops
-        flat = [a if a >= 0 else literals[-1 - a] for a in self.args.tolist()]
-        counts = self.nargs.tolist()
-        args = [tuple(flat[e - c:e])
-                for c, e in zip(counts, itertools.accumulate(counts), strict=True)]
-        more = _tuples(self.nmore, self.more) if len(self.more) else [()] * len(counts)
-        attrs = [attr_list[a] if a >= 0 else loops[i]
-                 for i, a in enumerate(self.attrs.tolist())]
-        ops, kinds, names = self.ops, self.kinds, self.names
-        return list(map(Step, [ops[o] for o in self.op.tolist()], args, attrs,
-                        self.out.tolist(), [kinds[k] for k in self.kind.tolist()],
-                        [names[o] for o in self.origin.tolist()], more))
+        signatures, slots = self.signatures, _ints(self.slots)
+        of = [signatures[s] for s in _ints(self.sig)]
+        args = [g.args(slots[start:start + g.nslots])
+                for g, start in zip(of, _ints(self.starts), strict=True)]
+        attrs = [g.attrs for g in of]
+        more: list[tuple[int, ...]] = [()] * len(of)
+        for i, (loop_attrs, results) in self.loops.items():
+            attrs[i], more[i] = loop_attrs, results
+        kinds, names = self.kinds, self.names.list()
+        return list(map(Step, [g.op for g in of], args, attrs, _ints(self.out),
+                        [kinds[k] for k in _ints(self.kind)],
+                        [names[o] for o in _ints(self.origin)], more))
 
 
-def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[int, ...]]:
-    """Row i of a ragged array (`counts[i]` values of `flat`, in order) as a tuple. The rows
-    of one length are made together, zipping their columns (in C), then put in row order."""
-    if len(counts) <= 256:  # (a few rows: slicing them costs less than the NumPy calls)
-        row_values = flat.tolist()
-        return [tuple(row_values[e - c:e])
-                for c, e in zip(counts.tolist(), itertools.accumulate(counts.tolist()),
-                                strict=True)]
-    ends = np.cumsum(counts, dtype=np.int64)
-    starts = ends - counts
-    pool: list[tuple[int, ...]] = [()]
-    where = np.zeros(len(counts), np.int64)  # per row, its tuple's place in the pool
-    sizes = np.bincount(counts)
-    values: list[int] | None = None
-    for k in np.flatnonzero(sizes[1:]).tolist():
+class _NoCycles:
+    """No cycle collection while a load makes its objects (see the module's docstring)."""
+
+    def __enter__(self) -> None:
+        self.collecting = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *_: object) -> None:
+        if self.collecting:
+            gc.enable()
+
+
+def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[Any, ...]]:
+    """Row i of a ragged array (`counts[i]` objects of `flat`, in order) as a tuple. The rows
+    of one length are made together, zipping their columns (in C), and put in their places
+    in an array of empty tuples."""
+    rows = np.empty(len(counts), object)
+    rows.fill(())
+    starts = np.cumsum(counts, dtype=np.intp) - counts
+    values: list[Any] | None = None
+    for k in np.flatnonzero(np.bincount(counts)[1:]).tolist():
         k += 1
-        rows = counts == k
-        where[rows] = np.arange(len(pool), len(pool) + sizes[k])
-        firsts = starts[rows]
+        at = np.flatnonzero(counts == k)
+        firsts = starts[at]
         if k <= 4:
-            pool += zip(*[flat[firsts + j].tolist() for j in range(k)], strict=True)
+            made: Iterable[tuple[Any, ...]] = zip(
+                *[flat[firsts + j].tolist() for j in range(k)], strict=True)
         else:
             values = flat.tolist() if values is None else values
-            pool += [tuple(values[f:f + k]) for f in firsts.tolist()]
-    return _objects(pool).take(where).tolist()  # type: ignore[no-any-return]
+            made = (tuple(values[f:f + k]) for f in firsts.tolist())
+        rows[at] = np.fromiter(made, object, len(at))
+    return rows.tolist()  # type: ignore[no-any-return]
 
 
 def _objects(items: list[Any]) -> np.ndarray:
     """`items` as a NumPy array of objects (to gather from in C)."""
     return np.fromiter(items, object, len(items))
-
-
-class _Flow:
-    """A program's data flow, from its columns, checked: each slot is written once (by a
-    step, or given), read after it is written and not after it is freed, freed at most once
-    and never if it is kept (given, a result, held). Also per step the slots it reads."""
-
-    def __init__(self, n: int, nslots: int, out: np.ndarray, nargs: np.ndarray,
-                 args: np.ndarray, nmore: np.ndarray, more: np.ndarray, nfrees: np.ndarray,
-                 frees: np.ndarray, given: np.ndarray, kept: np.ndarray) -> None:
-        steps = np.arange(n)
-        self.arg_step = arg_step = np.repeat(steps, nargs.astype(np.intp))  # per argument
-        self.is_slot = is_slot = args >= 0
-        self.literals = literals = not is_slot.all()
-        self.slots = slots = (args[is_slot] if literals else args).astype(np.int64)
-        read_at = arg_step[is_slot] if literals else arg_step
-        self.nslots = np.bincount(read_at, minlength=n) if literals else nargs.astype(np.int64)
-        self.ends = ends = np.cumsum(self.nslots)
-        has = self.nslots > 0
-        self.first = np.zeros(n, np.int64)  # the first slot each step reads, and the last
-        self.last = np.zeros(n, np.int64)
-        self.first[has] = slots[(ends - self.nslots)[has]]
-        self.last[has] = slots[ends[has] - 1]
-
-        written = np.concatenate([np.unique(given), out, more]).astype(np.intp)
-        _check((np.bincount(written, minlength=nslots) <= 1).all(), "a slot written twice")
-        made = np.full(nslots, n, np.int64)  # the step that writes each slot (-1: given)
-        made[given] = -1
-        made[out] = steps
-        made[more] = np.repeat(steps, nmore.astype(np.intp))
-        _check((made[slots] < read_at).all(), "a slot read before it is written")
-        free_at = np.repeat(steps, nfrees.astype(np.intp))
-        _check((np.bincount(frees.astype(np.intp), minlength=nslots) <= 1).all(),
-               "a slot freed twice")
-        self.freed = freed = np.full(nslots, n, np.int64)  # the step after which it goes
-        freed[frees] = free_at
-        _check((made[frees] <= free_at).all() and (read_at <= freed[slots]).all(),
-               "a slot read after it is freed")
-        _check((freed[kept] == n).all() and (made[kept] < n).all(),
-               "a result freed, or never made")
-
-
-def _distinct(codes: np.ndarray) -> list[int]:
-    """The distinct values of `codes` (non-negative), in order."""
-    if len(codes) and int(codes.max()) < 1 << 20:
-        return np.flatnonzero(np.bincount(codes)).tolist()  # type: ignore[no-any-return]
-    return np.unique(codes).tolist()  # type: ignore[no-any-return]
-
-
-class _Reader:
-    """One stored program's bytes, checked, and the tables they share."""
-
-    def __init__(self, raw: bytes) -> None:
-        _check(len(raw) >= _PREFIX.size, f"truncated: {len(raw)} bytes")
-        magic, version, crc, length = _PREFIX.unpack_from(raw)
-        _check(magic == MAGIC, "not a stored program")
-        _check(version == FORMAT_VERSION,
-               f"format version {version}; this build reads {FORMAT_VERSION}")
-        _check(len(raw) - _PREFIX.size == length,
-               f"truncated or extended: {len(raw) - _PREFIX.size} bytes after the prefix, "
-               f"not {length}")
-        view = memoryview(raw)[_PREFIX.size:]
-        _check(zlib.crc32(view) == crc, "the checksum does not match")
-        _check(length >= _U32.size, "truncated header")
-        (size,) = _U32.unpack_from(view)
-        _check(_U32.size + size <= length, "the header runs past the end")
-        header = _typed(orjson.loads(view[_U32.size:_U32.size + size]), dict, "the header")
-        self.raw = raw
-        self.base = _PREFIX.size + _U32.size + size + (-(_U32.size + size) % 8)
-        self.ops = [self._op(name) for name in _typed_list(header["ops"], str, "ops")]
-        self.is_scan = np.array([op is SCAN for op in self.ops], bool)
-        self.returns_input = np.array([op.returns_input for op in self.ops], bool)
-        self.kinds = _typed_list(header["kinds"], str, "kinds")
-        _check(set(self.kinds) <= _KINDS, "an unknown step kind")
-        names = _typed(header["names"], list, "names")
-        _check(names[:1] == [None] and set(map(type, names[1:])) <= {str}, "bad names")
-        self.names: list[str | None] = names
-        self.metas = [self._meta(m) for m in _typed(header["metas"], list, "metas")]
-        self.meta_index = {m: i for i, m in enumerate(self.metas)}
-        _check(len(self.meta_index) == len(self.metas), "a meta twice")
-        self.literals = [self._literal(v) for v in _typed(header["literals"], list, "literals")]
-        self.attrs = [self._attrs(a) for a in _typed(header["attrs"], list, "attrs")]
-        self.kernels = _typed(header["kernels"], list, "kernels")
-        self.records = _typed_list(header["programs"], dict, "programs")
-        _check(self.records, "no program")
-        self.claimed = {0}
-
-    @staticmethod
-    def _op(name: str) -> OpDef:
-        op = SCAN if name == SCAN.name else OPS.get(name)
-        _check(op is not None, f"unknown op {name!r}")
-        return cast(OpDef, op)
-
-    @staticmethod
-    def _meta(data: Any) -> Meta:
-        _check(type(data) is list and len(data) == 3, "a meta is not [shape, dtype, literal]")
-        shape, dtype, literal = data
-        _check(type(shape) is list and all(type(d) is int and d >= 0 for d in shape),
-               "a meta's shape")
-        _check(dtype in ITEMSIZE and type(literal) is bool, "a meta's dtype or flag")
-        return Meta(tuple(shape), dtype, literal)
-
-    @staticmethod
-    def _literal(data: Any) -> Lit:
-        value = _decode(data)
-        _check(type(value) in (bool, int, float), "a literal that is not a number")
-        return Lit(value)
-
-    @staticmethod
-    def _attrs(data: Any) -> dict[str, Any]:
-        _check(type(data) is dict, "attributes are not a dict")
-        return {k: _decode(v) for k, v in data.items()}
-
-    def columns(self, record: dict[str, Any], top: bool) -> dict[str, np.ndarray]:
-        """A record's columns, each checked to lie within the bytes."""
-        specs = _typed(record["columns"], dict, "columns")
-        _check(specs.keys() == (_TOP_COLUMNS if top else set(_COLUMNS)), "the columns")
-        out = {}
-        for name, spec in specs.items():
-            _check(type(spec) is list and len(spec) == 3, f"column {name!r}")
-            dtype, offset, count = _DTYPE_NAMES.get(spec[0]), spec[1], spec[2]
-            _check(dtype is not None and type(offset) is int and type(count) is int
-                   and offset >= 0 and count >= 0
-                   and self.base + offset + count * cast(np.dtype, dtype).itemsize
-                   <= len(self.raw), f"column {name!r}")
-            out[name] = np.frombuffer(self.raw, dtype, count, self.base + offset)
-        return out
-
-    def load(self, backend: Backend) -> Program:
-        program = self.program(0, None)
-        _check(len(self.claimed) == len(self.records), "a body no loop runs")
-        program.run = self.bind(program, backend)
-        return program
-
-    def program(self, index: int, body: dict[str, Any] | None) -> _Loaded:
-        """Program `index` (and the bodies of its loops), checked; without its run."""
-        record = self.records[index]
-        _check((body is None) == ("body" not in record), "a body where none belongs")
-        columns = self.columns(record, index == 0)
-        (op, kind, origin, attrs, out, nargs, args, nmore, more, reuse, ufunc, cost, nfrees,
-         frees, meta, requires_grad, grad_fn, held) = (columns[name] for name in _COLUMNS)
-        n, nslots = len(op), len(meta)
-        for name, array in (("kind", kind), ("origin", origin), ("attrs", attrs),
-                            ("out", out), ("reuse", reuse), ("ufunc", ufunc), ("cost", cost),
-                            ("nargs", nargs), ("nmore", nmore), ("nfrees", nfrees)):
-            _check(len(array) == n, f"column {name!r} has {len(array)} rows, not {n}")
-        for name, array, counts in (("args", args, nargs), ("more", more, nmore),
-                                    ("frees", frees, nfrees)):
-            _check(int(counts.sum(dtype=np.int64)) == len(array), f"column {name!r}: counts")
-        # (requires_grad and grad_fn cover the slots there were before the backward, and
-        # a body has neither)
-        _check(len(requires_grad) == len(grad_fn) <= nslots, "per-slot columns")
-        _within(op, 0, len(self.ops), "an op")
-        _within(kind, 0, len(self.kinds), "a kind")
-        _within(origin, 0, len(self.names), "an origin")
-        _within(grad_fn, 0, len(self.names), "a grad_fn")
-        _within(meta, 0, len(self.metas), "a meta")
-        _within(args, -len(self.literals), nslots, "an argument")
-        for name, array in (("out", out), ("more", more), ("frees", frees), ("held", held)):
-            _within(array, 0, nslots, f"a slot of {name!r}")
-        _within(reuse, -1, nslots, "a reused slot")
-        _within(ufunc, 0, 2, "a ufunc flag")
-        _within(requires_grad, 0, 2, "a requires_grad flag")
-        is_scan = self.is_scan[op]
-        _check(np.array_equal(attrs < 0, is_scan), "a loop's attributes")
-        _within(attrs, -1, len(self.attrs), "attributes")
-        self._check_attrs(op, attrs)
-
-        inputs = self._pairs(record["inputs"], nslots)
-        grad_inputs = self._pairs(record["grad_inputs"], nslots)
-        outputs = self._pairs(record["outputs"], nslots)
-        gradients = self._pairs(record["gradients"], nslots)
-        given = np.array([s for _, s in (*inputs, *grad_inputs)], np.int64)
-        kept = np.concatenate([given, held, np.array([s for _, s in (*outputs, *gradients)],
-                                                     np.int64)])
-        flow = _Flow(n, nslots, out, nargs, args, nmore, more, nfrees, frees, given, kept)
-        into = np.flatnonzero(reuse >= 0)
-        reused = reuse[into].astype(np.int64)
-        _check(np.array_equal(flow.freed[reused], into)
-               and ((reused == flow.first[into]) | (reused == flow.last[into])).all()
-               and np.array_equal(meta[reused], meta[out[into]]),
-               "a step writes into a buffer that is not its dead argument's")
-
-        metas = self.metas
-        slot_metas = [metas[m] for m in meta.tolist()]
-        step_frees = _tuples(nfrees, frees)
-        p = _Loaded.__new__(_Loaded)
-        p.__dict__.update(
-            metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
-            outputs=outputs, gradients=gradients,
-            no_grad=_typed(record["no_grad"], bool, "no_grad"),
-            backward=_typed(record["backward"], bool, "backward"),
-            held=set(held.tolist()),
-            frees=step_frees,
-            nodes=_typed(_decode(record["nodes"]), int, "nodes"),
-            planned_peak_bytes=_typed(_decode(record["planned_peak_bytes"]), int,
-                                      "planned_peak_bytes"),
-            flops=_typed(_decode(record["flops"]), int, "flops"),
-            bytes_moved=_typed(_decode(record["bytes_moved"]), int, "bytes_moved"),
-            plan_ms=_typed(record["plan_ms"], float, "plan_ms"),
-            run=None,
-        )
-        _check(int(cost.sum(dtype=np.int64)) == p.flops + BYTE_COST * p.bytes_moved,
-               "the steps' costs are not the program's")
-        if index == 0:
-            self.flow, self.top = flow, columns
-        if len(grad_fn):
-            _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
-        names = self.names
-        p._lazy = {
-            "requires_grad": lambda: requires_grad.astype(bool).tolist(),
-            "grad_fn": lambda: [names[g] for g in grad_fn.tolist()],
-            "reuse": reuse.tolist, "ufunc": lambda: ufunc.astype(bool).tolist(),
-            "step_costs": cost.tolist,
-            "cost_by_node": lambda: _cost_by_node([names[o] for o in origin.tolist()],
-                                                  cost.tolist()),
-        }
-
-        # The loops: each scan step's body is a record of its own, after this one.
-        scans = _typed_list(record["scans"], list, "scans")
-        _check([s[:1] for s in scans] == [[i] for i in np.flatnonzero(is_scan).tolist()],
-               "the loops")
-        arg_ends = np.cumsum(nargs, dtype=np.int64)
-        more_ends = np.cumsum(nmore, dtype=np.int64)
-        scan_attrs: dict[int, dict[str, Any]] = {}
-        for scan in scans:
-            _check(len(scan) == 2 and type(scan[1]) is int
-                   and index < scan[1] < len(self.records) and scan[1] not in self.claimed,
-                   "a loop's body")
-            i, inner = scan
-            self.claimed.add(inner)
-            spec = _typed(self.records[inner].get("body"), dict, "a body")
-            loop = self.program(inner, spec)
-            step_args = args[arg_ends[i] - nargs[i]:arg_ends[i]]
-            _check((step_args >= 0).all(), "a loop's argument that is a literal")
-            outs = [int(out[i]), *more[more_ends[i] - nmore[i]:more_ends[i]].tolist()]
-            scan_attrs[i] = {"body": self._body(
-                spec, loop, [slot_metas[a] for a in step_args.tolist()],
-                [slot_metas[o] for o in outs])}
-
-        p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
-            self, op, kind, origin, attrs, out, nargs, args, arg_ends, nmore, more, more_ends,
-            scan_attrs)))
-        return p
-
-    def _check_attrs(self, op: np.ndarray, attrs: np.ndarray) -> None:
-        """Each step's attributes are ones its op takes (the registry's own checks)."""
-        width = len(self.attrs) + 1
-        for code in _distinct(op.astype(np.int64) * width + attrs.astype(np.int64) + 1):
-            o, a = divmod(code, width)
-            if a:  # (0: a loop's step, which has its body instead)
-                opdef = self.ops[o]
-                bind_attributes(opdef.name, opdef.attrs, opdef.defaults, self.attrs[a - 1])
-
-    @staticmethod
-    def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
-        _check(type(data) is list and all(
-            type(pair) is list and len(pair) == 2 and type(pair[0]) is str
-            and type(pair[1]) is int and 0 <= pair[1] < nslots for pair in data),
-            "names and slots")
-        return [(name, slot) for name, slot in data]
-
-    def _body(self, spec: dict[str, Any], program: _Loaded, args: list[Meta],
-              outs: list[Meta]) -> Body:
-        """A loop's Body around its planned `program`, checked against its scan step (the
-        metas of its arguments and results): what the loop allocates is what they say."""
-        metas = program.metas
-        lists = {key: _typed_list(spec[key], int, key)
-                 for key in ("carries", "xs", "closures", "nexts", "ys")}
-        for key, slots in lists.items():
-            _check(all(0 <= s < len(metas) for s in slots), f"a body's {key}")
-        length = _typed(spec["length"], int, "a body's length")
-        wanted = _typed_list(spec["wanted"], bool, "a body's wanted")
-        carries, xs, closures, nexts, ys = lists.values()
-        nc, nx = len(carries), len(xs)
-
-        def stacked(slot: int) -> Meta:
-            return Meta((length, *metas[slot].shape), metas[slot].dtype)
-
-        _check(length >= 0 and len(nexts) == nc and len(wanted) == len(outs) == nc + len(ys)
-               and len(args) == nc + nx + len(closures)
-               and [metas[s] for s in carries] == args[:nc] == outs[:nc]
-               and [metas[s] for s in nexts] == args[:nc]
-               and [stacked(s) for s in xs] == args[nc:nc + nx]
-               and [metas[s] for s in closures] == args[nc + nx:]
-               and [stacked(s) for s in ys] == outs[nc:], "a loop's body does not fit its step")
-        b = Builder()
-        b.metas = metas
-        return Body(b=b, steps=program.steps, length=length, wanted=wanted,
-                    reverse=_typed(spec["reverse"], bool, "a body's reverse"),
-                    program=program, **lists)
-
-    def bind(self, p: _Loaded, backend: Backend) -> Bound:
-        """The run of the top program: its run tuples made from the columns with the
-        decisions `executor._run` makes, its kernels one per signature."""
-        op, kind, attrs, out, reuse, ufunc, nargs, args, kernel, meta = (
-            self.top[name] for name in ("op", "kind", "attrs", "out", "reuse", "ufunc",
-                                        "nargs", "args", "kernel", "meta"))
-        n = len(op)
-        _check(len(kernel) == n, "column 'kernel'")
-        _within(kernel, -1, len(self.kernels), "a kernel")
-        alias, loop = self.returns_input[op], self.is_scan[op]
-        into = reuse >= 0
-        runs_kernel = kernel >= 0
-        _check(np.array_equal(runs_kernel, ~(alias | loop)), "a step without its kernel")
-        flow = self.flow
-        arg_step, is_slot = flow.arg_step, flow.is_slot
-        starts = np.cumsum(nargs, dtype=np.int64) - nargs
-
-        # Each step of a kernel has the kernel's signature: its op, attributes, how it runs,
-        # and per argument a slot's meta or a literal (-1 - its number).
-        table = [self._signature(k) for k in self.kernels]
-        has_kernel = np.flatnonzero(runs_kernel)
-        rep = np.full(len(table), -1, np.int64)  # a step of each kernel
-        rep[kernel[has_kernel]] = has_kernel
-        _check((rep >= 0).all(), "a kernel no step runs")
-        if table:
-            sig = np.array([t[:5] for t in table], np.int64)
-            sig_args = np.array([a for t in table for a in t[5]] or [0], np.int64)
-            sig_start = np.cumsum(sig[:, 4]) - sig[:, 4]
-            every = len(has_kernel) == n
-            pick = slice(None) if every else has_kernel
-            _check(all(np.array_equal(sig[:, j][kernel[pick]], column[pick])
-                       for j, column in enumerate((op, attrs, ufunc, into, nargs))),
-                   "a step is not its kernel's")
-            codes = np.where(is_slot, meta[np.where(is_slot, args, 0)], args) \
-                if flow.literals else meta[args]
-            theirs = sig_args.take((sig_start[kernel] - starts)[arg_step] + np.arange(len(args)),
-                                   mode="clip")
-            same = codes == theirs
-            _check((same if every else same | ~runs_kernel[arg_step]).all(),
-                   "a step's arguments are not its kernel's")
-            # ... and the meta its op's shape rule gives for that signature.
-            made = np.array([self.meta_index.get(self._inferred(t), -1) for t in table])
-            _check(np.array_equal(made[kernel[pick]], meta[out[pick]]), "a step's result meta")
-        _check(np.array_equal(meta[out[alias]], meta[self.flow.first[alias]]),
-               "a step's result meta")  # (a step that returns its argument)
-
-        # executor._run: its code, and the slots its run tuple names.
-        nslots, has = flow.nslots, flow.nslots > 0
-        _check(has[alias | into].all(), "a step that reads nothing")
-        code = _BY_SLOTS[np.minimum(nslots, 3)]
-        code[into] = np.where(nslots[into] == 1, UNARY_INTO, BINARY_INTO)
-        code[loop] = LOOP
-        code[alias] = ALIAS
-        a0 = np.where(_READS_FIRST[code], flow.first, 0)
-        a1 = np.where(_READS_LAST[code], flow.last, 0)
-
-        # The kernels: one per signature, made for one of its steps as binding makes it.
-        ufuncs = backend.ufuncs is not None
-        steps = p.steps
-        fns = _objects([*(kernel_of(steps[i], p, backend, bool(ufunc[i]) and ufuncs,
-                                    bool(into[i])) for i in rep.tolist()),
-                        None])  # (kernel -1: a step that runs without one)
-        rest: list[Any] = [None] * n
-        for i, r in zip(np.flatnonzero(into).tolist(), reuse[into].tolist(), strict=True):
-            rest[i] = r
-        for i in np.flatnonzero(code == NARY).tolist():
-            rest[i] = tuple(flow.slots[flow.ends[i] - nslots[i]:flow.ends[i]].tolist())
-        frees = p.frees
-        runs: list[Run] = list(zip(code.tolist(), fns.take(kernel).tolist(),
-                                   out.tolist(), a0.tolist(), a1.tolist(), rest, frees,
-                                   strict=True))
-        for i in np.flatnonzero(loop).tolist():
-            runs[i] = _run(steps[i], p, backend, False, -1, frees[i])
-        kinds = self.kinds
-        backward = np.flatnonzero(kind == (kinds.index(BACKWARD) if BACKWARD in kinds
-                                           else len(kinds)))
-        split = int(backward[0]) if len(backward) else n
-        return Bound(backend, runs[:split], runs[split:], given_of(p))
-
-    def _inferred(self, signature: tuple[int, int, bool, bool, int, list[int]]) -> Meta:
-        """The meta a kernel signature's shape rule gives (its indices are checked: they
-        are its steps')."""
-        op, attrs, _, _, _, args = signature
-        metas = [self.metas[a] if a >= 0 else literal_meta(self.literals[-1 - a].value)
-                 for a in args]
-        return self.ops[op].infer(metas, **self.attrs[attrs])
-
-    def _signature(self, data: Any) -> tuple[int, int, bool, bool, int, list[int]]:
-        """A kernel signature: (op, attributes, ufunc, into, argument count, arguments)."""
-        _check(type(data) is list and len(data) == 5, "a kernel signature")
-        op, attrs, ufunc, into, args = data
-        _check(type(op) is int and type(attrs) is int and type(ufunc) is bool
-               and type(into) is bool, "a kernel signature")
-        args = _typed_list(args, int, "a kernel's arguments")
-        return op, attrs, ufunc, into, len(args), args
