@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
 from engine.errors import GradserveError
+from engine.graph.facts import Facts, attr_values, facts_of
 from engine.graph.ir import BACKWARD, CAST, CONSTANT, NODE, Arg, Lit, Step
 from engine.ops.registry import OPS, Meta, OpDef, literal_meta, promoted_dtype
 
@@ -131,11 +132,12 @@ class Builder:
     def __init__(self) -> None:
         self.metas: list[Meta] = []
         self.steps: list[Step] = []
-        self.syms: list[Sym] = []
+        self.syms = _Syms(self)
         self.origin: str | None = None
         self.kind = NODE
         self.create_graph = False
         self.simplify = False
+        self.facts: dict[Step, Facts] = {}  # per step emitted here (engine.graph.facts)
         self._calls: dict[str, Callable[..., Sym]] = {}
 
     # ------------------------------------------------------------------ values
@@ -143,8 +145,7 @@ class Builder:
         """A new slot that no step writes (an input of the program)."""
         slot = len(self.metas)
         self.metas.append(meta)
-        sym = Sym(self, slot, meta)
-        self.syms.append(sym)
+        sym = self.syms[slot] = Sym(self, slot, meta)
         return sym
 
     def arg(self, a: Arg) -> Value:
@@ -168,23 +169,34 @@ class Builder:
         What the shape rule and promotion decide depends only on the op, the arguments'
         metas and literal values, and the attributes: it is remembered by that signature,
         so a graph that repeats a layer (an unrolled loop) works it out once."""
-        key = (op, *[a.meta if type(a) is Sym else (type(a), a) for a in args],
-               *[tuple(v) if type(v) is list else v for v in attrs.values()])
+        if attrs:
+            key = (op, *[a.meta if type(a) is Sym else (type(a), a) for a in args],
+                   *attr_values(attrs))
+        else:
+            key = (op, *[a.meta if type(a) is Sym else (type(a), a) for a in args])
         decided = _DECISIONS.get(key)
         if decided is None:
             if args and not any(type(a) is Sym for a in args):
                 return self._on_literals(op, list(args), attrs)
             decided = _DECISIONS.remember(key, _decide(op, args, attrs))
-        out, casts, same_meta = decided
+        out, casts, same_meta, facts = decided
         if same_meta and self.simplify:
             return args[0]  # type: ignore[no-any-return]
-        values = list(args)
-        for i, dtype in casts:
-            values[i] = self._cast(values[i], dtype)
-        step_args: tuple[Arg, ...] = tuple([
-            v.slot if type(v) is Sym else Lit(v) for v in values])
-        sym = self.value(out)
-        self.steps.append(Step(op, step_args, attrs, sym.slot, self.kind, self.origin))
+        if casts:
+            values = list(args)
+            for i, dtype in casts:
+                values[i] = self._cast(values[i], dtype)
+            args = values
+        step_args: tuple[Arg, ...] = tuple([v.slot if type(v) is Sym else Lit(v) for v in args])
+        metas = self.metas
+        slot = len(metas)
+        metas.append(out)
+        sym = self.syms[slot] = Sym(self, slot, out)
+        step = Step(op, step_args, attrs, slot, self.kind, self.origin)
+        self.steps.append(step)
+        if facts is None:  # (the same for every step the decision emits)
+            facts = decided[3] = facts_of(step, metas)
+        self.facts[step] = facts
         return sym
 
     def _on_literals(self, op: OpDef, values: list[Value], attrs: dict[str, Any]) -> Sym:
@@ -243,6 +255,21 @@ class Builder:
         return x.dtype
 
 
+class _Syms(dict[int, Sym]):
+    """The Sym of each slot of a Builder, made when first asked for (a replayed VJP
+    template makes slots that nothing reads as a Sym)."""
+
+    __slots__ = ("b",)
+
+    def __init__(self, b: Builder) -> None:
+        super().__init__()
+        self.b = b
+
+    def __missing__(self, slot: int) -> Sym:
+        sym = self[slot] = Sym(self.b, slot, self.b.metas[slot])
+        return sym
+
+
 class Memo(dict[Any, Any]):
     """Decisions remembered by signature, forgotten all at once past `limit` entries (the
     signatures that matter repeat within a graph and across the graphs of one client)."""
@@ -258,14 +285,15 @@ class Memo(dict[Any, Any]):
         return value
 
 
-# (op, argument metas and literals, attributes) -> (result meta, casts, result == input meta)
+# (op, argument metas and literals, attributes) -> [result meta, casts, result == input
+# meta, the facts of the step it emits (once one is)]
 _DECISIONS = Memo(1 << 14)
 
 
-def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
-        Meta, tuple[tuple[int, str], ...], bool]:
+def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> list[Any]:
     """The shape rule's result, the casts that type promotion inserts (argument index and
-    dtype), and whether the result has the first argument's meta."""
+    dtype), whether the result has the first argument's meta, and a place for the facts
+    of the step (engine.graph.facts)."""
     metas = [a.meta if type(a) is Sym else literal_meta(a) for a in args]
     out = op.infer(metas, **attrs)
     casts: list[tuple[int, str]] = []
@@ -278,7 +306,7 @@ def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
         casts = [(i, DEFAULT_FLOAT) for i, a in enumerate(args)
                  if type(a) is Sym and a.dtype not in FLOATS]
     same = op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]
-    return out, tuple(casts), same
+    return [out, tuple(casts), same, None]
 
 
 def derived(b: Builder, *, create_graph: bool, kind: str = BACKWARD) -> _Derived:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.dtypes import FLOATS, scalar_dtype
@@ -84,20 +84,25 @@ class _Node:
 
     id: str  # the node id (generated for the inner nodes of an `expr`)
     origin: str  # the client's node id, for error messages
-    loc: tuple[str | int, ...]  # where the client's node is in the request
+    where: tuple[str | int, ...]  # the location of its level's `nodes` list
+    index: int  # the client's node's place in that list
     key: int  # its value's number among the request's values (inputs first)
     op: OpDef | Transform
     args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
     attrs: dict[str, Any]
     loop: _LoopGraph | None = None  # a scan node's body
     source: tuple[str, Span] | None = None  # its piece of an `expr`, for errors
+    reads: list[int] = field(default_factory=list)  # the keys it reads (a loop's closures too)
+    writes: list[int] = field(default_factory=list)  # the keys it makes (a loop's results too)
+    # Set when its level is ordered: its place in the level (an identity), and the nodes
+    # that make what it reads, one per read.
+    pos: int = 0
+    deps: list[_Node] = field(default_factory=list)
 
-    def reads(self) -> list[int]:
-        refs = [v for is_ref, v in self.args if is_ref]
-        return refs if self.loop is None else [*refs, *self.loop.closures]
-
-    def writes(self) -> list[int]:
-        return [self.key] if self.loop is None else [self.key, *self.loop.result_keys]
+    @property
+    def loc(self) -> tuple[str | int, ...]:
+        """Where the client's node is in the request."""
+        return (*self.where, self.index)
 
 
 @dataclass(slots=True, eq=False)
@@ -209,12 +214,12 @@ def compile_graph(
     if backward:
         roots = _check_backward(program, inputs, grad_outputs or {}, errors)
         errors.raise_if_any()
-        _derive_backward(b, program, roots, grad_syms, inputs)
+        _derive_backward(b, program, roots, grad_syms, inputs, None if no_grad else active)
         program.steps = b.steps
     bound_on = _backend_ufuncs(device)
-    plan(program, ufuncs=bound_on, record=not no_grad and not backward)
+    plan(program, ufuncs=bound_on, record=not no_grad and not backward, facts=b.facts)
     _check_budgets(program, limits, no_grad)
-    program.run = bind(program, device)
+    program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000
     return program
 
@@ -250,8 +255,8 @@ def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], 
         requires_grad=[False] * len(b.metas), grad_fn=[None] * len(b.metas),
         no_grad=False, backward=False,
     )
-    plan(program, ufuncs=_backend_ufuncs(device))
-    program.run = bind(program, device)
+    plan(program, ufuncs=_backend_ufuncs(device), facts=b.facts)
+    program.run = bind(program, device, facts=b.facts)
     return program
 
 
@@ -400,9 +405,11 @@ def _producer(loop: _LoopGraph, key: int) -> str | None:
 
 
 def _derive_backward(b: Builder, program: Program, roots: list[str],
-                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec]) -> None:
+                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec],
+                     active: set[int] | None) -> None:
     """Append the backward: the gradient of every input that requires grad, from the roots'
-    upstream gradients (given, cast to the output's dtype, or the implicit 1)."""
+    upstream gradients (given, cast to the output's dtype, or the implicit 1). `active`:
+    the values that depend on those inputs, where they are known already."""
     forward = list(b.steps)
     slots = dict(program.outputs)
     cotangents: list[tuple[int, Sym]] = []
@@ -418,7 +425,7 @@ def _derive_backward(b: Builder, program: Program, roots: list[str],
             cotangents.append((slot, g))
     names = [n for n, t in inputs.items() if t.requires_grad]
     wrt = [program.inputs[n] for n in names]
-    grads = vjp(b, forward, cotangents, wrt)
+    grads = vjp(b, forward, cotangents, wrt, active=active)
     with derived(b, create_graph=False):
         for name, slot, grad in zip(names, wrt, grads, strict=True):
             if grad is None:  # an input the outputs do not depend on gets zeros
@@ -475,8 +482,11 @@ class _Resolver:
                 f"{self.limits.max_nodes} (a loop's body counts once)",
                 loc=("graph", "nodes")))
         errors.raise_if_any()
+        names, key = scope.names, self.keys
         for node, _, _ in raw:
-            scope.names[node.id] = self.new_key()
+            names[node.id] = key
+            key += 1
+        self.keys = key
         for _, node in kept:
             if node.op == "scan" and node.results is not None:
                 self.loops[scope.names[node.id]] = list(node.results)
@@ -622,6 +632,7 @@ class _Resolver:
     def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope) -> list[_Node]:
         """Resolve ops, references, arity and attributes (and loop bodies)."""
         errors = self.errors
+        names, loops, sources = scope.names, self.loops, self.sources
         steps = []
         for node, origin, index in raw:
             op: OpDef | Transform | None = None
@@ -633,41 +644,51 @@ class _Resolver:
                                           "/ops)", node=origin, loc=scope.node_loc(index, "op")))
                 continue
             args: list[tuple[bool, Any]] = []
+            reads: list[int] = []
             ok = True
             for j, arg in enumerate(node.args):
-                loc = scope.node_loc(index, "args", j)
-                if isinstance(arg, str):
-                    key = self.ref(arg, scope, loc, origin, op.name)
-                    if key is None:
-                        ok = False
-                        continue
+                if type(arg) is str or isinstance(arg, str):
+                    key = names.get(arg)  # (a name of this level that is a value: the most)
+                    if key is None or key in loops:
+                        key = self.ref(arg, scope, scope.node_loc(index, "args", j), origin,
+                                       op.name)
+                        if key is None:
+                            ok = False
+                            continue
                     args.append((True, key))
+                    reads.append(key)
                 elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
                     errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
-                                          node=origin, op=op.name, loc=loc))
+                                          node=origin, op=op.name,
+                                          loc=scope.node_loc(index, "args", j)))
                     ok = False
                 elif isinstance(arg, _NUMBER):
                     args.append((False, arg))
                 else:
                     errors.add(GraphError(
                         f"argument {j} must be a node id, an input name or a number, got {arg!r}",
-                        node=origin, op=op.name, loc=loc))
+                        node=origin, op=op.name, loc=scope.node_loc(index, "args", j)))
                     ok = False
             try:
                 op.check_arity(len(node.args))
-                attrs = op.bind_attrs(dict(node.attrs))
+                attrs = op.bind_attrs(dict(node.attrs) if node.attrs else {})
             except GradserveError as err:
                 err.at(node=origin, op=op.name)
                 err.loc = scope.node_loc(index, *(err.loc or ("args",)))
                 errors.add(err)
                 continue
             loop = None
+            key = names[node.id]
+            writes = [key]
             if op is SCAN_NODE:
                 loop = self._loop(node, scope.node_loc(index), scope)
                 ok = ok and loop is not None
+                if loop is not None:
+                    reads += loop.closures
+                    writes += loop.result_keys
             if ok:
-                steps.append(_Node(node.id, origin, scope.node_loc(index), scope.names[node.id],
-                                   op, args, attrs, loop, self.sources.get(node.id)))
+                steps.append(_Node(node.id, origin, scope.loc, index, key, op, args, attrs,
+                                   loop, sources.get(node.id), reads, writes))
         return steps
 
     def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
@@ -724,7 +745,7 @@ class _Resolver:
             if key is not None:
                 nexts.append((key, where))
         # The values made in this body (an alias may name an outer value: that is a closure).
-        locals_ = {*carries, *xs, *(k for n in nodes for k in n.writes())}
+        locals_ = {*carries, *xs, *(k for n in nodes for k in n.writes)}
         out: list[tuple[int, int]] = []
         for result, value in results.items():
             where = (*loc, "results", result)
@@ -741,7 +762,7 @@ class _Resolver:
                                   node=node.id, loc=(*loc, "results")))
         if len(errors.items) > reported:
             return None
-        closures = [k for n in nodes for k in n.reads() if k not in locals_]
+        closures = [k for n in nodes for k in n.reads if k not in locals_]
         closures += [k for k, _ in nexts if k not in locals_]
         closures += [-1 - w for _, w in out if w < 0 and -1 - w not in locals_]
         return _LoopGraph(carries=carries, xs=xs,
@@ -751,36 +772,40 @@ class _Resolver:
 
 
 def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
-    """Kahn's algorithm over one level's nodes; on a cycle, report one with its whole
-    path."""
-    by_key = {k: s for s in steps for k in s.writes()}
-    indegree = {id(s): 0 for s in steps}
-    consumers: dict[int, list[_Node]] = {}
+    """Kahn's algorithm over one level's nodes (each node's `pos` and `deps` set on the
+    way); on a cycle, report one with its whole path."""
+    by_key = {}
+    for pos, step in enumerate(steps):
+        step.pos = pos
+        for key in step.writes:
+            by_key[key] = step
+    indegree = [0] * len(steps)
+    consumers: list[list[_Node]] = [[] for _ in steps]
     for step in steps:
-        for key in step.reads():
-            if key in by_key:
-                indegree[id(step)] += 1
-                consumers.setdefault(id(by_key[key]), []).append(step)
-    ready = [s for s in steps if indegree[id(s)] == 0]
+        deps = step.deps = [by_key[key] for key in step.reads if key in by_key]
+        if deps:
+            indegree[step.pos] = len(deps)
+            for dep in deps:
+                consumers[dep.pos].append(step)
+    ready = [s for s in steps if not indegree[s.pos]]
     order: list[_Node] = []
     while ready:
         step = ready.pop()
         order.append(step)
-        for consumer in consumers.get(id(step), ()):
-            indegree[id(consumer)] -= 1
-            if indegree[id(consumer)] == 0:
+        for consumer in consumers[step.pos]:
+            indegree[consumer.pos] -= 1
+            if not indegree[consumer.pos]:
                 ready.append(consumer)
     if len(order) < len(steps):
-        stuck = next(s for s in steps if indegree[id(s)] > 0)
+        stuck = next(s for s in steps if indegree[s.pos] > 0)
         path: list[_Node] = []
         on_path: dict[int, int] = {}
         node = stuck
-        while id(node) not in on_path:  # walk unfinished producers until one repeats
-            on_path[id(node)] = len(path)
+        while node.pos not in on_path:  # walk unfinished producers until one repeats
+            on_path[node.pos] = len(path)
             path.append(node)
-            node = next(by_key[key] for key in node.reads()
-                        if key in by_key and indegree[id(by_key[key])] > 0)
-        cycle = path[on_path[id(node)]:]
+            node = next(dep for dep in node.deps if indegree[dep.pos] > 0)
+        cycle = path[on_path[node.pos]:]
         names = [s.origin for s in reversed(cycle)]
         names = [n for k, n in enumerate(names) if k == 0 or n != names[k - 1]]
         text = " -> ".join([*names, names[0]]) if len(names) > 1 else f"{names[0]} -> {names[0]}"
@@ -813,28 +838,30 @@ def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
 def _run_order(graph: list[_Node], roots: list[int]) -> list[_Node]:
     """The order steps are emitted, hence run: depth-first post-order from the roots (the
     outputs), so that each value is computed close to its use and few are alive at once;
-    then, for validation only, the nodes no root needs (planning drops them)."""
-    by_key = {k: n for n in graph for k in n.writes()}
+    then, for validation only, the nodes no root needs (planning drops them). `graph` is
+    a level in `_topological`'s order (which set the nodes' `pos` and `deps`)."""
+    wanted = set(roots)
+    by_key = {k: n for n in graph for k in n.writes if k in wanted}
     order: list[_Node] = []
-    done: set[int] = set()  # ids of the nodes emitted
+    done = [False] * len(graph)  # by pos: the nodes emitted
     for root in roots:
         if root not in by_key:
             continue
         stack: list[tuple[_Node, int]] = [(by_key[root], 0)]
         while stack:
             node, k = stack.pop()
-            if id(node) in done:
+            if done[node.pos]:
                 continue
-            refs = [by_key[r] for r in node.reads() if r in by_key]
-            while k < len(refs) and id(refs[k]) in done:
+            refs = node.deps
+            while k < len(refs) and done[refs[k].pos]:
                 k += 1
             if k < len(refs):
                 stack.append((node, k + 1))
                 stack.append((refs[k], 0))
                 continue
-            done.add(id(node))
+            done[node.pos] = True
             order.append(node)
-    order.extend(n for n in graph if id(n) not in done)
+    order.extend(n for n in graph if not done[n.pos])
     return order
 
 
