@@ -88,12 +88,14 @@ def vjp_all(
 def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, Sym]],
             active: set[int], wanted: set[int], create_graph: bool,
             kind: str) -> dict[int, Sym]:
-    captured: dict[int, Sym] = {}
-    pending: dict[int, Sym] = {}
+    # Cotangents are held as slots (a Sym is made only for the ones a VJP rule reads).
+    captured: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    syms = b.syms
     with derived(b, create_graph=create_graph, kind=kind):
-        for slot, g in cotangents:
+        for slot, seed in cotangents:
             if slot in active:
-                _accumulate(b, pending, slot, g)
+                _accumulate(b, pending, slot, seed.slot)
         for step in reversed(steps):
             if step.op is SCAN:
                 cts = [pending.pop(o, None) for o in step.outs]
@@ -101,19 +103,21 @@ def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, S
                     captured.update((o, g) for o, g in zip(step.outs, cts, strict=True)
                                     if g is not None and o in wanted)
                     b.origin = step.origin
-                    for slot, grad in _scan_vjp(b, step, cts, active):
-                        _accumulate(b, pending, slot, grad)
+                    for slot, sym in _scan_vjp(b, step, [None if g is None else syms[g]
+                                                         for g in cts], active):
+                        _accumulate(b, pending, slot, sym.slot)
                 continue
-            if step.out not in pending:
+            out = step.out
+            g = pending.pop(out, None)
+            if g is None:
                 continue
-            g = pending.pop(step.out)
-            if step.out in wanted:
-                captured[step.out] = g
+            if out in wanted:
+                captured[out] = g
             b.origin = step.origin
             for slot, grad in _step_vjp(b, step, g, active):
                 _accumulate(b, pending, slot, grad)
     captured.update((s, g) for s, g in pending.items() if s in wanted)
-    return captured
+    return {s: syms[g] for s, g in captured.items()}
 
 
 def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], list[int]]:
@@ -208,9 +212,9 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     return grads
 
 
-def _accumulate(b: Builder, pending: dict[int, Sym], slot: int, g: Sym) -> None:
+def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:
     old = pending.get(slot)
-    pending[slot] = g if old is None else b.emit(_ADD, (old, g), {})
+    pending[slot] = g if old is None else b.emit_slots(_ADD, (old, g))
 
 
 _ADD = OPS["add"]
@@ -235,28 +239,29 @@ class _Template(NamedTuple):
 _TEMPLATES = Memo(1 << 13)
 
 
-def _step_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[int, Sym]]:
-    """(argument slot, its gradient) for each active argument of `step`."""
+def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[int, int]]:
+    """(argument slot, the slot of its gradient) for each active argument of `step`, whose
+    result's cotangent is slot `g`."""
     args = step.args
     metas = b.metas
     facts = b.facts.get(step)
     if facts is None:
         facts = b.facts[step] = facts_of(step, metas)
-    key = (facts, g.meta, b.create_graph, b.kind,
+    key = (facts, metas[g], b.create_graph, b.kind,
            *[(a in active, args.index(a)) for a in args if type(a) is int])
-    given: list[int] = [g.slot, *(args if facts.slots_only else step.slots),  # type: ignore[list-item]
-                        step.out]
     template = _TEMPLATES.get(key)
     if template is None:
+        given: list[int] = [g, *step.slots, step.out]
         first_slot, first_step = len(metas), len(b.steps)
-        grads = _emit_vjp(b, step, g, active)
+        grads = _emit_vjp(b, step, b.syms[g], active)
         template = _record(b, first_slot, first_step, given, grads, args)
         if template is not None:
             _TEMPLATES.remember(key, template)
-        return grads
+        return [(slot, grad.slot) for slot, grad in grads]
     slot = base = len(metas)
     metas.extend(template.metas)
-    values = [*given, *range(base, len(metas)), *template.literals]
+    values = [g, *(args if facts.slots_only else step.slots), step.out,  # (what it was given)
+              *range(base, len(metas)), *template.literals]
     value = values.__getitem__
     steps, known, origin = b.steps, b.facts, b.origin
     for op, refs, attrs, kind, facts in template.steps:
@@ -265,8 +270,7 @@ def _step_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[in
         if facts is not None:
             known[new] = facts
         slot += 1
-    syms = b.syms
-    return [(args[i], syms[values[r]]) for i, r in template.grads]  # type: ignore[misc]
+    return [(args[i], values[r]) for i, r in template.grads]  # type: ignore[misc]
 
 
 def _record(b: Builder, first_slot: int, first_step: int, given: list[int],

@@ -199,6 +199,21 @@ class Builder:
         self.facts[step] = facts
         return sym
 
+    def emit_slots(self, op: OpDef, args: tuple[int, ...]) -> int:
+        """`emit(op, [the Syms of slots args], {})`, for an op without attributes, as the
+        slot of its result (made without a Sym where no cast is inserted)."""
+        metas = self.metas
+        decided = _DECISIONS.get((op, *[metas[a] for a in args]))
+        if decided is None or decided[1] or decided[2] or decided[3] is None:
+            syms = self.syms
+            return self.emit(op, [syms[a] for a in args], {}).slot
+        slot = len(metas)
+        metas.append(decided[0])
+        step = Step(op, args, {}, slot, self.kind, self.origin)
+        self.steps.append(step)
+        self.facts[step] = decided[3]
+        return slot
+
     def _on_literals(self, op: OpDef, values: list[Value], attrs: dict[str, Any]) -> Sym:
         """An op on number literals alone: the literals become 0-d constants first."""
         metas = [literal_meta(v) for v in values]
