@@ -173,6 +173,8 @@ CASES: dict[str, tuple[GraphSpec, Mapping[str, TensorSpec], dict[str, Any]]] = {
     "rnn": (GraphSpec(_rnn(), ["loss", "hs"]), RNN_INPUTS,
             {"backward": True, "grad_outputs": {"hs": _f(5, 2, 4, grad=False)}}),
     "rnn-recorded": (GraphSpec(_rnn(), ["loss"]), RNN_INPUTS, {}),
+    "rnn-unused": (GraphSpec([*_rnn(), NodeSpec("j", expr="jvp(hs, h0, h0)")], ["hs"]),
+                   RNN_INPUTS, {}),  # (nodes no output needs: emitted last, in Kahn's order)
     "nested": (GraphSpec(_nested(), ["loss", "g", "hv"]),
                {"a0": _f(2, grad=False), "m": _f(3, 4, 2, grad=False),
                 "v": _f(3, 4, 2, grad=False)}, {}),
@@ -192,6 +194,7 @@ DIGESTS = {
     "nested": "42ca6aa62feed750ec25d367eb84f00c",
     "rnn": "227881e646fd8e9b2732e8bf8baed79a",
     "rnn-recorded": "849a2a280f18b746d015365d497f87de",
+    "rnn-unused": "56f2877e4112c40e38dfda0aa6702bbe",
 }
 
 

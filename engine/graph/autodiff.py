@@ -22,7 +22,6 @@ from engine.graph.builder import Builder, Memo, Sym, derived
 from engine.graph.facts import Facts, facts_of
 from engine.graph.ir import BACKWARD, Lit, Step
 from engine.graph.scan import SCAN, Body, emit_scan, stacked
-from engine.ops import OPS
 from engine.ops.registry import Meta, OpDef
 from engine.shapes import sum_to_shape
 
@@ -214,10 +213,7 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
 
 def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:
     old = pending.get(slot)
-    pending[slot] = g if old is None else b.emit_slots(_ADD, (old, g))
-
-
-_ADD = OPS["add"]
+    pending[slot] = g if old is None else b.add_slots(old, g)
 
 
 class _Template(NamedTuple):
@@ -247,8 +243,13 @@ def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[in
     facts = b.facts.get(step)
     if facts is None:
         facts = b.facts[step] = facts_of(step, metas)
-    key = (facts, metas[g], b.create_graph, b.kind,
-           *[(a in active, args.index(a)) for a in args if type(a) is int])
+    if len(args) == 2 and facts.slots_only:  # (the most, and the key of each is its own)
+        a0, a1 = args
+        key: tuple[Any, ...] = (facts, metas[g], b.create_graph, b.kind, a0 in active,
+                                a1 in active, a0 == a1)
+    else:
+        key = (facts, metas[g], b.create_graph, b.kind,
+               *[(a in active, args.index(a)) for a in args if type(a) is int])
     template = _TEMPLATES.get(key)
     if template is None:
         given: list[int] = [g, *step.slots, step.out]

@@ -138,6 +138,7 @@ class Builder:
         self.create_graph = False
         self.simplify = False
         self.facts: dict[Step, Facts] = {}  # per step emitted here (engine.graph.facts)
+        self._adds: dict[tuple[int, int], list[Any]] = {}  # add_slots' decisions
         self._calls: dict[str, Callable[..., Sym]] = {}
 
     # ------------------------------------------------------------------ values
@@ -199,17 +200,21 @@ class Builder:
         self.facts[step] = facts
         return sym
 
-    def emit_slots(self, op: OpDef, args: tuple[int, ...]) -> int:
-        """`emit(op, [the Syms of slots args], {})`, for an op without attributes, as the
-        slot of its result (made without a Sym where no cast is inserted)."""
+    def add_slots(self, a: int, b: int) -> int:
+        """The slot of `a + b`, emitted as `emit(add, [Syms of a and b], {})` would (what
+        accumulating gradients emits), made without a Sym where no cast is inserted."""
         metas = self.metas
-        decided = _DECISIONS.get((op, *[metas[a] for a in args]))
-        if decided is None or decided[1] or decided[2] or decided[3] is None:
-            syms = self.syms
-            return self.emit(op, [syms[a] for a in args], {}).slot
+        ma, mb = metas[a], metas[b]
+        decided = self._adds.get((id(ma), id(mb)))  # (metas live as long as the builder)
+        if decided is None:
+            decided = _DECISIONS.get((_ADD, ma, mb))
+            if decided is None or decided[1] or decided[2] or decided[3] is None:
+                syms = self.syms
+                return self.emit(_ADD, [syms[a], syms[b]], {}).slot
+            self._adds[(id(ma), id(mb))] = decided
         slot = len(metas)
         metas.append(decided[0])
-        step = Step(op, args, {}, slot, self.kind, self.origin)
+        step = Step(_ADD, (a, b), {}, slot, self.kind, self.origin)
         self.steps.append(step)
         self.facts[step] = decided[3]
         return slot
@@ -299,6 +304,8 @@ class Memo(dict[Any, Any]):
         self[key] = value
         return value
 
+
+_ADD = OPS["add"]
 
 # (op, argument metas and literals, attributes) -> [result meta, casts, result == input
 # meta, the facts of the step it emits (once one is)]

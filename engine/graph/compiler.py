@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.dtypes import FLOATS, scalar_dtype
@@ -93,14 +93,14 @@ class _Node:
     op: OpDef | Transform
     args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
     attrs: dict[str, Any]
-    loop: _LoopGraph | None = None  # a scan node's body
-    source: tuple[str, Span] | None = None  # its piece of an `expr`, for errors
-    reads: list[int] = field(default_factory=list)  # the keys it reads (a loop's closures too)
-    writes: list[int] = field(default_factory=list)  # the keys it makes (a loop's results too)
+    loop: _LoopGraph | None  # a scan node's body
+    source: tuple[str, Span] | None  # its piece of an `expr`, for errors
+    reads: list[int]  # the keys it reads (a loop's closures too)
+    writes: list[int]  # the keys it makes (a loop's results too)
     # Set when its level is ordered: its place in the level (an identity), and the nodes
     # that make what it reads, one per read.
     pos: int = 0
-    deps: list[_Node] = field(default_factory=list)
+    deps: Sequence[_Node] = ()
 
     @property
     def loc(self) -> tuple[str | int, ...]:
@@ -219,7 +219,7 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
             errors.add(GradserveError(
                 f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
                 "can require gradients", loc=("inputs", name, "requires_grad")))
-    graph = resolver.graph(spec.nodes, scope)
+    graph = resolver.graph(spec.nodes, scope, ordered=False)
     named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
 
@@ -229,7 +229,7 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
         syms[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
     grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
                  for name, t in (grad_outputs or {}).items()}
-    _emit(b, _run_order(graph, [key for _, key in named_outputs]), syms, errors)
+    _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), syms, errors)
     errors.raise_if_any()
 
     input_slots = {name: syms[scope.names[name]].slot for name in inputs}
@@ -507,8 +507,12 @@ class _Resolver:
         self.keys += 1
         return self.keys - 1
 
-    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope) -> list[_Node]:
-        """The level's nodes in a topological order; errors reported."""
+    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope, ordered: bool = True
+              ) -> list[_Node]:
+        """The level's nodes in a topological order (`_topological`'s), linked; errors
+        reported. Not `ordered`: in the client's order, for `_run_order` to order (the
+        request's level, whose order only `_run_order` reads; a level where every node
+        reads only nodes before it has no cycle, and needs no topological order)."""
         errors = self.errors
         kept = self._check_ids(nodes, scope)
         raw, aliases = self._expand(kept, scope)
@@ -530,9 +534,15 @@ class _Resolver:
                 for result in node.results:
                     scope.names[result] = self.new_key()
         self._resolve_aliases(aliases, scope)
-        bound = self._bind(raw, scope)
+        bound, in_order = self._bind(raw, scope)
         errors.raise_if_any()
-        return _topological(bound, errors)
+        if ordered:
+            return _topological(bound, errors)
+        if in_order:
+            _link(bound)
+        else:
+            _topological(bound, errors)  # (a cycle is reported here)
+        return bound
 
     def ref(self, name: str, scope: _Scope, loc: tuple[str | int, ...], origin: str,
             op: str | None = None) -> int | None:
@@ -554,6 +564,7 @@ class _Resolver:
         """Unique, non-empty ids that no other name of the level or an enclosing one has;
         returns (index, node) pairs to keep."""
         errors = self.errors
+        names, parent = scope.names, scope.parent
         seen: set[str] = set()
         kept = []
         for index, node in enumerate(nodes):
@@ -562,8 +573,9 @@ class _Resolver:
                 errors.add(GraphError("node id must be a non-empty string",
                                       loc=scope.node_loc(index, "id")))
                 continue
-            clash = self._clash(nid, seen, scope)
-            if clash:
+            if nid in seen or nid in names or (parent is not None and
+                                               parent.find(nid) is not None):
+                clash = self._clash(nid, seen, scope)
                 text = (f"duplicate node id {quoted(nid)}" if nid in seen
                         else f"node id {quoted(nid)} {clash}")
                 errors.add(GraphError(text, node=nid, loc=scope.node_loc(index, "id")))
@@ -666,11 +678,14 @@ class _Resolver:
                         resolved[link] = target
         scope.names.update(resolved)
 
-    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope) -> list[_Node]:
-        """Resolve ops, references, arity and attributes (and loop bodies)."""
+    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope
+              ) -> tuple[list[_Node], bool]:
+        """Resolve ops, references, arity and attributes (and loop bodies); and whether
+        every node reads only values made before it (keys are numbered in order)."""
         errors = self.errors
         names, loops, sources = scope.names, self.loops, self.sources
         steps = []
+        in_order = True
         for node, origin, index in raw:
             op: OpDef | Transform | None = None
             if isinstance(node.op, str):
@@ -683,6 +698,7 @@ class _Resolver:
             args: list[tuple[bool, Any]] = []
             reads: list[int] = []
             ok = True
+            own = names[node.id]
             for j, arg in enumerate(node.args):
                 if type(arg) is str or isinstance(arg, str):
                     key = names.get(arg)  # (a name of this level that is a value: the most)
@@ -694,6 +710,8 @@ class _Resolver:
                             continue
                     args.append((True, key))
                     reads.append(key)
+                    if key >= own:
+                        in_order = False
                 elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
                     errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
                                           node=origin, op=op.name,
@@ -707,26 +725,32 @@ class _Resolver:
                         node=origin, op=op.name, loc=scope.node_loc(index, "args", j)))
                     ok = False
             try:
-                op.check_arity(len(node.args))
-                attrs = op.bind_attrs(dict(node.attrs) if node.attrs else {})
+                given = node.attrs
+                if type(op) is OpDef and not op.variadic and len(node.args) == len(op.args):
+                    # (what check_arity accepts, and bind_attrs gives for no attributes)
+                    attrs = (op.defaults if not given and len(op.defaults) == len(op.attrs)
+                             else op.bind_attrs(dict(given) if given else {}))
+                else:
+                    op.check_arity(len(node.args))
+                    attrs = op.bind_attrs(dict(given) if given else {})
             except GradserveError as err:
                 err.at(node=origin, op=op.name)
                 err.loc = scope.node_loc(index, *(err.loc or ("args",)))
                 errors.add(err)
                 continue
             loop = None
-            key = names[node.id]
-            writes = [key]
+            writes = [own]
             if op is SCAN_NODE:
                 loop = self._loop(node, scope.node_loc(index), scope)
                 ok = ok and loop is not None
                 if loop is not None:
                     reads += loop.closures
                     writes += loop.result_keys
+                    in_order = False  # (its results are numbered after the level's nodes)
             if ok:
-                steps.append(_Node(node.id, origin, scope.loc, index, key, op, args, attrs,
+                steps.append(_Node(node.id, origin, scope.loc, index, own, op, args, attrs,
                                    loop, sources.get(node.id), reads, writes))
-        return steps
+        return steps, in_order
 
     def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
         """A scan node's body, resolved in a scope of its own."""
@@ -808,18 +832,26 @@ class _Resolver:
                           nexts=nexts, closures=list(dict.fromkeys(closures)), results=out)
 
 
-def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
-    """Kahn's algorithm over one level's nodes (each node's `pos` and `deps` set on the
-    way); on a cycle, report one with its whole path."""
+def _link(steps: list[_Node]) -> None:
+    """Each node's place in its level (`pos`) and the nodes that make what it reads
+    (`deps`, one per read of a value of the level)."""
     by_key = {}
     for pos, step in enumerate(steps):
         step.pos = pos
         for key in step.writes:
             by_key[key] = step
+    for step in steps:
+        step.deps = [by_key[key] for key in step.reads if key in by_key]
+
+
+def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
+    """Kahn's algorithm over one level's nodes (linked on the way); on a cycle, report one
+    with its whole path."""
+    _link(steps)
     indegree = [0] * len(steps)
     consumers: list[list[_Node]] = [[] for _ in steps]
     for step in steps:
-        deps = step.deps = [by_key[key] for key in step.reads if key in by_key]
+        deps = step.deps
         if deps:
             indegree[step.pos] = len(deps)
             for dep in deps:
@@ -872,11 +904,12 @@ def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
     return list(out.items())
 
 
-def _run_order(graph: list[_Node], roots: list[int]) -> list[_Node]:
+def _run_order(graph: list[_Node], roots: list[int], ordered: bool = True) -> list[_Node]:
     """The order steps are emitted, hence run: depth-first post-order from the roots (the
     outputs), so that each value is computed close to its use and few are alive at once;
-    then, for validation only, the nodes no root needs (planning drops them). `graph` is
-    a level in `_topological`'s order (which set the nodes' `pos` and `deps`)."""
+    then, for validation only, the nodes no root needs (planning drops them), in
+    `_topological`'s order. `graph` is a level as `_Resolver.graph` gives it (`ordered`
+    or not)."""
     wanted = set(roots)
     by_key = {k: n for n in graph for k in n.writes if k in wanted}
     order: list[_Node] = []
@@ -898,7 +931,9 @@ def _run_order(graph: list[_Node], roots: list[int]) -> list[_Node]:
                 continue
             done[node.pos] = True
             order.append(node)
-    order.extend(n for n in graph if not done[n.pos])
+    if len(order) < len(graph):
+        rest = graph if ordered else _topological(graph, _Errors(1))  # (acyclic: no error)
+        order.extend(n for n in rest if not done[n.pos])
     return order
 
 

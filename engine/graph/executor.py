@@ -84,12 +84,12 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
     """One step bound; its kernel comes from its facts' (worked out here if not given),
     else from the memo of kernels, else is made."""
     op = step.op
-    if op.returns_input:
-        return ALIAS, None, step.out, step.slots[0], 0, None, frees
-    if op is SCAN:
-        return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
     if facts is None:
+        if op is SCAN:
+            return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
         facts = facts_of(step, program.metas)
+    if facts.returns_input:
+        return ALIAS, None, step.out, step.slots[0], 0, None, frees
     into = reuse >= 0
     kernels = facts.kernels.get(backend)
     if kernels is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.dtypes import ITEMSIZE
 from engine.graph.ir import BYTE_COST, Step
-from engine.ops.registry import Meta, literal_meta
+from engine.ops.registry import Meta, OpDef, literal_meta
 from engine.shapes import numel
 
 # Result dtypes that compiled programs compute with the backend's ufuncs directly (the
@@ -30,17 +30,21 @@ class Facts:
     (each argument's meta, or a literal's type and value, then the attribute values);
     `slots_only`: no argument is a literal (the step's args are its slots); `size`: its
     result's bytes; `ufunc`: it runs as a backend ufunc on operands of its result's
-    dtype; `cost` in cost units, from `flops` and `bytes`; `kernels`: per backend, its
-    kernels by (ufunc, into) as 2 * ufunc + into (filled in by the binder)."""
+    dtype; `cost` in cost units, from `flops` and `bytes`; its op's `returns_input` and
+    `views_input`; `kernels`: per backend, its kernels by (ufunc, into) as 2 * ufunc +
+    into (filled in by the binder)."""
 
-    __slots__ = ("bytes", "cost", "flops", "kernels", "sig", "size", "slots_only", "ufunc")
+    __slots__ = ("bytes", "cost", "flops", "kernels", "returns_input", "sig", "size",
+                 "slots_only", "ufunc", "views_input")
 
-    def __init__(self, sig: tuple[Any, ...], slots_only: bool, size: int, ufunc: bool,
-                 flops: int, bytes_: int) -> None:
+    def __init__(self, op: OpDef, sig: tuple[Any, ...], slots_only: bool, size: int,
+                 ufunc: bool, flops: int, bytes_: int) -> None:
         self.sig = sig
         self.slots_only = slots_only
         self.size = size
         self.ufunc = ufunc
+        self.returns_input = op.returns_input
+        self.views_input = op.views_input
         self.flops = flops
         self.bytes = bytes_
         self.cost = flops + BYTE_COST * bytes_
@@ -70,7 +74,7 @@ def facts_of(step: Step, metas: list[Meta]) -> Facts:
     else:
         flops, bytes_ = op.cost([metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
                                  for a in args], out, **step.attrs)
-    return Facts(sig, len(slots) == len(args), size_of(out), ufunc, flops, bytes_)
+    return Facts(op, sig, len(slots) == len(args), size_of(out), ufunc, flops, bytes_)
 
 
 _SIZES: dict[Meta, int] = {}

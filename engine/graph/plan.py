@@ -41,34 +41,35 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
 
     # Liveness: each slot's last reader, and the slots a result may share memory with.
     known = facts or {}
-    per_step: list[Facts | None] = []  # None for a loop
+    per_step: list[Facts | None] = [known.get(step) for step in kept]  # None for a loop
     end = len(kept)
     last_use: dict[int, int] = {}
     root: dict[int, int] = {}  # a slot that is another's very array (detach) -> that slot
     viewed: set[int] = set()  # slots that some result may share memory with
     nodes = 0
     for i, step in enumerate(kept):
-        op, args = step.op, step.args
-        if op is SCAN:
-            f = None
-            nodes += step.attrs["body"].program.nodes
-        else:
-            f = known.get(step)
-            if f is None:
-                f = facts_of(step, metas)
-            if step.kind == NODE:
-                nodes += 1
-        per_step.append(f)
-        if f is None or f.slots_only:
+        args = step.args
+        f = per_step[i]
+        if f is None:
+            if step.op is SCAN:
+                nodes += step.attrs["body"].program.nodes
+                for a in args:
+                    last_use[a] = i  # type: ignore[index]
+                viewed.update(args)  # type: ignore[arg-type]
+                continue
+            f = per_step[i] = facts_of(step, metas)
+        if step.kind == NODE:
+            nodes += 1
+        if f.slots_only:
             for a in args:
                 last_use[a] = i  # type: ignore[index]
         else:
             for a in args:
                 if type(a) is int:
                     last_use[a] = i
-        if op.views_input:
+        if f.views_input:
             viewed.update(a for a in args if type(a) is int)  # type: ignore[misc]
-            if op.returns_input:
+            if f.returns_input:
                 base: int = args[0]  # type: ignore[assignment]
                 root[step.out] = root.get(base, base)
     program.nodes = nodes
@@ -76,10 +77,10 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
         last_use[slot] = end
     for alias, base in root.items():  # an array lives while any slot holding it does
         last_use[base] = max(last_use.get(base, -1), last_use.get(alias, -1))
-    frees: list[list[int]] = [[] for _ in kept]
+    frees: list[tuple[int, ...]] = [()] * end
     for slot, i in last_use.items():
         if i < end:
-            frees[i].append(slot)
+            frees[i] = (*frees[i], slot)
 
     # Memory, step by step, and the cost.
     program.ufunc = ufunc = [ufuncs and f is not None and f.ufunc for f in per_step]
@@ -107,7 +108,7 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
                 [metas[a] for a in step.args], metas[step.out], **step.attrs)  # type: ignore[index]
             cost = step_flops + BYTE_COST * step_bytes
         else:
-            if not step.op.returns_input:  # (which adds no bytes: it is its input's array)
+            if not f.returns_input:  # (which adds no bytes: it is its input's array)
                 out = step.out
                 size = f.size
                 r = -1
@@ -137,7 +138,7 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
         step_costs.append(cost)
         key = step.origin or "<graph>"
         by_node[key] = by_node.get(key, 0) + cost
-    program.frees = [tuple(f) for f in frees]
+    program.frees = frees
     program.reuse = reuse
     program.planned_peak_bytes = peak
     program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node
