@@ -9,14 +9,12 @@ backward's steps all come from the op registry.
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine import collector
 from engine.dtypes import FLOATS, scalar_dtype
 from engine.errors import (
     ArityError,
@@ -172,35 +170,8 @@ def compile_graph(
 ) -> Program:
     """Validate, differentiate, plan and bind `spec` for `device`; raises ValidationErrors,
     MemoryBudgetError or ComputeBudgetError."""
-    with _collector_paused():
+    with collector.paused():  # (engine.collector: a compile's objects all live to its end)
         return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device)
-
-
-# The cyclic garbage collector is paused while a graph compiles. A compile makes about ten
-# objects a node that all live to its end (steps, slots, their facts), and on a large graph
-# the collector's full passes over the growing heap cost more than the compile itself (a
-# 30,000-node chain: twice the time); what the compile leaves is collected afterwards, once.
-# Compiles in several threads share one pause.
-_pause_lock = threading.Lock()
-_pauses = 0
-_resume = False
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    global _pauses, _resume
-    with _pause_lock:
-        if not _pauses:
-            _resume = gc.isenabled()
-            gc.disable()
-        _pauses += 1
-    try:
-        yield
-    finally:
-        with _pause_lock:
-            _pauses -= 1
-            if not _pauses and _resume:
-                gc.enable()
 
 
 def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits | None,
