@@ -22,6 +22,7 @@ from engine.graph.builder import Builder, Memo, Sym, derived
 from engine.graph.facts import Facts, facts_of
 from engine.graph.ir import BACKWARD, Lit, Step
 from engine.graph.scan import SCAN, Body, emit_scan, stacked
+from engine.ops import OPS
 from engine.ops.registry import Meta, OpDef
 from engine.shapes import sum_to_shape
 
@@ -213,7 +214,10 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
 
 def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:
     old = pending.get(slot)
-    pending[slot] = g if old is None else b.add_slots(old, g)
+    pending[slot] = g if old is None else b.emit_args(_ADD, [old, g], {})
+
+
+_ADD = OPS["add"]
 
 
 class _Template(NamedTuple):

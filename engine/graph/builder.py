@@ -138,7 +138,6 @@ class Builder:
         self.create_graph = False
         self.simplify = False
         self.facts: dict[Step, Facts] = {}  # per step emitted here (engine.graph.facts)
-        self._adds: dict[tuple[int, int], list[Any]] = {}  # add_slots' decisions
         self._calls: dict[str, Callable[..., Sym]] = {}
 
     # ------------------------------------------------------------------ values
@@ -200,24 +199,27 @@ class Builder:
         self.facts[step] = facts
         return sym
 
-    def add_slots(self, a: int, b: int) -> int:
-        """The slot of `a + b`, emitted as `emit(add, [Syms of a and b], {})` would (what
-        accumulating gradients emits), made without a Sym where no cast is inserted."""
+    def emit_args(self, op: OpDef, args: list[int | Lit], attrs: dict[str, Any]) -> int:
+        """`emit` with a step's arguments (slots and literals), as the slot of its result:
+        made without a Sym where the decision is known and inserts no cast."""
         metas = self.metas
-        ma, mb = metas[a], metas[b]
-        decided = self._adds.get((id(ma), id(mb)))  # (metas live as long as the builder)
-        if decided is None:
-            decided = _DECISIONS.get((_ADD, ma, mb))
-            if decided is None or decided[1] or decided[2] or decided[3] is None:
-                syms = self.syms
-                return self.emit(_ADD, [syms[a], syms[b]], {}).slot
-            self._adds[(id(ma), id(mb))] = decided
+        sig = [metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
+               for a in args]
+        decided = _DECISIONS.get((op, *sig, *attr_values(attrs)) if attrs else (op, *sig))
+        if (decided is None or decided[1] or decided[3] is None
+                or (decided[2] and self.simplify)):
+            return self.emit(op, self.values(args), attrs).slot
         slot = len(metas)
         metas.append(decided[0])
-        step = Step(_ADD, (a, b), {}, slot, self.kind, self.origin)
+        step = Step(op, tuple(args), attrs, slot, self.kind, self.origin)
         self.steps.append(step)
         self.facts[step] = decided[3]
         return slot
+
+    def values(self, args: list[int | Lit]) -> list[Value]:
+        """Step arguments as `emit` takes them: Syms and numbers."""
+        syms = self.syms
+        return [syms[a] if type(a) is int else a.value for a in args]  # type: ignore[union-attr]
 
     def _on_literals(self, op: OpDef, values: list[Value], attrs: dict[str, Any]) -> Sym:
         """An op on number literals alone: the literals become 0-d constants first."""
@@ -304,8 +306,6 @@ class Memo(dict[Any, Any]):
         self[key] = value
         return value
 
-
-_ADD = OPS["add"]
 
 # (op, argument metas and literals, attributes) -> [result meta, casts, result == input
 # meta, the facts of the step it emits (once one is)]

@@ -35,7 +35,7 @@ from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
 from engine.graph.executor import bind
 from engine.graph.expr import Span, expand_expr, piece_of
-from engine.graph.ir import BYTE_COST, DERIVED, NODE, Program
+from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
 from engine.graph.plan import plan
 from engine.graph.scan import SCAN, Body, emit_scan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
@@ -195,16 +195,16 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
     errors.raise_if_any()
 
     b = Builder()
-    syms: dict[int, Sym] = {}
+    slots: dict[int, int] = {}  # by key
     for name, tspec in inputs.items():
-        syms[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
+        slots[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype)).slot
     grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
                  for name, t in (grad_outputs or {}).items()}
-    _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), syms, errors)
+    _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), slots, errors)
     errors.raise_if_any()
 
-    input_slots = {name: syms[scope.names[name]].slot for name in inputs}
-    outputs = [(name, syms[key].slot) for name, key in named_outputs]
+    input_slots = {name: slots[scope.names[name]] for name in inputs}
+    outputs = [(name, slots[key]) for name, key in named_outputs]
     wrt = [] if no_grad else [input_slots[n] for n, t in inputs.items() if t.requires_grad]
     active = active_slots(b, b.steps, wrt)
     requires_grad = [False] * len(b.metas)
@@ -298,33 +298,33 @@ def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limi
     errors.raise_if_any()
 
 
-def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors) -> None:
+def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors) -> None:
     """Emit each node's step (shape and dtype inferred, promotion made explicit), the
-    steps of a `grad` or `jvp` node, or a loop. A node downstream of a refused one is
-    skipped: its error was already reported."""
+    steps of a `grad` or `jvp` node, or a loop. `slots`: each value's slot, by key. A node
+    downstream of a refused one is skipped: its error was already reported."""
     derivations = Derivations()
     for node in order:
-        args = []
+        args: list[int | Lit] = []  # (a step's arguments: slots and literals)
         for is_ref, v in node.args:
             if is_ref:
-                sym = syms.get(v)
-                if sym is None:
+                slot = slots.get(v)
+                if slot is None:
                     break
-                args.append(sym)
+                args.append(slot)
             else:
-                args.append(v)
+                args.append(Lit(v))
         else:
             b.origin = node.origin
             op = node.op
             try:
                 if node.loop is not None:
-                    _emit_loop(b, node, args, syms, errors)
+                    _emit_loop(b, node, b.values(args), slots, errors)
                 elif op is GRAD:
-                    syms[node.key] = emit_grad(b, derivations, args)
+                    slots[node.key] = emit_grad(b, derivations, b.values(args)).slot
                 elif op is JVP:
-                    syms[node.key] = emit_jvp(b, args)
+                    slots[node.key] = emit_jvp(b, b.values(args)).slot
                 else:
-                    syms[node.key] = b.emit(op, args, node.attrs)  # type: ignore[arg-type]
+                    slots[node.key] = b.emit_args(op, args, node.attrs)  # type: ignore[arg-type]
             except GradserveError as err:
                 err.at(node=node.origin, op=node.op.name)
                 if not err.loc or err.loc[0] != "graph":  # (a loop's own errors say where)
@@ -335,7 +335,7 @@ def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors)
     b.origin = None
 
 
-def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
+def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
                errors: _Errors) -> None:
     """A scan node: its body emitted once on a Builder of its own, then one loop step."""
     loop = node.loop
@@ -360,27 +360,27 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
     if length is None:
         raise AttributeError_("a scan without sequences needs attrs.length, the number of "
                               "steps", loc=(*node.loc, "attrs", "length"))
-    closures = [syms.get(k) for k in loop.closures]
-    if any(c is None for c in closures):
+    outer = [slots.get(k) for k in loop.closures]
+    if any(c is None for c in outer):
         return  # an outer value it reads was refused: that error is reported
+    closures = [b.syms[c] for c in outer]  # type: ignore[index]
     bb = Builder()
-    inner: dict[int, Sym] = {}
+    inner: dict[int, int] = {}
     for key, init in zip(loop.carries, inits, strict=True):
-        inner[key] = bb.value(init.meta)
+        inner[key] = bb.value(init.meta).slot
     for key, x in zip(loop.xs, xs, strict=True):
-        inner[key] = bb.value(Meta(x.shape[1:], x.dtype))
+        inner[key] = bb.value(Meta(x.shape[1:], x.dtype)).slot
     for key, c in zip(loop.closures, closures, strict=True):
-        inner[key] = bb.value(c.meta)  # type: ignore[union-attr]
+        inner[key] = bb.value(c.meta).slot
     reported = len(errors.items)
     errors.within.append(node.origin)
     try:
         _emit(bb, loop.nodes, inner, errors)
         nexts = []
         for (key, loc), carry in zip(loop.nexts, loop.carries, strict=True):
-            value = inner.get(key)
-            if value is None:
+            if key not in inner:
                 continue
-            meta = inner[carry].meta
+            value, meta = bb.syms[inner[key]], bb.metas[inner[carry]]
             if value.shape != meta.shape or value.dtype != meta.dtype:
                 kind = ShapeError if value.shape != meta.shape else DTypeError
                 producer = _producer(loop, key)
@@ -396,15 +396,14 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
         return
     ys: list[int] = []
     for _, which in loop.results:
-        if which < 0 and inner[-1 - which].slot not in ys:
-            ys.append(inner[-1 - which].slot)
-    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k].slot for k in loop.carries],
-                xs=[inner[k].slot for k in loop.xs],
-                closures=[inner[k].slot for k in loop.closures], nexts=nexts, ys=ys,
-                length=length)
-    outs = emit_scan(b, body, inits, xs, closures)  # type: ignore[arg-type]
+        if which < 0 and inner[-1 - which] not in ys:
+            ys.append(inner[-1 - which])
+    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k] for k in loop.carries],
+                xs=[inner[k] for k in loop.xs], closures=[inner[k] for k in loop.closures],
+                nexts=nexts, ys=ys, length=length)
+    outs = emit_scan(b, body, inits, xs, closures)
     for key, which in loop.results:
-        syms[key] = outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which].slot)]
+        slots[key] = (outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which])]).slot
 
 
 def _producer(loop: _LoopGraph, key: int) -> str | None:
