@@ -89,7 +89,7 @@ class _Node:
     index: int  # the client's node's place in that list
     key: int  # its value's number among the request's values (inputs first)
     op: OpDef | Transform
-    args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
+    args: list[int | Lit]  # a value's key, or a number literal
     attrs: dict[str, Any]
     loop: _LoopGraph | None  # a scan node's body
     source: tuple[str, Span] | None  # its piece of an `expr`, for errors
@@ -305,14 +305,14 @@ def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors
     derivations = Derivations()
     for node in order:
         args: list[int | Lit] = []  # (a step's arguments: slots and literals)
-        for is_ref, v in node.args:
-            if is_ref:
-                slot = slots.get(v)
+        for a in node.args:
+            if type(a) is int:
+                slot = slots.get(a)
                 if slot is None:
                     break
                 args.append(slot)
             else:
-                args.append(Lit(v))
+                args.append(a)
         else:
             b.origin = node.origin
             op = node.op
@@ -653,7 +653,7 @@ class _Resolver:
         """Resolve ops, references, arity and attributes (and loop bodies); and whether
         every node reads only values made before it (keys are numbered in order)."""
         errors = self.errors
-        names, loops, sources = scope.names, self.loops, self.sources
+        names, loops, sources, where = scope.names, self.loops, self.sources, scope.loc
         steps = []
         in_order = True
         for node, origin, index in raw:
@@ -665,7 +665,7 @@ class _Resolver:
                 errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))}{hint} (see GET "
                                           "/ops)", node=origin, loc=scope.node_loc(index, "op")))
                 continue
-            args: list[tuple[bool, Any]] = []
+            args: list[int | Lit] = []
             reads: list[int] = []
             ok = True
             own = names[node.id]
@@ -678,7 +678,7 @@ class _Resolver:
                         if key is None:
                             ok = False
                             continue
-                    args.append((True, key))
+                    args.append(key)
                     reads.append(key)
                     if key >= own:
                         in_order = False
@@ -688,7 +688,7 @@ class _Resolver:
                                           loc=scope.node_loc(index, "args", j)))
                     ok = False
                 elif isinstance(arg, _NUMBER):
-                    args.append((False, arg))
+                    args.append(Lit(arg))
                 else:
                     errors.add(GraphError(
                         f"argument {j} must be a node id, an input name or a number, got {arg!r}",
@@ -718,8 +718,8 @@ class _Resolver:
                     writes += loop.result_keys
                     in_order = False  # (its results are numbered after the level's nodes)
             if ok:
-                steps.append(_Node(node.id, origin, scope.loc, index, own, op, args, attrs,
-                                   loop, sources.get(node.id), reads, writes))
+                steps.append(_Node(node.id, origin, where, index, own, op, args, attrs, loop,
+                                   sources.get(node.id) if sources else None, reads, writes))
         return steps, in_order
 
     def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
