@@ -14,7 +14,7 @@ be read as a Python number: the program is built before there is any data.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
 from engine.errors import GradserveError
@@ -112,11 +112,22 @@ class Sym:
     def __ne__(self, o: Value) -> Sym:  # type: ignore[override]
         return self.b.call("ne", self, o)
 
-    def _data(self, *_: Any) -> Any:
+    def _data(self) -> NoReturn:
         raise DataDependent("a value of a graph cannot be read while the graph is compiled; "
                             "the decision must depend on shapes, dtypes or attributes only")
 
-    __bool__ = __int__ = __float__ = __index__ = _data
+    # (one method each: mypyc compiles no chained assignment in a class body)
+    def __bool__(self) -> bool:
+        self._data()
+
+    def __int__(self) -> int:
+        self._data()
+
+    def __float__(self) -> float:
+        self._data()
+
+    def __index__(self) -> int:
+        self._data()
 
 
 class Builder:
