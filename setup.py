@@ -9,6 +9,8 @@ scan.py) nor the executor, whose objects other code makes and inspects.
 
     GRADSERVE_NO_MYPYC=1 pip install .   # pure Python: nothing compiled, no C compiler
 
+Where there is no C compiler or no Python headers, the build says so and is pure Python.
+
 engine/graph/_native.py records the hash of each compiled module's source (written here,
 in engine/graph/_native.json); at run time a module whose source no longer matches (an
 editable install edited since) is imported from its source instead, with a warning.
@@ -20,7 +22,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
+import sysconfig
 from pathlib import Path
+from typing import Any
 
 from setuptools import setup
 
@@ -28,10 +34,18 @@ ROOT = Path(__file__).resolve().parent
 ENGINE_NATIVE = ["autodiff", "builder", "compiler", "facts", "plan"]  # in engine/graph
 
 
-def native_modules() -> list:  # type: ignore[type-arg]
+def native_modules() -> list[Any]:
     record = ROOT / "engine" / "graph" / "_native.json"
+    record.unlink(missing_ok=True)
     if os.environ.get("GRADSERVE_NO_MYPYC", "") not in ("", "0"):
-        record.unlink(missing_ok=True)
+        return []
+    missing = [what for what, there in (
+        ("a C compiler", shutil.which(os.environ.get("CC", "cc"))),
+        ("the Python headers", (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()),
+    ) if not there]
+    if missing:
+        print(f"gradserve: {' and '.join(missing)} not found: the graph compiler is not "
+              "compiled (pure Python, about a fifth slower)", file=sys.stderr)
         return []
     from mypyc.build import mypycify
 
