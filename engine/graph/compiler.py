@@ -814,10 +814,11 @@ def _link(steps: list[_Node]) -> None:
         step.deps = [by_key[key] for key in step.reads if key in by_key]
 
 
-def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
-    """Kahn's algorithm over one level's nodes (linked on the way); on a cycle, report one
-    with its whole path."""
-    _link(steps)
+def _topological(steps: list[_Node], errors: _Errors, linked: bool = False) -> list[_Node]:
+    """Kahn's algorithm over one level's nodes (linked on the way, unless they are); on a
+    cycle, report one with its whole path."""
+    if not linked:
+        _link(steps)
     indegree = [0] * len(steps)
     consumers: list[list[_Node]] = [[] for _ in steps]
     for step in steps:
@@ -902,7 +903,7 @@ def _run_order(graph: list[_Node], roots: list[int], ordered: bool = True) -> li
             done[node.pos] = True
             order.append(node)
     if len(order) < len(graph):
-        rest = graph if ordered else _topological(graph, _Errors(1))  # (acyclic: no error)
+        rest = graph if ordered else _topological(graph, _Errors(1), linked=True)  # (acyclic)
         order.extend(n for n in rest if not done[n.pos])
     return order
 
