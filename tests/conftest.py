@@ -46,9 +46,13 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 def graphs_go_the_fast_way() -> Iterator[None]:
     """Every graph that the wire models accept in a request served in this process goes
     service.graph_json's way too, to the same GraphSpec (tests/test_graph_json.py)."""
-    from service import compute  # (here: engine-only test runs need no service)
-    from service.graph_json import graph_spec_from_json
-    from tests.test_graph_json import same
+    try:  # (here: engine-only test runs need no service)
+        from service import compute
+        from service.graph_json import graph_spec_from_json
+        from tests.test_graph_json import same
+    except ImportError:
+        yield
+        return
 
     validate = compute.validate
 
