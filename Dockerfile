@@ -42,6 +42,19 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_ROOT_USER_ACTION=ignore \
     PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/venv
+# A C compiler, and the Python headers where the base's Python comes without them, for
+# setup.py's mypyc build of the graph compiler's hottest modules: in this stage only (the
+# runtime stage copies /opt/venv, compiled modules included, and has no compiler).
+RUN set -eu; \
+    need=""; \
+    command -v gcc >/dev/null 2>&1 || need="gcc libc6-dev"; \
+    /opt/venv/bin/python -c 'import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+        || need="$need python3-dev"; \
+    if [ -n "$need" ]; then \
+        apt-get update; \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $need; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /src
 
 # Dependencies first, from pyproject.toml alone, so that a change to the code does not
@@ -58,14 +71,16 @@ open("/tmp/requirements.txt", "w").write("\n".join(reqs) + "\n")' \
     && cat /tmp/requirements.txt \
     && /opt/venv/bin/python -m pip install -r /tmp/requirements.txt
 
-# Then the package itself, as a wheel (what a release would publish).
-COPY README.md ./
+# Then the package itself, as a wheel (what a release would publish), its hottest modules
+# compiled by mypyc (setup.py; mypy comes as a build requirement).
+COPY README.md setup.py ./
 COPY engine ./engine
 COPY service ./service
 RUN /opt/venv/bin/python -m pip wheel --no-deps --wheel-dir /tmp/dist . \
     && /opt/venv/bin/python -m pip install --no-deps /tmp/dist/gradserve-*.whl \
     && /opt/venv/bin/python -m pip check \
     && /opt/venv/bin/gradserve --help >/dev/null \
+    && (cd / && /opt/venv/bin/python -c 'import engine.graph; assert engine.graph.NATIVE, "not compiled"') \
     && /opt/venv/bin/python -m pip uninstall --yes pip setuptools wheel
 
 # -------------------------------------------------------------------------- runtime

@@ -19,6 +19,7 @@ import orjson
 import pybase64
 from pydantic_core import from_json
 
+from engine import collector
 from engine.errors import TensorDataError, quoted
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
@@ -45,10 +46,14 @@ def loads(body: bytes | str) -> Any:
 
     `model_validate_json` cannot refuse the bare tokens (its parser always accepts them),
     so the body is parsed here with `allow_inf_nan=False` and then validated as Python
-    data; for bodies of JSON lists that is also faster than `model_validate_json`.
+    data; for bodies of JSON lists that is also faster than `model_validate_json`. The
+    garbage collector is paused while the parser makes its lists and dicts
+    (engine.collector: 2.5 times faster on a 1.4 MB graph). orjson parses no faster then,
+    and reads other numbers (integers past 64 bits as floats, 1e999 as an error).
     """
     try:
-        return from_json(body, allow_inf_nan=False)
+        with collector.paused():
+            return from_json(body, allow_inf_nan=False)
     except ValueError as exc:
         raise JSONError(_explain(body, str(exc))) from None
 

@@ -239,3 +239,24 @@ def test_a_hundred_thousand_node_chain_compiles_and_runs() -> None:
     result = execute(program, {"x": np.float64(2.0)})
     assert result.outputs["n99999"] == 2.0 + 0.5 * 50_000
     assert result.gradients["x"] == 1.0 and result.nodes == 100_000
+
+
+def test_a_zero_literal_keeps_its_sign_whatever_was_compiled_before() -> None:
+    """0.0 == -0.0, but `x * -0.0` is not `x * 0.0` (nor `1 / (x * -0.0)` its `1 / (x * 0.0)`):
+    the memos of decisions, VJP templates and kernels key a float literal by its sign too,
+    so a program compiled after one with the other zero keeps its own."""
+    x = np.array([-1.0, 2.0, -3.0], np.float32)
+    inputs = {"x": TensorSpec((3,), "float32", True)}
+    for order in ((0.0, -0.0), (-0.0, 0.0)):
+        for k in order:
+            spec = GraphSpec([NodeSpec("m", "mul", ["x", k]), NodeSpec("y", "div", [1.0, "m"]),
+                              NodeSpec("s", "sum", ["m"])], ["y", "s"])
+            program = compile_graph(spec, inputs, backward=True,
+                                    grad_outputs={"y": TensorSpec((3,), "float32")})
+            r = execute(program, {"x": x}, grad_outputs={"y": np.ones(3, np.float32)})
+            want = x * np.float32(k)
+            np.testing.assert_array_equal(np.signbit(r.outputs["y"]), np.signbit(1 / want))
+            np.testing.assert_array_equal(r.outputs["y"], np.float32(1) / want)
+            # d(1/m)/dx = -k / m**2: infinities of k's sign flipped
+            assert np.all(np.isinf(r.gradients["x"]) | np.isnan(r.gradients["x"]))
+            np.testing.assert_array_equal(np.signbit(r.outputs["s"]), np.signbit(want.sum()))

@@ -12,14 +12,19 @@ plans memory and cost and binds kernels, before anything is allocated; it raises
 `ValidationErrors` (every problem found, each with its node and field),
 `MemoryBudgetError` or `ComputeBudgetError`. `execute` runs the program's steps on arrays
 of its device and returns outputs, gradients, the measured peak bytes and timings.
+
+The compiler's hottest modules are compiled by mypyc when the package is installed
+(setup.py); `NATIVE` says whether those are the ones imported (engine.graph._native).
 """
 
+from engine.graph._native import NATIVE  # (first: which form of the compiler to import)
 from engine.graph.compiler import check_budgets, compile_graph
 from engine.graph.executor import execute
 from engine.graph.ir import Program
 from engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
 
 __all__ = [
+    "NATIVE",
     "BodySpec",
     "GraphSpec",
     "Limits",

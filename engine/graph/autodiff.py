@@ -19,8 +19,10 @@ from typing import Any, NamedTuple
 
 from engine.dtypes import FLOATS
 from engine.graph.builder import Builder, Memo, Sym, derived
+from engine.graph.facts import Facts, facts_of
 from engine.graph.ir import BACKWARD, Lit, Step
 from engine.graph.scan import SCAN, Body, emit_scan, stacked
+from engine.ops import OPS
 from engine.ops.registry import Meta, OpDef
 from engine.shapes import sum_to_shape
 
@@ -53,15 +55,18 @@ def vjp(
     *,
     create_graph: bool = False,
     kind: str = BACKWARD,
+    active: set[int] | None = None,
 ) -> list[Sym | None]:
     """The vector-Jacobian product of `steps` (a prefix of `b.steps`, in run order): for
     each slot in `wrt`, the sum over `cotangents` (slot, upstream gradient) of
     gradientᵀ · ∂slot_value/∂wrt, or None where no cotangent reaches it. `create_graph`:
     the emitted backward will itself be differentiated (PyTorch's grad mode during
     backward; some VJPs answer differently then, as PyTorch's do). `kind`: what the emitted
-    steps are (the request's own backward, or the derivative that a node asks for)."""
-    found = _derive(b, steps, cotangents, active_slots(b, steps, wrt), set(wrt), create_graph,
-                    kind)
+    steps are (the request's own backward, or the derivative that a node asks for).
+    `active`: `active_slots(b, steps, wrt)`, where the caller has it already."""
+    if active is None:
+        active = active_slots(b, steps, wrt)
+    found = _derive(b, steps, cotangents, active, set(wrt), create_graph, kind)
     return [found.get(s) for s in wrt]
 
 
@@ -83,12 +88,14 @@ def vjp_all(
 def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, Sym]],
             active: set[int], wanted: set[int], create_graph: bool,
             kind: str) -> dict[int, Sym]:
-    captured: dict[int, Sym] = {}
-    pending: dict[int, Sym] = {}
+    # Cotangents are held as slots (a Sym is made only for the ones a VJP rule reads).
+    captured: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    syms = b.syms
     with derived(b, create_graph=create_graph, kind=kind):
-        for slot, g in cotangents:
+        for slot, seed in cotangents:
             if slot in active:
-                _accumulate(b, pending, slot, g)
+                _accumulate(b, pending, slot, seed.slot)
         for step in reversed(steps):
             if step.op is SCAN:
                 cts = [pending.pop(o, None) for o in step.outs]
@@ -96,19 +103,21 @@ def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, S
                     captured.update((o, g) for o, g in zip(step.outs, cts, strict=True)
                                     if g is not None and o in wanted)
                     b.origin = step.origin
-                    for slot, grad in _scan_vjp(b, step, cts, active):
-                        _accumulate(b, pending, slot, grad)
+                    for slot, sym in _scan_vjp(b, step, [None if g is None else syms[g]
+                                                         for g in cts], active):
+                        _accumulate(b, pending, slot, sym.slot)
                 continue
-            if step.out not in pending:
+            out = step.out
+            g = pending.pop(out, None)
+            if g is None:
                 continue
-            g = pending.pop(step.out)
-            if step.out in wanted:
-                captured[step.out] = g
+            if out in wanted:
+                captured[out] = g
             b.origin = step.origin
             for slot, grad in _step_vjp(b, step, g, active):
                 _accumulate(b, pending, slot, grad)
     captured.update((s, g) for s, g in pending.items() if s in wanted)
-    return captured
+    return {s: syms[g] for s, g in captured.items()}
 
 
 def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], list[int]]:
@@ -203,76 +212,97 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     return grads
 
 
-def _accumulate(b: Builder, pending: dict[int, Sym], slot: int, g: Sym) -> None:
+def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:
     old = pending.get(slot)
-    pending[slot] = g if old is None else b.call("add", old, g)
+    pending[slot] = g if old is None else b.emit_args(_ADD, [old, g], {})
+
+
+_ADD = OPS["add"]
 
 
 class _Template(NamedTuple):
-    """The steps one VJP emitted, with their slots relative: a new slot as its offset from
-    the first slot the VJP made (>= 0), a value it was given as -1 - its place among the
-    upstream gradient and the saved values; and each active argument's gradient so."""
+    """The steps one VJP emitted, with each argument as an index into the values a replay
+    has: the ones it was given (the upstream gradient, the step's slots, its result), then
+    the slots it makes (the k-th step makes the k-th), then its number literals; and each
+    active argument's gradient so."""
 
-    steps: tuple[tuple[OpDef, tuple[Any, ...], dict[str, Any], Meta, str], ...]
-    grads: tuple[tuple[int, int], ...]  # (argument slot's index in step.args, slot code)
+    steps: tuple[tuple[OpDef, tuple[int, ...], dict[str, Any], str, Facts | None], ...]
+    metas: tuple[Meta, ...]  # of the new slots
+    literals: tuple[Lit, ...]
+    grads: tuple[tuple[int, int], ...]  # (argument slot's index in step.args, value index)
 
 
 # A step's VJP emits the same steps whenever its op, arguments' metas (and which of them
 # are the same value), literals, attributes and upstream gradient's meta are the same: an
-# unrolled loop's steps are differentiated once and the template replayed.
+# unrolled loop's steps are differentiated once and the template replayed. (The step's
+# facts stand for its op, metas, literals and attributes: engine.graph.facts.)
 _TEMPLATES = Memo(1 << 13)
 
 
-def _step_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[int, Sym]]:
-    """(argument slot, its gradient) for each active argument of `step`."""
+def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[int, int]]:
+    """(argument slot, the slot of its gradient) for each active argument of `step`, whose
+    result's cotangent is slot `g`."""
     args = step.args
     metas = b.metas
-    key = (step.op, g.meta, b.create_graph, b.kind,
-           *[(metas[a], a in active, args.index(a)) if type(a) is int
-             else (type(a.value), a.value) for a in args],  # type: ignore[union-attr]
-           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
-    given = [g.slot, *_saved_slots(step), step.out]
+    facts = b.facts.get(step)
+    if facts is None:
+        facts = b.facts[step] = facts_of(step, metas)
+    if len(args) == 2 and facts.slots_only:  # (the most, and the key of each is its own)
+        a0, a1 = args
+        key: tuple[Any, ...] = (facts, metas[g], b.create_graph, b.kind, a0 in active,
+                                a1 in active, a0 == a1)
+    else:
+        key = (facts, metas[g], b.create_graph, b.kind,
+               *[(a in active, args.index(a)) for a in args if type(a) is int])
     template = _TEMPLATES.get(key)
     if template is None:
+        given: list[int] = [g, *step.slots, step.out]
         first_slot, first_step = len(metas), len(b.steps)
-        grads = _emit_vjp(b, step, g, active)
+        grads = _emit_vjp(b, step, b.syms[g], active)
         template = _record(b, first_slot, first_step, given, grads, args)
         if template is not None:
             _TEMPLATES.remember(key, template)
-        return grads
-    base = len(metas)
-    syms = b.syms
-    for op, refs, attrs, meta, kind in template.steps:
-        step_args = tuple([r if type(r) is Lit else (base + r if r >= 0 else given[-1 - r])
-                           for r in refs])
-        slot = b.value(meta).slot
-        b.steps.append(Step(op, step_args, attrs, slot, kind, b.origin))
-    return [(args[i], syms[base + r if r >= 0 else given[-1 - r]])  # type: ignore[misc]
-            for i, r in template.grads]
-
-
-def _saved_slots(step: Step) -> list[int]:
-    return [a for a in step.args if type(a) is int]  # type: ignore[misc]
+        return [(slot, grad.slot) for slot, grad in grads]
+    slot = base = len(metas)
+    metas.extend(template.metas)
+    values = [g, *(args if facts.slots_only else step.slots), step.out,  # (what it was given)
+              *range(base, len(metas)), *template.literals]
+    value = values.__getitem__
+    steps, known, origin = b.steps, b.facts, b.origin
+    for op, refs, attrs, kind, facts in template.steps:
+        new = Step(op, tuple(map(value, refs)), attrs, slot, kind, origin)
+        steps.append(new)
+        if facts is not None:
+            known[new] = facts
+        slot += 1
+    return [(args[i], values[r]) for i, r in template.grads]  # type: ignore[misc]
 
 
 def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
             grads: list[tuple[int, Sym]], args: tuple[Any, ...]) -> _Template | None:
     """The template of the steps just emitted, or None if one reads a value it was not
     given (it would not replay elsewhere)."""
+    made = len(b.metas) - first_slot
+    literals: list[Lit] = []
 
-    def code(slot: int) -> int:
-        if slot >= first_slot:
-            return slot - first_slot
-        return -1 - given.index(slot)
+    def code(a: Any) -> int:
+        if type(a) is Lit:
+            literals.append(a)
+            return len(given) + made + len(literals) - 1
+        if a >= first_slot:
+            return len(given) + a - first_slot
+        return given.index(a)
 
+    emitted = b.steps[first_step:]
+    if [s.out for s in emitted] != list(range(first_slot, len(b.metas))):
+        return None  # (a slot made without a step, or a step out of order: not replayable)
     try:
-        steps = tuple((s.op, tuple([a if type(a) is Lit else code(a)  # type: ignore[arg-type]
-                                    for a in s.args]), s.attrs, b.metas[s.out], s.kind)
-                      for s in b.steps[first_step:])
+        steps = tuple((s.op, tuple([code(a) for a in s.args]), s.attrs, s.kind, b.facts.get(s))
+                      for s in emitted)
         codes = tuple((args.index(slot), code(g.slot)) for slot, g in grads)
     except ValueError:
         return None
-    return _Template(steps, codes)
+    return _Template(steps, tuple(b.metas[first_slot:]), tuple(literals), codes)
 
 
 def _emit_vjp(b: Builder, step: Step, g: Sym, active: set[int]) -> list[tuple[int, Sym]]:

@@ -14,10 +14,11 @@ be read as a Python number: the program is built before there is any data.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
 from engine.errors import GradserveError
+from engine.graph.facts import Facts, attr_values, facts_of, literal_key
 from engine.graph.ir import BACKWARD, CAST, CONSTANT, NODE, Arg, Lit, Step
 from engine.ops.registry import OPS, Meta, OpDef, literal_meta, promoted_dtype
 
@@ -111,11 +112,22 @@ class Sym:
     def __ne__(self, o: Value) -> Sym:  # type: ignore[override]
         return self.b.call("ne", self, o)
 
-    def _data(self, *_: Any) -> Any:
+    def _data(self) -> NoReturn:
         raise DataDependent("a value of a graph cannot be read while the graph is compiled; "
                             "the decision must depend on shapes, dtypes or attributes only")
 
-    __bool__ = __int__ = __float__ = __index__ = _data
+    # (one method each: mypyc compiles no chained assignment in a class body)
+    def __bool__(self) -> bool:
+        self._data()
+
+    def __int__(self) -> int:
+        self._data()
+
+    def __float__(self) -> float:
+        self._data()
+
+    def __index__(self) -> int:
+        self._data()
 
 
 class Builder:
@@ -131,11 +143,12 @@ class Builder:
     def __init__(self) -> None:
         self.metas: list[Meta] = []
         self.steps: list[Step] = []
-        self.syms: list[Sym] = []
+        self.syms = _Syms(self)
         self.origin: str | None = None
         self.kind = NODE
         self.create_graph = False
         self.simplify = False
+        self.facts: dict[Step, Facts] = {}  # per step emitted here (engine.graph.facts)
         self._calls: dict[str, Callable[..., Sym]] = {}
 
     # ------------------------------------------------------------------ values
@@ -143,8 +156,7 @@ class Builder:
         """A new slot that no step writes (an input of the program)."""
         slot = len(self.metas)
         self.metas.append(meta)
-        sym = Sym(self, slot, meta)
-        self.syms.append(sym)
+        sym = self.syms[slot] = Sym(self, slot, meta)
         return sym
 
     def arg(self, a: Arg) -> Value:
@@ -168,24 +180,57 @@ class Builder:
         What the shape rule and promotion decide depends only on the op, the arguments'
         metas and literal values, and the attributes: it is remembered by that signature,
         so a graph that repeats a layer (an unrolled loop) works it out once."""
-        key = (op, *[a.meta if type(a) is Sym else (type(a), a) for a in args],
-               *[tuple(v) if type(v) is list else v for v in attrs.values()])
+        if attrs:
+            key = (op, *[a.meta if type(a) is Sym else literal_key(a) for a in args],
+                   *attr_values(attrs))
+        else:
+            key = (op, *[a.meta if type(a) is Sym else literal_key(a) for a in args])
         decided = _DECISIONS.get(key)
         if decided is None:
             if args and not any(type(a) is Sym for a in args):
                 return self._on_literals(op, list(args), attrs)
             decided = _DECISIONS.remember(key, _decide(op, args, attrs))
-        out, casts, same_meta = decided
+        out, casts, same_meta, facts = decided
         if same_meta and self.simplify:
             return args[0]  # type: ignore[no-any-return]
-        values = list(args)
-        for i, dtype in casts:
-            values[i] = self._cast(values[i], dtype)
-        step_args: tuple[Arg, ...] = tuple([
-            v.slot if type(v) is Sym else Lit(v) for v in values])
-        sym = self.value(out)
-        self.steps.append(Step(op, step_args, attrs, sym.slot, self.kind, self.origin))
+        if casts:
+            values = list(args)
+            for i, dtype in casts:
+                values[i] = self._cast(values[i], dtype)
+            args = values
+        step_args: tuple[Arg, ...] = tuple([v.slot if type(v) is Sym else Lit(v) for v in args])
+        metas = self.metas
+        slot = len(metas)
+        metas.append(out)
+        sym = self.syms[slot] = Sym(self, slot, out)
+        step = Step(op, step_args, attrs, slot, self.kind, self.origin)
+        self.steps.append(step)
+        if facts is None:  # (the same for every step the decision emits)
+            facts = decided[3] = facts_of(step, metas)
+        self.facts[step] = facts
         return sym
+
+    def emit_args(self, op: OpDef, args: list[int | Lit], attrs: dict[str, Any]) -> int:
+        """`emit` with a step's arguments (slots and literals), as the slot of its result:
+        made without a Sym where the decision is known and inserts no cast."""
+        metas = self.metas
+        sig = [metas[a] if type(a) is int else literal_key(a.value)  # type: ignore[union-attr]
+               for a in args]
+        decided = _DECISIONS.get((op, *sig, *attr_values(attrs)) if attrs else (op, *sig))
+        if (decided is None or decided[1] or decided[3] is None
+                or (decided[2] and self.simplify)):
+            return self.emit(op, self.values(args), attrs).slot
+        slot = len(metas)
+        metas.append(decided[0])
+        step = Step(op, tuple(args), attrs, slot, self.kind, self.origin)
+        self.steps.append(step)
+        self.facts[step] = decided[3]
+        return slot
+
+    def values(self, args: list[int | Lit]) -> list[Value]:
+        """Step arguments as `emit` takes them: Syms and numbers."""
+        syms = self.syms
+        return [syms[a] if type(a) is int else a.value for a in args]  # type: ignore[union-attr]
 
     def _on_literals(self, op: OpDef, values: list[Value], attrs: dict[str, Any]) -> Sym:
         """An op on number literals alone: the literals become 0-d constants first."""
@@ -243,6 +288,21 @@ class Builder:
         return x.dtype
 
 
+class _Syms(dict[int, Sym]):
+    """The Sym of each slot of a Builder, made when first asked for (a replayed VJP
+    template makes slots that nothing reads as a Sym)."""
+
+    __slots__ = ("b",)
+
+    def __init__(self, b: Builder) -> None:
+        super().__init__()
+        self.b = b
+
+    def __missing__(self, slot: int) -> Sym:
+        sym = self[slot] = Sym(self.b, slot, self.b.metas[slot])
+        return sym
+
+
 class Memo(dict[Any, Any]):
     """Decisions remembered by signature, forgotten all at once past `limit` entries (the
     signatures that matter repeat within a graph and across the graphs of one client)."""
@@ -258,14 +318,15 @@ class Memo(dict[Any, Any]):
         return value
 
 
-# (op, argument metas and literals, attributes) -> (result meta, casts, result == input meta)
+# (op, argument metas and literals, attributes) -> [result meta, casts, result == input
+# meta, the facts of the step it emits (once one is)]
 _DECISIONS = Memo(1 << 14)
 
 
-def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
-        Meta, tuple[tuple[int, str], ...], bool]:
+def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> list[Any]:
     """The shape rule's result, the casts that type promotion inserts (argument index and
-    dtype), and whether the result has the first argument's meta."""
+    dtype), whether the result has the first argument's meta, and a place for the facts
+    of the step (engine.graph.facts)."""
     metas = [a.meta if type(a) is Sym else literal_meta(a) for a in args]
     out = op.infer(metas, **attrs)
     casts: list[tuple[int, str]] = []
@@ -278,7 +339,7 @@ def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> tuple[
         casts = [(i, DEFAULT_FLOAT) for i, a in enumerate(args)
                  if type(a) is Sym and a.dtype not in FLOATS]
     same = op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]
-    return out, tuple(casts), same
+    return [out, tuple(casts), same, None]
 
 
 def derived(b: Builder, *, create_graph: bool, kind: str = BACKWARD) -> _Derived:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine import collector
 from engine.dtypes import FLOATS, scalar_dtype
 from engine.errors import (
     ArityError,
@@ -34,7 +35,7 @@ from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
 from engine.graph.executor import bind
 from engine.graph.expr import Span, expand_expr, piece_of
-from engine.graph.ir import BYTE_COST, DERIVED, NODE, Program
+from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
 from engine.graph.plan import plan
 from engine.graph.scan import SCAN, Body, emit_scan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
@@ -84,20 +85,25 @@ class _Node:
 
     id: str  # the node id (generated for the inner nodes of an `expr`)
     origin: str  # the client's node id, for error messages
-    loc: tuple[str | int, ...]  # where the client's node is in the request
+    where: tuple[str | int, ...]  # the location of its level's `nodes` list
+    index: int  # the client's node's place in that list
     key: int  # its value's number among the request's values (inputs first)
     op: OpDef | Transform
-    args: list[tuple[bool, Any]]  # (True, key) for a value, (False, number) for a literal
+    args: list[int | Lit]  # a value's key, or a number literal
     attrs: dict[str, Any]
-    loop: _LoopGraph | None = None  # a scan node's body
-    source: tuple[str, Span] | None = None  # its piece of an `expr`, for errors
+    loop: _LoopGraph | None  # a scan node's body
+    source: tuple[str, Span] | None  # its piece of an `expr`, for errors
+    reads: list[int]  # the keys it reads (a loop's closures too)
+    writes: list[int]  # the keys it makes (a loop's results too)
+    # Set when its level is ordered: its place in the level (an identity), and the nodes
+    # that make what it reads, one per read.
+    pos: int = 0
+    deps: Sequence[_Node] = ()
 
-    def reads(self) -> list[int]:
-        refs = [v for is_ref, v in self.args if is_ref]
-        return refs if self.loop is None else [*refs, *self.loop.closures]
-
-    def writes(self) -> list[int]:
-        return [self.key] if self.loop is None else [self.key, *self.loop.result_keys]
+    @property
+    def loc(self) -> tuple[str | int, ...]:
+        """Where the client's node is in the request."""
+        return (*self.where, self.index)
 
 
 @dataclass(slots=True, eq=False)
@@ -164,6 +170,13 @@ def compile_graph(
 ) -> Program:
     """Validate, differentiate, plan and bind `spec` for `device`; raises ValidationErrors,
     MemoryBudgetError or ComputeBudgetError."""
+    with collector.paused():  # (engine.collector: a compile's objects all live to its end)
+        return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device)
+
+
+def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits | None,
+             no_grad: bool, backward: bool, grad_outputs: Mapping[str, TensorSpec] | None,
+             device: str) -> Program:
     started = time.perf_counter()
     limits = limits or Limits()
     errors = _Errors(limits.max_errors)
@@ -177,21 +190,21 @@ def compile_graph(
             errors.add(GradserveError(
                 f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
                 "can require gradients", loc=("inputs", name, "requires_grad")))
-    graph = resolver.graph(spec.nodes, scope)
+    graph = resolver.graph(spec.nodes, scope, ordered=False)
     named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
 
     b = Builder()
-    syms: dict[int, Sym] = {}
+    slots: dict[int, int] = {}  # by key
     for name, tspec in inputs.items():
-        syms[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype))
+        slots[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype)).slot
     grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
                  for name, t in (grad_outputs or {}).items()}
-    _emit(b, _run_order(graph, [key for _, key in named_outputs]), syms, errors)
+    _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), slots, errors)
     errors.raise_if_any()
 
-    input_slots = {name: syms[scope.names[name]].slot for name in inputs}
-    outputs = [(name, syms[key].slot) for name, key in named_outputs]
+    input_slots = {name: slots[scope.names[name]] for name in inputs}
+    outputs = [(name, slots[key]) for name, key in named_outputs]
     wrt = [] if no_grad else [input_slots[n] for n, t in inputs.items() if t.requires_grad]
     active = active_slots(b, b.steps, wrt)
     requires_grad = [False] * len(b.metas)
@@ -209,12 +222,12 @@ def compile_graph(
     if backward:
         roots = _check_backward(program, inputs, grad_outputs or {}, errors)
         errors.raise_if_any()
-        _derive_backward(b, program, roots, grad_syms, inputs)
+        _derive_backward(b, program, roots, grad_syms, inputs, None if no_grad else active)
         program.steps = b.steps
     bound_on = _backend_ufuncs(device)
-    plan(program, ufuncs=bound_on, record=not no_grad and not backward)
+    plan(program, ufuncs=bound_on, record=not no_grad and not backward, facts=b.facts)
     check_budgets(program, limits, no_grad)
-    program.run = bind(program, device)
+    program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000
     return program
 
@@ -250,8 +263,8 @@ def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], 
         requires_grad=[False] * len(b.metas), grad_fn=[None] * len(b.metas),
         no_grad=False, backward=False,
     )
-    plan(program, ufuncs=_backend_ufuncs(device))
-    program.run = bind(program, device)
+    plan(program, ufuncs=_backend_ufuncs(device), facts=b.facts)
+    program.run = bind(program, device, facts=b.facts)
     return program
 
 
@@ -285,33 +298,33 @@ def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limi
     errors.raise_if_any()
 
 
-def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors) -> None:
+def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors) -> None:
     """Emit each node's step (shape and dtype inferred, promotion made explicit), the
-    steps of a `grad` or `jvp` node, or a loop. A node downstream of a refused one is
-    skipped: its error was already reported."""
+    steps of a `grad` or `jvp` node, or a loop. `slots`: each value's slot, by key. A node
+    downstream of a refused one is skipped: its error was already reported."""
     derivations = Derivations()
     for node in order:
-        args = []
-        for is_ref, v in node.args:
-            if is_ref:
-                sym = syms.get(v)
-                if sym is None:
+        args: list[int | Lit] = []  # (a step's arguments: slots and literals)
+        for a in node.args:
+            if type(a) is int:
+                slot = slots.get(a)
+                if slot is None:
                     break
-                args.append(sym)
+                args.append(slot)
             else:
-                args.append(v)
+                args.append(a)
         else:
             b.origin = node.origin
             op = node.op
             try:
                 if node.loop is not None:
-                    _emit_loop(b, node, args, syms, errors)
+                    _emit_loop(b, node, b.values(args), slots, errors)
                 elif op is GRAD:
-                    syms[node.key] = emit_grad(b, derivations, args)
+                    slots[node.key] = emit_grad(b, derivations, b.values(args)).slot
                 elif op is JVP:
-                    syms[node.key] = emit_jvp(b, args)
+                    slots[node.key] = emit_jvp(b, b.values(args)).slot
                 else:
-                    syms[node.key] = b.emit(op, args, node.attrs)  # type: ignore[arg-type]
+                    slots[node.key] = b.emit_args(op, args, node.attrs)  # type: ignore[arg-type]
             except GradserveError as err:
                 err.at(node=node.origin, op=node.op.name)
                 if not err.loc or err.loc[0] != "graph":  # (a loop's own errors say where)
@@ -322,7 +335,7 @@ def _emit(b: Builder, order: list[_Node], syms: dict[int, Sym], errors: _Errors)
     b.origin = None
 
 
-def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
+def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
                errors: _Errors) -> None:
     """A scan node: its body emitted once on a Builder of its own, then one loop step."""
     loop = node.loop
@@ -347,27 +360,27 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
     if length is None:
         raise AttributeError_("a scan without sequences needs attrs.length, the number of "
                               "steps", loc=(*node.loc, "attrs", "length"))
-    closures = [syms.get(k) for k in loop.closures]
-    if any(c is None for c in closures):
+    outer = [slots.get(k) for k in loop.closures]
+    if any(c is None for c in outer):
         return  # an outer value it reads was refused: that error is reported
+    closures = [b.syms[c] for c in outer]  # type: ignore[index]
     bb = Builder()
-    inner: dict[int, Sym] = {}
+    inner: dict[int, int] = {}
     for key, init in zip(loop.carries, inits, strict=True):
-        inner[key] = bb.value(init.meta)
+        inner[key] = bb.value(init.meta).slot
     for key, x in zip(loop.xs, xs, strict=True):
-        inner[key] = bb.value(Meta(x.shape[1:], x.dtype))
+        inner[key] = bb.value(Meta(x.shape[1:], x.dtype)).slot
     for key, c in zip(loop.closures, closures, strict=True):
-        inner[key] = bb.value(c.meta)  # type: ignore[union-attr]
+        inner[key] = bb.value(c.meta).slot
     reported = len(errors.items)
     errors.within.append(node.origin)
     try:
         _emit(bb, loop.nodes, inner, errors)
         nexts = []
         for (key, loc), carry in zip(loop.nexts, loop.carries, strict=True):
-            value = inner.get(key)
-            if value is None:
+            if key not in inner:
                 continue
-            meta = inner[carry].meta
+            value, meta = bb.syms[inner[key]], bb.metas[inner[carry]]
             if value.shape != meta.shape or value.dtype != meta.dtype:
                 kind = ShapeError if value.shape != meta.shape else DTypeError
                 producer = _producer(loop, key)
@@ -383,15 +396,14 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], syms: dict[int, Sym],
         return
     ys: list[int] = []
     for _, which in loop.results:
-        if which < 0 and inner[-1 - which].slot not in ys:
-            ys.append(inner[-1 - which].slot)
-    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k].slot for k in loop.carries],
-                xs=[inner[k].slot for k in loop.xs],
-                closures=[inner[k].slot for k in loop.closures], nexts=nexts, ys=ys,
-                length=length)
-    outs = emit_scan(b, body, inits, xs, closures)  # type: ignore[arg-type]
+        if which < 0 and inner[-1 - which] not in ys:
+            ys.append(inner[-1 - which])
+    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k] for k in loop.carries],
+                xs=[inner[k] for k in loop.xs], closures=[inner[k] for k in loop.closures],
+                nexts=nexts, ys=ys, length=length)
+    outs = emit_scan(b, body, inits, xs, closures)
     for key, which in loop.results:
-        syms[key] = outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which].slot)]
+        slots[key] = (outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which])]).slot
 
 
 def _producer(loop: _LoopGraph, key: int) -> str | None:
@@ -400,9 +412,11 @@ def _producer(loop: _LoopGraph, key: int) -> str | None:
 
 
 def _derive_backward(b: Builder, program: Program, roots: list[str],
-                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec]) -> None:
+                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec],
+                     active: set[int] | None) -> None:
     """Append the backward: the gradient of every input that requires grad, from the roots'
-    upstream gradients (given, cast to the output's dtype, or the implicit 1)."""
+    upstream gradients (given, cast to the output's dtype, or the implicit 1). `active`:
+    the values that depend on those inputs, where they are known already."""
     forward = list(b.steps)
     slots = dict(program.outputs)
     cotangents: list[tuple[int, Sym]] = []
@@ -418,7 +432,7 @@ def _derive_backward(b: Builder, program: Program, roots: list[str],
             cotangents.append((slot, g))
     names = [n for n, t in inputs.items() if t.requires_grad]
     wrt = [program.inputs[n] for n in names]
-    grads = vjp(b, forward, cotangents, wrt)
+    grads = vjp(b, forward, cotangents, wrt, active=active)
     with derived(b, create_graph=False):
         for name, slot, grad in zip(names, wrt, grads, strict=True):
             if grad is None:  # an input the outputs do not depend on gets zeros
@@ -464,8 +478,12 @@ class _Resolver:
         self.keys += 1
         return self.keys - 1
 
-    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope) -> list[_Node]:
-        """The level's nodes in a topological order; errors reported."""
+    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope, ordered: bool = True
+              ) -> list[_Node]:
+        """The level's nodes in a topological order (`_topological`'s), linked; errors
+        reported. Not `ordered`: in the client's order, for `_run_order` to order (the
+        request's level, whose order only `_run_order` reads; a level where every node
+        reads only nodes before it has no cycle, and needs no topological order)."""
         errors = self.errors
         kept = self._check_ids(nodes, scope)
         raw, aliases = self._expand(kept, scope)
@@ -476,17 +494,26 @@ class _Resolver:
                 f"{self.limits.max_nodes} (a loop's body counts once)",
                 loc=("graph", "nodes")))
         errors.raise_if_any()
+        names, key = scope.names, self.keys
         for node, _, _ in raw:
-            scope.names[node.id] = self.new_key()
+            names[node.id] = key
+            key += 1
+        self.keys = key
         for _, node in kept:
             if node.op == "scan" and node.results is not None:
                 self.loops[scope.names[node.id]] = list(node.results)
                 for result in node.results:
                     scope.names[result] = self.new_key()
         self._resolve_aliases(aliases, scope)
-        bound = self._bind(raw, scope)
+        bound, in_order = self._bind(raw, scope)
         errors.raise_if_any()
-        return _topological(bound, errors)
+        if ordered:
+            return _topological(bound, errors)
+        if in_order:
+            _link(bound)
+        else:
+            _topological(bound, errors)  # (a cycle is reported here)
+        return bound
 
     def ref(self, name: str, scope: _Scope, loc: tuple[str | int, ...], origin: str,
             op: str | None = None) -> int | None:
@@ -508,6 +535,7 @@ class _Resolver:
         """Unique, non-empty ids that no other name of the level or an enclosing one has;
         returns (index, node) pairs to keep."""
         errors = self.errors
+        names, parent = scope.names, scope.parent
         seen: set[str] = set()
         kept = []
         for index, node in enumerate(nodes):
@@ -516,8 +544,9 @@ class _Resolver:
                 errors.add(GraphError("node id must be a non-empty string",
                                       loc=scope.node_loc(index, "id")))
                 continue
-            clash = self._clash(nid, seen, scope)
-            if clash:
+            if nid in seen or nid in names or (parent is not None and
+                                               parent.find(nid) is not None):
+                clash = self._clash(nid, seen, scope)
                 text = (f"duplicate node id {quoted(nid)}" if nid in seen
                         else f"node id {quoted(nid)} {clash}")
                 errors.add(GraphError(text, node=nid, loc=scope.node_loc(index, "id")))
@@ -620,10 +649,14 @@ class _Resolver:
                         resolved[link] = target
         scope.names.update(resolved)
 
-    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope) -> list[_Node]:
-        """Resolve ops, references, arity and attributes (and loop bodies)."""
+    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope
+              ) -> tuple[list[_Node], bool]:
+        """Resolve ops, references, arity and attributes (and loop bodies); and whether
+        every node reads only values made before it (keys are numbered in order)."""
         errors = self.errors
+        names, loops, sources, where = scope.names, self.loops, self.sources, scope.loc
         steps = []
+        in_order = True
         for node, origin, index in raw:
             op: OpDef | Transform | None = None
             if isinstance(node.op, str):
@@ -633,43 +666,62 @@ class _Resolver:
                 errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))}{hint} (see GET "
                                           "/ops)", node=origin, loc=scope.node_loc(index, "op")))
                 continue
-            args: list[tuple[bool, Any]] = []
+            args: list[int | Lit] = []
+            reads: list[int] = []
             ok = True
+            own = names[node.id]
             for j, arg in enumerate(node.args):
-                loc = scope.node_loc(index, "args", j)
-                if isinstance(arg, str):
-                    key = self.ref(arg, scope, loc, origin, op.name)
-                    if key is None:
-                        ok = False
-                        continue
-                    args.append((True, key))
+                if type(arg) is str or isinstance(arg, str):
+                    key = names.get(arg)  # (a name of this level that is a value: the most)
+                    if key is None or key in loops:
+                        key = self.ref(arg, scope, scope.node_loc(index, "args", j), origin,
+                                       op.name)
+                        if key is None:
+                            ok = False
+                            continue
+                    args.append(key)
+                    reads.append(key)
+                    if key >= own:
+                        in_order = False
                 elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
                     errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
-                                          node=origin, op=op.name, loc=loc))
+                                          node=origin, op=op.name,
+                                          loc=scope.node_loc(index, "args", j)))
                     ok = False
                 elif isinstance(arg, _NUMBER):
-                    args.append((False, arg))
+                    args.append(Lit(arg))
                 else:
                     errors.add(GraphError(
                         f"argument {j} must be a node id, an input name or a number, got {arg!r}",
-                        node=origin, op=op.name, loc=loc))
+                        node=origin, op=op.name, loc=scope.node_loc(index, "args", j)))
                     ok = False
             try:
-                op.check_arity(len(node.args))
-                attrs = op.bind_attrs(dict(node.attrs))
+                given = node.attrs
+                if type(op) is OpDef and not op.variadic and len(node.args) == len(op.args):
+                    # (what check_arity accepts, and bind_attrs gives for no attributes)
+                    attrs = (op.defaults if not given and len(op.defaults) == len(op.attrs)
+                             else op.bind_attrs(dict(given) if given else {}))
+                else:
+                    op.check_arity(len(node.args))
+                    attrs = op.bind_attrs(dict(given) if given else {})
             except GradserveError as err:
                 err.at(node=origin, op=op.name)
                 err.loc = scope.node_loc(index, *(err.loc or ("args",)))
                 errors.add(err)
                 continue
             loop = None
+            writes = [own]
             if op is SCAN_NODE:
                 loop = self._loop(node, scope.node_loc(index), scope)
                 ok = ok and loop is not None
+                if loop is not None:
+                    reads += loop.closures
+                    writes += loop.result_keys
+                    in_order = False  # (its results are numbered after the level's nodes)
             if ok:
-                steps.append(_Node(node.id, origin, scope.node_loc(index), scope.names[node.id],
-                                   op, args, attrs, loop, self.sources.get(node.id)))
-        return steps
+                steps.append(_Node(node.id, origin, where, index, own, op, args, attrs, loop,
+                                   sources.get(node.id) if sources else None, reads, writes))
+        return steps, in_order
 
     def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
         """A scan node's body, resolved in a scope of its own."""
@@ -725,7 +777,7 @@ class _Resolver:
             if key is not None:
                 nexts.append((key, where))
         # The values made in this body (an alias may name an outer value: that is a closure).
-        locals_ = {*carries, *xs, *(k for n in nodes for k in n.writes())}
+        locals_ = {*carries, *xs, *(k for n in nodes for k in n.writes)}
         out: list[tuple[int, int]] = []
         for result, value in results.items():
             where = (*loc, "results", result)
@@ -742,7 +794,7 @@ class _Resolver:
                                   node=node.id, loc=(*loc, "results")))
         if len(errors.items) > reported:
             return None
-        closures = [k for n in nodes for k in n.reads() if k not in locals_]
+        closures = [k for n in nodes for k in n.reads if k not in locals_]
         closures += [k for k, _ in nexts if k not in locals_]
         closures += [-1 - w for _, w in out if w < 0 and -1 - w not in locals_]
         return _LoopGraph(carries=carries, xs=xs,
@@ -751,37 +803,50 @@ class _Resolver:
                           nexts=nexts, closures=list(dict.fromkeys(closures)), results=out)
 
 
-def _topological(steps: list[_Node], errors: _Errors) -> list[_Node]:
-    """Kahn's algorithm over one level's nodes; on a cycle, report one with its whole
-    path."""
-    by_key = {k: s for s in steps for k in s.writes()}
-    indegree = {id(s): 0 for s in steps}
-    consumers: dict[int, list[_Node]] = {}
+def _link(steps: list[_Node]) -> None:
+    """Each node's place in its level (`pos`) and the nodes that make what it reads
+    (`deps`, one per read of a value of the level)."""
+    by_key = {}
+    for pos, step in enumerate(steps):
+        step.pos = pos
+        for key in step.writes:
+            by_key[key] = step
     for step in steps:
-        for key in step.reads():
-            if key in by_key:
-                indegree[id(step)] += 1
-                consumers.setdefault(id(by_key[key]), []).append(step)
-    ready = [s for s in steps if indegree[id(s)] == 0]
+        step.deps = [by_key[key] for key in step.reads if key in by_key]
+
+
+def _topological(steps: list[_Node], errors: _Errors, linked: bool = False) -> list[_Node]:
+    """Kahn's algorithm over one level's nodes (linked on the way, unless they are); on a
+    cycle, report one with its whole path."""
+    if not linked:
+        _link(steps)
+    indegree = [0] * len(steps)
+    consumers: list[list[_Node]] = [[] for _ in steps]
+    for step in steps:
+        deps = step.deps
+        if deps:
+            indegree[step.pos] = len(deps)
+            for dep in deps:
+                consumers[dep.pos].append(step)
+    ready = [s for s in steps if not indegree[s.pos]]
     order: list[_Node] = []
     while ready:
         step = ready.pop()
         order.append(step)
-        for consumer in consumers.get(id(step), ()):
-            indegree[id(consumer)] -= 1
-            if indegree[id(consumer)] == 0:
+        for consumer in consumers[step.pos]:
+            indegree[consumer.pos] -= 1
+            if not indegree[consumer.pos]:
                 ready.append(consumer)
     if len(order) < len(steps):
-        stuck = next(s for s in steps if indegree[id(s)] > 0)
+        stuck = next(s for s in steps if indegree[s.pos] > 0)
         path: list[_Node] = []
         on_path: dict[int, int] = {}
         node = stuck
-        while id(node) not in on_path:  # walk unfinished producers until one repeats
-            on_path[id(node)] = len(path)
+        while node.pos not in on_path:  # walk unfinished producers until one repeats
+            on_path[node.pos] = len(path)
             path.append(node)
-            node = next(by_key[key] for key in node.reads()
-                        if key in by_key and indegree[id(by_key[key])] > 0)
-        cycle = path[on_path[id(node)]:]
+            node = next(dep for dep in node.deps if indegree[dep.pos] > 0)
+        cycle = path[on_path[node.pos]:]
         names = [s.origin for s in reversed(cycle)]
         names = [n for k, n in enumerate(names) if k == 0 or n != names[k - 1]]
         text = " -> ".join([*names, names[0]]) if len(names) > 1 else f"{names[0]} -> {names[0]}"
@@ -811,31 +876,36 @@ def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
     return list(out.items())
 
 
-def _run_order(graph: list[_Node], roots: list[int]) -> list[_Node]:
+def _run_order(graph: list[_Node], roots: list[int], ordered: bool = True) -> list[_Node]:
     """The order steps are emitted, hence run: depth-first post-order from the roots (the
     outputs), so that each value is computed close to its use and few are alive at once;
-    then, for validation only, the nodes no root needs (planning drops them)."""
-    by_key = {k: n for n in graph for k in n.writes()}
+    then, for validation only, the nodes no root needs (planning drops them), in
+    `_topological`'s order. `graph` is a level as `_Resolver.graph` gives it (`ordered`
+    or not)."""
+    wanted = set(roots)
+    by_key = {k: n for n in graph for k in n.writes if k in wanted}
     order: list[_Node] = []
-    done: set[int] = set()  # ids of the nodes emitted
+    done = [False] * len(graph)  # by pos: the nodes emitted
     for root in roots:
         if root not in by_key:
             continue
         stack: list[tuple[_Node, int]] = [(by_key[root], 0)]
         while stack:
             node, k = stack.pop()
-            if id(node) in done:
+            if done[node.pos]:
                 continue
-            refs = [by_key[r] for r in node.reads() if r in by_key]
-            while k < len(refs) and id(refs[k]) in done:
+            refs = node.deps
+            while k < len(refs) and done[refs[k].pos]:
                 k += 1
             if k < len(refs):
                 stack.append((node, k + 1))
                 stack.append((refs[k], 0))
                 continue
-            done.add(id(node))
+            done[node.pos] = True
             order.append(node)
-    order.extend(n for n in graph if id(n) not in done)
+    if len(order) < len(graph):
+        rest = graph if ordered else _topological(graph, _Errors(1), linked=True)  # (acyclic)
+        order.extend(n for n in rest if not done[n.pos])
     return order
 
 

@@ -23,6 +23,7 @@ from engine.backends import Backend, get_backend
 from engine.dtypes import ITEMSIZE
 from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
 from engine.graph.builder import Memo
+from engine.graph.facts import Facts, facts_of
 from engine.graph.ir import BACKWARD, Lit, Program, Step
 from engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
 from engine.graph.spec import RunResult
@@ -50,19 +51,26 @@ class Bound:
         self.given = given
 
 
-def bind(program: Program, device: str = "cpu") -> Bound:
-    """Prebind every step's kernel for `device`."""
-    return _bind(program, get_backend(device))
+def bind(program: Program, device: str = "cpu", *,
+         facts: Mapping[Step, Facts] | None = None) -> Bound:
+    """Prebind every step's kernel for `device`. `facts`: the steps' facts where their
+    emitter knew them (engine.graph.facts)."""
+    return _bind(program, get_backend(device), facts)
 
 
-def _bind(program: Program, backend: Backend) -> Bound:
+def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None = None
+          ) -> Bound:
+    steps = program.steps
+    known = facts or {}
+    has_ufuncs = backend.ufuncs is not None
+    ufuncs, reuses, frees = program.ufunc, program.reuse, program.frees
     runs: list[Run] = []
-    split = len(program.steps)
-    for i, step in enumerate(program.steps):
-        if step.kind == BACKWARD and split == len(program.steps):
+    split = len(steps)
+    for i, step in enumerate(steps):
+        if split == len(steps) and step.kind == BACKWARD:
             split = i
-        runs.append(_run(step, program, backend, program.ufunc[i] and backend.ufuncs is not None,
-                         program.reuse[i], program.frees[i]))
+        runs.append(_run(step, program, backend, ufuncs[i] and has_ufuncs, reuses[i], frees[i],
+                         known.get(step)))
     return Bound(backend, runs[:split], runs[split:], given_of(program))
 
 
@@ -77,24 +85,29 @@ def given_of(program: Program) -> list[tuple[str, int, tuple[int, ...], str, boo
 
 
 def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int,
-         frees: tuple[int, ...]) -> Run:
+         frees: tuple[int, ...], facts: Facts | None = None) -> Run:
+    """One step bound; its kernel comes from its facts' (worked out here if not given),
+    else from the memo of kernels, else is made."""
     op = step.op
-    slots = step.slots
-    if op.returns_input:
-        return ALIAS, None, step.out, slots[0], 0, None, frees
-    if op is SCAN:
-        return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
-    fn = kernel_of(step, program, backend, ufunc, reuse >= 0)
-    if reuse >= 0:
+    if facts is None:
+        if op is SCAN:
+            return LOOP, None, step.out, 0, 0, _Loop(step, backend), frees
+        facts = facts_of(step, program.metas)
+    if facts.returns_input:
+        return ALIAS, None, step.out, step.slots[0], 0, None, frees
+    into = reuse >= 0
+    fn = kernel_of(step, program, backend, ufunc, into, facts)
+    slots = step.args if facts.slots_only else step.slots
+    if into:
         code = UNARY_INTO if len(slots) == 1 else BINARY_INTO
-        return code, fn, step.out, slots[0], slots[-1], reuse, frees
+        return code, fn, step.out, slots[0], slots[-1], reuse, frees  # type: ignore[return-value]
     n = len(slots)
+    if n == 2:
+        return BINARY, fn, step.out, slots[0], slots[1], None, frees  # type: ignore[return-value]
+    if n == 1:
+        return UNARY, fn, step.out, slots[0], 0, None, frees  # type: ignore[return-value]
     if n == 0:
         return NULLARY, fn, step.out, 0, 0, None, frees
-    if n == 1:
-        return UNARY, fn, step.out, slots[0], 0, None, frees
-    if n == 2:
-        return BINARY, fn, step.out, slots[0], slots[1], None, frees
     return NARY, fn, step.out, 0, 0, slots, frees
 
 
@@ -103,18 +116,23 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
 _KERNELS = Memo(1 << 14)
 
 
-def kernel_of(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool
-              ) -> Kernel:
-    """`step`'s kernel, remembered by that signature: binding calls it for every step, and
-    loading a stored program (engine.graph.serial) once per distinct signature."""
-    metas = program.metas
-    key = (backend, step.op, ufunc, into,
-           *[metas[a] if type(a) is int else (type(a.value), a.value)  # type: ignore[union-attr]
-             for a in step.args],
-           *[tuple(v) if type(v) is list else v for v in step.attrs.values()])
-    fn = _KERNELS.get(key)
+def kernel_of(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool,
+              facts: Facts | None = None) -> Kernel:
+    """`step`'s kernel: its facts' (one per backend and way of running), else the memo of
+    kernels by signature, else made. Binding calls it for every step (with the step's
+    facts), and loading a stored program (engine.graph.serial) once per signature."""
+    if facts is None:
+        facts = facts_of(step, program.metas)
+    kernels = facts.kernels.get(backend)
+    if kernels is None:
+        kernels = facts.kernels[backend] = [None] * 4
+    fn = kernels[2 * ufunc + into]
     if fn is None:
-        fn = _KERNELS.remember(key, _kernel(step, program, backend, ufunc, into))
+        key = (backend, step.op, ufunc, into, *facts.sig)
+        fn = _KERNELS.get(key)
+        if fn is None:
+            fn = _KERNELS.remember(key, _kernel(step, program, backend, ufunc, into))
+        kernels[2 * ufunc + into] = fn
     return fn
 
 
@@ -324,7 +342,7 @@ class _Loop:
         program = body.program
         assert program is not None, "a scan is bound after its body is planned"
         if runs is None:  # (a loaded program's loader has them: engine.graph.serial)
-            bound = _bind(program, backend)
+            bound = _bind(program, backend, body.b.facts)
             runs = bound.forward + bound.backward
         self.bound = runs
         self.args = step.slots

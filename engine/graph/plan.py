@@ -12,138 +12,154 @@ to it).
 
 from __future__ import annotations
 
-from engine.dtypes import ITEMSIZE
+from collections.abc import Mapping
+from typing import Any
+
+from engine.graph.facts import Facts, facts_of, size_of
 from engine.graph.ir import BYTE_COST, NODE, Program, Step
 from engine.graph.scan import OUTER, SCAN, Body, carry_sources
-from engine.ops.registry import Meta, literal_meta
-from engine.shapes import numel
 
-# Result dtypes that compiled programs compute with the backend's ufuncs directly (the
-# others, float16 above all, keep the ops' own forwards: PyTorch computes float16 with
-# float literals in float32).
-UFUNC_DTYPES = frozenset({"float32", "float64"})
 # A buffer is worth taking over from 32 KiB: below, NumPy's allocator hands out recycled
 # small blocks for less than the `out=` argument costs to pass.
 REUSE_MIN_BYTES = 32 << 10
 
 
-def uses_ufunc(step: Step, metas: list[Meta]) -> bool:
-    """Whether `step` runs as a backend ufunc on operands of its result's dtype."""
-    if step.op.ufunc is None:
-        return False
-    dtype = metas[step.out].dtype
-    if dtype not in UFUNC_DTYPES:
-        return False
-    return all(metas[a].dtype == dtype for a in step.args if type(a) is int)
-
-
-def plan(program: Program, *, ufuncs: bool, record: bool = False) -> None:
+def plan(program: Program, *, ufuncs: bool, record: bool = False,
+         facts: Mapping[Step, Facts] | None = None) -> None:
     """Plan `program` in place. `ufuncs`: the backend has ufuncs that write into a given
-    buffer. `record`: a forward with grad recording, which holds what its graph saves."""
+    buffer. `record`: a forward with grad recording, which holds what its graph saves.
+    `facts`: the steps' facts where their emitter knew them (engine.graph.facts)."""
     metas = program.metas
-    kept, needed = _needed(program)
+    kept, needed, loops = _needed(program)
     program.steps = kept
-    transient: dict[int, int] = {}  # scan step index -> what it holds while it runs
-    for i, step in enumerate(kept):
-        if step.op is SCAN:
-            transient[i] = _plan_body(step, needed, ufuncs)
-    program.nodes = sum(_nodes(step) for step in kept)
+    transient = {i: _plan_body(kept[i], needed, ufuncs) for i in loops}
     given = {*program.inputs.values(), *program.grad_inputs.values()}
     held = {*given, *(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     if record:
         program.held = _saved(program, kept)
     held |= program.held
 
+    # Liveness: each slot's last reader, and the slots a result may share memory with.
+    known = facts or {}
+    per_step: list[Facts | None] = [known.get(step) for step in kept]  # None for a loop
     end = len(kept)
     last_use: dict[int, int] = {}
     root: dict[int, int] = {}  # a slot that is another's very array (detach) -> that slot
     viewed: set[int] = set()  # slots that some result may share memory with
+    nodes = 0
     for i, step in enumerate(kept):
-        for a in step.args:
-            if type(a) is int:
-                last_use[a] = i
-        op = step.op
-        if op.views_input:
-            viewed.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
-            if op.returns_input:
-                base = step.args[0]
-                root[step.out] = root.get(base, base)  # type: ignore[arg-type]
+        args = step.args
+        f = per_step[i]
+        if f is None:
+            if step.op is SCAN:
+                nodes += step.attrs["body"].program.nodes
+                for a in args:
+                    last_use[a] = i  # type: ignore[index]
+                viewed.update(args)  # type: ignore[arg-type]
+                continue
+            f = per_step[i] = facts_of(step, metas)
+        if step.kind == NODE:
+            nodes += 1
+        if f.slots_only:
+            for a in args:
+                last_use[a] = i  # type: ignore[index]
+        else:
+            for a in args:
+                if type(a) is int:
+                    last_use[a] = i
+        if f.views_input:
+            viewed.update(a for a in args if type(a) is int)  # type: ignore[misc]
+            if f.returns_input:
+                base: int = args[0]  # type: ignore[assignment]
+                root[step.out] = root.get(base, base)
+    program.nodes = nodes
     for slot in held:
         last_use[slot] = end
     for alias, base in root.items():  # an array lives while any slot holding it does
         last_use[base] = max(last_use.get(base, -1), last_use.get(alias, -1))
-    frees: list[list[int]] = [[] for _ in kept]
+    frees: list[tuple[int, ...]] = [()] * end
     for slot, i in last_use.items():
         if i < end:
-            frees[i].append(slot)
+            frees[i] = (*frees[i], slot)
 
-    numels = [numel(m.shape) for m in metas]
-    sizes = [n * ITEMSIZE[m.dtype] for n, m in zip(numels, metas, strict=True)]
-    program.ufunc = ufunc = [ufuncs and uses_ufunc(step, metas) for step in kept]
+    # Memory, step by step, and the cost.
+    program.ufunc = ufunc = [ufuncs and f is not None and f.ufunc for f in per_step]
     fresh: set[int] = set()  # slots whose buffer a ufunc made and nothing else shares
     reuse = [-1] * end
     counted = [0] * len(metas)  # the bytes a slot releases when it is freed
     live = 0
     for slot in given:
-        counted[slot] = sizes[slot]
-        live += sizes[slot]
+        counted[slot] = size_of(metas[slot])
+        live += counted[slot]
     peak = live
+    flops = moved = 0
+    by_node: dict[str, int] = {}
+    step_costs = []
     for i, step in enumerate(kept):
-        out = step.out
-        if i in transient:  # a loop: what it holds while it runs, then its results
+        f = per_step[i]
+        if f is None:  # a loop: what it holds while it runs, then its results
             peak = max(peak, live + transient[i])
             for slot in step.outs:
                 if slot in needed:
-                    counted[slot] = sizes[slot]
-                    live += sizes[slot]
+                    counted[slot] = size_of(metas[slot])
+                    live += counted[slot]
             peak = max(peak, live)
-        elif not step.op.returns_input:  # (which adds no bytes: it is its input's array)
-            r = -1
-            if ufunc[i] and sizes[out] >= REUSE_MIN_BYTES:  # (never 0-d: a scalar, no buffer)
-                meta = metas[out]
-                for a in step.args:
-                    if (type(a) is int and a in fresh and last_use.get(a) == i
-                            and a not in held and metas[a] == meta):
-                        r = a
-                        break
-                if out not in viewed:
-                    fresh.add(out)
-            if r >= 0:
-                reuse[i] = r
-                counted[out], counted[r] = counted[r], 0
-            else:
-                counted[out] = sizes[out]
-                live += sizes[out]
-                if live > peak:
-                    peak = live
+            step_flops, step_bytes = step.op.cost(  # type: ignore[misc]
+                [metas[a] for a in step.args], metas[step.out], **step.attrs)  # type: ignore[index]
+            cost = step_flops + BYTE_COST * step_bytes
+        else:
+            if not f.returns_input:  # (which adds no bytes: it is its input's array)
+                out = step.out
+                size = f.size
+                r = -1
+                if ufunc[i] and size >= REUSE_MIN_BYTES:  # (never 0-d: a scalar, no buffer)
+                    meta = metas[out]
+                    for a in step.args:
+                        if (type(a) is int and a in fresh and last_use.get(a) == i
+                                and a not in held and metas[a] == meta):
+                            r = a
+                            break
+                    if out not in viewed:
+                        fresh.add(out)
+                if r >= 0:
+                    reuse[i] = r
+                    counted[out], counted[r] = counted[r], 0
+                else:
+                    counted[out] = size
+                    live += size
+                    if live > peak:
+                        peak = live
+            step_flops, step_bytes, cost = f.flops, f.bytes, f.cost
         for slot in frees[i]:
             live -= counted[slot]
             counted[slot] = 0
-    program.frees = [tuple(f) for f in frees]
+        flops += step_flops
+        moved += step_bytes
+        step_costs.append(cost)
+        key = step.origin or "<graph>"
+        by_node[key] = by_node.get(key, 0) + cost
+    program.frees = frees
     program.reuse = reuse
     program.planned_peak_bytes = peak
-    _price(program, numels, sizes)
+    program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node
+    program.step_costs = step_costs
 
 
-def _needed(program: Program) -> tuple[list[Step], set[int]]:
-    """The steps the outputs and gradients need, in run order (dead code eliminated), and
-    the slots they need."""
-    needed = {*(s for _, s in program.outputs), *(s for _, s in program.gradients)}
+def _needed(program: Program) -> tuple[list[Step], set[Any], list[int]]:
+    """The steps the outputs and gradients need, in run order (dead code eliminated), the
+    slots they need (with their literals, which no slot equals), and where the loops
+    are among them."""
+    needed: set[Any] = {*(s for _, s in program.outputs), *(s for _, s in program.gradients)}
     kept = []
+    loops = []
     for step in reversed(program.steps):
         if step.out in needed or (step.more and not needed.isdisjoint(step.more)):
             kept.append(step)
-            needed.update(a for a in step.args if type(a) is int)  # type: ignore[misc]
+            needed.update(step.args)
+            if step.op is SCAN:
+                loops.append(len(kept) - 1)
     kept.reverse()
-    return kept, needed
-
-
-def _nodes(step: Step) -> int:
-    """The client's op nodes a step runs: itself, or a loop's body nodes (counted once)."""
-    if step.op is SCAN:
-        body: Body = step.attrs["body"]
-        return body.program.nodes  # type: ignore[union-attr]
-    return 1 if step.kind == NODE else 0
+    return kept, needed, [len(kept) - 1 - i for i in reversed(loops)]
 
 
 def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
@@ -159,14 +175,14 @@ def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
         outputs=[*((f"next{k}", slot) for k, slot in enumerate(body.nexts)),
                  *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k])],
         gradients=[], requires_grad=[], grad_fn=[], no_grad=True, backward=False)
-    plan(program, ufuncs=ufuncs)
+    plan(program, ufuncs=ufuncs, facts=body.b.facts)
     body.program = program
     metas = body.b.metas
-    stacks = sum(_bytes(metas[y]) for y, want in zip(body.ys, stacked, strict=True)
+    stacks = sum(size_of(metas[y]) for y, want in zip(body.ys, stacked, strict=True)
                  if want) * body.length
     if body.length == 0:
         return stacks
-    beyond_inputs = program.planned_peak_bytes - sum(_bytes(metas[s]) for s in body.inputs)
+    beyond_inputs = program.planned_peak_bytes - sum(size_of(metas[s]) for s in body.inputs)
     return stacks + beyond_inputs + _made_carries(body, program)
 
 
@@ -189,15 +205,11 @@ def _made_carries(body: Body, program: Program) -> int:
             else:
                 new.append(None if source == OUTER else (slot, 0))
         state = tuple(new)
-        worst = max(worst, sum(_bytes(metas[r]) for r, _ in {h for h in state if h}))
+        worst = max(worst, sum(size_of(metas[r]) for r, _ in {h for h in state if h}))
         if state in seen:
             break
         seen.add(state)
     return worst
-
-
-def _bytes(meta: Meta) -> int:
-    return numel(meta.shape) * ITEMSIZE[meta.dtype]
 
 
 def _saved(program: Program, steps: list[Step]) -> set[int]:
@@ -220,31 +232,3 @@ def _saved(program: Program, steps: list[Step]) -> set[int]:
             elif type(step.args[i]) is int:
                 held.add(step.args[i])  # type: ignore[arg-type]
     return held
-
-
-def _price(program: Program, numels: list[int], sizes: list[int]) -> None:
-    """The static cost of every step, in total and by the client node it serves."""
-    metas = program.metas
-    flops = moved = 0
-    by_node: dict[str, int] = {}
-    per_step = []
-    for step in program.steps:
-        op = step.op
-        if op.cost is None:  # the default rule, from the sizes already known
-            out = step.out
-            f, b = numels[out], sizes[out]
-            for a in step.args:
-                if type(a) is int:
-                    f += numels[a]
-                    b += sizes[a]
-        else:
-            args = [metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
-                    for a in step.args]
-            f, b = op.cost(args, metas[step.out], **step.attrs)
-        flops += f
-        moved += b
-        per_step.append(f + BYTE_COST * b)
-        key = step.origin or "<graph>"
-        by_node[key] = by_node.get(key, 0) + f + BYTE_COST * b
-    program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node
-    program.step_costs = per_step

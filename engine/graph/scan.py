@@ -136,9 +136,12 @@ def _hoist(b: Builder, body: Body, closures: list[Sym]) -> list[Sym]:
             kept.append(step)
             continue
         sym = b.value(body.b.metas[step.out])
-        b.steps.append(Step(step.op, tuple(outer[a].slot if type(a) is int else a
-                                           for a in step.args),
-                            step.attrs, sym.slot, b.kind, step.origin))
+        moved = Step(step.op, tuple(outer[a].slot if type(a) is int else a for a in step.args),
+                     step.attrs, sym.slot, b.kind, step.origin)
+        b.steps.append(moved)
+        facts = body.b.facts.get(step)
+        if facts is not None:
+            b.facts[moved] = facts
         outer[step.out] = sym
         body.closures.append(step.out)
         closures.append(sym)
