@@ -45,6 +45,7 @@ from engine.graph.serial import Unstorable, dump_program, load_program
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
 from service.graph_id import canonical_graph, id_of_canonical
+from service.graph_json import graph_spec_from_json
 from service.programs import Programs
 from service.schemas import (
     BackwardRequest,
@@ -350,27 +351,35 @@ class Compute:
             rest = None if graph_id is None else _parse_members(envelope, skip="graph")
             if rest is not None and graph_id is not None:
                 check_sizes(rest, self.settings)
-                req = validate(rest if "graph_id" in rest else {**rest, "graph_id": graph_id},
-                               model)
+                req = validate(_with_id(rest, graph_id), model)
                 if req.graph_id != graph_id:  # type: ignore[attr-defined]
                     raise _id_mismatch(req.graph_id, graph_id)  # type: ignore[attr-defined]
                 self.programs.grant(tenant, graph_id)
                 return _Found(rest, req, graph_id, None, bytes(raw), 0)
         data = parse_json(header)
         check_sizes(data, self.settings)
-        req = validate(data, model)
-        graph: Graph | None = req.graph  # type: ignore[attr-defined]
-        if graph is None:
-            graph_id = req.graph_id  # type: ignore[attr-defined]
-            assert graph_id is not None
-            if not self.programs.granted(tenant, graph_id):
-                raise _graph_unknown(graph_id)
-            return _Found(data, req, graph_id, None, None, 0)
-        canonical = canonical_graph(data["graph"])
-        graph_id = id_of_canonical(canonical)
+        graph_json = data.get("graph") if isinstance(data, dict) else None
+        spec = None if graph_json is None else \
+            graph_spec_from_json(graph_json, max_nodes=self.settings.max_nodes)
+        if spec is not None:  # the graph as pydantic would take it: the rest goes to it
+            canonical = canonical_graph(graph_json)
+            graph_id = id_of_canonical(canonical)
+            rest = {k: v for k, v in data.items() if k != "graph"}
+            req = validate(_with_id(rest, graph_id), model)
+        else:  # pydantic validates everything, and says what is wrong, where
+            req = validate(data, model)
+            graph: Graph | None = req.graph  # type: ignore[attr-defined]
+            if graph is None:
+                graph_id = req.graph_id  # type: ignore[attr-defined]
+                assert graph_id is not None
+                if not self.programs.granted(tenant, graph_id):
+                    raise _graph_unknown(graph_id)
+                return _Found(data, req, graph_id, None, None, 0)
+            canonical = canonical_graph(data["graph"])
+            graph_id = id_of_canonical(canonical)
+            spec = graph_spec(graph)
         if req.graph_id is not None and req.graph_id != graph_id:  # type: ignore[attr-defined]
             raise _id_mismatch(req.graph_id, graph_id)  # type: ignore[attr-defined]
-        spec = graph_spec(graph)
         evicted = self.programs.remember_graph(graph_id, spec, canonical, raw_key)
         self.programs.grant(tenant, graph_id)
         return _Found(data, req, graph_id, spec, canonical, evicted)
@@ -394,7 +403,8 @@ class Compute:
 
     def _parse_graph(self, raw: bytes) -> GraphSpec:
         """A graph's JSON that was validated before (its bytes, or its canonical form)."""
-        return graph_spec(validate(codec.loads(raw), Graph))
+        obj = codec.loads(raw)
+        return graph_spec_from_json(obj) or graph_spec(validate(obj, Graph))
 
     def compile(self, p: Prepared) -> None:
         self._compile(p, self.graph_of(p), _specs(p.inputs),
@@ -501,6 +511,12 @@ def _parse_members(envelope: dict[str, memoryview] | None, skip: str) -> dict[st
         return {k: codec.loads(bytes(v)) for k, v in envelope.items() if k != skip}
     except codec.JSONError:
         return None
+
+
+def _with_id(rest: dict[str, Any], graph_id: str) -> dict[str, Any]:
+    """A request's members without its graph, validated in its stead by the graph's id (a
+    `graph_id` the body gives stays, to be checked against it)."""
+    return rest if rest.get("graph_id") is not None else {**rest, "graph_id": graph_id}
 
 
 def _id_mismatch(given: str, graph_id: str) -> ProblemError:

@@ -55,6 +55,13 @@ def store_dir(tmp_path: Path) -> Iterator[str]:
     yield str(tmp_path / "store")
 
 
+def test_a_graph_with_a_null_graph_id_is_served(store_dir: str) -> None:
+    compute = Compute(Settings(program_store_dir=store_dir))
+    for _ in range(2):  # (parsed, then found by its bytes)
+        answer, _ = run(compute, chain_body([0.5, 1.0], graph_id=None))
+        assert answer["meta"]["graph_id"]
+
+
 def test_a_repeat_is_found_by_its_bytes_without_a_parse(
         store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     compute = Compute(Settings(program_store_dir=store_dir))
@@ -84,6 +91,7 @@ def test_a_repeat_is_found_by_its_bytes_without_a_parse(
     {"unknown": 1},
     {"graph_id": "0" * 32},  # not the graph's id
     {"graph_id": 12},
+    {"graph_id": None, "inputs": {"x": {"data": "one", "requires_grad": True}}},
     {"grad_outputs": {"nope": [1.0, 2.0]}},
 ])
 def test_a_hit_refuses_what_a_miss_refuses_with_the_same_problem(
