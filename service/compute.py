@@ -423,7 +423,8 @@ class Compute:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         p.stats.compile_ms = (time.perf_counter() - started) * 1000
-        p.stats.cache_evictions = self.programs.remember(p.key, p.program, p.device)
+        p.stats.cache_evictions = self.programs.remember(p.key, p.program, p.device,
+                                                         p.stats.compile_ms)
         p.stats.program_key = p.key
         p.stats.cache_bytes = self.programs.memory.bytes
 

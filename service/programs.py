@@ -45,6 +45,11 @@ from service.store import Store, entry_name, version_key
 
 ALIASES = 8192  # raw keys remembered per process (each ~150 bytes)
 EVICT_BEFORE = 0.9  # a preload stops where it would start evicting what it loaded
+# A program that took this long to compile is written to the store at once; a cheaper one
+# at its second use (its dump and write cost about half its compile: a one-off graph, as
+# define-by-run clients send, would pay them for nothing).
+STORE_AT_ONCE_MS = 10.0
+PENDING = 64  # writes a busy process keeps for its next idle moment
 GRANTS = 8192  # (tenant, graph) grants remembered per process
 
 
@@ -67,6 +72,7 @@ class Programs:
         self.graphs = GraphCache(settings.graph_cache_bytes)
         self._aliases = _Lru(ALIASES)  # raw key -> graph id
         self._grants = _Lru(GRANTS)  # grant entry name -> True
+        self._unstored = _Lru(ALIASES)  # program key -> its device: compiled once, cheaply
         s = settings
         self._limits = f"{s.max_nodes},{s.expr_max_chars},{s.expr_max_depth}," \
                        f"{s.max_inputs},{s.max_id_chars}"
@@ -160,6 +166,9 @@ class Programs:
         and kept in memory), else a miss."""
         program = self.memory.get(key)
         if program is not None:
+            device_of = self._unstored.pop(key, None)
+            if device_of is not None:  # its second use: worth keeping for the others
+                self._store_program(key, program, device_of)
             return Found(program, "process")
         if self.store is not None:
             started = time.perf_counter()
@@ -174,14 +183,22 @@ class Programs:
                     return Found(program, "store", (time.perf_counter() - started) * 1000)
         return Found(None, None)
 
-    def remember(self, key: str, program: Program, device: str) -> int:
-        """A program just compiled: kept in memory, and written to the store after the
-        answer. Returns how many programs the memory evicted for it."""
+    def remember(self, key: str, program: Program, device: str, compile_ms: float) -> int:
+        """A program just compiled: kept in memory; written to the store after the answer
+        when compiling it again would cost another process STORE_AT_ONCE_MS or more, and
+        else at its second use (a graph that changes with every request, define-by-run,
+        is not written at all). Returns how many programs the memory evicted for it."""
         evicted = self.memory.put(key, program)
+        if compile_ms >= STORE_AT_ONCE_MS:
+            self._store_program(key, program, device)
+        elif self.store is not None:
+            self._unstored.put(key, device)
+        return evicted
+
+    def _store_program(self, key: str, program: Program, device: str) -> None:
         meta = {"device": device, "cost": program.compute_cost,
                 "peak": program.planned_peak_bytes, "steps": len(program.steps)}
         self._defer(f"p-{key}", lambda: dump_program(program), meta)
-        return evicted
 
     def preload(self, keys: Sequence[str] | None, seconds: float) -> int:
         """Load programs from the store into memory before this process takes work:
@@ -221,6 +238,8 @@ class Programs:
         if self.store is not None:
             with self._lock:
                 self._pending.append((name, payload, meta or {}))
+                if len(self._pending) > PENDING:  # (busy, never idle: the oldest waits no
+                    del self._pending[0]  # longer; its program stays in memory)
 
     def changes(self) -> tuple[int, int]:
         """The store's evictions and damaged entries seen by this process since it was

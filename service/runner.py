@@ -107,7 +107,10 @@ class Runner:
         # Writes to the store leave the event loop: they follow the answer.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gradserve-store")
         self.admission = Admission(settings, metrics)
-        self.pool = Pool(settings, settings.max_concurrency, metrics)
+        # One line of the ledger more than the compute slots (0 .. max_concurrency - 1): the
+        # front process's own, for the small requests it computes itself.
+        self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
+        self.front = settings.max_concurrency
         self.ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
         metrics.track(metrics.reserved_bytes, self.ledger.total)
@@ -175,6 +178,25 @@ class Runner:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
+            handoff = None
+            if direct is None and len(body) <= INLINE_MAX_BODY_BYTES:
+                # The fast lane: a small request is prepared, and when it is cheap computed,
+                # right here, on the front process's own line of the ledger (one at a time:
+                # `_inline` runs on the event loop without a pause). It takes no compute
+                # slot, so it never waits in the queue behind requests that compute in
+                # workers; one that must go to a worker queues for a slot like them.
+                self.ledger.shrink(self.ledger.bodies, body_bytes)
+                body_bytes = 0
+                try:
+                    self._hold(self.front, reservation, refuse_at_limit=True)
+                    content = self._inline(kind, body, deadline, header_length, tenant)
+                finally:
+                    self.ledger.release(self.front)
+                if isinstance(content, Reply):
+                    return content
+                handoff = content  # prepared here, to run in a worker: no second parse
+                self._grow_bodies(reservation)  # (what it holds while it waits for a slot)
+                body_bytes = reservation
             slot = self.admission.take()
             if slot is None:  # in turn; a client that hangs up meanwhile leaves the queue
                 slot = await _until_disconnect(self.admission.enter(deadline), receive)
@@ -182,12 +204,6 @@ class Runner:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
                 self._hold(slot, reservation, refuse_at_limit=True)
-                handoff = None
-                if direct is None and len(body) <= INLINE_MAX_BODY_BYTES:
-                    content = self._inline(kind, body, slot, deadline, header_length, tenant)
-                    if isinstance(content, Reply):
-                        return content
-                    handoff = content  # prepared here, to run in a worker: no second parse
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
                 located = Located(None, None if handoff is None else handoff.graph_id)
                 if handoff is None and kind not in PLANS:
@@ -291,8 +307,8 @@ class Runner:
             raise
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), counted
 
-    def _inline(self, kind: str, body: bytes, slot: int, deadline: float,
-                header_length: int | None, tenant: str | None) -> Reply | Handoff | None:
+    def _inline(self, kind: str, body: bytes, deadline: float, header_length: int | None,
+                tenant: str | None) -> Reply | Handoff | None:
         """Compute a small request here when its program is known, or small enough to
         compile at once, and cheap to run; else hand it, prepared, to a worker (None: a
         plan that a worker must make)."""
@@ -314,10 +330,10 @@ class Runner:
             if p.program.compute_cost > INLINE_MAX_COST:
                 self.compute.check_budgets(p)  # (a 422 is answered here)
                 return self.compute.handoff(p)
-            held = self.ledger.held(slot)
+            held = self.ledger.held(self.front)
 
             def reserve(nbytes: int) -> None:
-                self._hold(slot, held + nbytes)
+                self._hold(self.front, held + nbytes)
 
             return self.compute.execute(p, deadline, reserve, None)
         finally:

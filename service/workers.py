@@ -336,6 +336,7 @@ def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: 
     collector would otherwise walk in the middle of the next request)."""
     _start_worker(settings_json, ledger_path, slots, limit)
     assert _compute is not None
+    compute = _compute
     if preload != ():
         _compute.programs.preload(preload, PRELOAD_S)
         gc.collect()  # (what the loads made is walked once here, not in a request)
@@ -345,9 +346,10 @@ def _worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: 
         while True:
             conn.send(message)
             if tasks:
-                _after_reply(tasks)
+                _after_reply(tasks, waiting=conn.poll(0))
             if not conn.poll(TRIM_IDLE_S):
-                gc.collect()  # idle: a full collection, and what it frees goes back
+                compute.programs.flush()  # idle: what was left for the store,
+                gc.collect()  # a full collection, and what it frees goes back
                 trim_memory()
             task = conn.recv()
             if task is None:
@@ -368,11 +370,12 @@ FULL_COLLECTION_EVERY = 64  # tasks between two full collections under continuou
 PRELOAD_S = 2.0
 
 
-def _after_reply(tasks: int) -> None:
-    """After a task's answer is sent: write what it left for the store, and collect (the
-    young generations each time; everything now and then, and when idle)."""
+def _after_reply(tasks: int, waiting: bool) -> None:
+    """After a task's answer is sent: write what it left for the store, unless the next
+    task is already waiting (then when idle), and collect (the young generations each
+    time; everything now and then, and when idle)."""
     assert _compute is not None
-    if _compute.programs.pending():
+    if not waiting and _compute.programs.pending():
         _compute.programs.flush()
     gc.enable()
     gc.collect(2 if tasks % FULL_COLLECTION_EVERY == 0 else 1)

@@ -58,9 +58,7 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         done: list[int] = []
 
         async def send(k: int) -> httpx.Response:
-            body = {**SEED_OP, "inputs": {"x": {"data": float(k), "requires_grad": True},
-                                          "y": {"data": 1.0, "requires_grad": True}}}
-            r = await c.post("/backward", json=body)
+            r = await c.post("/forward", json=worker_body(float(k)))
             done.append(k)
             return r
 
@@ -70,7 +68,7 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         await _until_queued(c, 2)
         # The queue is full: refused at once, and the probes still answer.
         t0 = time.perf_counter()
-        r = await c.post("/backward", json=SEED_OP)
+        r = await c.post("/forward", json=worker_body(3.0))
         assert time.perf_counter() - t0 < 1.0
         assert_problem(r, 503, "overloaded", "the queue's bound")
         assert r.headers["retry-after"] == "1"
@@ -84,8 +82,8 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         admission.leave(slot)  # the long computation ends: the queue drains in order
         one, two = await first, await second
         assert one.status_code == two.status_code == 200
-        assert one.json()["outputs"]["z"]["data"] == 1 * 1 - 1
-        assert two.json()["outputs"]["z"]["data"] == 2 * 2 - 1
+        assert one.json()["outputs"]["s"]["data"] == 5000 * 1.0
+        assert two.json()["outputs"]["s"]["data"] == 5000 * 2.0
         assert done == [1, 2]
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, "gradserve_queue_length") == 0
@@ -100,7 +98,7 @@ async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> Non
     async with serving(max_concurrency=1, queue_timeout_s=0.3) as (c, app):
         await _hold_the_slot(app)
         t0 = time.monotonic()
-        r = await c.post("/backward", json=SEED_OP)
+        r = await c.post("/forward", json=worker_body())
         elapsed = time.monotonic() - t0
         assert_problem(r, 503, "overloaded", "no compute slot came free within 0.3 s")
         assert r.headers["retry-after"] == "1" and 0.3 <= elapsed < 2.0
@@ -114,7 +112,7 @@ async def test_a_request_queued_past_its_deadline_gets_504() -> None:
     async with serving(max_concurrency=1, request_timeout_s=0.5) as (c, app):
         await _hold_the_slot(app)
         t0 = time.monotonic()
-        r = await c.post("/backward", json=SEED_OP)
+        r = await c.post("/forward", json=worker_body())
         elapsed = time.monotonic() - t0
         assert_problem(r, 504, "timeout", "waiting for a compute slot")
         assert 0.5 <= elapsed < 2.0
@@ -195,7 +193,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
     async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
         runner = app.state.runner
         slot = await _hold_the_slot(app)
-        body = json.dumps(SEED_OP).encode()
+        body = json.dumps(worker_body()).encode()
         messages = [{"type": "http.request", "body": body, "more_body": False}]
         hang_up = asyncio.Event()
 
@@ -205,7 +203,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
             await hang_up.wait()
             return {"type": "http.disconnect"}
 
-        task = asyncio.create_task(runner.serve("backward", receive, len(body), "r-gone"))
+        task = asyncio.create_task(runner.serve("forward", receive, len(body), "r-gone"))
         await _until_queued(c, 1)
         hang_up.set()
         with pytest.raises(ClientDisconnect):
@@ -215,3 +213,21 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
         assert runner.admission.active == 0
         assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] \
             == -5.0
+
+
+async def test_a_small_request_never_waits_behind_the_queue() -> None:
+    """The fast lane: a small request that the front process computes itself takes no
+    compute slot, so it is answered at once while every slot is busy and others queue."""
+    async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
+        slot = await _hold_the_slot(app)
+        queued = [asyncio.create_task(c.post("/forward", json=worker_body(float(k))))
+                  for k in (1, 2)]
+        await _until_queued(c, 2)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            r = await c.post("/backward", json=SEED_OP)
+            assert time.perf_counter() - t0 < 0.5
+            assert strict_json(r)["outputs"]["z"]["data"] == -5.0
+        assert not any(t.done() for t in queued)
+        app.state.runner.admission.leave(slot)
+        assert [(await t).json()["outputs"]["s"]["data"] for t in queued] == [5000.0, 10000.0]

@@ -55,6 +55,34 @@ def store_dir(tmp_path: Path) -> Iterator[str]:
     yield str(tmp_path / "store")
 
 
+def test_a_cheap_program_is_stored_at_its_second_use_a_costly_one_at_once(
+        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program that compiles in under STORE_AT_ONCE_MS is not worth its dump and write
+    for a graph used once (define-by-run: a new graph every request); one used again is."""
+    compute = Compute(Settings(program_store_dir=store_dir))
+    store = compute.programs.store
+    assert store is not None
+
+    def programs() -> int:
+        return len(store.recent("p", 100))
+
+    for k in range(3):  # three one-off graphs: none stored
+        run(compute, {"graph": {**CHAIN, "outputs": [f"n{30 + k}"]},
+                      "inputs": {"x": [0.5]}, "no_grad": True}, "forward")
+        compute.programs.flush()
+    assert programs() == 0
+    run(compute, chain_body([0.5]))
+    compute.programs.flush()
+    assert programs() == 0
+    run(compute, chain_body([0.5]))  # its second use
+    compute.programs.flush()
+    assert programs() == 1
+    monkeypatch.setattr("service.programs.STORE_AT_ONCE_MS", 0.0)  # (as if costly)
+    run(compute, chain_body([0.5, 1.0]))
+    compute.programs.flush()
+    assert programs() == 2
+
+
 def test_a_graph_with_a_null_graph_id_is_served(store_dir: str) -> None:
     compute = Compute(Settings(program_store_dir=store_dir))
     for _ in range(2):  # (parsed, then found by its bytes)
@@ -119,8 +147,9 @@ def test_graphs_and_programs_are_shared_through_the_store(store_dir: str) -> Non
     loads; what one was sent, the other knows by its bytes and by its id."""
     a, b = (Compute(Settings(program_store_dir=store_dir)) for _ in range(2))
     first, stats = run(a, chain_body([0.5, 1.0]))
-    a.programs.flush()  # (after the answer, as the runner does)
     assert stats.program == "compiled"
+    run(a, chain_body([0.5, 1.0]))  # (a cheap program is stored at its second use)
+    a.programs.flush()  # (after the answer, as the runner does)
     again, stats = run(b, chain_body([0.5, 1.0]))
     assert stats.program == "store" and stats.compile_ms is None and stats.load_ms is not None
     assert again["outputs"] == first["outputs"] and again["gradients"] == first["gradients"]
@@ -176,6 +205,7 @@ async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(
     body = chain_body([0.5, 1.0])
     async with serving(program_store_dir=str(store)) as (c, app):
         first = strict_json(await c.post("/backward", json=body))
+        await c.post("/backward", json=body)  # (its second use: stored)
         app.state.runner.compute.programs.flush()
     entries = sorted(store.iterdir())
     assert {p.name[0] for p in entries} >= {"p", "g", "a"}, entries
@@ -312,6 +342,7 @@ async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: 
                        min_compute_workers=2) as (c, app):
         first = await _worker_request(c, x)
         assert first["meta"]["program"] == "compiled"
+        await _worker_request(c, x)  # (A again: its second use, and A stores it)
         await asyncio.sleep(0.5)  # (A writes the program to the store after its answer)
         big = 'full(shape=[1500, 1500], value=1.0, dtype="float64")'
         slow = {"graph": {"nodes": [{"id": "m", "expr": f"sum({big} @ {big})"}],
@@ -341,6 +372,7 @@ async def test_after_a_worker_is_killed_the_next_request_loads_from_the_store(
     async with serving(program_store_dir=store_dir, compute_workers=1,
                        min_compute_workers=1) as (c, app):
         first = await _worker_request(c, x)
+        await _worker_request(c, x)  # (its second use: stored)
         await asyncio.sleep(0.5)
         (pid,) = _holders(app, first["meta"]["graph_id"])
         os.kill(pid, signal.SIGKILL)
@@ -381,6 +413,7 @@ async def test_a_server_on_a_persistent_store_starts_with_its_recent_programs(
     x = list(np.linspace(-1, 1, BIG))
     async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
         first = await _worker_request(c, x)
+        await _worker_request(c, x)  # (its second use: stored)
         await asyncio.sleep(0.5)
     async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
         again = await _worker_request(c, x)  # (a restart: the worker preloaded it)

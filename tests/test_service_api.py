@@ -717,11 +717,14 @@ async def test_503_when_all_slots_are_busy_and_nothing_may_queue() -> None:
     async with serving(max_concurrency=1, max_queue_size=0) as (c, app):
         # A computation holds the only slot.
         slot = await app.state.runner.admission.enter(time.monotonic() + 60)
-        r = await c.post("/backward", json=SEED_OP)
+        # A body over 16 KiB: a small one computes in the front process, with no slot.
+        body = {"graph": {"nodes": [{"id": "s", "expr": "sum(x)"}], "outputs": ["s"]},
+                "inputs": {"x": [1.0] * 5000}, "no_grad": True}
+        r = await c.post("/forward", json=body)
         assert_problem(r, 503, "overloaded", "compute slots")
         assert r.headers["retry-after"] == "1"
         app.state.runner.admission.leave(slot)
-        assert (await c.post("/backward", json=SEED_OP)).status_code == 200
+        assert (await c.post("/forward", json=body)).status_code == 200
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_rejections_total{reason="queue_full"} 1.0' in metrics
 
