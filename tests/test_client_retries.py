@@ -304,9 +304,9 @@ def test_a_server_killed_mid_request_is_retried_on_its_successor(
 def test_503_waits_for_retry_after_and_504_is_not_retried(servers: list[Server],
                                                            tmp_path: Path) -> None:
     """One compute slot, taken by a request that runs past the 2 s time limit, and no
-    queue for it: another request gets 503 (Retry-After: 1) and is retried after a second
-    or more until the slot is free; the long one gets 504, once: the same work would time
-    out again."""
+    queue for it: another request that needs a slot (too large for the front process's
+    fast lane) gets 503 (Retry-After: 1) and is retried after a second or more until the
+    slot is free; the long one gets 504, once: the same work would time out again."""
     s = _ready(_launch(tmp_path, _free_port(), GRADSERVE_MAX_CONCURRENCY="1",
                        GRADSERVE_MAX_QUEUE_SIZE="0", GRADSERVE_REQUEST_TIMEOUT_S="2"))
     servers.append(s)
@@ -318,7 +318,7 @@ def test_503_waits_for_retry_after_and_504_is_not_retried(servers: list[Server],
         call = pool.submit(slow.forward, _long(40), PAD, no_grad=True)
         assert long_tap.sent.wait(10)
         time.sleep(0.3)
-        r = gs.backward(SEED, {"x": 2.0, "y": 3.0})
+        r = gs.backward(SEED, {"x": 2.0, "y": 3.0, **PAD})
         with pytest.raises(GradserveHTTPError) as info:
             call.result(timeout=30)
     assert info.value.status == 504 and long_tap.outcomes == [504]
