@@ -941,11 +941,7 @@ async def phase_soak_misbehaving(ctx: Ctx, res: PhaseResult) -> None:
             tasks.append(asyncio.create_task(cut_uploads()))
             await ctx.mix.run(res, ctx.concurrency, 5_000_000, seconds)
         finally:
-            for c in conns:
-                c.writer.close()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close_all(conns, tasks)
     mix_checks(res)
     seeds = [s for kind in ("seed_op", "seed_expr")
              for s in ctx.mix.latencies.get(kind, [])[mix_before[kind]:]]
@@ -1048,6 +1044,15 @@ async def _watch(conn: Conn, reader: asyncio.StreamReader) -> None:
         conn.closed_at = time.monotonic()
 
 
+async def _close_all(conns: list[Conn], tasks: list[asyncio.Task[Any]]) -> None:
+    """Close the connections a phase opened, and end its tasks on them."""
+    for c in conns:
+        c.writer.close()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _trickle(conn: Conn, data: bytes, end: float) -> None:
     """One byte a second until the data is sent, the server closes, or `end`."""
     try:
@@ -1069,7 +1074,7 @@ async def phase_connections(ctx: Ctx, res: PhaseResult) -> None:
     request = (b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     conns: list[Conn] = []
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[Any]] = []
     failed = Counter[str]()
     gate = asyncio.Semaphore(64)
 
@@ -1101,11 +1106,7 @@ async def phase_connections(ctx: Ctx, res: PhaseResult) -> None:
                     res.check(f"{kind} open after {at:.0f} s", f"{still} of {n}", "0",
                               still == 0, raw=still)
         finally:
-            for c in conns:
-                c.writer.close()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close_all(conns, tasks)
     if failed:
         res.notes.append(f"connections that failed to open: {dict(failed)}")
     answers = Counter(c.answer.split(b" ", 2)[1].decode(errors="replace")

@@ -16,6 +16,7 @@ the body, once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
@@ -106,8 +107,9 @@ class Reply:
 
 
 @dataclass(eq=False)
-class Prepared:
-    """A parsed, decoded request, with its program when one was found."""
+class Call:
+    """What a parsed request asks for: its graph (by id), device, encoding, decoded
+    tensors and path."""
 
     graph_id: str
     device: str
@@ -116,6 +118,16 @@ class Prepared:
     grad_outputs: Decoded | None
     no_grad: bool
     backward: bool
+
+    def call(self) -> dict[str, Any]:
+        """This call's fields alone (to make another kind of call of them)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Call)}
+
+
+@dataclass(eq=False)
+class Prepared(Call):
+    """A parsed, decoded request, with its program when one was found."""
+
     started: float  # perf_counter() when parsing began
     key: str = ""  # the program's
     graph: GraphSpec | None = None  # parsed here (None: found by its bytes, or sent by id)
@@ -124,20 +136,13 @@ class Prepared:
     stats: Stats = field(default_factory=Stats)
 
 
-@dataclass(frozen=True)
-class Handoff:
+@dataclass(eq=False)
+class Handoff(Call):
     """A small request that the front process prepared but does not run (its program is
     too costly, or too large to compile there), for a worker to run without parsing it
     again: its decoded tensors, and its program serialized (or its graph, to compile)."""
 
     key: str
-    graph_id: str
-    device: str
-    encoding: str
-    inputs: Decoded
-    grad_outputs: Decoded | None
-    no_grad: bool
-    backward: bool
     program: bytes | None  # engine.graph.serial's form
     graph: bytes | None  # the graph's JSON, when there is no program yet
 
@@ -179,9 +184,7 @@ class Compute:
     def run_handoff(self, h: Handoff, deadline: float, reserve: Reserve,
                     stats: Stats | None = None) -> Reply:
         """A request the front process prepared (`Handoff`)."""
-        p = Prepared(graph_id=h.graph_id, device=h.device, encoding=h.encoding,
-                     inputs=h.inputs, grad_outputs=h.grad_outputs, no_grad=h.no_grad,
-                     backward=h.backward, started=time.perf_counter(), key=h.key,
+        p = Prepared(**h.call(), started=time.perf_counter(), key=h.key,
                      stats=stats or Stats())
         p.stats.path = "no_grad" if h.no_grad else "grad"
         p.stats.graph_id = h.graph_id
@@ -203,9 +206,7 @@ class Compute:
         if p.program is not None and not self.programs.stored(p.key):
             with contextlib.suppress(Unstorable):
                 program = dump_program(p.program)
-        return Handoff(key=p.key, graph_id=p.graph_id, device=p.device, encoding=p.encoding,
-                       inputs=p.inputs, grad_outputs=p.grad_outputs, no_grad=p.no_grad,
-                       backward=p.backward, program=program, graph=p.graph_raw)
+        return Handoff(**p.call(), key=p.key, program=program, graph=p.graph_raw)
 
     def prepare(self, body: bytes | memoryview, model: Model, stats: Stats | None = None,
                 header_length: int | None = None, tenant: str | None = None,
