@@ -29,7 +29,14 @@ import numpy as np
 from pydantic import ValidationError
 
 from engine.backends import get_backend, parse_device
-from engine.errors import GradserveError, GraphError, TensorDataError, ValidationErrors, quoted
+from engine.errors import (
+    GradserveError,
+    GraphError,
+    MemoryBudgetError,
+    TensorDataError,
+    ValidationErrors,
+    quoted,
+)
 from engine.graph import (
     BodySpec,
     GraphSpec,
@@ -42,6 +49,7 @@ from engine.graph import (
     compile_graph,
     execute,
 )
+from engine.graph.ir import RECOMPUTE
 from engine.graph.serial import Unstorable, dump_program, load_program
 from service import codec
 from service.errors import ProblemError, pydantic_errors, schema_problem
@@ -109,7 +117,7 @@ class Reply:
 @dataclass(eq=False)
 class Call:
     """What a parsed request asks for: its graph (by id), device, encoding, decoded
-    tensors and path."""
+    tensors, path, and memory budget."""
 
     graph_id: str
     device: str
@@ -118,6 +126,14 @@ class Call:
     grad_outputs: Decoded | None
     no_grad: bool
     backward: bool
+    budget: int  # its memory budget: the server's for its path, or less if it asks less
+    recompute: bool  # a backward over its budget may recompute forward values to fit
+
+    @property
+    def budget_shapes_program(self) -> bool:
+        """Whether its program depends on its budget: a backward that may recompute (every
+        other program is the same under any budget, checked against it on use)."""
+        return self.backward and self.recompute
 
     def call(self) -> dict[str, Any]:
         """This call's fields alone (to make another kind of call of them)."""
@@ -239,15 +255,15 @@ class Compute:
         p = Prepared(
             graph_id=found.graph_id, device=self.device(req.device), encoding=req.encoding,
             inputs=inputs, grad_outputs=grad_outputs, no_grad=no_grad,
-            backward=isinstance(req, BackwardRequest), started=started, graph=found.graph,
+            backward=isinstance(req, BackwardRequest),
+            budget=self._budget(req.memory_budget_bytes, no_grad),
+            recompute=req.recompute == "auto", started=started, graph=found.graph,
             graph_raw=found.raw, stats=stats or Stats(),
         )
         p.stats.path = "no_grad" if no_grad else "grad"
         p.stats.graph_id = found.graph_id
         p.stats.graph_evictions = found.evicted
-        p.key = self.programs.program_key(found.graph_id, _spec_key(inputs),
-                                          _spec_key(grad_outputs), no_grad, p.backward,
-                                          p.device)
+        p.key = self._program_key(p, _spec_key(inputs), _spec_key(grad_outputs))
         self._find(p)
         return p
 
@@ -301,41 +317,76 @@ class Compute:
         device = self.device(req.device)
         p = Prepared(graph_id=found.graph_id, device=device, encoding="json", inputs={},
                      grad_outputs=None, no_grad=no_grad, backward=backward,
-                     started=time.perf_counter(), graph=found.graph, graph_raw=found.raw)
-        p.key = self.programs.program_key(found.graph_id, _spec_tuple(inputs),
-                                          _spec_tuple(grad_outputs), no_grad, backward,
-                                          device)
+                     budget=self._budget(req.memory_budget_bytes, no_grad),
+                     recompute=req.recompute == "auto", started=time.perf_counter(),
+                     graph=found.graph, graph_raw=found.raw)
+        p.key = self._program_key(p, _spec_tuple(inputs), _spec_tuple(grad_outputs))
         self._find(p)
+        minimum = None  # the smallest peak recomputation reached, when even that was over
         if p.program is None:
             graph = self.graph_of(p)
             if max_nodes is not None and len(graph.nodes) > max_nodes:
                 return None
-            self._compile(p, graph, inputs, grad_outputs)
+            try:
+                self._compile(p, graph, inputs, grad_outputs)
+            except MemoryBudgetError as err:  # (the plan answers with the numbers)
+                minimum = err.planned_bytes
+                p.recompute = False
+                self._compile(p, graph, inputs, grad_outputs, keep=False)
         program = p.program
         assert program is not None
         s = self.settings
-        budget = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
         if dot:
-            return Reply([program_dot(program, budget).encode()],
+            return Reply([program_dot(program, p.budget).encode()],
                          media_type="text/vnd.graphviz; charset=utf-8")
+        recompute = recomputation(program)
+        if recompute is not None:  # (the explorer draws both memory timelines)
+            plain = compile_graph(self.graph_of(p), inputs, limits=self._limits(None, None),
+                                  no_grad=no_grad, backward=backward,
+                                  grad_outputs=grad_outputs, device=device)
+            recompute["nodes_without"] = planned_steps(plain)
         return Reply([codec.dumps({
             "planned_peak_bytes": program.planned_peak_bytes,
-            "memory_budget_bytes": budget,
+            "memory_budget_bytes": p.budget,
             "compute_cost": program.compute_cost,
             "compute_budget": s.compute_budget,
-            "admitted": (program.planned_peak_bytes <= budget
+            "admitted": (program.planned_peak_bytes <= p.budget
                          and program.compute_cost <= s.compute_budget),
             "path": req.path,
             "graph_id": found.graph_id,
             "nodes": planned_steps(program),
+            "recompute": recompute,
+            "minimum_peak_bytes": minimum,
         })])
 
-    def _limits(self, memory_budget: int | None, compute_budget: float | None) -> Limits:
+    def _budget(self, asked: int | None, no_grad: bool) -> int:
+        """A request's memory budget: the server's for its path, or less if it asks; more
+        is refused (a budget protects the server, not the request)."""
+        s = self.settings
+        server = s.no_grad_memory_budget_bytes if no_grad else s.memory_budget_bytes
+        if asked is None:
+            return server
+        if asked > server:
+            path = "no_grad" if no_grad else "grad"
+            raise ProblemError(
+                "invalid-request", f"memory_budget_bytes is {asked}, over this server's {path} "
+                f"budget of {server} bytes: a request may ask for less, never more",
+                errors=[{"loc": ["memory_budget_bytes"], "msg": f"at most {server}"}])
+        return asked
+
+    def _program_key(self, p: Prepared, inputs: Hashable, grad_outputs: Hashable) -> str:
+        """The program's key; with the budget in it where the program depends on it."""
+        return self.programs.program_key(
+            p.graph_id, inputs, grad_outputs, p.no_grad, p.backward, p.device,
+            budget=p.budget if p.budget_shapes_program else None)
+
+    def _limits(self, memory_budget: int | None, compute_budget: float | None,
+                recompute: bool = False) -> Limits:
         s = self.settings
         return Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
                       expr_max_depth=s.expr_max_depth, memory_budget_bytes=memory_budget,
                       compute_budget=compute_budget, max_inputs=s.max_inputs,
-                      max_id_chars=s.max_id_chars)
+                      max_id_chars=s.max_id_chars, recompute=recompute)
 
     def _request(self, header: bytes, model: type[W], tenant: str | None,
                  raw_key: str | None = None) -> _Found:
@@ -412,21 +463,25 @@ class Compute:
                       None if p.grad_outputs is None else _specs(p.grad_outputs))
 
     def _compile(self, p: Prepared, graph: GraphSpec, inputs: Mapping[str, TensorSpec],
-                 grad_outputs: Mapping[str, TensorSpec] | None) -> None:
-        """Compile without the budgets (a program holds none: they are checked on each
-        use), and keep the program here and in the store."""
+                 grad_outputs: Mapping[str, TensorSpec] | None, keep: bool = True) -> None:
+        """Compile, and keep the program here and in the store (`keep`). The budgets are
+        checked on each use, not here; only a backward that may recompute is compiled for
+        its memory budget (the planner recomputes what it must to fit it)."""
         started = time.perf_counter()
+        shaped = p.budget_shapes_program
+        limits = self._limits(p.budget if shaped else None, None, recompute=shaped)
         try:
-            p.program = compile_graph(graph, inputs, limits=self._limits(None, None),
+            p.program = compile_graph(graph, inputs, limits=limits,
                                       no_grad=p.no_grad, backward=p.backward,
                                       grad_outputs=grad_outputs, device=p.device)
         except GradserveError as err:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         p.stats.compile_ms = (time.perf_counter() - started) * 1000
-        p.stats.cache_evictions = self.programs.remember(p.key, p.program, p.device,
-                                                         p.stats.compile_ms)
-        p.stats.program_key = p.key
+        if keep:
+            p.stats.cache_evictions = self.programs.remember(p.key, p.program, p.device,
+                                                             p.stats.compile_ms)
+            p.stats.program_key = p.key
         p.stats.cache_bytes = self.programs.memory.bytes
 
     def check_budgets(self, p: Prepared) -> None:
@@ -434,9 +489,8 @@ class Compute:
         budget: 422 when over."""
         assert p.program is not None
         s = self.settings
-        budget = s.no_grad_memory_budget_bytes if p.no_grad else s.memory_budget_bytes
         try:
-            check_budgets(p.program, self._limits(budget, s.compute_budget), p.no_grad)
+            check_budgets(p.program, self._limits(p.budget, s.compute_budget), p.no_grad)
         except GradserveError as err:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
@@ -519,6 +573,16 @@ def _with_id(rest: dict[str, Any], graph_id: str) -> dict[str, Any]:
     """A request's members without its graph, validated in its stead by the graph's id (a
     `graph_id` the body gives stays, to be checked against it)."""
     return rest if rest.get("graph_id") is not None else {**rest, "graph_id": graph_id}
+
+
+def recomputation(program: Program) -> dict[str, Any] | None:
+    """What recomputing forward values in the backward bought and cost (None: nothing is
+    recomputed)."""
+    steps = sum(step.kind == RECOMPUTE for step in program.steps)
+    if not steps and program.recompute_cost == 0:
+        return None
+    return {"peak_bytes_without": program.peak_without_recompute,
+            "added_cost": program.recompute_cost, "steps": steps}
 
 
 def _id_mismatch(given: str, graph_id: str) -> ProblemError:
@@ -742,11 +806,15 @@ def program_dot(program: Program, budget: int) -> str:
         meta = metas[slot]
         lines.append(f'  in{slot} [label="{_dot(name)}\\n{list(meta.shape)} {meta.dtype}", '
                      'shape=ellipse, fillcolor="#e8f0fe"];')
-    for phase, kinds in (("forward", None), ("backward", {"backward"})):
+    phases = {"backward": "backward", RECOMPUTE: "recompute"}  # the rest: the forward
+    for phase in ("forward", "recompute", "backward"):
+        ours = [i for i, step in enumerate(program.steps)
+                if phases.get(step.kind, "forward") == phase]
+        if not ours:
+            continue
         lines.append(f'  subgraph cluster_{phase} {{ label="{phase}"; color="#bbbbbb";')
-        for i, step in enumerate(program.steps):
-            if (step.kind == "backward") != (kinds is not None):
-                continue
+        for i in ours:
+            step = program.steps[i]
             meta = metas[step.out]
             shade = int(255 - 155 * sizes[i] / biggest)  # more bytes, more red
             lines.append(
@@ -837,6 +905,7 @@ def encode_result(program: Program, result: RunResult, *, device: str, no_grad: 
         "planned_peak_bytes": result.planned_peak_bytes,
         "compute_cost": program.compute_cost,
         "program": source,
+        "recompute": recomputation(program),
         "timings_ms": result.timings_ms,
     }
     header = codec.dumps(content)

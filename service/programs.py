@@ -96,12 +96,15 @@ class Programs:
         return h.hexdigest()[:32]
 
     def program_key(self, graph_id: str, inputs: Hashable, grad_outputs: Hashable,
-                    no_grad: bool, backward: bool, device: str) -> str:
+                    no_grad: bool, backward: bool, device: str, budget: int | None = None
+                    ) -> str:
         """The program's key, from `_spec_key` tuples of the inputs and upstream
-        gradients."""
+        gradients; `budget`: the memory budget it was planned for, where that shapes it (a
+        backward that may recompute)."""
         specs = orjson.dumps([_specs_json(inputs), _specs_json(grad_outputs)])
         return entry_name("p", self.namespace(device), graph_id, specs,
-                          f"{int(no_grad)}{int(backward)}", device)[2:]
+                          f"{int(no_grad)}{int(backward)}", device,
+                          "" if budget is None else f"recompute<={budget}")[2:]
 
     # ------------------------------------------------------------------ graphs and ids
     def alias(self, raw_key: str) -> str | None:

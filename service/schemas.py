@@ -117,6 +117,15 @@ class Graph(Wire):
     outputs: list[str] = Field(min_length=1)
 
 
+Recompute = Annotated[Literal["auto", "never"], Field(
+    description="auto: a /backward whose planned peak is over its memory budget recomputes "
+                "forward values in the backward (chosen by the planner) so that it fits; "
+                "never: it is refused with 422 memory-budget instead")]
+MemoryBudget = Annotated[int | None, Field(
+    None, ge=1, description="a memory budget for this request's planned peak, at most the "
+                            "server's for its path (more is a 422)")]
+
+
 class _ComputeRequest(Wire):
     graph: Graph | None = None
     graph_id: str | None = Field(
@@ -126,6 +135,8 @@ class _ComputeRequest(Wire):
     inputs: dict[str, Tensor] = {}
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     encoding: Encoding = "json"
+    recompute: Recompute = "auto"
+    memory_budget_bytes: MemoryBudget = None
 
     @model_validator(mode="after")
     def _a_graph(self) -> _ComputeRequest:
@@ -180,6 +191,8 @@ class PlanRequest(Wire):
     path: Literal["no_grad", "forward", "backward"] = Field(
         "backward", description="no_grad: /forward with no_grad; forward: /forward with "
                                 "grad recording; backward: /backward")
+    recompute: Recompute = "auto"
+    memory_budget_bytes: MemoryBudget = None
 
     @model_validator(mode="after")
     def _a_graph(self) -> PlanRequest:
@@ -205,6 +218,14 @@ class OutputTensor(TensorOut):
     grad_fn: str | None
 
 
+class Recomputation(BaseModel):
+    """What recomputing forward values in the backward bought, and cost."""
+
+    peak_bytes_without: int = Field(description="the planned peak without recomputation")
+    added_cost: int = Field(description="cost units the recomputation adds (in compute_cost)")
+    steps: int = Field(description="recomputation steps in the program")
+
+
 class Meta(BaseModel):
     device: str
     graph_id: str = Field(description="send it as `graph_id` instead of the graph")
@@ -216,6 +237,8 @@ class Meta(BaseModel):
     program: Literal["process", "store", "compiled"] = Field(
         description="where the program came from: this process's memory, the host's program "
                     "store, or compiled for this request")
+    recompute: Recomputation | None = Field(
+        description="null: nothing is recomputed; the peak figures above are with it")
     timings_ms: dict[str, float]
 
 
@@ -233,7 +256,8 @@ class PlannedStep(BaseModel):
     id: str | None = Field(description="the client's node it serves (a derived step's, "
                                        "the node it differentiates)")
     op: str
-    kind: str = Field(description="node, cast, constant, derived (grad/jvp) or backward")
+    kind: str = Field(description="node, cast, constant, derived (grad/jvp), backward, or "
+                                  "recompute (a forward value computed again in the backward)")
     shape: list[int]
     dtype: str
     bytes: int
@@ -242,9 +266,14 @@ class PlannedStep(BaseModel):
                                                 "null: held to the end")
 
 
+class PlanRecomputation(Recomputation):
+    nodes_without: list[PlannedStep] = Field(description="the program without recomputation")
+
+
 class PlanResponse(BaseModel):
     planned_peak_bytes: int
-    memory_budget_bytes: int
+    memory_budget_bytes: int = Field(description="the request's: the server's for the path, "
+                                                 "or less if the request asks for less")
     compute_cost: int
     compute_budget: float
     admitted: bool = Field(description="within both budgets: /forward or /backward would "
@@ -252,6 +281,11 @@ class PlanResponse(BaseModel):
     path: str
     graph_id: str
     nodes: list[PlannedStep]
+    recompute: PlanRecomputation | None = Field(
+        description="how the planner fitted the budget by recomputation (null: it did not)")
+    minimum_peak_bytes: int | None = Field(
+        description="over budget even with the most recomputation: the smallest planned "
+                    "peak it reached (null otherwise)")
 
 
 class Problem(BaseModel):

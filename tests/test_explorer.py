@@ -336,6 +336,42 @@ def test_over_budget_plan_shows_the_budget_line_crossed(
 
 
 @pytest.mark.integration
+def test_recomputed_steps_are_marked_and_both_timelines_drawn(
+        driver: Any, server: Server, tmp_path: Path) -> None:
+    """A /backward over its memory budget that the planner fits by recomputation: its
+    recomputed steps are marked in the graph and the timeline, and the timeline without
+    recomputation is drawn below, crossing the budget that the program keeps to."""
+    import httpx
+
+    from tests.test_recompute_http import chain
+
+    body = chain(200, 12)
+    plain = httpx.post(f"{server.base}/plan", json={**body, "recompute": "never"}, timeout=30)
+    budget = plain.json()["planned_peak_bytes"] * 2 // 3
+    d = driver
+    request = {**body, "memory_budget_bytes": budget}
+    d.get(f"{server.base}/explorer?request={quote(json.dumps(request))}")
+    _wait(d, lambda: _state(d) == "planned", "the plan")
+    assert "recomputed" in _by(d, "plan-summary")[0].text
+    assert _by(d, "plan-summary")[0].get_attribute("data-admitted") == "true"
+    assert _by(d, "node", '[data-kind="recompute"]'), "no recomputed step in the graph"
+    timeline = _by(d, "timeline")[0]
+    assert timeline.get_attribute("data-over-budget") == "false"
+    assert timeline.find_elements("css selector", "rect.bar.recompute")
+    without = _by(d, "timeline-without")[0]
+    assert without.is_displayed()
+    assert without.get_attribute("data-over-budget") == "true"
+    assert int(without.get_attribute("data-planned-peak-bytes")) == \
+        plain.json()["planned_peak_bytes"]
+    _by(d, "run")[0].click()
+    _wait(d, lambda: _state(d) == "ran", "the run")
+    assert "POST /backward → 200" in _by(d, "results")[0].text
+    assert _console_errors(d) == []
+    _assert_only_the_service(_requests(d), server.base)
+    d.save_screenshot(str(tmp_path / "explorer-recompute.png"))
+
+
+@pytest.mark.integration
 def test_a_problem_is_shown_on_the_node_that_caused_it(
         driver: Any, server: Server, tmp_path: Path) -> None:
     d = driver

@@ -12,10 +12,16 @@
     status: byTestId("status"), problem: byTestId("problem"), results: byTestId("results"),
     summary: byTestId("plan-summary"), graph: byTestId("graph"),
     timeline: byTestId("timeline"), costly: byTestId("costly"),
+    timelineWithout: byTestId("timeline-without-section"),
+    timelineWithoutView: byTestId("timeline-without"),
     keyForm: byTestId("key-form"), keyNote: byTestId("key-note"), key: byTestId("api-key"),
   };
   const ITEMSIZE = { float16: 2, float32: 4, float64: 8, int32: 4, int64: 8, bool: 1 };
   const AUX_KINDS = new Set(["cast", "constant", "derived"]);
+  // A step's phase, as the graph and the timelines colour it: a recomputation (a forward
+  // value computed again in the backward, to fit the memory budget) has its own.
+  const phaseOf = (kind) => kind === "backward" ? "backward"
+    : kind === "recompute" ? "recompute" : AUX_KINDS.has(kind) ? "aux" : "forward";
   let plannedText = null; // the request text of the plan on screen
   let drawn = null; // {nodes, edges} of the graph on screen
 
@@ -275,7 +281,14 @@
     plannedText = req.text;
     drawSummary(planned, endpoint);
     drawGraph(program);
-    drawTimeline(planned, program.inputBytes);
+    drawTimeline(ui.timeline, planned.nodes, planned.planned_peak_bytes,
+                 planned.memory_budget_bytes, program.inputBytes);
+    const without = planned.recompute;
+    ui.timelineWithout.hidden = !without;
+    if (without) {
+      drawTimeline(ui.timelineWithoutView, without.nodes_without, without.peak_bytes_without,
+                   planned.memory_budget_bytes, program.inputBytes);
+    }
     drawCostly(planned);
     setStatus(`Planned for POST /${endpoint} (path ${planned.path}): ${planned.nodes.length} steps.`,
               "planned");
@@ -287,6 +300,7 @@
     ui.graph.replaceChildren();
     ui.timeline.replaceChildren(el("div", { class: "empty" }, "No plan."));
     delete ui.timeline.dataset.overBudget;
+    ui.timelineWithout.hidden = true;
     ui.costly.tBodies[0].replaceChildren();
     drawn = null;
   }
@@ -305,6 +319,11 @@
            memOver ? "bad" : ""),
       chip("compute cost", `${count(p.compute_cost)} of ${count(p.compute_budget)}`,
            costOver ? "bad" : ""),
+      ...(p.recompute ? [chip("recomputed", `${p.recompute.steps} steps, +${count(
+        p.recompute.added_cost)} cost, from a peak of ${bytes(p.recompute.peak_bytes_without)}`,
+        "recompute")] : []),
+      ...(p.minimum_peak_bytes ? [chip("even recomputing", `needs ${bytes(
+        p.minimum_peak_bytes)}`, "bad")] : []),
       chip("", p.admitted ? "admitted" : "not admitted", p.admitted ? "good" : "bad"),
       chip("graph_id", p.graph_id.slice(0, 12) + "…"),
     );
@@ -339,7 +358,7 @@
     }
     const outputs = new Set();
     for (const s of p.nodes) {
-      const phase = s.kind === "backward" ? "backward" : "forward";
+      const phase = phaseOf(s.kind) === "aux" ? "forward" : phaseOf(s.kind);
       nodes.push({
         key: `s${s.step}`, id: s.id, step: s.step, kind: s.kind, phase,
         title: `${s.id === null ? "" : s.id + " "}${s.op}`,
@@ -505,8 +524,8 @@
   }
 
   // ------------------------------------------------------------ memory timeline
-  function drawTimeline(p, inputBytes) {
-    const steps = p.nodes;
+  // The live bytes of `steps` (a plan's nodes) in `t`, against the budget.
+  function drawTimeline(t, steps, planned, budget, inputBytes) {
     const freedAt = new Map();
     steps.forEach((s) => {
       if (s.freed_after !== null) {
@@ -526,10 +545,7 @@
     let peakStep = -1;
     let peak = inputBytes;
     series.forEach((v, i) => { if (v > peak) { peak = v; peakStep = i; } });
-    const budget = p.memory_budget_bytes;
-    const planned = p.planned_peak_bytes;
     const over = planned > budget;
-    const t = ui.timeline;
     t.dataset.overBudget = String(over);
     t.dataset.peakBytes = String(peak);
     t.dataset.plannedPeakBytes = String(planned);
@@ -558,7 +574,7 @@
     }
     let firstBackward = null;
     steps.forEach((s, i) => {
-      const phase = s.kind === "backward" ? "backward" : AUX_KINDS.has(s.kind) ? "aux" : "forward";
+      const phase = phaseOf(s.kind);
       if (phase === "backward" && firstBackward === null) firstBackward = i;
       const x = left + i * barW;
       const v = series[i];
