@@ -399,6 +399,8 @@ class _Base:
         device: str | None,
         no_grad: bool = False,
         grad_outputs: Mapping[str, ArrayLike] | None = None,
+        memory_budget_bytes: int | None = None,
+        recompute: str = "auto",
     ) -> _Call:
         arrays = {name: np.asarray(v) for name, v in inputs.items()}
         if requires_grad is None:  # backward: every floating input; forward: none
@@ -413,6 +415,10 @@ class _Base:
             fields["device"] = device
         if no_grad:
             fields["no_grad"] = True
+        if memory_budget_bytes is not None:
+            fields["memory_budget_bytes"] = memory_budget_bytes
+        if recompute != "auto":
+            fields["recompute"] = recompute
         if grad_outputs is not None:  # after the inputs: their bytes follow the inputs'
             fields["grad_outputs"] = {
                 n: self._tensor(np.asarray(v), False, tail) for n, v in grad_outputs.items()
@@ -556,11 +562,13 @@ class Client(_Base):
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
         return self._send(self._call("/forward", graph, inputs, requires_grad=requires_grad,
-                                     device=device, no_grad=no_grad))
+                                     device=device, no_grad=no_grad,
+                                     memory_budget_bytes=memory_budget_bytes))
 
     def backward(
         self,
@@ -570,11 +578,17 @@ class Client(_Base):
         grad_outputs: Mapping[str, ArrayLike] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
+        memory_budget_bytes: int | None = None,
+        recompute: str = "auto",
     ) -> Result:
+        """`memory_budget_bytes`: a budget below the server's for this request; `recompute`:
+        "never" refuses a request over its budget (422) rather than recompute to fit it."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
         return self._send(self._call("/backward", graph, inputs, requires_grad=requires_grad,
-                                     device=device, grad_outputs=grad_outputs))
+                                     device=device, grad_outputs=grad_outputs,
+                                     memory_budget_bytes=memory_budget_bytes,
+                                     recompute=recompute))
 
     def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(self._get("/ops"))["ops"]
@@ -674,12 +688,14 @@ class AsyncClient(_Base):
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
+        memory_budget_bytes: int | None = None,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
         return await self._send(self._call("/forward", graph, inputs,
                                            requires_grad=requires_grad, device=device,
-                                           no_grad=no_grad))
+                                           no_grad=no_grad,
+                                           memory_budget_bytes=memory_budget_bytes))
 
     async def backward(
         self,
@@ -689,12 +705,17 @@ class AsyncClient(_Base):
         grad_outputs: Mapping[str, ArrayLike] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
+        memory_budget_bytes: int | None = None,
+        recompute: str = "auto",
     ) -> Result:
+        """As Client.backward."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
         return await self._send(self._call("/backward", graph, inputs,
                                            requires_grad=requires_grad, device=device,
-                                           grad_outputs=grad_outputs))
+                                           grad_outputs=grad_outputs,
+                                           memory_budget_bytes=memory_budget_bytes,
+                                           recompute=recompute))
 
     async def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(await self._get("/ops"))["ops"]

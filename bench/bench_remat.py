@@ -1,0 +1,195 @@
+"""Gradients that fit the memory budget (benchmark, not a test): prints one table against
+the targets of the issue.
+
+1. chain    h_i = sin(h_{i-1}) * 0.999 over 10^6 float64 values, ending in sum (the issue's
+            chain): its plain planned peak, then a budget of a tenth of it. The program
+            with recomputation: planned peak, measured peak, added cost, compile time; its
+            run time against the plain program's (run with a budget large enough for it),
+            in process, interleaved. --chain-steps (2000 by default; the plain run then
+            holds ~16 GB: --time-steps runs the time comparison at a smaller length).
+2. scan     a 10,000-step scan RNN, h = 0.95 h + 0.05 tanh(x_t + 1.1 h), over a state large
+            enough that its stacked residuals are ~10x the budget: within the budget, time
+            against the plain loop.
+3. http     the chain over HTTP against `gradserve serve` (binary tensors, the client):
+            /plan's figures, and a /backward with `memory_budget_bytes`, its meta, and its
+            gradients against NumPy.
+
+    python3 bench/bench_remat.py [--parts chain,scan,http] [--chain-steps 2000]
+                                 [--time-steps 600] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_programs import Report, gradserve  # noqa: E402
+from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph  # noqa: E402
+from engine.graph.executor import execute  # noqa: E402
+from engine.graph.spec import BodySpec  # noqa: E402
+
+N = 1_000_000
+
+
+def chain_spec(steps: int) -> GraphSpec:
+    nodes = [NodeSpec(f"h{i}", expr=f"sin(h{i - 1}) * 0.999") for i in range(1, steps + 1)]
+    nodes.append(NodeSpec("loss", "sum", [f"h{steps}"]))
+    return GraphSpec(nodes, ["loss"])
+
+
+def rnn_spec(steps: int) -> GraphSpec:
+    body = BodySpec(carry=["h"], xs=["x"], nodes=[
+        NodeSpec("h2", expr="0.95 * h + 0.05 * tanh(x + 1.1 * h)")], next={"h": "h2"})
+    return GraphSpec([NodeSpec("loop", "scan", ["h0", "xs"], body=body,
+                               results={"hT": "h"}),
+                      NodeSpec("loss", "sum", ["hT"])], ["loss"])
+
+
+def compile_for(spec: GraphSpec, inputs: dict[str, TensorSpec], budget: int | None
+                ) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    program = compile_graph(spec, inputs, backward=True, limits=Limits(
+        memory_budget_bytes=budget, recompute=budget is not None, max_nodes=1_000_000))
+    return program, (time.perf_counter() - t0) * 1000
+
+
+def timed_runs(programs: dict[str, Any], arrays: dict[str, np.ndarray], rounds: int
+               ) -> dict[str, list[float]]:
+    """Each program's run, interleaved (the machine drifts between rounds)."""
+    out: dict[str, list[float]] = {k: [] for k in programs}
+    for _ in range(rounds):
+        for name, program in programs.items():
+            t0 = time.perf_counter()
+            r = execute(program, arrays)
+            out[name].append((time.perf_counter() - t0) * 1000)
+            assert r.peak_bytes == program.planned_peak_bytes, (name, r.peak_bytes)
+    return out
+
+
+def part_chain(report: Report, steps: int, time_steps: int, rounds: int) -> None:
+    x = np.linspace(-1.0, 1.0, N)
+    inputs = {"h0": TensorSpec((N,), "float64", True)}
+    plain, _ = compile_for(chain_spec(steps), inputs, None)
+    budget = plain.planned_peak_bytes // 10
+    rec, ms = compile_for(chain_spec(steps), inputs, budget)
+    r = execute(rec, {"h0": x})
+    report.add("chain", f"{steps} steps on 10^6 float64: planned peak without / with "
+               "recomputation (budget a tenth)",
+               f"{plain.planned_peak_bytes / 2**20:.0f} MiB / {rec.planned_peak_bytes / 2**20:.0f}"
+               f" MiB (budget {budget / 2**20:.0f} MiB)", "within the budget",
+               rec.planned_peak_bytes <= budget)
+    report.add("chain", "planned == measured peak", f"{rec.planned_peak_bytes} == "
+               f"{r.peak_bytes}", "exact", rec.planned_peak_bytes == r.peak_bytes)
+    report.add("chain", "added cost; compile", f"{rec.recompute_cost / plain.compute_cost:.2f}x "
+               f"the plain program's cost; {ms:.0f} ms")
+    del plain, r
+    # The time ratio, at a length whose plain program this machine can hold.
+    spec = chain_spec(time_steps)
+    plain, _ = compile_for(spec, inputs, None)
+    rec, _ = compile_for(spec, inputs, plain.planned_peak_bytes // 10)
+    times = timed_runs({"plain": plain, "recompute": rec}, {"h0": x}, rounds)
+    ratio = statistics.median(times["recompute"]) / statistics.median(times["plain"])
+    report.add("chain", f"{time_steps} steps, fwd+bwd: with recomputation against without",
+               f"{statistics.median(times['recompute']):.0f} ms / "
+               f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x", "<= 1.5x",
+               ratio <= 1.5)
+
+
+def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 4096) -> None:
+    rng = np.random.default_rng(3)
+    arrays = {"h0": rng.uniform(-1, 1, width), "xs": rng.uniform(-1, 1, (steps, width))}
+    inputs = {"h0": TensorSpec((width,), "float64", True),
+              "xs": TensorSpec((steps, width), "float64", True)}
+    plain, _ = compile_for(rnn_spec(steps), inputs, None)
+    residuals = plain.planned_peak_bytes - sum(a.nbytes for a in arrays.values())
+    budget = sum(a.nbytes for a in arrays.values()) * 2 + residuals // 10
+    rec, ms = compile_for(rnn_spec(steps), inputs, budget)
+    times = timed_runs({"plain": plain, "recompute": rec}, arrays, rounds)
+    ratio = statistics.median(times["recompute"]) / statistics.median(times["plain"])
+    report.add("scan", f"{steps}-step scan RNN, width {width}: planned peak without / with "
+               "checkpointing", f"{plain.planned_peak_bytes / 2**20:.0f} MiB / "
+               f"{rec.planned_peak_bytes / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB)",
+               "within the budget", rec.planned_peak_bytes <= budget)
+    report.add("scan", "fwd+bwd with checkpointing against the plain loop",
+               f"{statistics.median(times['recompute']):.0f} ms / "
+               f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x (compile {ms:.0f} ms)",
+               "<= 2x", ratio <= 2.0)
+
+
+def part_http(report: Report, steps: int = 600) -> None:
+    from service.client import Client
+
+    x = np.linspace(-1.0, 1.0, N)
+    graph = {"nodes": [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"}
+                       for i in range(1, steps + 1)]
+             + [{"id": "loss", "op": "sum", "args": [f"h{steps}"]}], "outputs": ["loss"]}
+    env = {"GRADSERVE_MEMORY_BUDGET_BYTES": str(8 << 30),
+           "GRADSERVE_INFLIGHT_MEMORY_BYTES": str(12 << 30)}
+    with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
+        body = {"graph": graph, "inputs": {"h0": {"shape": [N], "dtype": "float64",
+                                                  "requires_grad": True}}}
+        import httpx
+
+        plan = httpx.post(f"http://127.0.0.1:{port}/plan", json=body, timeout=600).json()
+        budget = plan["planned_peak_bytes"] // 10
+        plan = httpx.post(f"http://127.0.0.1:{port}/plan",
+                          json={**body, "memory_budget_bytes": budget}, timeout=600).json()
+        t0 = time.perf_counter()
+        r = gs.backward(graph, {"h0": x}, requires_grad=["h0"], memory_budget_bytes=budget)
+        ms = (time.perf_counter() - t0) * 1000
+    g = np.ones(N)
+    h = x
+    hs = []
+    for _ in range(steps):
+        hs.append(h)
+        h = np.sin(h) * 0.999
+    for h_prev in reversed(hs):
+        g = g * 0.999 * np.cos(h_prev)
+    ok = np.allclose(r.gradients["h0"], g, rtol=1e-12)
+    report.add("http", f"{steps}-step chain over HTTP, budget a tenth: /plan admitted; "
+               "planned / measured peak", f"{plan['admitted']}; {r.meta['planned_peak_bytes']}"
+               f" / {r.meta['peak_bytes']} (budget {budget})", "admitted, within",
+               plan["admitted"] and r.meta["peak_bytes"] <= budget)
+    report.add("http", "its round trip; gradients against NumPy",
+               f"{ms:.0f} ms; {'equal (rtol 1e-12)' if ok else 'DIFFERENT'}", "", ok)
+
+
+PARTS: dict[str, Callable[[Report, argparse.Namespace], None]] = {
+    "chain": lambda r, a: part_chain(r, a.chain_steps, a.time_steps, a.rounds),
+    "scan": lambda r, a: part_scan(r, a.rounds),
+    "http": lambda r, a: part_http(r),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--chain-steps", type=int, default=2000)
+    p.add_argument("--time-steps", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    report = Report()
+    t0 = time.monotonic()
+    for part in [s for s in args.parts.split(",") if s]:
+        print(f"[bench_remat] {part} ...", file=sys.stderr, flush=True)
+        try:
+            PARTS[part](report, args)
+        except Exception as exc:
+            report.add(part, "ERROR", f"{type(exc).__name__}: {str(exc)[:160]}", "", False)
+    report.print(f"gradserve recomputation bench, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+                 f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
