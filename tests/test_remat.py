@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 
 from engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
-from engine.graph import GraphSpec, Limits, NodeSpec, Program, TensorSpec, compile_graph
+from engine.graph import (
+    BodySpec,
+    GraphSpec,
+    Limits,
+    NodeSpec,
+    Program,
+    TensorSpec,
+    compile_graph,
+)
 from engine.graph.executor import execute
 from engine.graph.ir import RECOMPUTE
 from engine.graph.scan import SCAN
@@ -275,6 +283,18 @@ def test_a_chain_recomputes_within_the_least_budget_and_others() -> None:
                                                            strict=True) if s.kind == "node")
 
 
+def test_recompute_steps_write_into_dead_buffers_only() -> None:
+    """Past REUSE_MIN_BYTES a ufunc writes into the buffer of an operand that dies there:
+    recompute steps do too, and never into a value a later step reads (bit for bit)."""
+    spec = sin_chain(60)
+    inputs = {"x": TensorSpec((8192,), "float64", True)}
+    arrays = {"x": np.random.default_rng(1).standard_normal(8192)}
+    for budget in (None, 20 * 8 * 8192):
+        _, program = check_forced(spec, inputs, arrays, budget=budget)
+        assert any(program.reuse[i] >= 0 for i, s in enumerate(program.steps)
+                   if s.kind == RECOMPUTE)
+
+
 @pytest.mark.parametrize("blocks", [3, 40])
 def test_a_residual_dag_with_several_outputs_recomputes_bit_for_bit(blocks: int) -> None:
     inputs, arrays = _residual_inputs(64)
@@ -339,3 +359,58 @@ def test_the_compute_budget_counts_the_recomputation() -> None:
     limits = Limits(memory_budget_bytes=budget, compute_budget=program.compute_cost - 1)
     with pytest.raises(ComputeBudgetError):
         compile_graph(spec, inputs, backward=True, limits=limits)
+
+
+def random_dag(seed: int) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray],
+                                   dict[str, np.ndarray]]:
+    """A random DAG of elementwise steps, each reading the value before it and, now and
+    then, one made long before (residuals), with detaches, float32 round trips (casts),
+    literals and constants; a loss at its end, and an output from its middle that gets an
+    upstream gradient."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(64, 512)) * (16 if seed % 2 else 1)  # (odd seeds: buffers reused)
+    values = ["x", "w"]
+    nodes = []
+    for i in range(int(rng.integers(20, 60))):
+        a = values[-1]
+        b = values[int(rng.integers(0, len(values)))]
+        kind = int(rng.integers(0, 8))
+        expr = [f"sin({a}) * 0.9", f"tanh({a} * {b})", f"{a} + cos({b})", f"detach({a}) * {b}",
+                f"cast(cast({a}, dtype='float32') * 2, dtype='float64')",
+                f"{a} * (1 + 2 * 3) / 7", f"sin({a}) - {b} * {b}", f"exp(-{a} * {a}) + {b}"][kind]
+        nodes.append(NodeSpec(f"v{i}", expr=expr))
+        values.append(f"v{i}")
+    mid = values[len(values) // 2]
+    nodes.append(NodeSpec("loss", expr=f"sum({values[-1]} * {values[-2]})"))
+    inputs = {"x": TensorSpec((n,), "float64", True), "w": TensorSpec((n,), "float64", True)}
+    arrays = {"x": rng.standard_normal(n), "w": rng.standard_normal(n)}
+    return (GraphSpec(nodes, ["loss", mid]), inputs, arrays,
+            {mid: rng.standard_normal(n)})
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_dags_recompute_bit_for_bit(seed: int) -> None:
+    spec, inputs, arrays, upstream = random_dag(seed)
+    plain, least = check_forced(spec, inputs, arrays, upstream)
+    p0 = plain.planned_peak_bytes
+    budget = least.planned_peak_bytes + (p0 - least.planned_peak_bytes) // 3
+    check_forced(spec, inputs, arrays, upstream, budget=budget)
+
+
+def test_values_a_loop_reads_are_recomputed_but_never_the_loop() -> None:
+    """A scan step is a unit: what it makes is kept, what it reads may be recomputed
+    before the backward's loop that reads it."""
+    body = BodySpec(carry=["h"], xs=["x"], nodes=[
+        NodeSpec("h2", expr="tanh(x * w + h)")], next={"h": "h2"})
+    nodes = [NodeSpec("xs", expr="sin(seq) * 0.5"), NodeSpec("w", expr="cos(v) * 2"),
+             NodeSpec("rnn", op="scan", args=["h0", "xs"], body=body,
+                      results={"last": "h", "hs": "h2"}),
+             NodeSpec("t", expr="sin(sin(sin(sin(hs))))"),
+             NodeSpec("loss", expr="sum(t) + sum(last)")]
+    rng = np.random.default_rng(8)
+    arrays = {"seq": rng.standard_normal((6, 400)), "v": rng.standard_normal(400),
+              "h0": rng.standard_normal(400)}
+    inputs = {k: TensorSpec(a.shape, "float64", True) for k, a in arrays.items()}
+    _, program = check_forced(GraphSpec(nodes, ["loss"]), inputs, arrays)
+    # (the sequence the loop reads, recomputed for the backward's loop)
+    assert "xs" in {s.origin for s in program.steps if s.kind == RECOMPUTE}
