@@ -28,9 +28,12 @@ adds the least compute a single recomputation allows, and checked by the exact p
 - Search. The peak of the rewritten program is planned exactly (the same planner, with
   the recompute steps as ordinary steps, so buffer reuse never takes a buffer a later
   step reads), for a handful of B chosen by a secant search towards the budget: the
-  plan whose peak fits with the least recomputation wins. When none fits, the smallest
-  peak reached, at the smallest B that lays out (found by bisection on the layout alone,
-  which is cheap), is what the request would need.
+  plan whose peak fits with the least recomputation wins. When none fits, a few plans
+  that do not depend on the budget are tried for the smallest peak: the layouts of the
+  least B that lays out (found by bisection on the layout alone, which is cheap) and a
+  little more, and every value recomputed where first needed (the least where the
+  backward's own peak comes after its first steps). The smallest of their peaks is what
+  the request would need, and a budget of it fits.
 
 What is never recomputed: the request's inputs, outputs and gradients, held values, what
 a `scan` step makes (a loop is a unit: its body is planned per step and never duplicated;
@@ -55,8 +58,10 @@ from engine.graph.scan import SCAN
 # ones tried for the smallest peak when none fits.
 SEARCH_PLANS = 5
 LEAST_PLANS = 3
-# Layouts worked out per search for the least resident bytes (each is linear as well).
+# Layouts worked out per search for the least resident bytes (each is linear as well),
+# and walks per layout while the cuts' bytes are guessed.
 BISECTIONS = 24
+GUESSES = 8
 
 
 def rematerialize(program: Program, budget: int, *, ufuncs: bool,
@@ -147,7 +152,7 @@ class _Forward:
         or None where they do not lay out: a segment may hold `resident` less the cuts
         below it, which are first guessed, then taken from the layout, until they hold."""
         guess = 0
-        for _ in range(8):
+        for _ in range(GUESSES):
             found = self._walk(resident, guess)
             if found is None:
                 return None

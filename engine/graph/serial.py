@@ -34,7 +34,8 @@ after it is written and before it is freed, freed at most once; a loop writes on
 results its body is planned for; a buffer reused only from a dead argument); each step
 against its signature (the metas of the slots it reads and of its result); per signature,
 its result against its op's shape rule and its attributes against the op's declaration;
-each loop body against its step and its program. Whatever is wrong raises CorruptProgram,
+each loop body against its step and its program; the steps' costs against the program's
+(all of them, and the recompute steps'). Whatever is wrong raises CorruptProgram,
 never another exception. (A checksum that matches is no proof of origin: someone who can
 write the store can write a consistent program that computes something else, but nothing
 that runs code or loads half-formed.)
