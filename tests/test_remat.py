@@ -31,11 +31,12 @@ from engine.graph import (
 from engine.graph.executor import execute
 from engine.graph.ir import RECOMPUTE
 from engine.graph.scan import SCAN
+from engine.graph.serial import dump_program
 from engine.ops import OPS
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.test_ops import _cases, _is_float_array
-from tests.test_serial import round_trip, run_both
+from tests.test_serial import _corrupt, _frame, _split, round_trip, run_both
 
 
 def least_peak(spec: GraphSpec, inputs: Mapping[str, TensorSpec], **kw: Any) -> int:
@@ -414,3 +415,22 @@ def test_values_a_loop_reads_are_recomputed_but_never_the_loop() -> None:
     _, program = check_forced(GraphSpec(nodes, ["loss"]), inputs, arrays)
     # (the sequence the loop reads, recomputed for the backward's loop)
     assert "xs" in {s.origin for s in program.steps if s.kind == RECOMPUTE}
+
+
+def test_a_stored_program_keeps_its_recomputation_and_checks_its_cost() -> None:
+    spec = sin_chain(40)
+    inputs = {"x": TensorSpec((100,), "float64", True)}
+    plain = compile_graph(spec, inputs, backward=True)
+    program = compile_graph(spec, inputs, backward=True, limits=Limits(
+        memory_budget_bytes=plain.planned_peak_bytes // 3))
+    loaded = round_trip(program)
+    assert loaded.recompute_cost == program.recompute_cost > 0
+    assert loaded.peak_without_recompute == plain.planned_peak_bytes
+    assert [s.kind for s in loaded.steps] == [s.kind for s in program.steps]
+    # (its run's backward starts at its first step of the backward, as the compiled one's)
+    assert len(loaded.run.forward) == len(program.run.forward) == 2 * 40 + 1
+    header, columns = _split(dump_program(program))
+    for key, value in (("recompute_cost", program.recompute_cost - 1),
+                       ("recompute_cost", 0), ("peak_without_recompute", None)):
+        damaged = {**header, "programs": [{**header["programs"][0], key: value}]}
+        _corrupt(_frame(damaged, columns))
