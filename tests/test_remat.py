@@ -434,3 +434,15 @@ def test_a_stored_program_keeps_its_recomputation_and_checks_its_cost() -> None:
                        ("recompute_cost", 0), ("peak_without_recompute", None)):
         damaged = {**header, "programs": [{**header["programs"][0], key: value}]}
         _corrupt(_frame(damaged, columns))
+
+
+def test_a_value_an_output_is_a_detach_of_stays() -> None:
+    """An output that is a detach of a forward value is that value's array: the value stays
+    to the end and is never recomputed; its neighbours are."""
+    spec = sin_chain(30)
+    spec = GraphSpec([*spec.nodes, NodeSpec("kept", "detach", ["h10"])], ["loss", "kept"])
+    inputs = {"x": TensorSpec((1000,), "float64", True)}
+    arrays = {"x": np.random.default_rng(3).standard_normal(1000)}
+    _, program = check_forced(spec, inputs, arrays)
+    recomputed = {s.origin for s in program.steps if s.kind == RECOMPUTE and s.op.name == "mul"}
+    assert recomputed and "h10" not in recomputed
