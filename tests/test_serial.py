@@ -61,7 +61,8 @@ def same(a: Any, b: Any) -> bool:
 _FIELDS = ("metas", "inputs", "grad_inputs", "outputs", "gradients", "requires_grad",
            "grad_fn", "no_grad", "backward", "held", "frees", "reuse", "ufunc", "nodes",
            "planned_peak_bytes", "flops", "bytes_moved", "cost_by_node", "step_costs",
-           "plan_ms", "estimated_bytes", "compute_cost")
+           "recompute_cost", "peak_without_recompute", "plan_ms", "estimated_bytes",
+           "compute_cost")
 
 
 def assert_same_program(fresh: Program, loaded: Program) -> None:

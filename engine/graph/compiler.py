@@ -37,6 +37,7 @@ from engine.graph.executor import bind
 from engine.graph.expr import Span, expand_expr, piece_of
 from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
 from engine.graph.plan import plan
+from engine.graph.remat import rematerialize
 from engine.graph.scan import SCAN, Body, emit_scan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
 from engine.graph.transforms import (
@@ -226,6 +227,10 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
         program.steps = b.steps
     bound_on = _backend_ufuncs(device)
     plan(program, ufuncs=bound_on, record=not no_grad and not backward, facts=b.facts)
+    budget = limits.memory_budget_bytes
+    if backward and limits.recompute and budget is not None and \
+            program.planned_peak_bytes > budget:
+        program = rematerialize(program, budget, ufuncs=bound_on, facts=b.facts)
     check_budgets(program, limits, no_grad)
     program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000

@@ -24,7 +24,7 @@ from engine.dtypes import ITEMSIZE
 from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
 from engine.graph.builder import Memo
 from engine.graph.facts import Facts, facts_of
-from engine.graph.ir import BACKWARD, Lit, Program, Step
+from engine.graph.ir import BACKWARD, RECOMPUTE, Lit, Program, Step
 from engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
 from engine.graph.spec import RunResult
 from engine.shapes import fmt, numel
@@ -38,8 +38,9 @@ Run = tuple[int, Kernel | None, int, int, int, Any, tuple[int, ...]]
 
 
 class Bound:
-    """A program's run on one backend: the step tuples, forward then backward, and what
-    it is given (name, slot, shape, dtype, and whether it is an upstream gradient)."""
+    """A program's run on one backend: the step tuples, forward then backward (from its
+    first step of the backward, or recomputed for it), and what it is given (name, slot,
+    shape, dtype, and whether it is an upstream gradient)."""
 
     __slots__ = ("backend", "backward", "forward", "given")
 
@@ -67,7 +68,7 @@ def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None
     runs: list[Run] = []
     split = len(steps)
     for i, step in enumerate(steps):
-        if split == len(steps) and step.kind == BACKWARD:
+        if split == len(steps) and (step.kind == BACKWARD or step.kind == RECOMPUTE):
             split = i
         runs.append(_run(step, program, backend, ufuncs[i] and has_ufuncs, reuses[i], frees[i],
                          known.get(step)))

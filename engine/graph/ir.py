@@ -34,6 +34,9 @@ Arg = int | Lit
 # that type promotion inserted before an op, a constant, a step of the request's derived
 # backward, or a step of a derivative a node asks for (`grad`, `jvp`: part of the forward).
 NODE, CAST, CONSTANT, BACKWARD, DERIVED = "node", "cast", "constant", "backward", "derived"
+# A forward step run again in the backward, so that its value need not be kept from the
+# forward (engine.graph.remat): the same op, arguments and attributes, into a slot of its own.
+RECOMPUTE = "recompute"
 
 # A byte read or written costs about as much time as this many floating-point operations
 # (memory moves ~10 GB/s per core where arithmetic runs ~100 GFLOP/s): cost units are
@@ -86,6 +89,9 @@ class Program:
     bytes_moved: int = 0
     cost_by_node: dict[str, int] = field(default_factory=dict)
     step_costs: list[int] = field(default_factory=list)  # per step, in cost units
+    recompute_cost: int = 0  # cost units of the RECOMPUTE steps (inside compute_cost)
+    # The planned peak before any recomputation (engine.graph.remat); without it, the peak.
+    peak_without_recompute: int = 0
     plan_ms: float = 0.0
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engine.graph.facts import Facts, facts_of, size_of
-from engine.graph.ir import BYTE_COST, NODE, Program, Step
+from engine.graph.ir import BYTE_COST, NODE, RECOMPUTE, Program, Step
 from engine.graph.scan import OUTER, SCAN, Body, carry_sources
 
 # A buffer is worth taking over from 32 KiB: below, NumPy's allocator hands out recycled
@@ -92,7 +92,8 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
         counted[slot] = size_of(metas[slot])
         live += counted[slot]
     peak = live
-    flops = moved = 0
+    flops = moved = recomputed = 0
+    recomputes = False
     by_node: dict[str, int] = {}
     step_costs = []
     for i, step in enumerate(kept):
@@ -136,6 +137,9 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
         flops += step_flops
         moved += step_bytes
         step_costs.append(cost)
+        if step.kind == RECOMPUTE:
+            recomputes = True
+            recomputed += cost
         key = step.origin or "<graph>"
         by_node[key] = by_node.get(key, 0) + cost
     program.frees = frees
@@ -143,6 +147,9 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
     program.planned_peak_bytes = peak
     program.flops, program.bytes_moved, program.cost_by_node = flops, moved, by_node
     program.step_costs = step_costs
+    program.recompute_cost = recomputed
+    if not recomputes:  # (a rematerialized program keeps the figure from before: remat)
+        program.peak_without_recompute = peak
 
 
 def _needed(program: Program) -> tuple[list[Step], set[Any], list[int]]:

@@ -34,7 +34,8 @@ after it is written and before it is freed, freed at most once; a loop writes on
 results its body is planned for; a buffer reused only from a dead argument); each step
 against its signature (the metas of the slots it reads and of its result); per signature,
 its result against its op's shape rule and its attributes against the op's declaration;
-each loop body against its step and its program. Whatever is wrong raises CorruptProgram,
+each loop body against its step and its program; the steps' costs against the program's
+(all of them, and the recompute steps'). Whatever is wrong raises CorruptProgram,
 never another exception. (A checksum that matches is no proof of origin: someone who can
 write the store can write a consistent program that computes something else, but nothing
 that runs code or loads half-formed.)
@@ -89,16 +90,29 @@ from engine.graph.executor import (
     given_of,
     kernel_of,
 )
-from engine.graph.ir import BACKWARD, BYTE_COST, CAST, CONSTANT, DERIVED, NODE, Lit, Program, Step
+from engine.graph.ir import (
+    BACKWARD,
+    BYTE_COST,
+    CAST,
+    CONSTANT,
+    DERIVED,
+    NODE,
+    RECOMPUTE,
+    Lit,
+    Program,
+    Step,
+)
 from engine.graph.scan import SCAN, Body
 from engine.ops import OPS
 from engine.ops.registry import Meta, OpDef, bind_attributes, literal_meta
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = b"GSPROG\r\n"
 _PREFIX = struct.Struct("<8sIIQ")  # magic, version, CRC-32 and length of what follows
 _U32 = struct.Struct("<I")
-_KINDS = frozenset({NODE, CAST, CONSTANT, BACKWARD, DERIVED})
+_KINDS = frozenset({NODE, CAST, CONSTANT, BACKWARD, DERIVED, RECOMPUTE})
+# The kinds that run after the forward (engine.graph.executor.Bound).
+_LATER = (BACKWARD, RECOMPUTE)
 _INT64 = (-(2**63), 2**63 - 1)
 # A column's dtype, by its struct format (little-endian), the narrowest first: a column takes
 # the first that holds its values. A small program's columns are read as memoryviews of
@@ -362,6 +376,8 @@ class _Writer:
             no_grad=program.no_grad, backward=program.backward, nodes=_encode(program.nodes),
             planned_peak_bytes=_encode(program.planned_peak_bytes),
             flops=_encode(program.flops), bytes_moved=_encode(program.bytes_moved),
+            recompute_cost=_encode(program.recompute_cost),
+            peak_without_recompute=_encode(program.peak_without_recompute),
             plan_ms=program.plan_ms)
         if body is not None:
             record["body"] = {
@@ -740,18 +756,22 @@ class _Reader:
             slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
         no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
-        nodes, peak, flops, moved = (_decode(record[key]) for key in (
-            "nodes", "planned_peak_bytes", "flops", "bytes_moved"))
+        nodes, peak, flops, moved, recomputed, unrecomputed = (_decode(record[key]) for key in (
+            "nodes", "planned_peak_bytes", "flops", "bytes_moved", "recompute_cost",
+            "peak_without_recompute"))
         _check(type(no_grad) is bool and type(backward) is bool and type(plan_ms) is float
-               and type(nodes) is int and type(peak) is int and type(flops) is int
-               and type(moved) is int, "a program's scalars")
+               and all(type(v) is int for v in (nodes, peak, flops, moved, recomputed,
+                                                   unrecomputed)), "a program's scalars")
         _check(_total(cost) == flops + BYTE_COST * moved, "the steps' costs are not the program's")
+        _check(recomputed == self.recomputed(kind, cost), "the recompute steps' costs are not "
+               "the program's")
         p = _Loaded.__new__(_Loaded)
         p.__dict__.update(
             metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
             outputs=outputs, gradients=gradients, no_grad=no_grad, backward=backward,
             held=set(_ints(held)), frees=flow.frees, nodes=nodes, planned_peak_bytes=peak,
-            flops=flops, bytes_moved=moved, plan_ms=plan_ms, run=None)
+            flops=flops, bytes_moved=moved, recompute_cost=recomputed,
+            peak_without_recompute=unrecomputed, plan_ms=plan_ms, run=None)
         if len(grad_fn):
             _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
         names = self.names
@@ -781,6 +801,15 @@ class _Reader:
             self, sig, kind, origin, out, slots, flow.starts, bodies)))
         return p, self.bind(p, sig, out, reuse, slots, kind if body is None else None, flow,
                             body_runs)
+
+    def recomputed(self, kind: Column, cost: Column) -> int:
+        """The cost of the steps of kind RECOMPUTE."""
+        if RECOMPUTE not in self.kinds:
+            return 0
+        code = self.kinds.index(RECOMPUTE)
+        if isinstance(kind, list):
+            return sum(c for k, c in zip(kind, cost, strict=True) if k == code)
+        return int(cost[kind == code].sum(dtype=np.int64))
 
     @staticmethod
     def _pairs(data: Any, nslots: int) -> list[tuple[str, int]]:
@@ -848,7 +877,7 @@ class _Reader:
                 if fn is None:
                     fn = g.kernels[how] = kernel_of(columns.step(i), p, *how, g.into)
                 fns[s] = fn
-        backward = self.kinds.index(BACKWARD) if BACKWARD in self.kinds else -1
+        later = [self.kinds.index(k) for k in _LATER if k in self.kinds]
         frees, starts, n = flow.frees, flow.starts, len(sig)
         if type(sig) is list:
             runs: list[Run] = []
@@ -867,7 +896,7 @@ class _Reader:
                              else None, frees[i]))
             if kind is None:
                 return [runs]
-            split = kind.index(backward) if backward in kind else n
+            split = next((i for i, k in enumerate(kind) if k in later), n)
             return [runs[:split], runs[split:]]
         arrays = self.arrays()
         sig = flow.sig
@@ -876,9 +905,9 @@ class _Reader:
         for i in np.flatnonzero(arrays.rest.take(sig)).tolist():
             rest[i] = int(reuse[i]) - 1 if codes[i] >= UNARY_INTO else tuple(
                 slots[starts[i]:starts[i] + signatures[int(sig[i])].nslots].tolist())
-        split = n  # (the first backward step)
-        if kind is not None and backward >= 0:
-            at = np.flatnonzero(kind == backward)
+        split = n  # (the first step of the backward)
+        if kind is not None and later:
+            at = np.flatnonzero(np.isin(kind, later))
             split = int(at[0]) if len(at) else n
         ints = flow.ints
         tuples = zip(codes, _objects(fns).take(sig).tolist(), ints(out),
