@@ -90,8 +90,12 @@ def assert_same_step(a: Step, b: Step, i: int) -> None:
 
 
 def assert_same_body(a: Body, b: Body) -> None:
-    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted"):
+    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted",
+                 "shifted", "every", "replayed"):
         assert same(getattr(b, name), getattr(a, name)), name
+    assert (a.replay is None) == (b.replay is None)
+    if a.replay is not None and b.replay is not None:
+        assert same(b.replay.replayed, a.replay.replayed)
     assert a.program is not None and b.program is not None
     assert_same_program(a.program, b.program)
 
@@ -107,10 +111,15 @@ def assert_same_runs(fresh: list[Run], loaded: list[Run]) -> None:
         assert same(b[0], a[0]) and same(b[2:5], a[2:5]) and same(b[6], a[6]), (i, a, b)
         if a[0] == LOOP:
             x, y = a[5], b[5]
-            for name in ("args", "carries", "xs", "nexts", "ys", "results", "sources",
-                         "sizes", "given", "distinct"):
+            for name in ("args", "ys", "kept", "results"):
                 assert same(getattr(y, name), getattr(x, name)), (i, name)
-            assert_same_runs(x.bound, y.bound)
+            assert (x.replay is None) == (y.replay is None), i
+            for inner, loaded_inner in ((x.inner, y.inner), (x.replay, y.replay)):
+                if inner is None:
+                    continue
+                for name in ("sources", "sizes", "given", "distinct"):
+                    assert same(getattr(loaded_inner, name), getattr(inner, name)), (i, name)
+                assert_same_runs(inner.bound, loaded_inner.bound)
             continue
         assert same(b[5], a[5]) and same_kernel(a[1], b[1]), (i, a, b)
 
@@ -569,7 +578,7 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
     lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
-    lambda h: h["programs"][0]["loops"][0][2].__setitem__(1, h["programs"][0]["loops"][0][2][0]),
+    lambda h: h["programs"][0]["loops"][1][2].__setitem__(0, h["programs"][0]["loops"][0][2][0]),
     lambda h: h["programs"][1]["outputs"].pop(),
     lambda h: h["programs"].append(h["programs"][1]),
     lambda h: h["signatures"][0][4].append([[], "float64", False]),

@@ -33,6 +33,7 @@ from engine.errors import (
 )
 from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
+from engine.graph.checkpoint import checkpoint_loops
 from engine.graph.executor import bind
 from engine.graph.expr import Span, expand_expr, piece_of
 from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
@@ -226,7 +227,15 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
         program.steps = b.steps
     bound_on = _backend_ufuncs(device)
     plan(program, ufuncs=bound_on, record=not no_grad and not backward, facts=b.facts)
-    check_budgets(program, limits, no_grad)
+    budget = limits.memory_budget_bytes
+    recomputed = None
+    if backward and limits.recompute and budget is not None \
+            and program.planned_peak_bytes > budget:  # (the loops' hook: engine.graph.checkpoint)
+        without = program.planned_peak_bytes
+        least = checkpoint_loops(program, budget, ufuncs=bound_on, facts=b.facts)
+        if least is not None:
+            recomputed = (without, least)
+    check_budgets(program, limits, no_grad, recomputed)
     program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000
     return program
@@ -441,13 +450,19 @@ def _derive_backward(b: Builder, program: Program, roots: list[str],
             program.gradients.append((name, grad.slot))
 
 
-def check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
-    """MemoryBudgetError or ComputeBudgetError when `program` is over `limits`' budgets."""
+def check_budgets(program: Program, limits: Limits, no_grad: bool,
+                  recomputed: tuple[int, int] | None = None) -> None:
+    """MemoryBudgetError or ComputeBudgetError when `program` is over `limits`' budgets.
+    `recomputed`: the planned peak without recomputation and the least it reached."""
     budget = limits.memory_budget_bytes
     if budget is not None and program.planned_peak_bytes > budget:
         path = "no_grad" if no_grad else "grad"
+        peak = f"{program.planned_peak_bytes} bytes"
+        if recomputed is not None:
+            peak = (f"{recomputed[0]} bytes, and with recomputation it needs at least "
+                    f"{recomputed[1]} bytes")
         raise MemoryBudgetError(
-            f"the planned peak memory of this request is {program.planned_peak_bytes} bytes; "
+            f"the planned peak memory of this request is {peak}; "
             f"the {path} budget is {budget} bytes",
             planned_bytes=program.planned_peak_bytes, budget_bytes=budget)
     cost = program.compute_cost

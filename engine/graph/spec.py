@@ -60,6 +60,7 @@ class Limits:
     max_inputs: int = 10_000
     max_id_chars: int = 256  # node ids and input names
     max_loop_depth: int = 16  # scans inside scans
+    recompute: bool = True  # over the memory budget, recompute rather than refuse
 
 
 @dataclass
