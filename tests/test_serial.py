@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from bench import bench_compiled as bc
 from engine.errors import BackwardError, Cancelled, GradserveError
 from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
-from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, execute
+from engine.graph.checkpoint import checkpoint_every
+from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, bind, execute
 from engine.graph.ir import Lit, Program, Step
 from engine.graph.scan import SCAN, Body
 from engine.graph.serial import (
@@ -593,6 +594,48 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
         "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
+
+
+@pytest.fixture(scope="module")
+def checkpointed() -> bytes:
+    """The small program with its loop checkpointed every 2 steps."""
+    program = _loop_program(backward=True)
+    assert checkpoint_every(program, 2, ufuncs=True)
+    program.run = bind(program)
+    return dump_program(program)
+
+
+def _body_of(header: Any, record: int) -> Any:
+    return header["programs"][record]["body"]
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[2, 0]]),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[9, 1]]),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[2]]),
+], ids=["shifted onto another meta", "shifted past the sequences", "shifted not a pair"])
+def test_a_shifted_sequence_that_is_wrong_is_corrupt(small: bytes,
+                                                     change: Callable[[Any], None]) -> None:
+    _corrupt(_header_of(small, change))
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: _body_of(h, 2).__setitem__("replay", -1),
+    lambda h: _body_of(h, 2).__setitem__("replay", 14),
+    lambda h: _body_of(h, 2).__setitem__("replay", True),
+    lambda h: _body_of(h, 1).__setitem__("every", 0),
+    lambda h: _body_of(h, 1).__setitem__("every", 3),
+    lambda h: _body_of(h, 1).__setitem__("every", 5),
+    lambda h: _body_of(h, 1)["replayed"].pop(),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[0, 0]]),
+    lambda h: _body_of(h, 2).__setitem__("reverse", False),
+], ids=["no replay", "replays itself", "replay not an int", "no segments",
+        "other segments", "segments past the end", "a value not replayed", "shifted too",
+        "the same way"])
+def test_a_checkpointed_loop_that_is_wrong_is_corrupt(checkpointed: bytes,
+                                                      change: Callable[[Any], None]) -> None:
+    load_program(checkpointed)
+    _corrupt(_header_of(checkpointed, change))
 
 
 def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:
