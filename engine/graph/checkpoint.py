@@ -179,7 +179,7 @@ def _checkpointed(metas: list[Meta], pair: _Pair, every: int) -> tuple[Step, Ste
     for slot, c in zip(pair.checkpoints, fbody.carries, strict=True):
         metas[slot] = Meta((kept.segments, *inner[c].shape), inner[c].dtype)
     for slot, r in zip(pair.buffers, kept.buffered(), strict=True):
-        metas[slot] = Meta((kept.rows, *inner[r].shape), inner[r].dtype)
+        metas[slot] = Meta((kept.every, *inner[r].shape), inner[r].dtype)
     new_forward = Step(forward.op, forward.args, {"body": kept}, forward.out, forward.kind,
                        forward.origin, (*forward.more, *pair.checkpoints, *pair.buffers))
     # The reverse loop reads the residuals from the replay, not as sequences, and no

@@ -424,9 +424,10 @@ class _Loop:
         checkpoints, buffers = self.kept
         stacks.update((k, _stack(backend, body.segments, metas[body.carries[c]]))
                       for k, c in checkpoints)
-        stacks.update((k, _stack(backend, body.rows, metas[r])) for k, r in buffers)
+        stacks.update((k, _stack(backend, every, metas[r])) for k, r in buffers)
         held = sum(nbytes(a) for a in stacks.values())
-        last = (body.segments - 1) * every  # (the first step of the last segment)
+        starts = {body.start(j): j for j in range(body.segments)}
+        last = length - every  # (the first step of the last segment)
         template, sizes, given = inner.template(closures, nbytes)
         carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, body.nexts, self.ys, \
             inner.bound
@@ -438,9 +439,9 @@ class _Loop:
         most = 0
         for p in range(length):
             t = length - 1 - p if body.reverse else p
-            if checkpoints and not p % every:
+            if checkpoints and p in starts:
                 for k, c in checkpoints:
-                    stacks[k][p // every, ...] = carries[c]
+                    stacks[k][starts[p], ...] = carries[c]
             slots = template.copy()
             for slot, array in zip(carry_slots, carries, strict=True):
                 slots[slot] = array
@@ -483,7 +484,7 @@ class _Loop:
         fc, fb, fx = len(forward.carries), len(buffered), len(forward.xs)
         checkpoints, buffers = rest[:fc], rest[fc:fc + fb]
         forward_xs, forward_closures = rest[fc + fb:fc + fb + fx], rest[fc + fb + fx:]
-        length, every = body.length, forward.every
+        length = body.length
         stacks = {k: _stack(backend, length, metas[y]) for k, y in self.ys}
         held = sum(nbytes(a) for a in stacks.values())
         template, sizes, given = inner.template(closures, nbytes)
@@ -498,8 +499,8 @@ class _Loop:
         made = most = 0
         segments = forward.segments
         for segment in range(segments - 1, -1, -1):
-            first = segment * every
-            count = min(length - first, every)
+            first = forward.start(segment)
+            count = (forward.start(segment + 1) if segment < segments - 1 else length) - first
             if segment < segments - 1:  # (the forward filled the last one's buffers)
                 state_carries = [c[segment, ...] for c in checkpoints]
                 f_outer = [True] * fc

@@ -12,6 +12,7 @@ to it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -188,7 +189,7 @@ def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
         kept = body.wanted[nc + ny:]
         stacks += body.segments * sum(size_of(metas[c]) for c, want in zip(
             body.carries, kept[:nc], strict=True) if want)
-        stacks += body.rows * sum(size_of(metas[r]) for r, want in zip(
+        stacks += body.every * sum(size_of(metas[r]) for r, want in zip(
             body.buffered(), kept[nc:], strict=True) if want)
     if body.length == 0:
         return stacks
@@ -200,11 +201,11 @@ def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
         # the replay's carries and its peak.
         forward = replay.program
         assert forward is not None, "a replay is planned before its reverse loop"
-        every, length = replay.every, body.length
-        held = max(held, _beyond_inputs(replay, forward)
-                   + _worst(_made_by_step(replay, forward), 0, every)
-                   + max(_at(made, length - (segment + 1) * every)
-                         for segment in range(replay.segments - 1)))
+        replayed = _made_by_step(replay, forward)
+        starts = [replay.start(j) for j in range(replay.segments)]
+        held = max(held, _beyond_inputs(replay, forward) + max(
+            _at(made, body.length - end) + _worst(replayed, 0, end - start)
+            for start, end in itertools.pairwise(starts)))
     return stacks + held
 
 

@@ -20,11 +20,12 @@ reverse loop reads that one stack at the row of the step it visits next, and the
 value (a closure) at its last step (`Body.shifted`).
 
 Checkpointed loops (engine.graph.checkpoint chooses them and their k): the forward scan
-keeps its carries at the start of every segment of k steps (`Body.every`), and the
-residuals of its last segment in buffers of k rows. Its reverse loop (`Body.replay`) runs
-the last segment from those buffers, then, segment by segment back to the first, re-runs
-the forward body from the segment's checkpoint to fill the buffers again, and runs its own
-body over them. The residuals are values of the forward body's own program, so the replay
+keeps its carries at the start of every segment of k steps (`Body.every`; the first
+segment takes what is left over), and the residuals of its last segment in buffers of k
+rows. Its reverse loop (`Body.replay`) runs the last segment from those buffers, then,
+segment by segment back to the first, re-runs the forward body from the segment's
+checkpoint to fill the buffers again, and runs its own body over them: n - k steps of the
+forward body run again. The residuals are values of the forward body's own program, so the replay
 and the plain loop compute them alike, and the gradients are the same bit for bit. A
 residual that is a carry whose next value has a buffer is read from that buffer one row
 back, and at a segment's first step from its checkpoint.
@@ -69,10 +70,10 @@ class Body:
     # A reverse loop's sequences read shifted by one step: (x, closure), the slice of
     # sequence x at the step the loop visits next, and closure's value at its last step.
     shifted: list[tuple[int, int]] = field(default_factory=list)
-    # A checkpointed forward loop: segments of `every` steps. Its program also gives the
-    # values `replayed` (its reverse loop's residuals); it stacks its carries at the start
-    # of each segment, and the residuals of its last segment into buffers of `every` rows
-    # (results after the stacked ones: `checkpoints`, `buffered`).
+    # A checkpointed forward loop: segments of `every` steps (at most its length). Its
+    # program also gives the values `replayed` (its reverse loop's residuals); it stacks
+    # its carries at the start of each segment, and the residuals of its last segment into
+    # buffers of `every` rows (results after the stacked ones: `start`, `buffered`).
     every: int = 0
     replayed: list[int] = field(default_factory=list)
     # A checkpointed reverse loop: the forward body it replays, whose checkpoints, buffers,
@@ -99,10 +100,11 @@ class Body:
         """A checkpointed forward loop's segments (a checkpoint each)."""
         return -(-self.length // self.every) if self.every else 0
 
-    @property
-    def rows(self) -> int:
-        """A checkpointed forward loop's buffer rows (a segment's steps)."""
-        return min(self.every, self.length)
+    def start(self, segment: int) -> int:
+        """A checkpointed forward loop's step where `segment` starts: the segments are
+        `every` steps long but the first, which takes what is left over, so that the last
+        (which the forward keeps whole, and nothing replays) is as long as the buffers."""
+        return max(0, self.length - (self.segments - segment) * self.every)
 
     def lagged(self) -> dict[int, int]:
         """A checkpointed forward loop's replayed values that are read from another's
@@ -142,8 +144,7 @@ def _cost(metas: list[Meta], out: Meta, *, body: Body) -> tuple[int, int]:
         checkpoints = wanted[nc + ny:nc + ny + nc]
         kept = body.segments * sum(size_of(metas[c]) for c, want in zip(
             body.carries, checkpoints, strict=True) if want)
-        last = body.length - (body.segments - 1) * body.every
-        kept += last * sum(size_of(metas[r]) for r, want in zip(
+        kept += body.every * sum(size_of(metas[r]) for r, want in zip(
             body.buffered(), wanted[nc + ny + nc:], strict=True) if want)
     overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
     flops, moved = replay_cost(body)
@@ -161,7 +162,7 @@ def replay_cost(body: Body) -> tuple[int, int]:
     program = replay.program
     assert program is not None, "a replay is priced after its body is planned"
     metas = body.b.metas
-    steps = (replay.segments - 1) * replay.every
+    steps = replay.length - replay.every
     buffered = sum(size_of(metas[r]) for r in replay.buffered())
     overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
     return steps * program.flops, steps * (program.bytes_moved + buffered + overhead)

@@ -844,7 +844,7 @@ class _Reader:
         want_outs = [*(metas[s] for s in carries), *(stacked(metas[s], length) for s in ys)]
         if every:
             want_outs += [stacked(metas[s], body.segments) for s in carries]
-            want_outs += [stacked(metas[s], body.rows) for s in body.buffered()]
+            want_outs += [stacked(metas[s], body.every) for s in body.buffered()]
         if replay is not None:
             # (the loop it replays is a checkpointed forward loop over the same steps, the
             # other way, whose replayed values this body's program is given, of its metas)
@@ -854,7 +854,7 @@ class _Reader:
                    and all(r < len(metas) and metas[r] == forward[r] for r in replay.replayed),
                    "a loop's replay")
             want_args += [stacked(forward[s], replay.segments) for s in replay.carries]
-            want_args += [stacked(forward[s], replay.rows) for s in replay.buffered()]
+            want_args += [stacked(forward[s], replay.every) for s in replay.buffered()]
             want_args += [stacked(forward[s], length) for s in replay.xs]
             want_args += [forward[s] for s in replay.closures]
         _check(len(nexts) == len(carries) and len(wanted) == len(outs)
