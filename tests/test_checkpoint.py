@@ -79,7 +79,8 @@ class _Checkpointed:
     program runs those, which must agree with it bit for bit."""
 
     def __init__(self) -> None:
-        self.variants: dict[int, list[Program]] = {}
+        # (by id: the program is kept, so that no other one gets its id)
+        self.variants: dict[int, tuple[Program, list[Program]]] = {}
         self.checkpointed = 0
 
     def compile_graph(self, spec: GraphSpec, inputs: Mapping[str, TensorSpec],
@@ -97,12 +98,12 @@ class _Checkpointed:
             every.run = bind(every)
             variants += [every, round_trip(every)]
         self.checkpointed += sum(bool(checkpointed(v)) for v in variants)
-        self.variants[id(program)] = variants
+        self.variants[id(program)] = program, variants
         return program
 
     def execute(self, program: Program, inputs: Any, **kw: Any) -> Any:
         result = execute(program, inputs, **kw)
-        for variant in self.variants.get(id(program), []):
+        for variant in self.variants.get(id(program), (program, []))[1]:
             same_run(result, execute(variant, inputs, **kw))
         return result
 
