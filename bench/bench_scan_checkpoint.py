@@ -19,6 +19,7 @@ from engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, comp
 from engine.graph.executor import execute
 from engine.graph.ir import Program
 from engine.graph.scan import SCAN, replay_cost
+from engine.graph.spec import RunResult
 
 
 def rnn() -> GraphSpec:
@@ -29,13 +30,18 @@ def rnn() -> GraphSpec:
                       NodeSpec("loss", expr="sum(h_end * h_end)")], ["loss"])
 
 
-def timed(program: Program, arrays: dict[str, np.ndarray], repeat: int) -> tuple[float, object]:
-    times, result = [], None
+def timed(programs: list[Program], arrays: dict[str, np.ndarray], repeat: int
+          ) -> list[tuple[float, RunResult]]:
+    """Per program, the median time of `repeat` runs (interleaved) and a result."""
+    times: list[list[float]] = [[] for _ in programs]
+    results: list[RunResult] = []
     for _ in range(repeat):
-        started = time.perf_counter()
-        result = execute(program, arrays)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), result
+        results = []
+        for program, took in zip(programs, times, strict=True):
+            started = time.perf_counter()
+            results.append(execute(program, arrays))
+            took.append(time.perf_counter() - started)
+    return [(statistics.median(t), r) for t, r in zip(times, results, strict=True)]
 
 
 def main() -> None:
@@ -60,18 +66,18 @@ def main() -> None:
     fitted_ms = (time.perf_counter() - started) * 1000
     forward, reverse = (s.attrs["body"] for s in fitted.steps if s.op is SCAN)
     flops, moved = replay_cost(reverse)
-    plain_s, plain_result = timed(plain, arrays, args.repeat)
-    fitted_s, fitted_result = timed(fitted, arrays, args.repeat)
+    (plain_s, plain_result), (fitted_s, fitted_result) = timed([plain, fitted], arrays,
+                                                              args.repeat)
+    assert plain_result.gradients is not None and fitted_result.gradients is not None
     for name in arrays:
-        assert (plain_result.gradients[name].tobytes()  # type: ignore[attr-defined]
-                == fitted_result.gradients[name].tobytes()), name  # type: ignore[attr-defined]
+        assert plain_result.gradients[name].tobytes() == fitted_result.gradients[name].tobytes()
     print(f"steps {args.steps}; stacked residuals {residuals / 1e6:.1f} MB; "
           f"budget {budget / 1e6:.1f} MB")
     for label, program, result, seconds, ms in (
             ("plain", plain, plain_result, plain_s, plain_ms),
             ("checkpointed", fitted, fitted_result, fitted_s, fitted_ms)):
         print(f"{label:>13}: planned peak {program.planned_peak_bytes / 1e6:7.1f} MB, "
-              f"measured {result.peak_bytes / 1e6:7.1f} MB; "  # type: ignore[attr-defined]
+              f"measured {result.peak_bytes / 1e6:7.1f} MB; "
               f"cost {program.compute_cost:.3g}; compile {ms:.0f} ms; run {seconds:.3f} s")
     print(f"k = {forward.every} ({forward.segments} segments); replayed "
           f"{forward.length - forward.every} steps, cost {flops + 8 * moved:.3g}; "

@@ -434,6 +434,7 @@ class _Loop:
         # (a shifted slice is the row of the step this loop visits next)
         shifted = [(x_slots[i], xs[i], closures[j]) for i, j in body.shifted]
         ahead = -1 if body.reverse else 1
+        distinct = inner.distinct
         outer = [True] * nc  # per carry: an array the outer program counts
         made = 0  # bytes of the carries the body made, held into the next step
         most = 0
@@ -459,7 +460,10 @@ class _Loop:
                 for k, r in buffers:
                     stacks[k][p - last, ...] = slots[r]
             carries = [slots[n] for n in nexts]
-            made, outer = inner.made(carries, outer, nbytes)
+            if distinct is not None:
+                made = distinct
+            else:
+                made, outer = inner.made(carries, outer, nbytes)
         results = [(slot, carries[k] if k < nc else stacks[k]) for slot, k in self.results]
         return held + most, results
 
