@@ -12,10 +12,10 @@ least: each loop that must be checkpointed gets the largest k that fits, and a l
 fits without is not checkpointed.
 
 How: first every candidate loop at its least-memory k, which is the least this can
-reach (over the budget even then: the program is left so, and the caller says what it
-needs); then loop by loop, the most residual bytes first, none if that fits, else the
-largest k that fits (a binary search, each probe a plan of the whole program: the peak is
-the planner's, exact, not a model's).
+reach (over the budget even then: the program is left so, or as it was where that took
+less, and the caller says what it needs); then loop by loop, the most residual bytes
+first, none if that fits, else the largest k that fits (a binary search, each probe a
+plan of the whole program: the peak is the planner's, exact, not a model's).
 
 Not checkpointed (their residuals stacked as before): loops inside a loop body (only a
 program's own steps are), and loops whose reverse loop is itself differentiated (a

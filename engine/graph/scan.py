@@ -25,16 +25,16 @@ segment takes what is left over), and the residuals of its last segment in buffe
 rows. Its reverse loop (`Body.replay`) runs the last segment from those buffers, then,
 segment by segment back to the first, re-runs the forward body from the segment's
 checkpoint to fill the buffers again, and runs its own body over them: n - k steps of the
-forward body run again. The residuals are values of the forward body's own program, so the replay
-and the plain loop compute them alike, and the gradients are the same bit for bit. A
-residual that is a carry whose next value has a buffer is read from that buffer one row
-back, and at a segment's first step from its checkpoint.
+forward body run again. The residuals are values of the forward body's own program, so
+the replay and the plain loop compute them alike, and the gradients are the same bit for
+bit. A residual that is a carry whose next value has a buffer is read from that buffer one
+row back, and at a segment's first step from its checkpoint.
 
 Memory: a scan step holds its stacked results (checkpoints and buffers too) from its
 start, the carries the body made at the previous step, and the body's own peak; while a
 checkpointed reverse loop replays a segment, it holds the replay's peak and carries with
-its own carries. The planner and
-the executor count the same (engine.graph.plan, engine.graph.executor).
+its own carries. The planner and the executor count the same (engine.graph.plan,
+engine.graph.executor).
 """
 
 from __future__ import annotations
