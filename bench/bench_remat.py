@@ -13,8 +13,11 @@ the targets of the issue.
 3. http     the chain over HTTP against `gradserve serve` (binary tensors, the client):
             /plan's figures, and a /backward with `memory_budget_bytes`, its meta, and its
             gradients against NumPy.
+4. gradbench GradBench's ode (its largest: n = 10^5, s = 100 RK4 steps as a scan) and lstm
+            (l = 2, c = 1024, hidden 14) over HTTP under a 256 MiB budget, against PyTorch
+            (ode) and NumPy (lstm) in float64.
 
-    python3 bench/bench_remat.py [--parts chain,scan,http] [--chain-steps 2000]
+    python3 bench/bench_remat.py [--parts chain,scan,http,gradbench] [--chain-steps 2000]
                                  [--time-steps 600] [--rounds 3]
 """
 
@@ -164,10 +167,91 @@ def part_http(report: Report, steps: int = 600) -> None:
                f"{ms:.0f} ms; {'equal (rtol 1e-12)' if ok else 'DIFFERENT'}", "", ok)
 
 
+def ode_graph(n: int, s: int) -> dict[str, Any]:
+    """GradBench's ode (its JAX tool's definition): y' = f(y), f(y)_i = x_0 for i = 0 and
+    x_i * y_{i-1} after, from y = 0 over tf = 2 in s RK4 steps (a scan); the output is the
+    last component of the final state. `m` is the one-hot of component 0 (where(i == 0,
+    ...) as arithmetic: x * (m + (1 - m) * roll(y, 1)), the same values)."""
+    h = 2.0 / s
+
+    def f(name: str, v: str) -> dict[str, Any]:
+        roll = f"cat(slice({v}, dim=0, start={n - 1}), slice({v}, dim=0, stop={n - 1}))"
+        return {"id": name, "expr": f"x * (m + (1.0 - m) * {roll})"}
+
+    body = [f("k1", "y"), {"id": "a2", "expr": f"y + {h / 2!r} * k1"}, f("k2", "a2"),
+            {"id": "a3", "expr": f"y + {h / 2!r} * k2"}, f("k3", "a3"),
+            {"id": "a4", "expr": f"y + {h!r} * k3"}, f("k4", "a4"),
+            {"id": "y2", "expr": f"y + {h / 6!r} * (k1 + ((2.0 * k2) + (2.0 * k3) + k4))"}]
+    return {"nodes": [
+        {"id": "y0", "op": "zeros", "attrs": {"shape": [n], "dtype": "float64"}},
+        {"id": "loop", "op": "scan", "args": ["y0"], "attrs": {"length": s},
+         "body": {"carry": ["y"], "xs": [], "nodes": body, "next": {"y": "y2"}},
+         "results": {"yT": "y"}},
+        {"id": "out", "expr": f"sum(slice(yT, dim=0, start={n - 1}))"}], "outputs": ["out"]}
+
+
+def ode_torch(x: np.ndarray, s: int) -> tuple[float, np.ndarray]:
+    import torch
+
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    i0 = torch.arange(len(x)) == 0
+    h = 2.0 / s
+
+    def f(y: Any) -> Any:
+        return torch.where(i0, xt, xt * torch.roll(y, 1))
+
+    y = torch.zeros_like(xt)
+    for _ in range(s):
+        k1 = f(y)
+        k2 = f(y + h / 2 * k1)
+        k3 = f(y + h / 2 * k2)
+        k4 = f(y + h * k3)
+        y = y + h / 6 * (k1 + ((2 * k2) + (2 * k3) + k4))
+    y[-1].backward()
+    return float(y[-1]), xt.grad.numpy()  # type: ignore[union-attr]
+
+
+def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
+    """GradBench's ode (n = 100,000, s = 100: its largest) and lstm (l = 2, c = 1024,
+    hidden 14: bench_compiled's GradBench lstm) over HTTP with a 256 MiB budget, checked
+    against PyTorch in float64 (GradBench's own harness is not part of this repository)."""
+    from bench.bench_compiled import lstm
+    from service.client import Client
+
+    rng = np.random.default_rng(31337)
+    n, s = 100_000, 100
+    x = rng.random(n)
+    m = np.zeros(n)
+    m[0] = 1.0
+    env = {"GRADSERVE_MAX_NODES": "200000"}
+    with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
+        plain = gs.backward(ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"])
+        r = gs.backward(ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"],
+                        memory_budget_bytes=budget)
+        want, grad = ode_torch(x, s)
+        ok = np.allclose(r.gradients["x"], grad, rtol=1e-10, atol=1e-14) and np.isclose(
+            float(r.outputs["out"]), want, rtol=1e-12)
+        report.add("gradbench", f"ode n={n} s={s}: planned peak without / within 256 MiB",
+                   f"{plain.meta['planned_peak_bytes'] / 2**20:.0f} MiB / "
+                   f"{r.meta['peak_bytes'] / 2**20:.0f} MiB; gradient against PyTorch "
+                   f"{'equal (rtol 1e-10)' if ok else 'DIFFERENT'}", "validates",
+                   ok and r.meta["peak_bytes"] <= budget)
+        w = lstm(2, 14, 1024)
+        r = gs.backward(w.graph, w.inputs, requires_grad=w.wrt, memory_budget_bytes=budget)
+        loss, grads = w.numpy(w.inputs)  # type: ignore[misc]
+        ok = np.isclose(float(r.outputs["loss"]), float(loss), rtol=1e-10) and all(
+            np.allclose(r.gradients[k], g, rtol=1e-8, atol=1e-12) for k, g in grads.items())
+        report.add("gradbench", "lstm l=2 c=1024 (hidden 14) within 256 MiB",
+                   f"peak {r.meta['peak_bytes'] / 2**20:.1f} MiB; loss and gradients "
+                   f"against NumPy {'equal' if ok else 'DIFFERENT'}", "validates",
+                   ok and r.meta["peak_bytes"] <= budget)
+
+
 PARTS: dict[str, Callable[[Report, argparse.Namespace], None]] = {
     "chain": lambda r, a: part_chain(r, a.chain_steps, a.time_steps, a.rounds),
     "scan": lambda r, a: part_scan(r, a.rounds),
     "http": lambda r, a: part_http(r),
+    "gradbench": lambda r, a: part_gradbench(r),
 }
 
 

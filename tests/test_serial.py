@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from bench import bench_compiled as bc
 from engine.errors import BackwardError, Cancelled, GradserveError
 from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
-from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, execute
+from engine.graph.checkpoint import checkpoint_every
+from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, bind, execute
 from engine.graph.ir import Lit, Program, Step
 from engine.graph.scan import SCAN, Body
 from engine.graph.serial import (
@@ -91,8 +92,12 @@ def assert_same_step(a: Step, b: Step, i: int) -> None:
 
 
 def assert_same_body(a: Body, b: Body) -> None:
-    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted"):
+    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted",
+                 "shifted", "every", "replayed"):
         assert same(getattr(b, name), getattr(a, name)), name
+    assert (a.replay is None) == (b.replay is None)
+    if a.replay is not None and b.replay is not None:
+        assert same(b.replay.replayed, a.replay.replayed)
     assert a.program is not None and b.program is not None
     assert_same_program(a.program, b.program)
 
@@ -108,10 +113,15 @@ def assert_same_runs(fresh: list[Run], loaded: list[Run]) -> None:
         assert same(b[0], a[0]) and same(b[2:5], a[2:5]) and same(b[6], a[6]), (i, a, b)
         if a[0] == LOOP:
             x, y = a[5], b[5]
-            for name in ("args", "carries", "xs", "nexts", "ys", "results", "sources",
-                         "sizes", "given", "distinct"):
+            for name in ("args", "ys", "kept", "results"):
                 assert same(getattr(y, name), getattr(x, name)), (i, name)
-            assert_same_runs(x.bound, y.bound)
+            assert (x.replay is None) == (y.replay is None), i
+            for inner, loaded_inner in ((x.inner, y.inner), (x.replay, y.replay)):
+                if inner is None:
+                    continue
+                for name in ("sources", "sizes", "given", "distinct"):
+                    assert same(getattr(loaded_inner, name), getattr(inner, name)), (i, name)
+                assert_same_runs(inner.bound, loaded_inner.bound)
             continue
         assert same(b[5], a[5]) and same_kernel(a[1], b[1]), (i, a, b)
 
@@ -570,7 +580,7 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     lambda h: h["programs"][0].__setitem__("no_grad", 1),
     lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
     lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
-    lambda h: h["programs"][0]["loops"][0][2].__setitem__(1, h["programs"][0]["loops"][0][2][0]),
+    lambda h: h["programs"][0]["loops"][1][2].__setitem__(0, h["programs"][0]["loops"][0][2][0]),
     lambda h: h["programs"][1]["outputs"].pop(),
     lambda h: h["programs"].append(h["programs"][1]),
     lambda h: h["signatures"][0][4].append([[], "float64", False]),
@@ -585,6 +595,48 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
         "no program", "no metas"])
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
+
+
+@pytest.fixture(scope="module")
+def checkpointed() -> bytes:
+    """The small program with its loop checkpointed every 2 steps."""
+    program = _loop_program(backward=True)
+    assert checkpoint_every(program, 2, ufuncs=True)
+    program.run = bind(program)
+    return dump_program(program)
+
+
+def _body_of(header: Any, record: int) -> Any:
+    return header["programs"][record]["body"]
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[2, 0]]),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[9, 1]]),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[2]]),
+], ids=["shifted onto another meta", "shifted past the sequences", "shifted not a pair"])
+def test_a_shifted_sequence_that_is_wrong_is_corrupt(small: bytes,
+                                                     change: Callable[[Any], None]) -> None:
+    _corrupt(_header_of(small, change))
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: _body_of(h, 2).__setitem__("replay", -1),
+    lambda h: _body_of(h, 2).__setitem__("replay", 14),
+    lambda h: _body_of(h, 2).__setitem__("replay", True),
+    lambda h: _body_of(h, 1).__setitem__("every", 0),
+    lambda h: _body_of(h, 1).__setitem__("every", 3),
+    lambda h: _body_of(h, 1).__setitem__("every", 5),
+    lambda h: _body_of(h, 1)["replayed"].pop(),
+    lambda h: _body_of(h, 2).__setitem__("shifted", [[0, 0]]),
+    lambda h: _body_of(h, 2).__setitem__("reverse", False),
+], ids=["no replay", "replays itself", "replay not an int", "no segments",
+        "other segments", "segments past the end", "a value not replayed", "shifted too",
+        "the same way"])
+def test_a_checkpointed_loop_that_is_wrong_is_corrupt(checkpointed: bytes,
+                                                      change: Callable[[Any], None]) -> None:
+    load_program(checkpointed)
+    _corrupt(_header_of(checkpointed, change))
 
 
 def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:

@@ -284,10 +284,26 @@ def test_a_loop_nothing_differentiates_keeps_no_residuals() -> None:
     trained, r2 = run(rnn_nodes(), ["loss"], arrays, requires=["u"], backward=True)
     (loop,) = [s for s in forward.steps if s.op.name == "scan"]
     assert len(loop.attrs["body"].ys) == 1  # hs only
-    # u's gradient reads each step's carry (and tanh's result, which hs already stacks).
+    # u's gradient reads each step's carry and tanh's result, which hs already stacks: the
+    # carry is read from hs one step back (and h0 at the first), not stacked again.
     scans = [s for s in trained.steps if s.op.name == "scan"]
-    assert len(scans) == 2 and len(scans[0].attrs["body"].ys) == 2
+    assert len(scans) == 2 and len(scans[0].attrs["body"].ys) == 1
+    assert len(scans[1].attrs["body"].shifted) == 1
     assert r2.planned_peak_bytes > r1.planned_peak_bytes
+
+
+def test_a_carry_and_its_next_value_are_stacked_once() -> None:
+    """The same derivative, derived to be differentiated again (a `grad` node: both
+    stacks) and to run once (/backward: one): the plan saves a stack of the carry, and the
+    gradients are the same, bit for bit."""
+    steps, arrays = 50, rnn_arrays(steps=50)
+    _, r1 = run(rnn_nodes(), ["loss"], arrays, requires=["u"], backward=True)
+    twice, r2 = run([*rnn_nodes(), NodeSpec("g", expr="grad(loss, u)")], ["g"], arrays)
+    assert next(len(s.attrs["body"].ys) for s in twice.steps if s.op.name == "scan") == 2
+    assert r1.gradients["u"].tobytes() == r2.outputs["g"].tobytes()
+    carry = arrays["h0"].nbytes
+    loss = 8  # (the backward's program also holds its output, the loss)
+    assert r2.planned_peak_bytes - r1.planned_peak_bytes == steps * carry - loss
 
 
 def test_long_scan_plans_its_memory_exactly() -> None:

@@ -148,6 +148,7 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     each closure's; per step it reads the results' cotangents, the sequences, and the body
     values the VJP needs (stacked by this step as extra results)."""
     body: Body = step.attrs["body"]
+    assert not body.shifted and body.replay is None, "a loop derived to run once"
     bb = body.b
     nc, nx = len(body.carries), len(body.xs)
     args: tuple[int, ...] = step.slots
@@ -185,22 +186,34 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     residuals = [a for a in reads if a in computed]
     read_xs = [i for i, x in enumerate(body.xs) if x in reads]
     read_closures = [i for i, z in enumerate(body.closures) if z in reads]
+    # A carry whose next value is stacked too is read from that stack, one step back
+    # (engine.graph.scan): where this loop runs once (its own VJP would need the shift
+    # transposed).
+    shifts = {} if b.create_graph else _shifts(body, residuals)
+    syms = b.syms
+    closure_args = [syms[args[nc + nx + i]] for i in read_closures]
+    shifted: list[tuple[int, int]] = []
+    first_x = len(ct_ys)
+    for n, slot in enumerate(residuals):
+        if slot in shifts:
+            shifted.append((first_x + n, len(closure_args)))
+            closure_args.append(syms[args[body.carries.index(slot)]])
     reverse = Body(
         b=bb, steps=steps,
         carries=[*(g.slot for g in ct_carries.values()), *(g.slot for g in sums.values())],
         xs=[*(g.slot for g in ct_ys.values()), *residuals, *(body.xs[i] for i in read_xs)],
-        closures=[body.closures[i] for i in read_closures],
+        closures=[*(body.closures[i] for i in read_closures),
+                  *(bb.value(bb.metas[slot]).slot for slot in residuals if slot in shifts)],
         nexts=[g.slot for g in nexts], ys=[g.slot for g in ys], length=body.length,
-        reverse=not body.reverse)
-    syms = b.syms
+        reverse=not body.reverse, shifted=shifted,
+        vjp_of=None if b.create_graph else step)
     inits = [cts[k] if cts[k] is not None else b.zeros_like(syms[step.outs[k]])
              for k in ct_carries]
     inits += [b.zeros_like(syms[args[nc + nx + i]]) for i in closures]
     sequences = [cts[nc + j] for j in ct_ys]
-    sequences += stacked(b, step, residuals)
+    sequences += stacked(b, step, [shifts.get(slot, slot) for slot in residuals])
     sequences += [syms[args[nc + i]] for i in read_xs]
-    outs = emit_scan(b, reverse, inits, sequences,  # type: ignore[arg-type]
-                     [syms[args[nc + nx + i]] for i in read_closures])
+    outs = emit_scan(b, reverse, inits, sequences, closure_args)  # type: ignore[arg-type]
     grads: list[tuple[int, Sym]] = []
     for k, out in zip(ct_carries, outs, strict=False):
         if wanted_args[k]:
@@ -210,6 +223,15 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     grads += [(args[nc + i], out) for i, out in zip(xs, outs[len(ct_carries) + len(closures):],
                                                    strict=True)]
     return grads
+
+
+def _shifts(body: Body, residuals: list[int]) -> dict[int, int]:
+    """The residuals that are a carry whose next value (a value the body makes) is
+    stacked too, as a residual or a result: carry slot -> that value's slot."""
+    made = {o for st in body.steps for o in st.outs}
+    wanted = set(residuals) | set(body.ys)
+    return {c: n for c, n in zip(body.carries, body.nexts, strict=True)
+            if c in residuals and n in wanted and n in made}
 
 
 def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:

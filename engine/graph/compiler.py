@@ -33,6 +33,7 @@ from engine.errors import (
 )
 from engine.graph.autodiff import active_slots, vjp
 from engine.graph.builder import Builder, Sym, derived
+from engine.graph.checkpoint import checkpoint_loops
 from engine.graph.executor import bind
 from engine.graph.expr import Span, expand_expr, piece_of
 from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
@@ -230,7 +231,13 @@ def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits |
     budget = limits.memory_budget_bytes
     if backward and limits.recompute and budget is not None and \
             program.planned_peak_bytes > budget:
-        program = rematerialize(program, budget, ufuncs=bound_on, facts=b.facts)
+        # Loops first (their stacked residuals, checkpointed within them), then the top
+        # level's values (recomputed in the backward); the second names the least peak
+        # reached when nothing fits.
+        without = program.planned_peak_bytes
+        if checkpoint_loops(program, budget, ufuncs=bound_on, facts=b.facts) is not None:
+            program = rematerialize(program, budget, ufuncs=bound_on, facts=b.facts)
+        program.peak_without_recompute = without
     check_budgets(program, limits, no_grad)
     program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000

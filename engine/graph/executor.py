@@ -330,94 +330,229 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
     state[0], state[1] = live, peak
 
 
-class _Loop:
-    """A scan step bound: its body's runs, and how its arguments and results map to the
-    body's slots."""
+class _Body:
+    """A loop body bound: its runs, the bytes of the inputs it is given at each step (its
+    closures' are added per run), and where its carries' next values come from."""
 
-    __slots__ = ("args", "body", "bound", "carries", "distinct", "given", "nexts", "results",
-                 "sizes", "sources", "xs", "ys")
+    __slots__ = ("body", "bound", "distinct", "given", "sizes", "sources")
 
-    def __init__(self, step: Step, backend: Backend, runs: list[Run] | None = None) -> None:
-        body: Body = step.attrs["body"]
-        self.body = body
+    def __init__(self, body: Body, backend: Backend, runs: list[Run] | None) -> None:
         program = body.program
         assert program is not None, "a scan is bound after its body is planned"
         if runs is None:  # (a loaded program's loader has them: engine.graph.serial)
             bound = _bind(program, backend, body.b.facts)
             runs = bound.forward + bound.backward
+        self.body = body
         self.bound = runs
-        self.args = step.slots
-        nc = len(body.carries)
-        self.carries = nc
-        self.xs = len(body.xs)
-        self.nexts = body.nexts
-        self.ys = [(k, y) for k, y in enumerate(body.ys) if body.wanted[nc + k]]
-        # (outer slot, carry number) or (outer slot, -1 - stacked result number)
-        self.results = [(slot, k) for k, slot in enumerate(step.outs[:nc]) if body.wanted[k]]
-        self.results += [(step.outs[nc + k], -1 - n) for n, (k, _) in enumerate(self.ys)]
         self.sources, roots = carry_sources(body, program)
         # The arrays have the shapes they were compiled for (`verify` checks it): the bytes
         # of the body's inputs are known, and of its carries when each next value is a new
         # array of its own (else they are counted by array, as they are shared).
         metas = program.metas
         self.sizes = [0] * len(metas)
-        for slot in (*body.carries, *body.xs):
+        replayed = body.replay.replayed if body.replay is not None else []
+        for slot in (*body.carries, *body.xs, *replayed):
             self.sizes[slot] = numel(metas[slot].shape) * ITEMSIZE[metas[slot].dtype]
         self.given = sum(self.sizes)
         distinct = all(s == MADE for s in self.sources) and len(set(roots)) == len(roots)
         self.distinct = sum(numel(metas[r].shape) * ITEMSIZE[metas[r].dtype]
                             for r in roots) if distinct else None
 
+    def template(self, closures: list[Any], nbytes: Callable[[Any], int]
+                 ) -> tuple[list[Any], list[int], int]:
+        """The slots and their bytes that every step starts from (the closures set), and
+        the bytes given."""
+        body = self.body
+        template: list[Any] = [None] * len(self.sizes)
+        sizes = self.sizes.copy()
+        for slot, array in zip(body.closures, closures, strict=True):
+            template[slot] = array
+            sizes[slot] = nbytes(array)
+        return template, sizes, self.given + sum(sizes[slot] for slot in body.closures)
+
+    def made(self, carries: list[Any], outer: list[bool], nbytes: Callable[[Any], int]
+             ) -> tuple[int, list[bool]]:
+        """The bytes of the next carries `carries` that the body made, and per carry whether
+        it is an array the outer program counts (from `outer`, the carries' before)."""
+        if self.distinct is not None:
+            return self.distinct, outer
+        outer = [src == OUTER or (src >= 0 and outer[src]) for src in self.sources]
+        return sum(nbytes(a) for a in {id(a): a for a, o in zip(carries, outer, strict=True)
+                                       if not o}.values()), outer
+
+
+class _Loop:
+    """A scan step bound: its body, a checkpointed reverse loop's replay, and how its
+    arguments and results map to the bodies' slots."""
+
+    __slots__ = ("args", "body", "inner", "kept", "replay", "results", "ys")
+
+    def __init__(self, step: Step, backend: Backend, runs: list[Run] | None = None,
+                 replay_runs: list[Run] | None = None) -> None:
+        body: Body = step.attrs["body"]
+        self.body = body
+        self.inner = _Body(body, backend, runs)
+        self.replay = None if body.replay is None else _Body(body.replay, backend, replay_runs)
+        self.args = step.slots
+        nc, ny = len(body.carries), len(body.ys)
+        wanted = body.wanted
+        # (result number, body slot) per stacked result the program uses
+        self.ys = [(nc + k, y) for k, y in enumerate(body.ys) if wanted[nc + k]]
+        # A checkpointed forward loop's: (result number, carry number) per checkpoint, and
+        # (result number, body slot) per buffer
+        self.kept = ([(nc + ny + k, k) for k in range(nc) if wanted[nc + ny + k]],
+                     [(nc + ny + nc + k, r) for k, r in enumerate(body.buffered())
+                      if wanted[nc + ny + nc + k]]) if body.every else ([], [])
+        # (outer slot, result number)
+        self.results = [(slot, k) for k, slot in enumerate(step.outs) if wanted[k]]
+
     def run(self, s: list[Any], check: Callable[[], None] | None, verify: bool,
             backend: Backend) -> tuple[int, list[tuple[int, Any]]]:
         """Run the loop on the outer slots `s`: the most bytes it held beyond what the
         outer program counts, and its results (outer slot, array)."""
-        body, program = self.body, self.body.program
+        if self.replay is not None:
+            return self._segments(s, check, verify, backend)
+        body, inner = self.body, self.inner
+        program = body.program
         assert program is not None
-        xp, nbytes = backend.xp, backend.nbytes
+        nbytes = backend.nbytes
         metas = program.metas
         args = [s[a] for a in self.args]
-        nc, nx = self.carries, self.xs
+        nc, nx = len(body.carries), len(body.xs)
         carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:]
-        length = body.length
-        stacks = {k: xp.empty((length, *metas[y].shape), dtype=backend.dtype(metas[y].dtype))
-                  for k, y in self.ys}
+        length, every = body.length, body.every
+        stacks = {k: _stack(backend, length, metas[y]) for k, y in self.ys}
+        checkpoints, buffers = self.kept
+        stacks.update((k, _stack(backend, body.segments, metas[body.carries[c]]))
+                      for k, c in checkpoints)
+        stacks.update((k, _stack(backend, every, metas[r])) for k, r in buffers)
         held = sum(nbytes(a) for a in stacks.values())
-        template: list[Any] = [None] * len(metas)
-        template_sizes = self.sizes.copy()
-        for slot, array in zip(body.closures, closures, strict=True):
-            template[slot] = array
-            template_sizes[slot] = nbytes(array)
-        given = self.given + sum(template_sizes[slot] for slot in body.closures)
-        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, self.nexts, self.ys, \
-            self.bound
-        sources, distinct = self.sources, self.distinct
+        starts = {body.start(j): j for j in range(body.segments)}
+        last = length - every  # (the first step of the last segment)
+        template, sizes, given = inner.template(closures, nbytes)
+        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, body.nexts, self.ys, \
+            inner.bound
+        # (a shifted slice is the row of the step this loop visits next)
+        shifted = [(x_slots[i], xs[i], closures[j]) for i, j in body.shifted]
+        ahead = -1 if body.reverse else 1
+        distinct = inner.distinct
         outer = [True] * nc  # per carry: an array the outer program counts
         made = 0  # bytes of the carries the body made, held into the next step
         most = 0
-        for t in (range(length - 1, -1, -1) if body.reverse else range(length)):
+        for p in range(length):
+            t = length - 1 - p if body.reverse else p
+            if checkpoints and p in starts:
+                for k, c in checkpoints:
+                    stacks[k][starts[p], ...] = carries[c]
             slots = template.copy()
             for slot, array in zip(carry_slots, carries, strict=True):
                 slots[slot] = array
             for slot, seq in zip(x_slots, xs, strict=True):
                 slots[slot] = seq[t, ...]  # (the array API indexes every dim)
+            for slot, seq, first in shifted:
+                slots[slot] = seq[t + ahead, ...] if p < length - 1 else first
             state = [given, given]
-            _loop(runs, slots, template_sizes.copy(), state, check, program, verify, 0, backend)
+            _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend)
             if made + state[1] - given > most:
                 most = made + state[1] - given
             for k, y in ys:
                 stacks[k][t, ...] = slots[y]
+            if buffers and p >= last:
+                for k, r in buffers:
+                    stacks[k][p - last, ...] = slots[r]
             carries = [slots[n] for n in nexts]
             if distinct is not None:
                 made = distinct
             else:
-                outer = [src == OUTER or (src >= 0 and outer[src]) for src in sources]
-                made = sum(nbytes(a) for a in {id(a): a for a, o in zip(carries, outer,
-                                                                         strict=True)
-                                               if not o}.values())
-        results = [(slot, carries[k] if k >= 0 else stacks[self.ys[-1 - k][0]])
-                   for slot, k in self.results]
+                made, outer = inner.made(carries, outer, nbytes)
+        results = [(slot, carries[k] if k < nc else stacks[k]) for slot, k in self.results]
         return held + most, results
+
+    def _segments(self, s: list[Any], check: Callable[[], None] | None, verify: bool,
+                  backend: Backend) -> tuple[int, list[tuple[int, Any]]]:
+        """A checkpointed reverse loop: per segment from the last, the forward body replayed
+        from its checkpoint into the buffers (the last segment's the forward filled), then
+        this body over them, the other way."""
+        body, inner, replay = self.body, self.inner, self.replay
+        forward = body.replay
+        program = body.program
+        assert program is not None and replay is not None and forward is not None
+        forward_program = forward.program
+        assert forward_program is not None
+        nbytes = backend.nbytes
+        metas = program.metas
+        args = [s[a] for a in self.args]
+        nc, nx, nz = len(body.carries), len(body.xs), len(body.closures)
+        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:nc + nx + nz]
+        buffered, lags = forward.buffered(), forward.lagged()
+        rest = args[nc + nx + nz:]
+        fc, fb, fx = len(forward.carries), len(buffered), len(forward.xs)
+        checkpoints, buffers = rest[:fc], rest[fc:fc + fb]
+        forward_xs, forward_closures = rest[fc + fb:fc + fb + fx], rest[fc + fb + fx:]
+        length = body.length
+        stacks = {k: _stack(backend, length, metas[y]) for k, y in self.ys}
+        held = sum(nbytes(a) for a in stacks.values())
+        template, sizes, given = inner.template(closures, nbytes)
+        replay_template, replay_sizes, replay_given = replay.template(forward_closures, nbytes)
+        fill = list(zip(buffered, buffers, strict=True))
+        buffer_of = dict(fill)
+        lagging = [(c, buffer_of[forward.nexts[k]], checkpoints[k]) for c, k in lags.items()]
+        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, body.nexts, self.ys, \
+            inner.bound
+        f_carries, f_xs, f_nexts = forward.carries, forward.xs, forward.nexts
+        outer = [True] * nc
+        made = most = 0
+        segments = forward.segments
+        for segment in range(segments - 1, -1, -1):
+            first = forward.start(segment)
+            count = (forward.start(segment + 1) if segment < segments - 1 else length) - first
+            if segment < segments - 1:  # (the forward filled the last one's buffers)
+                state_carries = [c[segment, ...] for c in checkpoints]
+                f_outer = [True] * fc
+                f_made = 0
+                for i in range(count):
+                    t = length - 1 - (first + i) if forward.reverse else first + i
+                    slots = replay_template.copy()
+                    for slot, array in zip(f_carries, state_carries, strict=True):
+                        slots[slot] = array
+                    for slot, seq in zip(f_xs, forward_xs, strict=True):
+                        slots[slot] = seq[t, ...]
+                    state = [replay_given, replay_given]
+                    _loop(replay.bound, slots, replay_sizes.copy(), state, check,
+                          forward_program, verify, 0, backend)
+                    if made + f_made + state[1] - replay_given > most:
+                        most = made + f_made + state[1] - replay_given
+                    for r, buffer in fill:
+                        buffer[i, ...] = slots[r]
+                    state_carries = [slots[n] for n in f_nexts]
+                    f_made, f_outer = replay.made(state_carries, f_outer, nbytes)
+                del slots, state_carries
+            for i in range(count - 1, -1, -1):
+                t = length - 1 - (first + i) if forward.reverse else first + i
+                slots = template.copy()
+                for slot, array in zip(carry_slots, carries, strict=True):
+                    slots[slot] = array
+                for slot, seq in zip(x_slots, xs, strict=True):
+                    slots[slot] = seq[t, ...]
+                for r, buffer in fill:
+                    slots[r] = buffer[i, ...]
+                for c, buffer, checkpoint in lagging:
+                    slots[c] = buffer[i - 1, ...] if i else checkpoint[segment, ...]
+                state = [given, given]
+                _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend)
+                if made + state[1] - given > most:
+                    most = made + state[1] - given
+                for k, y in ys:
+                    stacks[k][t, ...] = slots[y]
+                carries = [slots[n] for n in nexts]
+                made, outer = inner.made(carries, outer, nbytes)
+        results = [(slot, carries[k] if k < nc else stacks[k]) for slot, k in self.results]
+        return held + most, results
+
+
+def _stack(backend: Backend, rows: int, meta: Any) -> Any:
+    """An uninitialized array of `rows` values of `meta`."""
+    return backend.xp.empty((rows, *meta.shape), dtype=backend.dtype(meta.dtype))
 
 
 def _verify(program: Program, index: int, result: Any, backend: Backend) -> None:

@@ -89,7 +89,9 @@ class Program:
     bytes_moved: int = 0
     cost_by_node: dict[str, int] = field(default_factory=dict)
     step_costs: list[int] = field(default_factory=list)  # per step, in cost units
-    recompute_cost: int = 0  # cost units of the RECOMPUTE steps (inside compute_cost)
+    # Cost units of the work done again to fit the memory budget: the RECOMPUTE steps, and
+    # the forward segments checkpointed loops replay (inside compute_cost).
+    recompute_cost: int = 0
     # The planned peak before any recomputation (engine.graph.remat); without it, the peak.
     peak_without_recompute: int = 0
     plan_ms: float = 0.0

@@ -12,12 +12,13 @@ to it).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from engine.graph.facts import Facts, facts_of, size_of
 from engine.graph.ir import BYTE_COST, NODE, RECOMPUTE, Program, Step
-from engine.graph.scan import OUTER, SCAN, Body, carry_sources
+from engine.graph.scan import OUTER, SCAN, Body, carry_sources, replay_cost
 
 # A buffer is worth taking over from 32 KiB: below, NumPy's allocator hands out recycled
 # small blocks for less than the `out=` argument costs to pass.
@@ -108,6 +109,10 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
             step_flops, step_bytes = step.op.cost(  # type: ignore[misc]
                 [metas[a] for a in step.args], metas[step.out], **step.attrs)  # type: ignore[index]
             cost = step_flops + BYTE_COST * step_bytes
+            replay_flops, replay_bytes = replay_cost(step.attrs["body"])
+            if replay_flops or replay_bytes:  # (a checkpointed loop runs segments again)
+                recomputes = True
+                recomputed += replay_flops + BYTE_COST * replay_bytes
         else:
             if not f.returns_input:  # (which adds no bytes: it is its input's array)
                 out = step.out
@@ -172,38 +177,67 @@ def _needed(program: Program) -> tuple[list[Step], set[Any], list[int]]:
 def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
     """Plan a scan step's body for the results the program uses; returns what the step
     holds while it runs: the stacked results, the body's peak beyond its inputs, and
-    the carries the body made at the step before (the executor counts the same)."""
+    the carries the body made at the step before; a checkpointed reverse loop, the most
+    of that and of what it holds while it replays a segment (the executor counts the
+    same)."""
     body: Body = step.attrs["body"]
     body.wanted = [slot in needed for slot in step.outs]
-    stacked = body.wanted[len(body.carries):]
+    nc, ny = len(body.carries), len(body.ys)
+    stacked = body.wanted[nc:nc + ny]
     program = Program(
         metas=body.b.metas, steps=body.steps,
         inputs={f"in{k}": slot for k, slot in enumerate(body.inputs)}, grad_inputs={},
         outputs=[*((f"next{k}", slot) for k, slot in enumerate(body.nexts)),
-                 *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k])],
+                 *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k]),
+                 *((f"replayed{k}", slot) for k, slot in enumerate(body.replayed))],
         gradients=[], requires_grad=[], grad_fn=[], no_grad=True, backward=False)
     plan(program, ufuncs=ufuncs, facts=body.b.facts)
     body.program = program
     metas = body.b.metas
     stacks = sum(size_of(metas[y]) for y, want in zip(body.ys, stacked, strict=True)
                  if want) * body.length
+    if body.every:
+        kept = body.wanted[nc + ny:]
+        stacks += body.segments * sum(size_of(metas[c]) for c, want in zip(
+            body.carries, kept[:nc], strict=True) if want)
+        stacks += body.every * sum(size_of(metas[r]) for r, want in zip(
+            body.buffered(), kept[nc:], strict=True) if want)
     if body.length == 0:
         return stacks
-    beyond_inputs = program.planned_peak_bytes - sum(size_of(metas[s]) for s in body.inputs)
-    return stacks + beyond_inputs + _made_carries(body, program)
+    made = _made_by_step(body, program)
+    held = _beyond_inputs(body, program) + _worst(made, 0, body.length)
+    replay = body.replay
+    if replay is not None and replay.segments > 1:
+        # While it replays a segment (all but the last): its own carries as they are then,
+        # the replay's carries and its peak.
+        forward = replay.program
+        assert forward is not None, "a replay is planned before its reverse loop"
+        replayed = _made_by_step(replay, forward)
+        starts = [replay.start(j) for j in range(replay.segments)]
+        held = max(held, _beyond_inputs(replay, forward) + max(
+            _at(made, body.length - end) + _worst(replayed, 0, end - start)
+            for start, end in itertools.pairwise(starts)))
+    return stacks + held
 
 
-def _made_carries(body: Body, program: Program) -> int:
-    """The most bytes of carries that the body made at one step and the next step holds
-    (a carry may also be an input passed on, or a value made some steps before and passed
-    from carry to carry): simulated step by step until the pattern repeats."""
+def _beyond_inputs(body: Body, program: Program) -> int:
+    """A body's planned peak beyond the inputs it is given."""
+    metas = body.b.metas
+    return program.planned_peak_bytes - sum(size_of(metas[s]) for s in body.inputs)
+
+
+def _made_by_step(body: Body, program: Program) -> tuple[list[int], int]:
+    """The bytes of the carries that the body made and holds into each step (none into the
+    first), by step until the pattern repeats (a carry may also be an input passed on, or
+    a value made some steps before and passed from carry to carry), and the step from
+    which it repeats (`_at`)."""
     sources, roots = carry_sources(body, program)
     metas = body.b.metas
     # Each carry holds an outer array (None) or one the body made: (root slot, steps ago).
     state: tuple[tuple[int, int] | None, ...] = (None,) * len(body.carries)
-    seen = {state}
-    worst = 0
-    for _ in range(body.length - 1):
+    seen = {state: 0}
+    made = [0]
+    for _ in range(body.length):
         new: list[tuple[int, int] | None] = []
         for source, slot in zip(sources, roots, strict=True):
             if source >= 0:
@@ -212,11 +246,27 @@ def _made_carries(body: Body, program: Program) -> int:
             else:
                 new.append(None if source == OUTER else (slot, 0))
         state = tuple(new)
-        worst = max(worst, sum(size_of(metas[r]) for r, _ in {h for h in state if h}))
         if state in seen:
-            break
-        seen.add(state)
-    return worst
+            return made, seen[state]
+        seen[state] = len(made)
+        made.append(sum(size_of(metas[r]) for r, _ in {h for h in state if h}))
+    return made, len(made) - 1
+
+
+def _at(made: tuple[list[int], int], step: int) -> int:
+    """What `_made_by_step` says is held into `step`."""
+    values, start = made
+    if step < len(values):
+        return values[step]
+    return values[start + (step - start) % (len(values) - start)]
+
+
+def _worst(made: tuple[list[int], int], first: int, end: int) -> int:
+    """The most that `_made_by_step` says is held into a step of first..end-1."""
+    values, start = made
+    # (past len(values) + the period, the values repeat)
+    end = min(end, 2 * len(values) - start)
+    return max((_at(made, step) for step in range(first, end)), default=0)
 
 
 def _saved(program: Program, steps: list[Step]) -> set[int]:

@@ -13,9 +13,28 @@ added when the derivation asks for them, so that a loop nothing differentiates k
 none. All the bodies derived from one loop share its Builder (one slot space), so that
 the VJP of a VJP finds the values it reads.
 
-Memory: a scan step holds its stacked results from its start, the carries the body made
-at the previous step, and the body's own peak; the planner and the executor count the
-same three (engine.graph.plan, engine.graph.executor).
+A residual stored once: the VJP reads a carry at each step, and the body value that
+becomes its next value is stacked too (a residual, or a result the graph declares). The
+carry's stack would be that stack shifted by one step, with the initial value first: the
+reverse loop reads that one stack at the row of the step it visits next, and the initial
+value (a closure) at its last step (`Body.shifted`).
+
+Checkpointed loops (engine.graph.checkpoint chooses them and their k): the forward scan
+keeps its carries at the start of every segment of k steps (`Body.every`; the first
+segment takes what is left over), and the residuals of its last segment in buffers of k
+rows. Its reverse loop (`Body.replay`) runs the last segment from those buffers, then,
+segment by segment back to the first, re-runs the forward body from the segment's
+checkpoint to fill the buffers again, and runs its own body over them: n - k steps of the
+forward body run again. The residuals are values of the forward body's own program, so
+the replay and the plain loop compute them alike, and the gradients are the same bit for
+bit. A residual that is a carry whose next value has a buffer is read from that buffer one
+row back, and at a segment's first step from its checkpoint.
+
+Memory: a scan step holds its stacked results (checkpoints and buffers too) from its
+start, the carries the body made at the previous step, and the body's own peak; while a
+checkpointed reverse loop replays a segment, it holds the replay's peak and carries with
+its own carries. The planner and the executor count the same (engine.graph.plan,
+engine.graph.executor).
 """
 
 from __future__ import annotations
@@ -23,11 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.dtypes import ITEMSIZE
 from engine.graph.builder import Builder, Sym
+from engine.graph.facts import size_of
 from engine.graph.ir import BYTE_COST, Program, Step
 from engine.ops.registry import Meta, OpDef
-from engine.shapes import numel
 
 # Cost units charged per body step per iteration, whatever the step computes: what
 # running it costs the loop (so that a long loop of tiny steps is priced as work).
@@ -49,14 +67,57 @@ class Body:
     ys: list[int]
     length: int
     reverse: bool = False
-    # Set by the planner: which of the step's results (final carries, then stacked ones)
-    # the program uses, and the body planned for them.
+    # A reverse loop's sequences read shifted by one step: (x, closure), the slice of
+    # sequence x at the step the loop visits next, and closure's value at its last step.
+    shifted: list[tuple[int, int]] = field(default_factory=list)
+    # A checkpointed forward loop: segments of `every` steps (at most its length). Its
+    # program also gives the values `replayed` (its reverse loop's residuals); it stacks
+    # its carries at the start of each segment, and the residuals of its last segment into
+    # buffers of `every` rows (results after the stacked ones: `start`, `buffered`).
+    every: int = 0
+    replayed: list[int] = field(default_factory=list)
+    # A checkpointed reverse loop: the forward body it replays, whose checkpoints, buffers,
+    # sequences and closures are the step's arguments after its own closures, and whose
+    # `replayed` values its program is given after its closures.
+    replay: Body | None = None
+    # Set where a reverse loop is derived to run once (no create_graph): the scan step
+    # whose VJP it is, which engine.graph.checkpoint may checkpoint. Compile time only.
+    vjp_of: Step | None = None
+    # Set by the planner: which of the step's results (final carries, stacked ones, then
+    # checkpoints and buffers) the program uses, and the body planned for them.
     wanted: list[bool] = field(default_factory=list)
     program: Program | None = None
 
     @property
     def inputs(self) -> list[int]:
+        """The slots its program is given."""
+        if self.replay is not None:
+            return [*self.carries, *self.xs, *self.closures, *self.replay.replayed]
         return [*self.carries, *self.xs, *self.closures]
+
+    @property
+    def segments(self) -> int:
+        """A checkpointed forward loop's segments (a checkpoint each)."""
+        return -(-self.length // self.every) if self.every else 0
+
+    def start(self, segment: int) -> int:
+        """A checkpointed forward loop's step where `segment` starts: the segments are
+        `every` steps long but the first, which takes what is left over, so that the last
+        (which the forward keeps whole, and nothing replays) is as long as the buffers."""
+        return max(0, self.length - (self.segments - segment) * self.every)
+
+    def lagged(self) -> dict[int, int]:
+        """A checkpointed forward loop's replayed values that are read from another's
+        buffer one row back, not buffered: a carry (slot -> its number) whose next value is
+        replayed too, and no carry (which would be read back in turn)."""
+        replayed = set(self.replayed)
+        return {c: k for k, (c, n) in enumerate(zip(self.carries, self.nexts, strict=True))
+                if c in replayed and n in replayed and n not in self.carries}
+
+    def buffered(self) -> list[int]:
+        """A checkpointed forward loop's replayed values that have a buffer."""
+        lags = self.lagged()
+        return [r for r in self.replayed if r not in lags]
 
 
 def _no_forward(*_: Any, **__: Any) -> Any:
@@ -69,16 +130,42 @@ def _no_infer(*_: Any, **__: Any) -> Meta:
 
 def _cost(metas: list[Meta], out: Meta, *, body: Body) -> tuple[int, int]:
     """The body's planned cost once per step, each step also charged ITERATION_STEP_COST,
-    and the stacked results written once."""
+    and the stacked results written once (checkpoints and buffers too); a checkpointed
+    reverse loop's replay (`replay_cost`)."""
     program = body.program
     assert program is not None, "a scan is priced after its body is planned"
     metas = body.b.metas
-    nc = len(body.carries)
-    stacked = sum(numel(metas[y].shape) * ITEMSIZE[metas[y].dtype]
-                  for y, want in zip(body.ys, body.wanted[nc:], strict=True) if want)
+    nc, ny = len(body.carries), len(body.ys)
+    wanted = body.wanted
+    stacked = sum(size_of(metas[y]) for y, want in zip(body.ys, wanted[nc:nc + ny], strict=True)
+                  if want)
+    kept = 0
+    if body.every:
+        checkpoints = wanted[nc + ny:nc + ny + nc]
+        kept = body.segments * sum(size_of(metas[c]) for c, want in zip(
+            body.carries, checkpoints, strict=True) if want)
+        kept += body.every * sum(size_of(metas[r]) for r, want in zip(
+            body.buffered(), wanted[nc + ny + nc:], strict=True) if want)
     overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
-    return (body.length * program.flops,
-            body.length * (program.bytes_moved + stacked + overhead))
+    flops, moved = replay_cost(body)
+    return (body.length * program.flops + flops,
+            body.length * (program.bytes_moved + stacked + overhead) + kept + moved)
+
+
+def replay_cost(body: Body) -> tuple[int, int]:
+    """What a checkpointed reverse loop adds to run its forward body again (flops,
+    bytes): the forward body's planned cost once per step but those of the last segment,
+    each also writing its buffers."""
+    replay = body.replay
+    if replay is None:
+        return 0, 0
+    program = replay.program
+    assert program is not None, "a replay is priced after its body is planned"
+    metas = body.b.metas
+    steps = replay.length - replay.every
+    buffered = sum(size_of(metas[r]) for r in replay.buffered())
+    overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
+    return steps * program.flops, steps * (program.bytes_moved + buffered + overhead)
 
 
 SCAN = OpDef(

@@ -131,7 +131,7 @@ _READS_FIRST = frozenset({UNARY, BINARY, ALIAS, UNARY_INTO, BINARY_INTO})
 _READS_LAST = frozenset({BINARY, UNARY_INTO, BINARY_INTO})
 
 # A loop body's lists of slots (engine.graph.scan.Body).
-_BODY_LISTS = ("carries", "xs", "closures", "nexts", "ys")
+_BODY_LISTS = ("carries", "xs", "closures", "nexts", "ys", "replayed")
 # A program's columns, in the order they are written: per step, then flat, then per slot.
 _COLUMNS = ("signature", "kind", "origin", "out", "reuse", "cost", "nfrees", "slots", "frees",
             "meta", "requires_grad", "grad_fn", "held")
@@ -330,8 +330,9 @@ class _Writer:
                  else self.literal(a)[1] for a in step.args]]).decode())  # type: ignore[arg-type]
         return index
 
-    def program(self, program: Program, body: Body | None) -> int:
-        """Write `program` (and the bodies of its loops after it); its record's index."""
+    def program(self, program: Program, body: Body | None, replay: int = -1) -> int:
+        """Write `program` (and the bodies of its loops after it); its record's index.
+        `replay`: a checkpointed reverse loop's body's, the place of the loop it replays."""
         index = len(self.records)
         record: dict[str, Any] = {}
         self.records.append(record)
@@ -383,12 +384,19 @@ class _Writer:
             record["body"] = {
                 "carries": body.carries, "xs": body.xs, "closures": body.closures,
                 "nexts": body.nexts, "ys": body.ys, "length": body.length,
-                "reverse": body.reverse, "wanted": body.wanted}
+                "reverse": body.reverse, "wanted": body.wanted,
+                "shifted": [list(pair) for pair in body.shifted], "every": body.every,
+                "replayed": body.replayed, "replay": replay}
         for loop in loops:
             inner: Body = steps[loop[0]].attrs["body"]
             if inner.program is None:
                 raise Unstorable("a loop whose body is not planned")
-            loop[1] = self.program(inner.program, inner)
+            # (a checkpointed reverse loop names the loop it replays by its step's place)
+            at = -1 if inner.replay is None else next(
+                (i for i, _, _ in loops if steps[i].attrs["body"] is inner.replay), None)
+            if at is None:
+                raise Unstorable("a loop that replays a loop of another program")
+            loop[1] = self.program(inner.program, inner, at)
         record["loops"] = loops
         return index
 
@@ -763,8 +771,10 @@ class _Reader:
                and all(type(v) is int for v in (nodes, peak, flops, moved, recomputed,
                                                    unrecomputed)), "a program's scalars")
         _check(_total(cost) == flops + BYTE_COST * moved, "the steps' costs are not the program's")
-        _check(recomputed == self.recomputed(kind, cost), "the recompute steps' costs are not "
-               "the program's")
+        # (The recompute steps' costs, plus what checkpointed loops replay, within their
+        # steps' costs: the total's.)
+        _check(self.recomputed(kind, cost) <= recomputed <= _total(cost),
+               "the recompute steps' costs are not the program's")
         p = _Loaded.__new__(_Loaded)
         p.__dict__.update(
             metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
@@ -786,24 +796,31 @@ class _Reader:
 
         bodies: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
         body_runs: dict[int, list[Run]] = {}
+        replays: dict[int, int] = {}  # a checkpointed reverse loop's place -> its replay's
         for i, inner, results in loops:
             _check(index < inner < len(self.records) and inner not in self.claimed,
                    "a loop's body")
             self.claimed.add(inner)
             spec = _typed(self.records[inner].get("body"), dict, "a body")
+            at = spec.get("replay")
+            _check(type(at) is int and (at == -1 or at in bodies), "a loop's replay")
+            if at >= 0:
+                replays[i] = at
             loop, (body_runs[i],) = self.program(inner, spec)
             start = int(flow.starts[i])
             reads = _ints(slots[start:start + signatures[int(sig[i])].nslots])
             bodies[i] = ({"body": self._body(spec, loop, [slot_metas[a] for a in reads],
-                                             [slot_metas[o] for o in (int(out[i]), *results)])},
+                                             [slot_metas[o] for o in (int(out[i]), *results)],
+                                             bodies[at][0]["body"] if at >= 0 else None)},
                          tuple(results))
         p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
             self, sig, kind, origin, out, slots, flow.starts, bodies)))
         return p, self.bind(p, sig, out, reuse, slots, kind if body is None else None, flow,
-                            body_runs)
+                            body_runs, replays)
 
     def recomputed(self, kind: Column, cost: Column) -> int:
-        """The cost of the steps of kind RECOMPUTE."""
+        """The cost of the steps of kind RECOMPUTE (a program's recompute_cost adds its
+        checkpointed loops' replays)."""
         if RECOMPUTE not in self.kinds:
             return 0
         code = self.kinds.index(RECOMPUTE)
@@ -826,45 +843,80 @@ class _Reader:
         return pairs
 
     def _body(self, spec: dict[str, Any], program: _Loaded, args: list[Meta],
-              outs: list[Meta]) -> Body:
+              outs: list[Meta], replay: Body | None) -> Body:
         """A loop's Body around its planned `program`, checked against its scan step (the
-        metas of its arguments and results): what the loop allocates is what they say."""
+        metas of its arguments and results) and, a checkpointed reverse loop's, against the
+        loop it replays (`replay`): what the loop allocates is what they say."""
         metas = program.metas
-        carries, xs, closures, nexts, ys = lists = [
+        carries, xs, closures, nexts, ys, replayed = [
             _slots(spec[key], len(metas), key) for key in _BODY_LISTS]
-        length, wanted = spec["length"], spec["wanted"]  # (wanted: checked with the loop)
-        _check(type(length) is int, "a body's length")
-        nc, nx = len(carries), len(xs)
-
-        def stacked(slot: int) -> Meta:
-            return Meta((length, *metas[slot].shape), metas[slot].dtype)
-
-        _check(length >= 0 and len(nexts) == nc and len(wanted) == len(outs) == nc + len(ys)
-               and len(args) == nc + nx + len(closures)
-               and [metas[s] for s in carries] == args[:nc] == outs[:nc]
-               and [metas[s] for s in nexts] == args[:nc]
-               and [stacked(s) for s in xs] == args[nc:nc + nx]
-               and [metas[s] for s in closures] == args[nc + nx:]
-               and [stacked(s) for s in ys] == outs[nc:], "a loop's body does not fit its step")
-        # (the loop gives the body's program its carries, slices and closures, and reads
-        # back its next carries and the results it stacks: exactly its inputs and outputs)
-        _check(list(program.inputs.values()) == [*carries, *xs, *closures]
-               and not program.grad_inputs
-               and [s for _, s in program.outputs] == [
-                   *nexts, *(y for y, want in zip(ys, wanted[nc:], strict=True) if want)],
-               "a loop's body does not fit its program")
+        length, wanted, every = spec["length"], spec["wanted"], spec["every"]
+        # (wanted: checked with the loop)
+        _check(type(length) is int and length >= 0 and type(every) is int
+               and 0 <= every <= length and (every > 0 or not replayed), "a body's length")
+        pairs = _typed(spec["shifted"], list, "a body's shifted")
+        for pair in pairs:
+            _check(type(pair) is list and len(pair) == 2 and type(pair[0]) is int
+                   and type(pair[1]) is int and 0 <= pair[0] < len(xs)
+                   and 0 <= pair[1] < len(closures)
+                   and metas[xs[pair[0]]] == metas[closures[pair[1]]], "a body's shifted")
         b = Builder()
         b.metas = metas
-        return Body(b=b, steps=program.steps, length=length, wanted=wanted,
+        body = Body(b=b, steps=program.steps, carries=carries, xs=xs, closures=closures,
+                    nexts=nexts, ys=ys, length=length,
                     reverse=_typed(spec["reverse"], bool, "a body's reverse"),
-                    program=program, **dict(zip(_BODY_LISTS, lists, strict=True)))
+                    shifted=[(i, j) for i, j in pairs], every=every, replayed=replayed,
+                    replay=replay, wanted=wanted, program=program)
+
+        def stacked(meta: Meta, rows: int) -> Meta:
+            return Meta((rows, *meta.shape), meta.dtype)
+
+        want_args = [*(metas[s] for s in carries), *(stacked(metas[s], length) for s in xs),
+                     *(metas[s] for s in closures)]
+        want_outs = [*(metas[s] for s in carries), *(stacked(metas[s], length) for s in ys)]
+        if every:
+            want_outs += [stacked(metas[s], body.segments) for s in carries]
+            want_outs += [stacked(metas[s], body.every) for s in body.buffered()]
+        if replay is not None:
+            # (the loop it replays is a checkpointed forward loop over the same steps, the
+            # other way, whose replayed values this body's program is given, of its metas)
+            forward = cast(_Loaded, replay.program).metas
+            _check(replay.every > 0 and replay.length == length
+                   and replay.reverse != body.reverse and not pairs
+                   and all(r < len(metas) and metas[r] == forward[r] for r in replay.replayed),
+                   "a loop's replay")
+            want_args += [stacked(forward[s], replay.segments) for s in replay.carries]
+            want_args += [stacked(forward[s], replay.every) for s in replay.buffered()]
+            want_args += [stacked(forward[s], length) for s in replay.xs]
+            want_args += [forward[s] for s in replay.closures]
+        _check(len(nexts) == len(carries) and len(wanted) == len(outs)
+               and [metas[s] for s in nexts] == want_args[:len(carries)]
+               and args == want_args and outs == want_outs,
+               "a loop's body does not fit its step")
+        # (the loop gives the body's program its carries, slices, closures and replayed
+        # values, and reads back its next carries, the results it stacks and the values it
+        # replays: exactly its inputs and outputs)
+        nc = len(carries)
+        _check(list(program.inputs.values()) == body.inputs
+               and not program.grad_inputs
+               and [s for _, s in program.outputs] == [
+                   *nexts, *(y for y, want in zip(ys, wanted[nc:], strict=False) if want),
+                   *replayed],
+               "a loop's body does not fit its program")
+        return body
 
     def bind(self, p: _Loaded, sig: Column, out: Column, reuse: Column, slots: Column,
-             kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]]
-             ) -> list[list[Run]]:
+             kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]],
+             replays: dict[int, int]) -> list[list[Run]]:
         """A program's run tuples, with the decisions `executor._run` makes (and its loops'
-        bodies' runs, as `executor._bind` makes them), its kernels one per signature:
-        forward and backward by `kind` (the top program's), else all in one."""
+        bodies' runs, as `executor._bind` makes them, a checkpointed reverse loop's with
+        its replay's), its kernels one per signature: forward and backward by `kind` (the
+        top program's), else all in one."""
+
+        def loop(i: int) -> _Loop:
+            return _Loop(p.steps[i], backend, body_runs[i],
+                         body_runs[replays[i]] if i in replays else None)
+
         backend, signatures = self.backend, self.signatures
         ufuncs = backend.ufuncs is not None
         columns = cast(_Steps, p.steps).columns
@@ -886,8 +938,7 @@ class _Reader:
                 g = signatures[s]
                 code = g.code
                 if code == LOOP:
-                    runs.append((LOOP, None, out[i], 0, 0,
-                                 _Loop(p.steps[i], backend, body_runs[i]), frees[i]))
+                    runs.append((LOOP, None, out[i], 0, 0, loop(i), frees[i]))
                     continue
                 runs.append((code, fns[s], out[i], first[i] if code in _READS_FIRST else 0,
                              last[i] if code in _READS_LAST else 0,
@@ -917,8 +968,7 @@ class _Reader:
         parts = [list(itertools.islice(tuples, split)), list(tuples)]
         for i in np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else ():
             part = int(i >= split)
-            parts[part][i - split * part] = (LOOP, None, int(out[i]), 0, 0, _Loop(
-                p.steps[i], backend, body_runs[i]), frees[i])
+            parts[part][i - split * part] = (LOOP, None, int(out[i]), 0, 0, loop(i), frees[i])
         return parts if kind is not None else parts[:1]
 
 

@@ -56,7 +56,8 @@ class Limits:
     expr_max_depth: int = 100
     max_errors: int = 20  # errors reported from one validation pass
     memory_budget_bytes: int | None = None  # for the planned peak of the path that will run
-    # A backward over the memory budget recomputes forward values to fit (engine.graph.remat)
+    # A backward over the memory budget recomputes forward values to fit: its loops'
+    # (engine.graph.checkpoint), then the top level's (engine.graph.remat)
     recompute: bool = True
     compute_budget: float | None = None  # cost units (engine.graph.ir.Program.compute_cost)
     max_inputs: int = 10_000
