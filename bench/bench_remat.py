@@ -51,9 +51,10 @@ def chain_spec(steps: int) -> GraphSpec:
 
 
 def rnn_spec(steps: int) -> GraphSpec:
-    body = BodySpec(carry=["h"], xs=["x"], nodes=[
+    """The issue's loop: h = 0.95 h + 0.05 tanh(x + 1.1 h), x read by every step."""
+    body = BodySpec(carry=["h"], xs=[], nodes=[
         NodeSpec("h2", expr="0.95 * h + 0.05 * tanh(x + 1.1 * h)")], next={"h": "h2"})
-    return GraphSpec([NodeSpec("loop", "scan", ["h0", "xs"], body=body,
+    return GraphSpec([NodeSpec("loop", "scan", ["h0"], {"length": steps}, body=body,
                                results={"hT": "h"}),
                       NodeSpec("loss", "sum", ["hT"])], ["loss"])
 
@@ -110,17 +111,17 @@ def part_chain(report: Report, steps: int, time_steps: int, rounds: int) -> None
 
 def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 4096) -> None:
     rng = np.random.default_rng(3)
-    arrays = {"h0": rng.uniform(-1, 1, width), "xs": rng.uniform(-1, 1, (steps, width))}
-    inputs = {"h0": TensorSpec((width,), "float64", True),
-              "xs": TensorSpec((steps, width), "float64", True)}
+    arrays = {"h0": rng.uniform(-1, 1, width), "x": rng.uniform(-1, 1, width)}
+    inputs = {k: TensorSpec((width,), "float64", True) for k in arrays}
     plain, _ = compile_for(rnn_spec(steps), inputs, None)
     residuals = plain.planned_peak_bytes - sum(a.nbytes for a in arrays.values())
-    budget = sum(a.nbytes for a in arrays.values()) * 2 + residuals // 10
+    budget = residuals // 10  # (the stacked residuals are ~10x the budget)
     rec, ms = compile_for(rnn_spec(steps), inputs, budget)
     times = timed_runs({"plain": plain, "recompute": rec}, arrays, rounds)
     ratio = statistics.median(times["recompute"]) / statistics.median(times["plain"])
     report.add("scan", f"{steps}-step scan RNN, width {width}: planned peak without / with "
-               "checkpointing", f"{plain.planned_peak_bytes / 2**20:.0f} MiB / "
+               f"checkpointing (stacked residuals {residuals / budget:.0f}x the budget)",
+               f"{plain.planned_peak_bytes / 2**20:.0f} MiB / "
                f"{rec.planned_peak_bytes / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB)",
                "within the budget", rec.planned_peak_bytes <= budget)
     report.add("scan", "fwd+bwd with checkpointing against the plain loop",

@@ -3,6 +3,8 @@ PyTorch eager versions agree on the value and every gradient (small sizes; no ti
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,43 @@ def test_capacity_load_runs_small() -> None:
         m = bc.load(port, bc.SEED, 2, 0.5, 200, [proc.pid])
     assert m.requests > 0 and m.statuses == {}, m
     assert m.peak_rss > 0 and m.server_cpu_ms > 0, m
+
+
+def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
+    """bench/bench_remat.py's ode (GradBench's, an RK4 scan) against its PyTorch reference,
+    with the server's budget and with one that checkpoints its loop: the same gradient."""
+    import json
+    import time
+
+    from bench import bench_remat as br
+    from engine.errors import MemoryBudgetError
+    from service.compute import MODELS, Compute
+    from service.settings import Settings
+
+    n, s = 40, 40
+    x = np.random.default_rng(5).random(n)
+    m = np.zeros(n)
+    m[0] = 1.0
+    want, grad = br.ode_torch(x, s)
+    compute = Compute(Settings(program_store_bytes=0))
+
+    def run(budget: int | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"graph": br.ode_graph(n, s), "inputs": {
+            "x": {"data": x.tolist(), "dtype": "float64", "requires_grad": True},
+            "m": {"data": m.tolist(), "dtype": "float64"}}}
+        if budget:
+            body["memory_budget_bytes"] = budget
+        reply = compute.run(json.dumps(body).encode(), MODELS["backward"],
+                            time.monotonic() + 60, lambda _: None)
+        return json.loads(b"".join(bytes(p) for p in reply.parts))  # type: ignore[no-any-return]
+
+    plain = run(None)
+    with pytest.raises(MemoryBudgetError) as info:  # (the least peak it can reach)
+        run(1)
+    least = info.value.planned_bytes
+    assert least < plain["meta"]["planned_peak_bytes"]
+    fitted = run(least)
+    assert fitted["meta"]["recompute"] is not None and fitted["meta"]["peak_bytes"] <= least
+    assert fitted["gradients"] == plain["gradients"]
+    np.testing.assert_allclose(plain["outputs"]["out"]["data"], want, rtol=1e-12)
+    np.testing.assert_allclose(plain["gradients"]["x"]["data"], grad, rtol=1e-10, atol=1e-15)
