@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.bench_remat import chain_numpy
 from tests.in_process import serving
 from tests.test_service_api import assert_problem, strict_json
 
@@ -23,18 +24,6 @@ def chain(n: int = N, steps: int = STEPS, **extra: Any) -> dict[str, Any]:
     return {"graph": {"nodes": nodes, "outputs": ["loss"]},
             "inputs": {"h0": {"data": x.tolist(), "dtype": "float64", "requires_grad": True}},
             **extra}
-
-
-def chain_numpy(n: int = N, steps: int = STEPS) -> tuple[float, np.ndarray]:
-    h = np.linspace(-1.0, 1.0, n)
-    g = np.ones(n)
-    hs = []
-    for _ in range(steps):
-        hs.append(h)
-        h = np.sin(h) * 0.999
-    for h_prev in reversed(hs):
-        g = g * 0.999 * np.cos(h_prev)
-    return float(h.sum()), g
 
 
 async def _plain_peak(c: Any) -> int:
@@ -56,7 +45,7 @@ async def test_a_backward_over_its_budget_recomputes_and_fits_bit_for_bit() -> N
     assert rec["added_cost"] > 0 and rec["steps"] > 0
     assert meta["compute_cost"] == plain["meta"]["compute_cost"] + rec["added_cost"]
     assert r["outputs"] == plain["outputs"] and r["gradients"] == plain["gradients"]
-    loss, grad = chain_numpy()
+    loss, grad = chain_numpy(np.linspace(-1.0, 1.0, N), STEPS)
     np.testing.assert_allclose(r["outputs"]["loss"]["data"], loss, rtol=1e-12)
     np.testing.assert_allclose(r["gradients"]["h0"]["data"], grad, rtol=1e-12)
 
