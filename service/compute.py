@@ -578,9 +578,9 @@ def _with_id(rest: dict[str, Any], graph_id: str) -> dict[str, Any]:
 def recomputation(program: Program) -> dict[str, Any] | None:
     """What recomputing forward values in the backward bought and cost (None: nothing is
     recomputed)."""
-    steps = sum(step.kind == RECOMPUTE for step in program.steps)
-    if not steps and program.recompute_cost == 0:
+    if not program.recompute_cost:  # (every step computed again costs something)
         return None
+    steps = sum(step.kind == RECOMPUTE for step in program.steps)
     return {"peak_bytes_without": program.peak_without_recompute,
             "added_cost": program.recompute_cost, "steps": steps}
 
