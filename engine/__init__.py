@@ -10,46 +10,51 @@
 
 Every op of the catalog is a function here (`engine.sum(x, dim=1)`), with PyTorch's
 argument names. No web framework is imported.
+
+Importing the package runs nothing: the eager API (Tensor, its ops, autograd) is loaded on
+the first use of one of its names (PEP 562), so that the engine's rules (engine.ops,
+engine.dtypes, engine.shapes, engine.errors) import without it, as the client's tracer
+needs. Type checkers read the same names from the imports under TYPE_CHECKING.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from engine.autograd import backward, grad
-from engine.backends import available_devices, parse_device
-from engine.dtypes import bool_, float16, float32, float64, int32, int64
-from engine.errors import GradserveError
-from engine.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from engine.gradcheck import gradcheck
-from engine.ops import FUNCTIONS, OPS
-from engine.tensor import Tensor, from_numpy, tensor
+import importlib
+from typing import TYPE_CHECKING, Any
 
-globals().update(FUNCTIONS)
+if TYPE_CHECKING:
+    from engine._tensor import Tensor, backward, from_numpy, grad, tensor
+    from engine.backends import available_devices, parse_device
+    from engine.dtypes import bool_, float16, float32, float64, int32, int64
+    from engine.errors import GradserveError
+    from engine.functions import *  # noqa: F403
+    from engine.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+    from engine.gradcheck import gradcheck
+    from engine.ops import OPS
 
-
-def __getattr__(name: str) -> Any:  # for type checkers and a clear error on a typo
-    raise AttributeError(f"module 'engine' has no attribute {name!r} (and no op of that name)")
-
-
-__all__ = [
-    "OPS",
-    "GradserveError",
-    "Tensor",
-    "available_devices",
-    "backward",
-    "bool_",
-    "enable_grad",
-    "float16",
-    "float32",
-    "float64",
-    "from_numpy",
-    "grad",
-    "gradcheck",
-    "int32",
-    "int64",
-    "is_grad_enabled",
-    "no_grad",
-    "parse_device",
-    "set_grad_enabled",
-    "tensor",
-    *FUNCTIONS,
+__all__ = [  # and every op's function: engine.functions.__all__
+    "OPS", "GradserveError", "Tensor", "available_devices", "backward", "bool_", "enable_grad",
+    "float16", "float32", "float64", "from_numpy", "grad", "gradcheck", "int32", "int64",
+    "is_grad_enabled", "no_grad", "parse_device", "set_grad_enabled", "tensor",
 ]
+# Where the names of __all__ live (the imports above, for type checkers).
+_HOMES = ("engine._tensor", "engine.backends", "engine.dtypes", "engine.errors",
+          "engine.grad_mode", "engine.gradcheck", "engine.ops")
+
+if not TYPE_CHECKING:  # hidden from type checkers, for which `engine.summ` stays an error
+
+    def __getattr__(name: str) -> Any:
+        functions = importlib.import_module("engine.functions")
+        if name in functions.__all__:
+            value = getattr(functions, name)
+        elif name in __all__:
+            homes = map(importlib.import_module, _HOMES)
+            value = next(getattr(m, name) for m in homes if hasattr(m, name))
+        else:
+            raise AttributeError(f"module 'engine' has no attribute {name!r} (and no op of "
+                                 "that name)")
+        globals()[name] = value  # found once; the next lookup is a plain attribute
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__, *importlib.import_module("engine.functions").__all__})

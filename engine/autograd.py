@@ -1,4 +1,9 @@
-"""Reverse mode: the recorded Node, and the iterative backward pass.
+"""Reverse mode's core: the recorded Node, the F namespace on raw arrays, and the
+iterative backward pass over nodes.
+
+This layer knows arrays and nodes, never Tensors: the Tensor layer above
+(engine/_tensor.py) records a Node for each op it runs, hands the pass its roots, and
+says what becomes of a leaf's gradient. So imports flow one way, Tensor on top.
 
 The pass never recurses (a 100,000-node chain works): it counts each node's
 consumers, runs a node once all of them have sent their gradient, drops each
@@ -12,18 +17,19 @@ while something saved it for backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import Any
 
+from engine.backends import Backend
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad
-from engine.shapes import fmt, sum_to_shape
-from engine.tensor import Tensor
-
-if TYPE_CHECKING:
-    from engine.backends import Backend
-    from engine.ops.registry import OpDef
+from engine.ops import OPS
+from engine.ops.common import is_number
+from engine.ops.registry import OpDef
+from engine.shapes import sum_to_shape
 
 _FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved tensors "
@@ -32,48 +38,31 @@ _FREED_MESSAGE = (
     "backward through the graph a second time."
 )
 
-Edge = Any  # a Node, or a leaf Tensor that requires grad
+Edge = Any  # a Node, or a leaf that requires grad (opaque here: only the layer above reads it)
 Input = tuple[Edge, tuple[int, ...], Any]  # an edge, and the input's shape and dtype
 
 
 class Node:
-    """`grad_fn` of a tensor: the op that made it, its input edges and what its VJP reads."""
+    """`grad_fn` of a tensor: the op that made it, its input edges and what its VJP reads.
+
+    `inputs` holds, per argument, (edge, shape, dtype) when its gradient is needed, else
+    None: the shape and dtype are what that gradient is summed and cast back to. `saved`
+    holds the op's arguments (tensors or numbers) and its raw result, as `op.save` names
+    them; the namespace F of a backward decides how they are read (`F.unpack`)."""
 
     __slots__ = ("__weakref__", "attrs", "backend", "inputs", "op", "saved")
 
-    def __init__(
-        self, op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend
-    ) -> None:
+    def __init__(self, op: OpDef, inputs: list[Input | None], saved: tuple[Any, ...],
+                 attrs: dict[str, Any], backend: Backend) -> None:
         self.op = op
+        self.inputs = inputs
+        self.saved: tuple[Any, ...] | None = saved
         self.attrs = attrs
         self.backend = backend
-        mask = op.diff_mask
-        # Per argument: (edge, shape, dtype) when its gradient is needed, else None. The
-        # shape and dtype are what that gradient is summed and cast back to.
-        if mask is None:
-            self.inputs: list[Input | None] = [
-                (a.grad_fn or a, a.data.shape, a.data.dtype)
-                if type(a) is Tensor and a.requires_grad else None
-                for a in args
-            ]
-        else:
-            self.inputs = [
-                (a.grad_fn or a, a.data.shape, a.data.dtype)
-                if type(a) is Tensor and a.requires_grad and mask[i] else None
-                for i, a in enumerate(args)
-            ]
-        # What the VJP reads: input Tensors or numbers, and the raw result (not the result
-        # Tensor, which would be a reference cycle through its own grad_fn).
-        self.saved: tuple[Any, ...] | None = op.pick_saved(args, out)
 
     @property
     def edges(self) -> tuple[Edge, ...]:
         return tuple(None if inp is None else inp[0] for inp in self.inputs)
-
-    @property
-    def recorded(self) -> bool:
-        """False when no differentiable argument requires grad: nothing to record."""
-        return any(inp is not None for inp in self.inputs)
 
     def name(self) -> str:
         return self.op.grad_fn_name
@@ -91,17 +80,12 @@ class Node:
     def apply(self, grad: Any, F: Any, create_graph: bool) -> list[Any]:
         """The input gradients for `grad`, each summed to its input's shape and dtype."""
         op = self.op
-        saved: Sequence[Any] | None = self.saved
-        if saved is None:
+        if self.saved is None:
             if op.save:
                 raise BackwardError(_FREED_MESSAGE, op=op.name)
-            saved = ()
-        elif create_graph:
-            saved = [self._saved_tensor(v, j) for j, v in enumerate(saved)]
-        elif op.variadic:
-            saved = [_raw(v) for v in saved]
+            saved: Sequence[Any] = ()
         else:
-            saved = [v.data if type(v) is Tensor else v for v in saved]
+            saved = F.unpack(self)
         attrs = self.attrs
         if op.variadic:
             raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator,misc]
@@ -125,81 +109,66 @@ class Node:
         if g.shape != shape:
             g = sum_to_shape(F, g, shape)
         if create_graph:
-            if g.data.dtype != dtype:
-                g = F.cast(g, dtype=self.backend.name_of(dtype))
+            name = self.backend.name_of(dtype)
+            if F.dtype_of(g) != name:
+                g = F.cast(g, dtype=name)
         elif g.dtype != dtype:
             xp = self.backend.xp
             g = xp.astype(xp.asarray(g), dtype)
         return g
 
-    def _saved_tensor(self, value: Any, j: int) -> Any:
-        if self.op.save_index[j] < 0:
-            # The result of this very node: PyTorch rebuilds it with this node as grad_fn.
-            return Tensor(value, self.backend, requires_grad=True, grad_fn=self)
-        return value
-
 
 def _raw(value: Any) -> Any:
-    """A saved value as a plain backward reads it: arrays, not Tensors."""
-    if isinstance(value, tuple):
-        return tuple(_raw(v) for v in value)
-    return value.data if hasattr(value, "_backend") else value
+    """An argument a node saved, as a plain backward reads it: the array of a tensor, a
+    number as it is (the arguments of an op are tensors or Python numbers)."""
+    return value if is_number(value) else value.data
 
 
-def _as_grad(value: Any, like: Tensor, create_graph: bool) -> Any:
-    """An upstream gradient given by the caller, checked and in the output's dtype."""
-    from engine.tensor import tensor
-
-    t = value if isinstance(value, Tensor) else tensor(value, device=like.device)
-    if t.shape != like.shape:
-        raise BackwardError(
-            f"gradient has shape {fmt(t.shape)} but the output has shape {fmt(like.shape)}"
-        )
-    if t.dtype != like.dtype:
-        t = t.to(dtype=like.dtype)
-    return t if create_graph else t.data
+def _unpack_raw(node: Node) -> list[Any]:
+    """The saved values as arrays: a tensor argument's array, the raw result as it is."""
+    assert node.saved is not None
+    if node.op.variadic:  # its one argument name stands for the tuple of all operands
+        return [v if i < 0 else tuple(_raw(x) for x in v)
+                for i, v in zip(node.op.save_index, node.saved, strict=True)]
+    return [v if i < 0 else _raw(v)
+            for i, v in zip(node.op.save_index, node.saved, strict=True)]
 
 
-def _implicit_grad(output: Tensor, create_graph: bool) -> Any:
-    if output.numel() != 1:
-        raise BackwardError("grad can be implicitly created only for scalar outputs")
-    ones = output._backend.xp.ones(output.data.shape, dtype=output.data.dtype)
-    if create_graph:
+@functools.cache
+def raw_namespace(backend: Backend) -> SimpleNamespace:
+    """F for a plain backward: every op's forward on raw arrays, recording nothing."""
+    xp = backend.xp
 
-        return Tensor(ones, output._backend)
-    return ones
+    def op_fn(op: OpDef) -> Callable[..., Any]:
+        forward, defaults = op.forward, op.defaults
+        if not op.attrs:
+            return lambda *xs: forward(xp, *xs)
+        return lambda *xs, **attrs: forward(xp, *xs, **{**defaults, **attrs})
+
+    ns = SimpleNamespace(**{name: op_fn(op) for name, op in OPS.items()})
+    ns.zeros_like = xp.zeros_like
+    ns.ones_like = xp.ones_like
+    ns.dtype_of = backend.dtype_name
+    ns.unpack = _unpack_raw
+    ns.create_graph = False
+    return ns
 
 
 def run_backward(
-    outputs: Sequence[Tensor],
-    grad_outputs: Sequence[Any] | None,
+    roots: Mapping[Edge, Any],
+    F: Any,
     retain_graph: bool,
     create_graph: bool,
-    capture: Sequence[Tensor] | None = None,
+    accumulate: Callable[[Edge, Any], None] | None,
+    wanted: Mapping[int, int],
     check: Callable[[], None] | None = None,
 ) -> dict[int, Any]:
-    """The core pass. With `capture`, the gradients of those tensors are returned (by id)
-    instead of accumulated into leaves' `.grad`. `check` runs before each node (a deadline)."""
-    if grad_outputs is not None and len(grad_outputs) != len(outputs):
-        raise BackwardError(f"got {len(grad_outputs)} gradients for {len(outputs)} outputs")
-    grads: dict[Any, Any] = {}
-    roots: list[Any] = []
-    for k, out in enumerate(outputs):
-        if not out.requires_grad:
-            raise BackwardError(
-                f"element {k} of tensors does not require grad and does not have a grad_fn"
-            )
-        given = None if grad_outputs is None else grad_outputs[k]
-        g = (_implicit_grad(out, create_graph) if given is None
-             else _as_grad(given, out, create_graph))
-        key = out.grad_fn if out.grad_fn is not None else out
-        grads[key] = g if key not in grads else grads[key] + g
-        roots.append(key)
-    roots = list(dict.fromkeys(roots))
+    """The pass from `roots` (each node or leaf, with its incoming gradient) on namespace F.
 
-    F = _namespaces.tensor if create_graph else _namespaces.raw(outputs[0]._backend)
-    # For grad(): the node (or leaf) whose incoming gradient is each captured tensor's.
-    wanted = {id(t.grad_fn if t.grad_fn is not None else t): id(t) for t in capture or ()}
+    A leaf's gradient goes to `accumulate`; with `accumulate` None, the gradients reaching
+    the edges whose ids `wanted` maps to a key are returned by that key instead. `check`
+    runs before each node (a deadline)."""
+    grads = dict(roots)
     results: dict[int, Any] = {}
 
     # Count, for each node, the edges pointing at it from nodes reachable from the roots.
@@ -215,13 +184,12 @@ def run_backward(
                 else:
                     deps[nxt] = count + 1
 
-    def deliver(leaf: Tensor, g: Any) -> None:
-        if capture is not None:
-            if id(leaf) in wanted:
-                key = wanted[id(leaf)]
-                results[key] = results[key] + g if key in results else g
-            return
-        _accumulate_leaf(leaf, g, create_graph)
+    def deliver(leaf: Edge, g: Any) -> None:
+        if accumulate is not None:
+            accumulate(leaf, g)
+        elif id(leaf) in wanted:
+            key = wanted[id(leaf)]
+            results[key] = results[key] + g if key in results else g
 
     # With create_graph the pass itself is recorded; otherwise it runs on raw arrays, which
     # record nothing whatever the grad mode.
@@ -261,20 +229,6 @@ def run_backward(
     return results
 
 
-class _Namespaces:
-    """The two F namespaces, imported on first use (the op registry imports this module)."""
-
-    def __getattr__(self, name: str) -> Any:
-        from engine.ops.functional import F_TENSOR, raw_namespace
-
-        self.tensor = F_TENSOR
-        self.raw = raw_namespace
-        return getattr(self, name)
-
-
-_namespaces = _Namespaces()
-
-
 def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: list[Node],
           retain_graph: bool) -> None:
     """A node that received no gradient still releases its consumers' counts."""
@@ -288,64 +242,3 @@ def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: lis
                 deps[nxt] -= 1
                 if deps[nxt] == 0:
                     (ready if nxt in pending else stack).append(nxt)
-
-
-def _accumulate_leaf(leaf: Tensor, g: Any, create_graph: bool) -> None:
-    """Leaf `.grad` accumulates across backward calls, as in PyTorch."""
-
-    if not create_graph:
-        g = Tensor(g if leaf.grad is None else leaf.grad.data + g, leaf._backend)
-    elif leaf.grad is not None:
-        g = leaf.grad + g
-    leaf.grad = g
-
-
-def backward(
-    tensors: Tensor | Sequence[Tensor],
-    grad_tensors: Any = None,
-    retain_graph: bool | None = None,
-    create_graph: bool = False,
-    check: Callable[[], None] | None = None,
-) -> None:
-    """`torch.autograd.backward`: accumulate d(Σ outputs·grads)/d(leaf) into each leaf's `.grad`."""
-
-    outs = [tensors] if isinstance(tensors, Tensor) else list(tensors)
-    if grad_tensors is not None and not isinstance(grad_tensors, (list, tuple)):
-        grad_tensors = [grad_tensors]
-    retain = create_graph if retain_graph is None else retain_graph
-    run_backward(outs, grad_tensors, bool(retain), create_graph, check=check)
-
-
-def grad(
-    outputs: Tensor | Sequence[Tensor],
-    inputs: Tensor | Sequence[Tensor],
-    grad_outputs: Any = None,
-    retain_graph: bool | None = None,
-    create_graph: bool = False,
-    allow_unused: bool = False,
-) -> tuple[Tensor | None, ...]:
-    """`torch.autograd.grad`: the gradients of `outputs` with respect to `inputs`."""
-
-    outs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    ins = [inputs] if isinstance(inputs, Tensor) else list(inputs)
-    if grad_outputs is not None and not isinstance(grad_outputs, (list, tuple)):
-        grad_outputs = [grad_outputs]
-    for i, t in enumerate(ins):
-        if not t.requires_grad:
-            raise BackwardError(f"One of the differentiated Tensors (input {i}) does not "
-                                "require grad")
-    retain = create_graph if retain_graph is None else retain_graph
-    found = run_backward(outs, grad_outputs, bool(retain), create_graph, capture=ins)
-    result: list[Tensor | None] = []
-    for i, t in enumerate(ins):
-        g = found.get(id(t))
-        if g is None:
-            if not allow_unused:
-                raise BackwardError(
-                    f"One of the differentiated Tensors (input {i}) appears to not have been "
-                    "used in the graph. Set allow_unused=True if this is the desired behavior."
-                )
-            result.append(None)
-        else:
-            result.append(g if isinstance(g, Tensor) else Tensor(g, t._backend))
-    return tuple(result)

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.autograd import grad as autograd_grad
-from engine.tensor import Tensor, tensor
+from engine._tensor import Tensor, grad, tensor
 
 
 class GradcheckError(AssertionError):
@@ -59,7 +58,7 @@ def gradcheck(
         outs = _outputs(fn, inputs)
         vs = [rng.standard_normal(o.shape) for o in outs]
         us = [rng.standard_normal(inputs[i].shape) for i in diff]
-        grads = autograd_grad(
+        grads = grad(
             [o for o in outs if o.requires_grad],
             [inputs[i] for i in diff],
             grad_outputs=[

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.autograd import raw_namespace
 from engine.backends import set_cpu_namespace
-from engine.ops.functional import raw_namespace
 
 
 @pytest.fixture(params=["numpy", "array-api-strict"])

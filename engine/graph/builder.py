@@ -174,7 +174,7 @@ class Builder:
     # ------------------------------------------------------------------ emitting
     def emit(self, op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> Sym:
         """Append one step of `op`, with type promotion made explicit (cast steps), as
-        `engine.ops.dispatch.apply` promotes at run time. `attrs` must be complete (bound).
+        `engine._tensor.apply` promotes at run time. `attrs` must be complete (bound).
         Raises the op's GradserveError when its shape rule refuses the arguments.
 
         What the shape rule and promotion decide depends only on the op, the arguments'

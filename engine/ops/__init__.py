@@ -1,17 +1,25 @@
-"""The op catalog. Importing this package registers every op and builds its functions."""
+"""The op catalog. Importing this package registers every op.
 
-import importlib
+It is part of the engine's rules (with engine.dtypes, engine.shapes and engine.errors):
+nothing here imports the eager engine (Tensor, autograd), so the client's tracer reads the
+same shape rules, promotion and attribute binding the engine runs.
+"""
 
-from engine.ops.functional import FUNCTIONS, install
+from engine.ops import (  # noqa: F401  (importing a group registers its ops)
+    arithmetic,
+    comparison,
+    constants,
+    elementwise,
+    indexing,
+    linalg,
+    reduction,
+    shape,
+)
 from engine.ops.registry import OPS, Attr, Meta, OpDef
 
-# One module per group of the catalog; importing one registers its ops (the op tests keep
-# their samples in modules of the same names).
+# One module per group of the catalog (the op tests keep their samples in modules of the
+# same names).
 GROUP_MODULES = ("arithmetic", "comparison", "constants", "elementwise", "indexing", "linalg",
                  "reduction", "shape")
-for _group in GROUP_MODULES:
-    importlib.import_module(f"engine.ops.{_group}")
 
-install()
-
-__all__ = ["FUNCTIONS", "GROUP_MODULES", "OPS", "Attr", "Meta", "OpDef"]
+__all__ = ["GROUP_MODULES", "OPS", "Attr", "Meta", "OpDef"]
