@@ -18,8 +18,7 @@ number, a nested list: its NumPy shape and dtype, as the client would send it). 
 the inputs by name when its signature takes them so, else in the specs' order.
 
 Everything is driven by the op catalog (`GET /ops`, passed in as its JSON, its list of ops,
-or a `Catalog`): nothing here imports the engine, and a server with another catalog gets
-other functions. A symbolic tensor has PyTorch's operators (`+ - * / ** @`, unary `-`,
+or a `Catalog`): a server with another catalog gets other functions. A symbolic tensor has PyTorch's operators (`+ - * / ** @`, unary `-`,
 `abs()`, comparisons), a method for every op that takes a tensor (`x.sum(1)`,
 `x.sum(dim=1, keepdim=True)`, `x.transpose(0, 1)`, `x.reshape(2, 3)`, `x.gather(1, idx)`,
 `x.clamp(min=0)`), `x.T`, `x.mT`, `x.view`, `x.t()`, `x.float()`/`double()`/`long()`/...,
@@ -70,9 +69,11 @@ every `wrt`, scan argument and scan result is a node; the rest is inlined into i
 that grows past 24 nested ops or 1,000 characters is cut into nodes. Number literals stay
 literals; an input name that is not an identifier makes its users op-form nodes.
 
-Shapes and dtypes are tracked for every op of the standard catalog (the rules of
-docs/contract.md; an op another catalog adds gets the broadcasting rule if its group is
-elementwise, arithmetic or comparison). Where a shape is not known (an op without a rule,
+Shapes and dtypes are the engine's own: each op's shape rule (`infer`), type promotion
+and attribute binding, from the engine's rules (engine.ops, engine.dtypes, engine.shapes),
+which import nothing heavy and never the eager engine (Tensor, autograd); a rule changed
+there changes here. An op another catalog adds gets the broadcasting rule if its group is
+elementwise, arithmetic or comparison. Where a shape is not known (an op without a rule,
 or arguments that do not fit it), `.shape` and `.dtype` raise TraceError saying why; the
 graph is still built, and the server validates it.
 """
@@ -97,15 +98,15 @@ from typing import Any
 
 import numpy as np
 
+from engine.dtypes import DTYPES, check_dtype
+from engine.errors import DTypeError, GradserveError
+from engine.ops import OPS
+from engine.ops.common import elementwise_infer
+from engine.ops.registry import Meta, OpDef, literal_meta
+from engine.shapes import Shape, fmt
+
 __all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
            "scan", "spec_of", "trace"]
-
-DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
-_FLOATS = frozenset({"float16", "float32", "float64"})
-_INTS = frozenset({"int32", "int64"})
-_RANK = {"bool": 0, "int32": 1, "int64": 2, "float16": 3, "float32": 4, "float64": 5}
-_CATEGORY = {"bool": 0, "int32": 1, "int64": 1, "float16": 2, "float32": 2, "float64": 2}
-_PYTHON_DTYPES = {float: "float64", int: "int64", bool: "bool"}  # as torch reads them
 
 # Past these an inlined expression is cut into nodes (the server's limits are 100 and
 # 10,000; a line of math is far shorter).
@@ -133,25 +134,25 @@ def _data_error(what: str) -> TraceError:
 
 
 def dtype_name(value: Any) -> str:
-    """A dtype's gradserve name from a name ("float32", "torch.float32"), a NumPy dtype or
-    scalar type, or a Python type (float is float64, as torch reads it)."""
-    if isinstance(value, type) and value in _PYTHON_DTYPES:
-        return _PYTHON_DTYPES[value]
-    if isinstance(value, str):
-        text = value.removeprefix("torch.").removeprefix("numpy.").removeprefix("np.")
-        if text in DTYPES:
-            return text
+    """A dtype's gradserve name as the engine reads one (`check_dtype`: "float32",
+    "torch.float32", a NumPy dtype or scalar type, float as float64), or any spelling
+    NumPy reads ("np.float32", "f4"); otherwise a TypeError, as Python's own."""
+    try:
+        return check_dtype(value.removeprefix("np.") if isinstance(value, str) else value)
+    except DTypeError:
+        pass
     try:
         name = np.dtype(value).name
     except (TypeError, ValueError):
-        name = str(value).removeprefix("torch.")
+        name = ""
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {value!r}: gradserve has {', '.join(DTYPES)}")
     return name
 
 
-def _wire_dtype(dtype: np.dtype[Any]) -> str:
-    """The dtype an array travels as (the client's rule)."""
+def wire_dtype(dtype: np.dtype[Any]) -> str:
+    """The dtype an array travels as: its own, else float32 for floats and int64 for
+    integers (the client casts to it)."""
     if dtype.name in DTYPES:
         return dtype.name
     return "float32" if dtype.kind == "f" else "bool" if dtype.kind == "b" else "int64"
@@ -186,7 +187,7 @@ def spec_of(value: Any) -> Spec:
         if found is not None and dtype is not None:
             return Spec(tuple(int(n) for n in found), dtype_name(dtype))
     array = np.asarray(value)
-    return Spec(tuple(array.shape), _wire_dtype(array.dtype))
+    return Spec(tuple(array.shape), wire_dtype(array.dtype))
 
 
 # ------------------------------------------------------------------ the catalog
@@ -300,383 +301,15 @@ def _as_catalog(source: Any) -> Catalog:
 # ------------------------------------------------------------------ shape and dtype rules
 
 
-class _RuleError(Exception):
-    pass
-
-
-_Shape = tuple[int, ...]
-
-
-def _broadcast(*shapes: _Shape) -> _Shape:
-    ndim = max((len(s) for s in shapes), default=0)
-    out = []
-    for i in range(ndim):
-        sizes = {s[len(s) - ndim + i] for s in shapes if len(s) - ndim + i >= 0} - {1}
-        if len(sizes) > 1:
-            raise _RuleError(f"shapes {' and '.join(map(_fmt, shapes))} do not broadcast")
-        out.append(sizes.pop() if sizes else 1)
-    return tuple(out)
-
-
-def _fmt(shape: _Shape) -> str:
-    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _dim(d: int, ndim: int) -> int:
-    n = max(ndim, 1)
-    if not -n <= d < n:
-        raise _RuleError(f"dim {d} is out of range for {ndim} dims")
-    return d % n
-
-
-def _promote(metas: Sequence[tuple[_Shape, str, bool]]) -> str:
-    """torch.result_type over (shape, dtype, is a Python number)."""
-
-    def promote_all(names: list[str]) -> str | None:
-        out: str | None = None
-        for n in names:
-            out = n if out is None or _RANK[n] > _RANK[out] else out
-        return out
-
-    def combine(higher: str | None, lower: str | None) -> str | None:
-        if higher is None:
-            return lower
-        if lower is None or _CATEGORY[higher] >= _CATEGORY[lower]:
-            return higher
-        return higher if _RANK[higher] >= _RANK[lower] else lower
-
-    dims = promote_all([d for s, d, lit in metas if not lit and s])
-    zero = promote_all([d for s, d, lit in metas if not lit and not s])
-    lits = promote_all([d for _, d, lit in metas if lit])
-    out = combine(dims, combine(zero, lits))
-    if out is None:
-        raise _RuleError("no operands")
-    return out
-
-
-def _float(dtype: str) -> str:
-    return dtype if dtype in _FLOATS else "float32"
-
-
-def _reduced(shape: _Shape, dim: Any, keepdim: bool) -> _Shape:
-    if dim is None:
-        dims = set(range(len(shape)))
-    else:
-        dims = {_dim(d, len(shape)) for d in ([dim] if isinstance(dim, int) else dim)}
-    if not shape:
-        return ()
-    return tuple(1 if i in dims else n for i, n in enumerate(shape) if keepdim or i not in dims)
-
-
-def _matmul_shape(a: _Shape, b: _Shape) -> _Shape:
-    if not a or not b:
-        raise _RuleError("both arguments to matmul need to be at least 1D")
-    a2 = (1, *a) if len(a) == 1 else a
-    b2 = (*b, 1) if len(b) == 1 else b
-    if a2[-1] != b2[-2]:
-        raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
-    batch = _broadcast(a2[:-2], b2[:-2])
-    return batch + (a2[-2:-1] if len(a) > 1 else ()) + (b2[-1:] if len(b) > 1 else ())
-
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-
-
-def _einsum(equation: str, shapes: list[_Shape]) -> tuple[list[str], str, dict[str, int]]:
-    """Each operand's subscripts and the output's ('...' spelt out in spare letters, aligned
-    on the right), and each letter's size after broadcasting."""
-    eq = equation.replace(" ", "")
-    lhs, arrow, out = eq.partition("->")
-    terms = lhs.split(",")
-    if len(terms) != len(shapes):
-        raise _RuleError(f"equation {equation!r} has {len(terms)} operand(s)")
-    ell = max((len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t),
-              default=0)
-    spare = "".join(c for c in _LETTERS if c not in eq)[:ell]
-    subs: list[str] = []
-    sizes: dict[str, int] = {}
-    for term, shape in zip(terms, shapes, strict=True):
-        if "..." in term:
-            term = term.replace("...", spare[ell - (len(shape) - len(term) + 3):])
-        if len(term) != len(shape):
-            raise _RuleError(f"subscripts {term!r} do not match shape {_fmt(shape)}")
-        for c, n in zip(term, shape, strict=True):
-            have = sizes.setdefault(c, n)
-            if have != n and 1 not in (have, n):
-                raise _RuleError(f"subscript {c!r} has sizes {have} and {n}")
-            sizes[c] = have if n == 1 else n
-        subs.append(term)
-    if arrow:
-        out = out.replace("...", spare)
-    else:
-        once = [c for c in sizes if c not in spare and "".join(subs).count(c) == 1]
-        out = spare + "".join(sorted(once))
-    return subs, out, sizes
-
-
-def _einsum_rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    subs, out, sizes = _einsum(a["equation"], [s for s, _, _ in m])
-    dtypes = [d for _, d, _ in m]
-    summed = set("".join(subs)) - set(out)
-    if len(dtypes) == 1:
-        dtype = dtypes[0] if dtypes[0] in _FLOATS or not summed else "int64"
-    else:
-        dtype = _promote([((1,), d, False) for d in dtypes])
-    return tuple(sizes[c] for c in out), dtype
-
-
-def _solve_shape(a: _Shape, b: _Shape) -> _Shape:
-    if len(a) < 2 or a[-1] != a[-2]:
-        raise _RuleError(f"A must be square, got {_fmt(a)}")
-    n = a[-1]
-    if len(b) == 1 or b == a[:-1]:
-        if b[-1] != n:
-            raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
-        return (*_broadcast(a[:-2], b[:-1]), n)
-    if len(b) < 2 or b[-2] != n:
-        raise _RuleError(f"shapes {_fmt(a)} and {_fmt(b)} do not match")
-    return _broadcast(a[:-2], b[:-2]) + b[-2:]
-
-
-def _reshape(shape: _Shape, target: Any) -> _Shape:
-    target = [target] if isinstance(target, int) else list(target)
-    size = math.prod(shape)
-    if target.count(-1) == 1:
-        rest = math.prod(n for n in target if n != -1)
-        if rest == 0 or size % rest:
-            raise _RuleError(f"shape {_fmt(shape)} cannot be reshaped to {target}")
-        target[target.index(-1)] = size // rest
-    if math.prod(target) != size:
-        raise _RuleError(f"shape {_fmt(shape)} cannot be reshaped to {target}")
-    return tuple(target)
-
-
-def _expand(shape: _Shape, target: Any) -> _Shape:
-    target = [target] if isinstance(target, int) else list(target)
-    lead = len(target) - len(shape)
-    if lead < 0:
-        raise _RuleError(f"cannot expand {_fmt(shape)} to fewer dims")
-    out = []
-    for i, n in enumerate(target):
-        old = shape[i - lead] if i >= lead else None
-        if n == -1:
-            if old is None:
-                raise _RuleError("-1 is not allowed for a new leading dim")
-            n = old
-        elif old is not None and old not in (1, n):
-            raise _RuleError(f"cannot expand {_fmt(shape)} to {target}")
-        out.append(n)
-    return tuple(out)
-
-
-def _squeeze(shape: _Shape, dim: Any) -> _Shape:
-    if dim is None:
-        return tuple(n for n in shape if n != 1)
-    dims = {_dim(d, len(shape)) for d in ([dim] if isinstance(dim, int) else dim)}
-    return tuple(n for i, n in enumerate(shape) if not (i in dims and n == 1))
-
-
-def _flatten(shape: _Shape, start: int, end: int) -> _Shape:
-    if not shape:
-        return (1,)
-    s, e = _dim(start, len(shape)), _dim(end, len(shape))
-    if s > e:
-        raise _RuleError("flatten: start_dim comes after end_dim")
-    return (*shape[:s], math.prod(shape[s:e + 1]), *shape[e + 1:])
-
-
-def _cat_shape(shapes: list[_Shape], dim: int) -> _Shape:
-    if any(not s for s in shapes):
-        raise _RuleError("a 0-d tensor cannot be concatenated")
-    shapes = [s for s in shapes if s != (0,)] or [(0,)]  # PyTorch skips 1-d empty ones
-    first = shapes[0]
-    d = _dim(dim, len(first))
-    for s in shapes[1:]:
-        if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first, strict=True))
-                                       if i != d):
-            raise _RuleError(f"cat: shapes {' and '.join(map(_fmt, shapes))} do not match")
-    return (*first[:d], sum(s[d] for s in shapes), *first[d + 1:])
-
-
-def _stack_shape(shapes: list[_Shape], dim: int) -> _Shape:
-    first = shapes[0]
-    if any(s != first for s in shapes):
-        raise _RuleError(f"stack: shapes {' and '.join(map(_fmt, shapes))} differ")
-    d = _dim(dim, len(first) + 1)
-    return (*first[:d], len(shapes), *first[d:])
-
-
-def _slice_shape(shape: _Shape, dim: int, start: int, stop: int | None, step: int) -> _Shape:
-    d = _dim(dim, len(shape))
-    if not shape:
-        raise _RuleError("cannot slice a 0-d tensor")
-    n = len(range(*builtins.slice(start, stop, step).indices(shape[d])))
-    return (*shape[:d], n, *shape[d + 1:])
-
-
-def _arange(start: Any, end: Any, step: Any, dtype: str | None) -> tuple[_Shape, str]:
-    if end is None:
-        start, end = 0, start
-    start = 0 if start is None else start
-    if dtype is None:
-        dtype = "float32" if any(isinstance(v, float) for v in (start, end, step)) else "int64"
-    if dtype == "int64":
-        start, end, step = int(start), int(end), int(step)
-        return (max(0, -((start - end) // step)),), dtype
-    return (max(0, math.ceil((end - start) / step)),), dtype
-
-
-Meta = tuple[_Shape, str, bool]  # shape, dtype, is a Python number
-_Rule = Callable[[list[Meta], dict[str, Any]], tuple[_Shape, str]]
-
-
-def _elementwise(kind: str) -> _Rule:
-    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-        shape = _broadcast(*(s for s, _, _ in m))
-        if kind == "bool":
-            return shape, "bool"
-        dtype = _promote(m)
-        if kind == "float":
-            dtype = _float(dtype)
-        return shape, dtype
-
-    return rule
-
-
-def _unary(kind: str) -> _Rule:
-    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-        shape, dtype, _ = m[0]
-        if kind == "float":
-            dtype = _float(dtype)
-        elif kind == "int64-bool" and dtype == "bool":
-            dtype = "int64"
-        return shape, dtype
-
-    return rule
-
-
-def _reduction(kind: str) -> _Rule:
-    def rule(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-        shape, dtype, _ = m[0]
-        if kind == "sum" and (dtype in _INTS or dtype == "bool"):
-            dtype = "int64"
-        elif kind == "float":
-            dtype = _float(dtype)
-        return _reduced(shape, a.get("dim"), bool(a.get("keepdim"))), dtype
-
-    return rule
-
-
-def _clamp(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    bounds: list[Meta] = [((), _PYTHON_DTYPES[type(v)] if isinstance(v, bool) else
-                           "int64" if isinstance(v, int) else "float32", True)
-                          for v in (a.get("min"), a.get("max")) if v is not None]
-    return m[0][0], _promote([m[0], *bounds])
-
-
-def _same(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    return m[0][0], m[0][1]
-
-
-def _index_select(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    (x, dtype, _), (index, _, _) = m[0], m[1]
-    if not x:
-        return (), dtype
-    d = _dim(a["dim"], len(x))
-    return (*x[:d], math.prod(index), *x[d + 1:]), dtype
-
-
-def _constant(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    shape = a["shape"]
-    return (tuple([shape] if isinstance(shape, int) else shape),
-            a.get("dtype") or "float32")
-
-
-def _full(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    shape, _ = _constant(m, a)
-    v = a["value"]
-    dtype = a.get("dtype") or ("bool" if isinstance(v, bool) else "int64"
-                               if isinstance(v, int) else "float32")
-    return shape, dtype
-
-
-def _permute(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    shape = m[0][0]
-    dims = [_dim(d, len(shape)) for d in a["dims"]]
-    if sorted(dims) != list(range(len(shape))):
-        raise _RuleError(f"permute: dims {a['dims']} do not match {len(shape)} dims")
-    return tuple(shape[d] for d in dims), m[0][1]
-
-
-def _transpose(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    shape = list(m[0][0])
-    if not shape:
-        return (), m[0][1]
-    i, j = _dim(a["dim0"], len(shape)), _dim(a["dim1"], len(shape))
-    shape[i], shape[j] = shape[j], shape[i]
-    return tuple(shape), m[0][1]
-
-
-def _unsqueeze(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    shape = m[0][0]
-    d = _dim(a["dim"], len(shape) + 1)
-    return (*shape[:d], 1, *shape[d:]), m[0][1]
-
-
-def _cross(m: list[Meta], a: dict[str, Any]) -> tuple[_Shape, str]:
-    return _broadcast(m[0][0], m[1][0]), _promote(m)
-
-
-RULES: dict[str, _Rule] = {
-    **{n: _elementwise("promote") for n in ("add", "sub", "mul", "pow", "maximum", "minimum")},
-    "div": _elementwise("float"),
-    **{n: _elementwise("bool") for n in ("eq", "ne", "lt", "le", "gt", "ge")},
-    "where": lambda m, a: (_broadcast(*(s for s, _, _ in m)), _promote(m[1:])),
-    **{n: _unary("same") for n in ("neg", "abs", "sign", "relu", "detach")},
-    "square": _unary("int64-bool"),
-    **{n: _unary("float") for n in ("exp", "log", "log1p", "expm1", "sqrt", "reciprocal", "sin",
-                                    "cos", "tan", "tanh", "sigmoid", "softplus")},
-    "clamp": _clamp,
-    **{n: _reduction("sum") for n in ("sum", "prod")},
-    **{n: _reduction("same") for n in ("mean", "max", "min", "var")},
-    "logsumexp": _reduction("float"),
-    "cumsum": lambda m, a: (m[0][0], "int64" if m[0][1] in _INTS | {"bool"} else m[0][1]),
-    "softmax": _same,
-    "log_softmax": _same,
-    "matmul": lambda m, a: (_matmul_shape(m[0][0], m[1][0]), _promote(m)),
-    "einsum": _einsum_rule,
-    "transpose": _transpose,
-    "permute": _permute,
-    "det": lambda m, a: (m[0][0][:-2], m[0][1]),
-    "inv": _same,
-    "solve": lambda m, a: (_solve_shape(m[0][0], m[1][0]), _promote(m)),
-    "cross": _cross,
-    "reshape": lambda m, a: (_reshape(m[0][0], a["shape"]), m[0][1]),
-    "expand": lambda m, a: (_expand(m[0][0], a["shape"]), m[0][1]),
-    "squeeze": lambda m, a: (_squeeze(m[0][0], a.get("dim")), m[0][1]),
-    "unsqueeze": _unsqueeze,
-    "flatten": lambda m, a: (_flatten(m[0][0], a.get("start_dim", 0), a.get("end_dim", -1)),
-                             m[0][1]),
-    "cat": lambda m, a: (_cat_shape([s for s, _, _ in m], a.get("dim", 0)), _promote(m)),
-    "stack": lambda m, a: (_stack_shape([s for s, _, _ in m], a.get("dim", 0)), _promote(m)),
-    "slice": lambda m, a: (_slice_shape(m[0][0], a["dim"], a.get("start", 0), a.get("stop"),
-                                  a.get("step", 1)), m[0][1]),
-    "index_select": _index_select,
-    "gather": lambda m, a: (m[1][0], m[0][1]),
-    "scatter_add": _same,
-    "cast": lambda m, a: (m[0][0], a["dtype"]),
-    "zeros": _constant,
-    "ones": _constant,
-    "full": _full,
-    "eye": lambda m, a: ((a["n"], a["n"] if a.get("m") is None else a["m"]),
-                         a.get("dtype") or "float32"),
-    "arange": lambda m, a: _arange(a.get("start"), a.get("end"), a.get("step", 1),
-                                   a.get("dtype")),
-    "grad": lambda m, a: (m[1][0], m[1][1]),
-    "jvp": lambda m, a: (m[0][0], m[0][1]),
-}
-_GROUP_RULES = {"elementwise": _elementwise("promote"), "arithmetic": _elementwise("promote"),
-                "comparison": _elementwise("bool")}
+def _transform_rule(output: int) -> Callable[[list[Meta]], Meta]:
+    """`grad` is `wrt`'s shape and dtype, `jvp` the output's (the compiler checks the rest)."""
+    return lambda metas, **attrs: metas[output]
+
+
+_TRANSFORM_RULES = {"grad": _transform_rule(1), "jvp": _transform_rule(0)}
+# An op of another catalog, unknown to this engine, gets its group's broadcasting rule.
+_GROUP_RULES = {"elementwise": elementwise_infer(), "arithmetic": elementwise_infer(),
+                "comparison": elementwise_infer(result_dtype="bool")}
 
 
 # ------------------------------------------------------------------ symbolic tensors
@@ -746,7 +379,7 @@ class TracedTensor:
     _op: str | None
     _args: list[Any]
     _attrs: dict[str, Any]
-    _shape: _Shape | None
+    _shape: Shape | None
     _dtype: str | None
     _why: str
     _ref: Any  # an input's name; a scan result's or body placeholder's (record, index)
@@ -757,7 +390,7 @@ class TracedTensor:
 
     def __init__(self, trace: _Trace, kind: str, *, op: str | None = None,
                  args: list[Any] | None = None, attrs: dict[str, Any] | None = None,
-                 shape: _Shape | None = None, dtype: str | None = None, why: str = "",
+                 shape: Shape | None = None, dtype: str | None = None, why: str = "",
                  ref: Any = None) -> None:
         self._trace, self._scope, self._kind = trace, trace.scope, kind
         self._op, self._args, self._attrs = op, args or [], attrs or {}
@@ -860,7 +493,7 @@ class TracedTensor:
         op = catalog.resolve(name)
         if op is None or not op.args or op.variadic:
             if op is None and name not in _TRANSFORMS and (
-                    name in _KNOWN_OPS or name in ALIASES):
+                    name in OPS or name in ALIASES):
                 raise catalog.missing(name, "TracedTensor")
             close = difflib.get_close_matches(name, [*dir(type(self)), *_methods(catalog)], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -963,9 +596,6 @@ def _python_int(value: Any, what: str) -> int:
     if isinstance(value, TracedTensor):
         raise _data_error(f"a tensor as {what}")
     return int(value)
-
-
-_KNOWN_OPS = frozenset(RULES) | {"scan"}
 
 
 def _methods(catalog: Catalog) -> list[str]:
@@ -1159,26 +789,33 @@ def _meta(value: Value) -> Meta | None:
     if isinstance(value, TracedTensor):
         if value._shape is None or value._dtype is None:
             return None
-        return value._shape, value._dtype, False
-    dtype = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
-    return (), dtype, True
+        return Meta(value._shape, value._dtype)
+    return literal_meta(value)
 
 
 def _infer(op: OpInfo, args: list[Value], attrs: dict[str, Any]
-           ) -> tuple[_Shape | None, str | None, str]:
-    rule = RULES.get(op.name) or _GROUP_RULES.get(op.group)
+           ) -> tuple[Shape | None, str | None, str]:
+    """The op's static shape and dtype by the engine's own rule: its `infer` over the
+    arguments' metas, with the attributes bound as the engine binds them (defaults
+    filled, dtypes canonical). Where there is no answer, why."""
+    known: OpDef | None = OPS.get(op.name)
+    rule = _TRANSFORM_RULES.get(op.name) if op.group == "transforms" else (
+        known.infer if known is not None else _GROUP_RULES.get(op.group))
     if rule is None:
         return None, None, f"op {op.name!r} has no shape rule in the tracer"
-    metas = [_meta(a) for a in args]
-    if any(m is None for m in metas):
+    metas = [m for m in map(_meta, args) if m is not None]
+    if len(metas) != len(args):
         return None, None, f"an argument of {op.name} has an unknown shape"
-    full = {k: a.default for k, a in op.attrs.items() if not a.required}
-    full.update(attrs)
     try:
-        shape, dtype = rule(metas, full)  # type: ignore[arg-type]
-    except (_RuleError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
+        if known is not None and op.group != "transforms":
+            known.check_arity(len(metas))
+            attrs = known.bind_attrs(attrs)
+        meta = rule(metas, **attrs)
+    except GradserveError as exc:
+        return None, None, f"{op.name}: {exc.message}"
+    except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as exc:
         return None, None, f"{op.name}: {exc}"
-    return tuple(int(n) for n in shape), dtype, ""
+    return tuple(int(n) for n in meta.shape), meta.dtype, ""
 
 
 def _check_visible(trace: _Trace, values: Sequence[Any], what: str) -> None:
@@ -1354,8 +991,8 @@ def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
         for i, v in enumerate(inits):
             meta = _meta(v)
             record.carries.append(TracedTensor(
-                trace, "carry", ref=(record, i), shape=None if meta is None else meta[0],
-                dtype=None if meta is None else meta[1],
+                trace, "carry", ref=(record, i), shape=None if meta is None else meta.shape,
+                dtype=None if meta is None else meta.dtype,
                 why="the initial carry's shape is unknown"))
         for j, s in enumerate(seqs):
             record.xs.append(TracedTensor(
@@ -1382,17 +1019,17 @@ def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
         before, after = _meta(carry_value), _meta(new_value)
         if before is not None and after is not None and before[:2] != after[:2]:
             raise TraceError(
-                f"scan: carry {i} is {_fmt(before[0])} {before[1]} but the body's new value "
-                f"is {_fmt(after[0])} {after[1]}: a carry keeps its shape and dtype (cast the "
-                "initial value, or the new one)")
+                f"scan: carry {i} is {fmt(before.shape)} {before.dtype} but the body's new "
+                f"value is {fmt(after.shape)} {after.dtype}: a carry keeps its shape and dtype "
+                "(cast the initial value, or the new one)")
     finals = [TracedTensor(trace, "result", ref=(record, "carry", i), shape=c._shape,
                            dtype=c._dtype, why=c._why) for i, c in enumerate(record.carries)]
     stacked = []
     for j, y in enumerate(record.ys):
         meta = _meta(y)
-        shape = None if meta is None or steps is None else (steps, *meta[0])
+        shape = None if meta is None or steps is None else (steps, *meta.shape)
         stacked.append(TracedTensor(trace, "result", ref=(record, "y", j), shape=shape,
-                                    dtype=None if meta is None else meta[1],
+                                    dtype=None if meta is None else meta.dtype,
                                     why="a y's shape or the step count is unknown"))
     record.results = [*finals, *stacked]
     ys_out = None if ys is None else _pack(stacked, many_ys, ys)

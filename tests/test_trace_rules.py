@@ -1,0 +1,65 @@
+"""The tracer's static shapes and dtypes are the compiler's: walking the registry, every
+sample (and error sample) of every op is traced and compiled, and the traced value's
+shape and dtype are the program's, or both refuse. No PyTorch needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from engine.errors import GradserveError
+from engine.graph import TensorSpec, compile_graph
+from engine.ops import OPS
+from service.compute import graph_spec
+from service.routes.catalog import _ops_body
+from service.schemas import Graph
+from service.trace import F, TracedTensor, TraceError, trace
+from tests.op_samples import ERRORS, SAMPLES
+
+CATALOG: list[dict[str, Any]] = orjson.loads(_ops_body())["ops"]  # GET /ops, as served
+
+
+def _cases() -> list[Any]:
+    """Every op of the registry, each of its samples and error samples, with its float
+    arrays in float64 and in float32 (promotion with literals differs between them)."""
+    out = []
+    for name in OPS:
+        given = [(f"sample{k}", s.args, s.attrs) for k, s in enumerate(SAMPLES[name])]
+        given += [(f"error{k}", e.args, e.attrs) for k, e in enumerate(ERRORS.get(name, []))]
+        for label, args, attrs in given:
+            for dtype in ("float64", "float32"):
+                out.append(pytest.param(name, args, attrs, dtype, id=f"{name}-{label}-{dtype}"))
+    return out
+
+
+@pytest.mark.parametrize(("name", "args", "attrs", "dtype"), _cases())
+def test_traced_shapes_are_the_compilers(name: str, args: list[Any], attrs: dict[str, Any],
+                                          dtype: str) -> None:
+    arrays = {f"a{i}": a.astype(dtype) if a.dtype.kind == "f" else a
+              for i, a in enumerate(args) if isinstance(a, np.ndarray)}
+    seen: list[TracedTensor] = []
+
+    def fn(**inputs: TracedTensor) -> Any:
+        seen.append(getattr(F, name)(*[inputs.get(f"a{i}", a) for i, a in enumerate(args)],
+                                     **attrs))
+        return seen[-1]
+
+    try:
+        graph = trace(fn, CATALOG, **{k: (a.shape, str(a.dtype)) for k, a in arrays.items()})
+    except (TraceError, TypeError):
+        return  # a call Python refuses (as PyTorch's does): no graph to compare
+    try:
+        traced: tuple[Any, str] | None = (seen[0].shape, seen[0].dtype)
+    except TraceError:
+        traced = None
+    specs = {k: TensorSpec(a.shape, str(a.dtype)) for k, a in arrays.items()}
+    try:
+        program = compile_graph(graph_spec(Graph.model_validate(graph)), specs, no_grad=True)
+    except GradserveError as exc:
+        assert traced is None, f"the tracer says {traced}, the compiler refuses: {exc}"
+        return
+    meta = program.metas[dict(program.outputs)["out"]]
+    assert traced == (meta.shape, meta.dtype), graph
