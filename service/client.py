@@ -88,14 +88,14 @@ import orjson
 import pybase64
 import pydantic_core
 
+from engine.dtypes import DTYPES
 from service.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
-from service.trace import Catalog, Functional, TraceError, spec_of
+from service.trace import Catalog, Functional, TraceError, spec_of, wire_dtype
 from service.trace import trace as trace_graph
 
 ArrayLike = Any  # a NumPy array, a Python number, or nested lists of numbers
 
-_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64", "bool"})
-_LE = {name: np.dtype(name).newbyteorder("<") for name in _DTYPES}
+_LE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
 _NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 _ENCODINGS = ("json", "base64", "binary")
 BINARY_HEADER = "Inference-Header-Content-Length"
@@ -430,8 +430,8 @@ class _Base:
 
     def _tensor(self, array: np.ndarray, requires_grad: bool,
                 tail: list[memoryview]) -> dict[str, Any]:
-        if array.dtype.name not in _DTYPES:
-            array = array.astype(np.float32 if array.dtype.kind == "f" else np.int64)
+        if array.dtype.name not in DTYPES:
+            array = array.astype(wire_dtype(array.dtype))
         out: dict[str, Any] = {"dtype": array.dtype.name, "shape": list(array.shape)}
         if self.binary_threshold is not None and array.size >= self.binary_threshold:
             raw = _raw(array)

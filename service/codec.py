@@ -20,11 +20,9 @@ import pybase64
 from pydantic_core import from_json
 
 from engine import collector
+from engine.dtypes import DTYPES, INTS
 from engine.errors import TensorDataError, quoted
 
-DTYPES = ("float16", "float32", "float64", "int32", "int64", "bool")
-FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
-INT_DTYPES = frozenset({"int32", "int64"})
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)
 _LE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
@@ -212,7 +210,7 @@ def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
     if bool in types and types != {bool}:
         raise _error(loc, "data", "a JSON boolean is mixed with numbers")
     if not types:  # an empty tensor: of the kind its dtype says (float without one)
-        kind = "b" if dtype == "bool" else "i" if dtype in INT_DTYPES else "f"
+        kind = "b" if dtype == "bool" else "i" if dtype in INTS else "f"
     else:
         kind = "b" if types == {bool} else "f" if float in types else "i"
     try:
@@ -245,7 +243,7 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
         return array.astype(np.bool_, copy=False)
     if kind == "b":
         raise _error(loc, "data", f"a JSON boolean is not valid data for dtype {dtype}")
-    if dtype in INT_DTYPES:
+    if dtype in INTS:
         if kind == "f":
             if not np.isfinite(array).all():
                 raise _error(loc, "data", f"NaN or infinity is not valid data for dtype {dtype}")

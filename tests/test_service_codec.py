@@ -129,3 +129,13 @@ def test_non_finite_values_become_strings() -> None:
 
 def test_float32_writes_shortest_digits() -> None:
     assert dumps(encode_tensor(np.array(0.1, dtype=np.float32), "json")).endswith(b"0.1}")
+
+
+def test_the_wire_dtypes_are_the_engines() -> None:
+    """The schemas' Literal (which the OpenAPI document lists) is the engine's dtype table."""
+    from typing import get_args
+
+    from engine.dtypes import DTYPES
+    from service.schemas import DType
+
+    assert get_args(DType) == DTYPES
