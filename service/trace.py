@@ -18,23 +18,24 @@ number, a nested list: its NumPy shape and dtype, as the client would send it). 
 the inputs by name when its signature takes them so, else in the specs' order.
 
 Everything is driven by the op catalog (`GET /ops`, passed in as its JSON, its list of ops,
-or a `Catalog`): a server with another catalog gets other functions. A symbolic tensor has PyTorch's operators (`+ - * / ** @`, unary `-`,
-`abs()`, comparisons), a method for every op that takes a tensor (`x.sum(1)`,
-`x.sum(dim=1, keepdim=True)`, `x.transpose(0, 1)`, `x.reshape(2, 3)`, `x.gather(1, idx)`,
-`x.clamp(min=0)`), `x.T`, `x.mT`, `x.view`, `x.t()`, `x.float()`/`double()`/`long()`/...,
-`x.to(dtype)`, indexing with ints, slices, `None`, `...` and a 1-d integer tensor (through
-`slice`, `squeeze`, `unsqueeze` and `index_select`), iteration over dim 0, and `x.shape`,
-`x.dtype` (a string), `x.ndim`, `x.size()`, `x.dim()`, `x.numel()`, `len(x)`. `F` is the
-functional namespace (as `torch` and `torch.nn.functional`): every catalog op by name
-(`F.softmax(x, dim=-1)`, `F.relu(x)`, `F.where(c, a, b)`, `F.stack([a, b], 1)`,
-`F.einsum("ij,jk->ik", a, b)`, `F.gather(x, 1, idx)`, `F.zeros(2, 3)`), a few PyTorch
-spellings of them (`inverse`, `clip`, `concat`, `amax`, ...), and `grad`, `jvp`, `scan`.
-An op the catalog lacks is an AttributeError naming it. Calls follow PyTorch's signatures:
-tensors first, then the attributes positionally in the catalog's order or by keyword; where
-an op takes several tensors and a required `dim`, `dim` comes second (`gather(input, dim,
-index)`); a variadic op takes a list (`cat([a, b], dim=1)`) or the tensors as arguments, and
-its string attribute first (`einsum(equation, *operands)`); sizes may be spread
-(`x.reshape(2, 3)`, `zeros(2, 3)`).
+or a `Catalog`): a server with another catalog gets other functions. A symbolic tensor has
+PyTorch's operators (`+ - * / ** @`, unary `-`, `abs()`, comparisons), a method for every
+op that takes a tensor (`x.sum(1)`, `x.sum(dim=1, keepdim=True)`, `x.transpose(0, 1)`,
+`x.reshape(2, 3)`, `x.gather(1, idx)`, `x.clamp(min=0)`), `x.T`, `x.mT`, `x.view`, `x.t()`,
+`x.float()`/`double()`/`long()`/..., `x.to(dtype)`, indexing with ints, slices, `None`,
+`...` and a 1-d integer tensor (through `slice`, `squeeze`, `unsqueeze` and
+`index_select`), iteration over dim 0, and `x.shape`, `x.dtype` (a string), `x.ndim`,
+`x.size()`, `x.dim()`, `x.numel()`, `len(x)`. `F` is the functional namespace (as `torch`
+and `torch.nn.functional`): every catalog op by name (`F.softmax(x, dim=-1)`, `F.relu(x)`,
+`F.where(c, a, b)`, `F.stack([a, b], 1)`, `F.einsum("ij,jk->ik", a, b)`,
+`F.gather(x, 1, idx)`, `F.zeros(2, 3)`), a few PyTorch spellings of them (`inverse`,
+`clip`, `concat`, `amax`, ...), and `grad`, `jvp`, `scan`. An op the catalog lacks is an
+AttributeError naming it. Calls follow PyTorch's signatures: tensors first, then the
+attributes positionally in the catalog's order or by keyword; where an op takes several
+tensors and a required `dim`, `dim` comes second (`gather(input, dim, index)`); a variadic
+op takes a list (`cat([a, b], dim=1)`) or the tensors as arguments, and its string
+attribute first (`einsum(equation, *operands)`); sizes may be spread (`x.reshape(2, 3)`,
+`zeros(2, 3)`).
 
 Derivatives and loops: `grad(target, wrt, v=None)` (a list of `wrt` gives a tuple),
 `jvp(y, x, t)` and `scan(body, init, xs=(), length=None)` become `grad`, `jvp` and `scan`
