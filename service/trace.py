@@ -365,6 +365,31 @@ def _active() -> _Trace:
     return stack[-1]
 
 
+def _binary(op: str, reflected: bool) -> Callable[[TracedTensor, Any], TracedTensor]:
+    """A binary operator of TracedTensor: the catalog's op of that name."""
+
+    def method(self: TracedTensor, other: Any) -> TracedTensor:
+        if not isinstance(other, TracedTensor):
+            try:
+                other = _literal(other)
+            except _NotOperand:
+                return NotImplemented  # type: ignore[no-any-return]
+        info = self._trace.catalog.resolve(op)
+        if info is None:
+            raise self._trace.catalog.missing(op, "TracedTensor")
+        args = [other, self] if reflected else [self, other]
+        return _apply(info, args, {})
+
+    return method
+
+
+def _cast_method(dtype: str) -> Callable[[TracedTensor], TracedTensor]:
+    def method(self: TracedTensor) -> TracedTensor:
+        return self._method("cast", dtype=dtype)
+
+    return method
+
+
 class TracedTensor:
     """A symbolic tensor: a value of the graph being traced, with its static shape and
     dtype where the tracer knows them. See the module's docstring for what it supports."""
@@ -592,6 +617,43 @@ class TracedTensor:
             out = out._method("squeeze", drop[0] if len(drop) == 1 else drop)
         return out
 
+    # ------------------------------------------------------------ operators
+    __add__ = _binary("add", False)
+    __radd__ = _binary("add", True)
+    __sub__ = _binary("sub", False)
+    __rsub__ = _binary("sub", True)
+    __mul__ = _binary("mul", False)
+    __rmul__ = _binary("mul", True)
+    __truediv__ = _binary("div", False)
+    __rtruediv__ = _binary("div", True)
+    __pow__ = _binary("pow", False)
+    __rpow__ = _binary("pow", True)
+    __matmul__ = _binary("matmul", False)
+    __rmatmul__ = _binary("matmul", True)
+    __lt__ = _binary("lt", False)
+    __le__ = _binary("le", False)
+    __gt__ = _binary("gt", False)
+    __ge__ = _binary("ge", False)
+    __eq__ = _binary("eq", False)  # type: ignore[assignment]
+    __ne__ = _binary("ne", False)  # type: ignore[assignment]
+
+    def __neg__(self) -> TracedTensor:
+        return self._method("neg")
+
+    def __pos__(self) -> TracedTensor:
+        return self
+
+    def __abs__(self) -> TracedTensor:
+        return self._method("abs")
+
+    # PyTorch's casts (last: below them, `float`, `int` and `bool` name these in the class)
+    float = _cast_method("float32")
+    double = _cast_method("float64")
+    half = _cast_method("float16")
+    int = _cast_method("int32")
+    long = _cast_method("int64")
+    bool = _cast_method("bool")
+
 
 def _python_int(value: Any, what: str) -> int:
     if isinstance(value, TracedTensor):
@@ -602,47 +664,6 @@ def _python_int(value: Any, what: str) -> int:
 def _methods(catalog: Catalog) -> list[str]:
     return [n for n in catalog.names() if (op := catalog.resolve(n)) is not None and op.args
             and not op.variadic]
-
-
-def _cast_method(dtype: str) -> Callable[[TracedTensor], TracedTensor]:
-    def method(self: TracedTensor) -> TracedTensor:
-        return self._method("cast", dtype=dtype)
-
-    return method
-
-
-for _m, _d in (("float", "float32"), ("double", "float64"), ("half", "float16"),
-               ("int", "int32"), ("long", "int64"), ("bool", "bool")):
-    setattr(TracedTensor, _m, _cast_method(_d))
-
-
-def _binary(op: str, reflected: bool) -> Callable[[TracedTensor, Any], Any]:
-    def method(self: TracedTensor, other: Any) -> Any:
-        if not isinstance(other, TracedTensor):
-            try:
-                other = _literal(other)
-            except _NotOperand:
-                return NotImplemented
-        info = self._trace.catalog.resolve(op)
-        if info is None:
-            raise self._trace.catalog.missing(op, "TracedTensor")
-        args = [other, self] if reflected else [self, other]
-        return _apply(info, args, {})
-
-    return method
-
-
-_OPERATORS = {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__",
-              "pow": "__pow__", "matmul": "__matmul__"}
-for _op, _dunder in _OPERATORS.items():
-    setattr(TracedTensor, _dunder, _binary(_op, False))
-    setattr(TracedTensor, "__r" + _dunder[2:], _binary(_op, True))
-for _op, _dunder in {"lt": "__lt__", "le": "__le__", "gt": "__gt__", "ge": "__ge__",
-                     "eq": "__eq__", "ne": "__ne__"}.items():
-    setattr(TracedTensor, _dunder, _binary(_op, False))
-setattr(TracedTensor, "__neg__", lambda self: self._method("neg"))  # noqa: B010
-setattr(TracedTensor, "__pos__", lambda self: self)  # noqa: B010
-setattr(TracedTensor, "__abs__", lambda self: self._method("abs"))  # noqa: B010
 
 
 # ------------------------------------------------------------------ calls
