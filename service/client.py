@@ -80,7 +80,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 import numpy as np
@@ -268,16 +268,27 @@ class GradserveHTTPError(Exception):
 
 @dataclass
 class Result:
-    """A response. With encoding "binary" the arrays of `outputs` and `gradients` are
-    read-only views on the response body (`arr.copy()` for a writable one; on a big-endian
-    host, writable copies); with "base64" and "json" they are writable arrays of their
-    own."""
+    """A response (of /forward: `gradients` is None). With encoding "binary" the arrays of
+    `outputs` and `gradients` are read-only views on the response body (`arr.copy()` for a
+    writable one; on a big-endian host, writable copies); with "base64" and "json" they are
+    writable arrays of their own."""
 
     outputs: dict[str, np.ndarray]
     gradients: dict[str, np.ndarray] | None
     meta: dict[str, Any]
     requires_grad: dict[str, bool] = field(default_factory=dict)
     grad_fn: dict[str, str | None] = field(default_factory=dict)
+
+
+@dataclass
+class BackwardResult(Result):
+    """A /backward response: it always has gradients (as the server's BackwardResponse),
+    so that `r.gradients["x"]` type-checks."""
+
+    gradients: dict[str, np.ndarray]
+
+
+_R = TypeVar("_R", bound=Result)
 
 
 @dataclass(eq=False)
@@ -486,15 +497,16 @@ class _Base:
         self.graph_ids.missed(call.key)
         return True
 
-    def _finish(self, call: _Call, graph_id: str | None, response: httpx.Response) -> Result:
-        result = self._result(response)
+    def _finish(self, call: _Call, graph_id: str | None, response: httpx.Response,
+                kind: type[_R]) -> _R:
+        result = self._result(response, kind)
         served = result.meta.get("graph_id")
         if self.reuse_graphs and isinstance(served, str):
             self.graph_ids.put(call.key, served, call.route, sent_by_id=graph_id is not None)
         return result
 
     @staticmethod
-    def _result(response: httpx.Response) -> Result:
+    def _result(response: httpx.Response, kind: type[_R]) -> _R:
         _raise_for_problem(response)
         length = response.headers.get(BINARY_HEADER)
         content = response.content
@@ -507,7 +519,9 @@ class _Base:
         else:
             header, arrays = decode_binary(content, int(length))
             outputs, gradients = arrays.get("outputs", {}), arrays.get("gradients")
-        return Result(
+        if kind is BackwardResult and gradients is None:
+            gradients = {}  # (a 200 of /backward always has them)
+        return kind(
             outputs=outputs,
             gradients=gradients,
             meta=header["meta"],
@@ -568,7 +582,7 @@ class Client(_Base):
             graph = self._traced(graph, inputs, self._catalog())
         return self._send(self._call("/forward", graph, inputs, requires_grad=requires_grad,
                                      device=device, no_grad=no_grad,
-                                     memory_budget_bytes=memory_budget_bytes))
+                                     memory_budget_bytes=memory_budget_bytes), Result)
 
     def backward(
         self,
@@ -580,7 +594,7 @@ class Client(_Base):
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
-    ) -> Result:
+    ) -> BackwardResult:
         """`memory_budget_bytes`: a budget below the server's for this request; `recompute`:
         "never" refuses a request over its budget (422) rather than recompute to fit it."""
         if not isinstance(graph, Mapping):
@@ -588,7 +602,7 @@ class Client(_Base):
         return self._send(self._call("/backward", graph, inputs, requires_grad=requires_grad,
                                      device=device, grad_outputs=grad_outputs,
                                      memory_budget_bytes=memory_budget_bytes,
-                                     recompute=recompute))
+                                     recompute=recompute), BackwardResult)
 
     def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(self._get("/ops"))["ops"]
@@ -614,14 +628,14 @@ class Client(_Base):
     def devices(self) -> dict[str, Any]:
         return self._json(self._get("/devices"))  # type: ignore[no-any-return]
 
-    def _send(self, call: _Call) -> Result:
+    def _send(self, call: _Call, kind: type[_R]) -> _R:
         attempts = _Attempts(self.retry, self._http.timeout)
         graph_id = self._graph_id(call)
         response = self._post(call.path, *self._encode(call, graph_id), attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
             response = self._post(call.path, *self._encode(call, None), attempts)
-        return self._finish(call, graph_id, response)
+        return self._finish(call, graph_id, response, kind)
 
     def _get(self, path: str) -> httpx.Response:
         return self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
@@ -695,7 +709,7 @@ class AsyncClient(_Base):
         return await self._send(self._call("/forward", graph, inputs,
                                            requires_grad=requires_grad, device=device,
                                            no_grad=no_grad,
-                                           memory_budget_bytes=memory_budget_bytes))
+                                           memory_budget_bytes=memory_budget_bytes), Result)
 
     async def backward(
         self,
@@ -707,7 +721,7 @@ class AsyncClient(_Base):
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
-    ) -> Result:
+    ) -> BackwardResult:
         """As Client.backward."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
@@ -715,7 +729,7 @@ class AsyncClient(_Base):
                                            requires_grad=requires_grad, device=device,
                                            grad_outputs=grad_outputs,
                                            memory_budget_bytes=memory_budget_bytes,
-                                           recompute=recompute))
+                                           recompute=recompute), BackwardResult)
 
     async def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(await self._get("/ops"))["ops"]
@@ -749,14 +763,14 @@ class AsyncClient(_Base):
     async def devices(self) -> dict[str, Any]:
         return self._json(await self._get("/devices"))  # type: ignore[no-any-return]
 
-    async def _send(self, call: _Call) -> Result:
+    async def _send(self, call: _Call, kind: type[_R]) -> _R:
         attempts = _Attempts(self.retry, self._http.timeout)
         graph_id = self._graph_id(call)
         response = await self._post(call.path, *self._encode(call, graph_id), attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
             response = await self._post(call.path, *self._encode(call, None), attempts)
-        return self._finish(call, graph_id, response)
+        return self._finish(call, graph_id, response, kind)
 
     async def _get(self, path: str) -> httpx.Response:
         return await self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
