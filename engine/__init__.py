@@ -12,9 +12,9 @@ Every op of the catalog is a function here (`engine.sum(x, dim=1)`), with PyTorc
 argument names. No web framework is imported.
 
 Importing the package runs nothing: the eager API (Tensor, its ops, autograd) is loaded on
-the first use of one of its names (PEP 562), so that the engine's rules (engine.ops,
-engine.dtypes, engine.shapes, engine.errors) import without it, as the client's tracer
-needs. Type checkers read the same names from the imports under TYPE_CHECKING.
+the first use of one of its names (PEP 562), so that the engine's rules (engine.rules and
+the modules it gathers) import without it, as the client's tracer needs. Type checkers
+read the same names from the imports under TYPE_CHECKING.
 """
 
 from __future__ import annotations

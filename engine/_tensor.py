@@ -22,13 +22,23 @@ import numpy as np
 
 from engine.autograd import Node, raw_namespace, run_backward
 from engine.backends import Backend, default_backend, get_backend
-from engine.dtypes import DTYPES, FLOATS, check_dtype, scalar_dtype
 from engine.errors import BackwardError, DTypeError, GradserveError, ShapeError, TensorDataError
 from engine.grad_mode import _grad_enabled
-from engine.ops import OPS
-from engine.ops.common import is_number
-from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, OpDef, literal_meta, promoted_dtype
-from engine.shapes import fmt
+from engine.rules import (
+    DTYPES,
+    FLOATS,
+    INT64_MAX,
+    INT64_MIN,
+    OPS,
+    Meta,
+    OpDef,
+    check_dtype,
+    fmt,
+    is_number,
+    literal_meta,
+    promoted_dtype,
+    scalar_dtype,
+)
 
 Number = builtins.bool | builtins.int | builtins.float
 DTypeLike = str | type | np.dtype[Any]  # what check_dtype reads: "float32", np.float32, float

@@ -26,9 +26,7 @@ from typing import Any
 from engine.backends import Backend
 from engine.errors import BackwardError
 from engine.grad_mode import enable_grad
-from engine.ops import OPS
-from engine.ops.common import is_number
-from engine.ops.registry import OpDef
+from engine.rules import OPS, OpDef, is_number
 from engine.shapes import sum_to_shape
 
 _FREED_MESSAGE = (

@@ -88,7 +88,7 @@ import orjson
 import pybase64
 import pydantic_core
 
-from engine.dtypes import DTYPES
+from engine.rules import DTYPES
 from service.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
 from service.trace import Catalog, Functional, TraceError, spec_of, wire_dtype
 from service.trace import trace as trace_graph

@@ -20,8 +20,8 @@ import pybase64
 from pydantic_core import from_json
 
 from engine import collector
-from engine.dtypes import DTYPES, INTS
 from engine.errors import TensorDataError, quoted
+from engine.rules import DTYPES, INTS
 
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)

@@ -71,12 +71,12 @@ that grows past 24 nested ops or 1,000 characters is cut into nodes. Number lite
 literals; an input name that is not an identifier makes its users op-form nodes.
 
 Shapes and dtypes are the engine's own: each op's shape rule (`infer`), type promotion
-and attribute binding, from the engine's rules (engine.ops, engine.dtypes, engine.shapes),
-which import nothing heavy and never the eager engine (Tensor, autograd); a rule changed
-there changes here. An op another catalog adds gets the broadcasting rule if its group is
-elementwise, arithmetic or comparison. Where a shape is not known (an op without a rule,
-or arguments that do not fit it), `.shape` and `.dtype` raise TraceError saying why; the
-graph is still built, and the server validates it.
+and attribute binding, from engine.rules, which imports nothing heavy and never the eager
+engine (Tensor, autograd); a rule changed there changes here. An op another catalog adds
+gets the broadcasting rule if its group is elementwise, arithmetic or comparison. Where a
+shape is not known (an op without a rule, or arguments that do not fit it), `.shape` and
+`.dtype` raise TraceError saying why; the graph is still built, and the server validates
+it.
 """
 
 from __future__ import annotations
@@ -99,12 +99,18 @@ from typing import Any
 
 import numpy as np
 
-from engine.dtypes import DTYPES, check_dtype
 from engine.errors import DTypeError, GradserveError
-from engine.ops import OPS
-from engine.ops.common import elementwise_infer
-from engine.ops.registry import Meta, OpDef, literal_meta
-from engine.shapes import Shape, fmt
+from engine.rules import (
+    DTYPES,
+    OPS,
+    Meta,
+    OpDef,
+    Shape,
+    check_dtype,
+    elementwise_infer,
+    fmt,
+    literal_meta,
+)
 
 __all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
            "scan", "spec_of", "trace"]

@@ -17,7 +17,7 @@ import openapi_spec_validator
 import pytest
 
 import engine
-from engine.graph.transforms import TRANSFORMS
+from engine.rules import TRANSFORMS
 from service.app import create_app
 from service.metrics import Metrics
 from service.middleware import TENANT, Gateway, tenant_id

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import collector
-from engine.dtypes import FLOATS, scalar_dtype
 from engine.errors import (
     ArityError,
     AttributeError_,
@@ -41,19 +40,23 @@ from engine.graph.plan import plan
 from engine.graph.remat import rematerialize
 from engine.graph.scan import SCAN, Body, emit_scan
 from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
-from engine.graph.transforms import (
+from engine.graph.transforms import Derivations, emit_grad, emit_jvp
+from engine.rules import (
+    FLOATS,
     GRAD,
+    INT64_MAX,
+    INT64_MIN,
     JVP,
+    OPS,
     SCAN_NODE,
     TRANSFORMS,
-    Derivations,
+    Meta,
+    OpDef,
     Transform,
-    emit_grad,
-    emit_jvp,
+    fmt,
+    numel,
+    scalar_dtype,
 )
-from engine.ops import OPS
-from engine.ops.registry import INT64_MAX, INT64_MIN, Meta, OpDef
-from engine.shapes import fmt, numel
 
 _NUMBER = (bool, int, float)
 

@@ -18,8 +18,7 @@ from typing import Any
 
 from engine.errors import ExprError, GraphError, UnknownOpError, did_you_mean, quoted
 from engine.graph.spec import NodeSpec
-from engine.graph.transforms import TRANSFORMS
-from engine.ops import OPS
+from engine.rules import OPS, TRANSFORMS
 
 _BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
            ast.MatMult: "matmul"}

@@ -3,8 +3,8 @@
 They are not ops of the registry (nothing computes them on arrays one call at a time):
 the compiler expands `grad` and `jvp` into steps of the program, with the transformation
 that reverse mode already is (engine/graph/autodiff.py), and a `scan` into one loop step
-(engine/graph/scan.py). Their declarations here are what `GET /ops` lists and what `expr`
-may call (`grad` and `jvp`).
+(engine/graph/scan.py). Their declarations (engine/rules.py, with the ops') are what
+`GET /ops` lists and what `expr` may call (`grad` and `jvp`).
 
 - `grad(target, wrt[, grad_output])` is `torch.autograd.grad(target, wrt, grad_output,
   create_graph=True)`: the derived steps are ordinary steps, so the result can be output,
@@ -20,85 +20,14 @@ may call (`grad` and `jvp`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.dtypes import FLOATS
-from engine.errors import ArityError, BackwardError, DTypeError, ShapeError
+from engine.errors import BackwardError, DTypeError, ShapeError
 from engine.graph.autodiff import vjp, vjp_all
 from engine.graph.builder import Builder, Sym, derived
 from engine.graph.ir import DERIVED
-from engine.ops.registry import Attr, bind_attributes
 from engine.shapes import fmt, numel
-
-
-@dataclass(frozen=True, eq=False)
-class Transform:
-    """A graph-level node kind: its name, arguments and attributes, as `GET /ops` lists
-    them (`args` beyond `min_args` are optional; `fields` are the node's other keys)."""
-
-    name: str
-    args: tuple[str, ...]
-    min_args: int
-    doc: str
-    attrs: dict[str, Attr] = field(default_factory=dict)
-    variadic: bool = False
-    fields: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return {k: a.default for k, a in self.attrs.items() if not a.required}
-
-    def check_arity(self, n: int) -> None:
-        if self.variadic:
-            return
-        if not self.min_args <= n <= len(self.args):
-            want = (str(len(self.args)) if self.min_args == len(self.args)
-                    else f"{self.min_args} or {len(self.args)}")
-            raise ArityError(f"takes {want} arguments ({', '.join(self.args)}), got {n}",
-                             op=self.name)
-
-    def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
-        return bind_attributes(self.name, self.attrs, self.defaults, given)
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "name": self.name, "group": "transforms", "args": list(self.args),
-            "variadic": self.variadic,
-            "attrs": {k: a.describe() for k, a in self.attrs.items()},
-            "differentiable": True, "doc": self.doc, "min_args": self.min_args,
-        }
-        if self.fields:
-            out["fields"] = dict(self.fields)
-        return out
-
-
-GRAD = Transform(
-    "grad", ("target", "wrt", "grad_output"), 2,
-    "The gradient of `target` with respect to `wrt` (an input or any node), as "
-    "torch.autograd.grad(target, wrt, grad_output, create_graph=True): `wrt`'s shape and "
-    "dtype; zeros where the target does not depend on it; differentiable again. Without "
-    "`grad_output` the target must have one element.")
-JVP = Transform(
-    "jvp", ("output", "input", "tangent"), 3,
-    "Forward mode: ∂output/∂input · tangent, with `tangent` of `input`'s shape and dtype "
-    "and the result of `output`'s; differentiable again.")
-
-SCAN_NODE = Transform(
-    "scan", ("carries...", "xs..."), 0,
-    "A loop over the leading axis of the sequences (as jax.lax.scan): `args` are the "
-    "initial carries, then the sequences, in the order of body.carry then body.xs. Each step "
-    "runs body.nodes (which may read the carries, the current slices and any outer value), "
-    "and body.next gives each carry's next value. `results` declares new ids: a carry name "
-    "gives its final value, a body node id its value at every step stacked on a new dim 0. "
-    "Differentiable; the loop is compiled once, not unrolled.",
-    attrs={"length": Attr("int", None, doc="the number of steps: required without "
-                          "sequences; with them, optional and must match", nullable=True)},
-    variadic=True,
-    fields={"body": "{carry: [name], xs: [name], nodes: [node], next: {carry: id}}",
-            "results": "{new id: carry name or body node id}"})
-
-TRANSFORMS: dict[str, Transform] = {t.name: t for t in (GRAD, JVP, SCAN_NODE)}
 
 
 class Derivations:

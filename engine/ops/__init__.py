@@ -1,6 +1,6 @@
 """The op catalog. Importing this package registers every op.
 
-It is part of the engine's rules (with engine.dtypes, engine.shapes and engine.errors):
+It is part of the engine's rules (which everything else reads through engine.rules):
 nothing here imports the eager engine (Tensor, autograd), so the client's tracer reads the
 same shape rules, promotion and attribute binding the engine runs.
 """

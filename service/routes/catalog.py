@@ -8,9 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import Response
 
-import engine
 from engine.backends import available_devices, parse_device
-from engine.graph.transforms import TRANSFORMS
+from engine.rules import catalog_ops
 from service.codec import dumps
 from service.deps import SettingsDep
 from service.routes import operation_id
@@ -26,8 +25,7 @@ async def ops() -> Response:
 
 @cache  # the registry is fixed once the engine is imported: encode it once
 def _ops_body() -> bytes:
-    return dumps({"ops": [*(op.describe() for op in engine.OPS.values()),
-                          *(t.describe() for t in TRANSFORMS.values())]})
+    return dumps({"ops": catalog_ops()})
 
 
 @router.get(
