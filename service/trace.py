@@ -5,20 +5,23 @@
     ...     margin = -y * (X @ w + b)
     ...     loss = F.softplus(margin).mean() + 0.01 * (w * w).sum()
     ...     return {"loss": loss}
-    >>> graph = trace(model, catalog, X=((16, 5), "float64"), w=np.zeros(5), b=((), "float64"),
+    >>> graph = trace(model, X=((16, 5), "float64"), w=np.zeros(5), b=((), "float64"),
     ...               y=((16,), "float64"))
     {"nodes": [{"id": "margin", "expr": "-y * (X @ w + b)"},
                {"id": "loss", "expr": "mean(softplus(margin)) + 0.01 * sum(w * w)"}],
      "outputs": ["loss"]}
 
-`trace(fn, ops_catalog, **specs)` calls `fn` once on symbolic tensors (`TracedTensor`), one
+`trace(fn, **specs)` calls `fn` once on symbolic tensors (`TracedTensor`), one
 per spec, and returns the graph JSON of what it computed. A spec is a `(shape, dtype)` pair,
 an object with `shape` and `dtype` (a NumPy array, a `TensorSpec`), or example data (a
 number, a nested list: its NumPy shape and dtype, as the client would send it). `fn` gets
 the inputs by name when its signature takes them so, else in the specs' order.
 
-Everything is driven by the op catalog (`GET /ops`, passed in as its JSON, its list of ops,
-or a `Catalog`): a server with another catalog gets other functions. A symbolic tensor has
+Everything is driven by the op catalog: by default the standard one (engine.rules'
+`catalog_ops()`, what a gradserve server of this version lists; no server is asked), else the
+one passed as `trace(fn, ops_catalog, **specs)` (`GET /ops`'s JSON, its list of ops, or a
+`Catalog`), as `Client.trace` passes its server's: a server with another catalog gets
+other functions. A symbolic tensor has
 PyTorch's operators (`+ - * / ** @`, unary `-`, `abs()`, comparisons), a method for every
 op that takes a tensor (`x.sum(1)`, `x.sum(dim=1, keepdim=True)`, `x.transpose(0, 1)`,
 `x.reshape(2, 3)`, `x.gather(1, idx)`, `x.clamp(min=0)`), `x.T`, `x.mT`, `x.view`, `x.t()`,
@@ -83,6 +86,7 @@ from __future__ import annotations
 
 import builtins
 import difflib
+import functools
 import inspect
 import itertools
 import json
@@ -106,6 +110,7 @@ from engine.rules import (
     Meta,
     OpDef,
     Shape,
+    catalog_ops,
     check_dtype,
     elementwise_infer,
     fmt,
@@ -113,7 +118,7 @@ from engine.rules import (
 )
 
 __all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
-           "scan", "spec_of", "trace"]
+           "scan", "spec_of", "standard_catalog", "trace"]
 
 # Past these an inlined expression is cut into nodes (the server's limits are 100 and
 # 10,000; a line of math is far shorter).
@@ -303,6 +308,12 @@ class Catalog:
 
 def _as_catalog(source: Any) -> Catalog:
     return source if isinstance(source, Catalog) else Catalog(source)
+
+
+@functools.cache  # the registry is fixed once imported
+def standard_catalog() -> Catalog:
+    """The catalog of this version's engine (engine.rules), for tracing without a server."""
+    return Catalog(catalog_ops())
 
 
 # ------------------------------------------------------------------ shape and dtype rules
@@ -1158,10 +1169,11 @@ class _Namer:
 # ------------------------------------------------------------------ trace
 
 
-def trace(fn: Callable[..., Any], ops_catalog: Any, /, **specs: Any) -> dict[str, Any]:
+def trace(fn: Callable[..., Any], ops_catalog: Any = None, /, **specs: Any) -> dict[str, Any]:
     """The graph JSON (`{"nodes": [...], "outputs": [...]}`) of `fn` called on symbolic
-    inputs, one per spec (see the module's docstring)."""
-    catalog = _as_catalog(ops_catalog)
+    inputs, one per spec (see the module's docstring), on `ops_catalog` or else the
+    standard catalog."""
+    catalog = standard_catalog() if ops_catalog is None else _as_catalog(ops_catalog)
     t = _Trace(catalog)
     inputs: dict[str, TracedTensor] = {}
     for name, spec in specs.items():

@@ -1,25 +1,22 @@
 """The tracer's static shapes and dtypes are the compiler's: walking the registry, every
-sample (and error sample) of every op is traced and compiled, and the traced value's
-shape and dtype are the program's, or both refuse. No PyTorch needed."""
+sample (and error sample) of every op is traced (on the standard catalog, as `trace`
+does without a server) and compiled, and the traced value's shape and dtype are the
+program's, or both refuse. No PyTorch needed."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-import orjson
 import pytest
 
 from engine.errors import GradserveError
 from engine.graph import TensorSpec, compile_graph
 from engine.ops import OPS
 from service.compute import graph_spec
-from service.routes.catalog import _ops_body
 from service.schemas import Graph
 from service.trace import F, TracedTensor, TraceError, trace
 from tests.op_samples import ERRORS, SAMPLES
-
-CATALOG: list[dict[str, Any]] = orjson.loads(_ops_body())["ops"]  # GET /ops, as served
 
 
 def _cases() -> list[Any]:
@@ -48,7 +45,7 @@ def test_traced_shapes_are_the_compilers(name: str, args: list[Any], attrs: dict
         return seen[-1]
 
     try:
-        graph = trace(fn, CATALOG, **{k: (a.shape, str(a.dtype)) for k, a in arrays.items()})
+        graph = trace(fn, **{k: (a.shape, str(a.dtype)) for k, a in arrays.items()})
     except (TraceError, TypeError):
         return  # a call Python refuses (as PyTorch's does): no graph to compare
     try:
