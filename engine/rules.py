@@ -17,20 +17,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from engine.dtypes import (
-    DEFAULT_FLOAT,
-    DEFAULT_INT,
-    DTYPES,
-    FLOATS,
-    INTS,
-    ITEMSIZE,
-    Scalar,
-    check_dtype,
-    is_float,
-    promote_types,
-    result_type,
-    scalar_dtype,
-)
+from engine.dtypes import DTYPES, FLOATS, INTS, check_dtype, scalar_dtype
 from engine.errors import ArityError
 from engine.ops import OPS
 from engine.ops.common import elementwise_infer, is_number
@@ -44,14 +31,13 @@ from engine.ops.registry import (
     literal_meta,
     promoted_dtype,
 )
-from engine.shapes import Shape, broadcast_shapes, fmt, numel
+from engine.shapes import Shape, fmt, numel
 
 __all__ = [
-    "DEFAULT_FLOAT", "DEFAULT_INT", "DTYPES", "FLOATS", "GRAD", "INT64_MAX", "INT64_MIN",
-    "INTS", "ITEMSIZE", "JVP", "OPS", "SCAN_NODE", "TRANSFORMS", "Attr", "Meta", "OpDef",
-    "Scalar", "Shape", "Transform", "bind_attributes", "broadcast_shapes", "catalog_ops",
-    "check_dtype", "elementwise_infer", "fmt", "is_float", "is_number", "literal_meta",
-    "numel", "promote_types", "promoted_dtype", "result_type", "scalar_dtype",
+    "DTYPES", "FLOATS", "GRAD", "INT64_MAX", "INT64_MIN", "INTS", "JVP", "OPS", "SCAN_NODE",
+    "TRANSFORMS", "Attr", "Meta", "OpDef", "Shape", "Transform", "bind_attributes",
+    "catalog_ops", "check_dtype", "elementwise_infer", "fmt", "is_number", "literal_meta",
+    "numel", "promoted_dtype", "scalar_dtype",
 ]
 
 
