@@ -34,8 +34,8 @@ RUN set -eu; \
 
 # -------------------------------------------------------------------------- builder
 FROM python AS builder
-# Comma-separated extras from pyproject.toml to install, e.g. "gpu" (cupy-cuda12x,
-# for a CUDA 12 base). Empty: the CPU image.
+# Comma-separated extras from pyproject.toml to install besides "server" (which the image
+# always has), e.g. "gpu" (cupy-cuda12x, for a CUDA 12 base). Empty: the CPU image.
 ARG GRADSERVE_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -63,7 +63,7 @@ WORKDIR /src
 COPY pyproject.toml ./
 RUN /opt/venv/bin/python -c 'import os, tomllib; \
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-extras = [e.strip() for e in os.environ.get("GRADSERVE_EXTRAS", "").split(",") if e.strip()]; \
+extras = ["server"] + [e.strip() for e in os.environ.get("GRADSERVE_EXTRAS", "").split(",") if e.strip()]; \
 unknown = [e for e in extras if e not in project.get("optional-dependencies", {})]; \
 assert not unknown, "unknown extras: %s" % unknown; \
 reqs = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]; \
@@ -74,13 +74,14 @@ open("/tmp/requirements.txt", "w").write("\n".join(reqs) + "\n")' \
 # Then the package itself, as a wheel (what a release would publish), its hottest modules
 # compiled by mypyc (setup.py; mypy comes as a build requirement).
 COPY README.md setup.py ./
+COPY gradserve ./gradserve
 COPY engine ./engine
 COPY service ./service
 RUN /opt/venv/bin/python -m pip wheel --no-deps --wheel-dir /tmp/dist . \
     && /opt/venv/bin/python -m pip install --no-deps /tmp/dist/gradserve-*.whl \
     && /opt/venv/bin/python -m pip check \
     && /opt/venv/bin/gradserve --help >/dev/null \
-    && (cd / && /opt/venv/bin/python -c 'import engine.graph; assert engine.graph.NATIVE, "not compiled"') \
+    && (cd / && /opt/venv/bin/python -c 'import gradserve.engine.graph as g; assert g.NATIVE, "not compiled"') \
     && /opt/venv/bin/python -m pip uninstall --yes pip setuptools wheel
 
 # -------------------------------------------------------------------------- runtime

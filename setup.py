@@ -49,14 +49,18 @@ def native_modules() -> list[Any]:
         return []
     from mypyc.build import mypycify
 
-    paths = [f"engine/graph/{name}.py" for name in ENGINE_NATIVE]
+    # Through gradserve/engine (a link to engine/): mypyc names a module by its path, and
+    # these are gradserve.engine.graph.*.
+    paths = [f"gradserve/engine/graph/{name}.py" for name in ENGINE_NATIVE]
     record.write_text(json.dumps({
         name: hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
         for name, path in zip(ENGINE_NATIVE, paths, strict=True)}, indent=1) + "\n")
     # Without the project's mypy configuration (its pydantic plugin is not in the build's
     # environment), and without the dependencies' types: mypyc reads this code's own.
     return mypycify(["--config-file", os.devnull, "--ignore-missing-imports", *paths],
-                    opt_level="3", group_name="gradserve_native")
+                    opt_level="3",
+                    # their shared library, inside the package: one top-level name installed
+                    group_name="gradserve.engine.graph.compiled")
 
 
 setup(ext_modules=native_modules())

@@ -1,7 +1,7 @@
 """Capacity benchmark (not a test): what one replica serves and holds, and what HAProxy in
 front of several adds; prints one table, the figures to size replicas (and an HPA) from.
 
-gradserve runs as local processes (`python -m service.cli serve`, this checkout), each
+gradserve runs as local processes (`python -m gradserve.service.cli serve`, this checkout), each
 with the settings of a replica of docker-compose.yml's "lb" profile (2 GiB in flight, 4
 requests at once, 1 GiB budgets); HAProxy runs from its image (docker/haproxy, built here
 unless --haproxy-image names one) with `docker run --network host` and its own
@@ -232,7 +232,7 @@ def tree_memory(pid: int) -> tuple[int, int]:
 @contextmanager
 def replica(port: int, workers: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {**REPLICA_ENV, "GRADSERVE_PORT": str(port), "GRADSERVE_WORKERS": str(workers)}
-    with server_process([sys.executable, "-m", "service.cli", "serve"], port, env,
+    with server_process([sys.executable, "-m", "gradserve.service.cli", "serve"], port, env,
                         ready="/readyz", start_s=60) as (_, proc):
         yield proc
 

@@ -42,13 +42,13 @@ sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # (a server has
 
 import bench_compiled  # noqa: E402
 
-import engine.graph as eg  # noqa: E402
-from engine.graph import autodiff, builder, executor  # noqa: E402
-from service.compute import graph_key, graph_spec, parse_json, validate  # noqa: E402
-from service.schemas import BackwardRequest  # noqa: E402
+import gradserve.engine.graph as eg  # noqa: E402
+from gradserve.engine.graph import autodiff, builder, executor  # noqa: E402
+from gradserve.service.compute import graph_key, graph_spec, parse_json, validate  # noqa: E402
+from gradserve.service.schemas import BackwardRequest  # noqa: E402
 
 try:
-    from service.graph_json import graph_spec_from_json
+    from gradserve.service.graph_json import graph_spec_from_json
 except ImportError:  # (a checkout from before it)
     graph_spec_from_json = None  # type: ignore[assignment]
 

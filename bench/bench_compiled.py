@@ -74,9 +74,9 @@ class Gradserve:
     service's program cache, compile on a miss, then run."""
 
     def __init__(self) -> None:
-        from engine import graph as eg
-        from service.graph_id import graph_key
-        from service.programs import ProgramCache
+        from gradserve.engine import graph as eg
+        from gradserve.service.graph_id import graph_key
+        from gradserve.service.programs import ProgramCache
 
         self._graph = eg
         self._graph_key = graph_key

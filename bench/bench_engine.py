@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine
+import gradserve.engine as engine
 
 try:
     import torch

@@ -65,7 +65,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.client import AsyncClient, GradserveHTTPError  # noqa: E402
+from gradserve.service.client import AsyncClient, GradserveHTTPError  # noqa: E402
 
 HOST = "127.0.0.1"
 MiB = 1 << 20
@@ -227,7 +227,7 @@ class ServerError(RuntimeError):
 
 
 class Server:
-    """`python3 -m service.cli serve` on a free loopback port, in its own process group."""
+    """`gradserve serve` (this checkout) on a free loopback port, in its own process group."""
 
     def __init__(self, name: str, env: Mapping[str, str], log_dir: Path, root: Path) -> None:
         self.name = name
@@ -237,7 +237,7 @@ class Server:
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(self.port)],
             cwd=root,  # `-m` puts the cwd first on sys.path: that tree's service and engine
             env={**os.environ, "PYTHONPATH": str(root), **self.env},
             stdout=self._log,

@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     env = {"GRADSERVE_PORT": str(port), "GRADSERVE_LOG_LEVEL": "warning"}
-    argv = [sys.executable, "-m", "service.cli", "serve"]
+    argv = [sys.executable, "-m", "gradserve.service.cli", "serve"]
     with server_process(argv, port, env, ready="/readyz") as (base, server), \
             httpx.Client(base_url=base, timeout=60) as client:
         tree = TreeMonitor(server.pid)

@@ -110,7 +110,7 @@ class Report:
 def gradserve(env: dict[str, str] | None = None) -> Iterator[tuple[int, psutil.Process]]:
     """`gradserve serve` with its defaults (and `env`), ready; its port and process."""
     port = free_port()
-    argv = [sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+    argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port),
             "--log-level", "warning"]
     with server_process(argv, port, env, ready="/readyz", start_s=120) as (_, proc):
         yield port, psutil.Process(proc.pid)
@@ -273,10 +273,10 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
 
 
 def part_compile(report: Report, rounds: int) -> None:
-    from engine.graph import TensorSpec, compile_graph
-    from engine.graph.serial import dump_program, load_program
-    from service.compute import graph_spec
-    from service.schemas import Graph
+    from gradserve.engine.graph import TensorSpec, compile_graph
+    from gradserve.engine.graph.serial import dump_program, load_program
+    from gradserve.service.compute import graph_spec
+    from gradserve.service.schemas import Graph
 
     workloads = [("3,000-node chain", unrolled(1_000), 10.0),
                  ("30,000-node chain", unrolled(10_000), 10.0),

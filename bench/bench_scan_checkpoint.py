@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
-from engine.graph.executor import execute
-from engine.graph.ir import Program
-from engine.graph.scan import SCAN, replay_cost
-from engine.graph.spec import RunResult
+from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.ir import Program
+from gradserve.engine.graph.scan import SCAN, replay_cost
+from gradserve.engine.graph.spec import RunResult
 
 
 def rnn() -> GraphSpec:

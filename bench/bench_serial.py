@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import bench_compiled as bc
 from bench import bench_transforms as bt
-from engine.graph import serial
-from engine.graph.serial import dump_program, load_program
+from gradserve.engine.graph import serial
+from gradserve.engine.graph.serial import dump_program, load_program
 
 
 def workloads(quick: bool) -> dict[str, Callable[[float], Any]]:

@@ -243,7 +243,7 @@ def stack() -> str:
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
     x = np.random.default_rng(0).standard_normal(4_000_000).astype(np.float32)
     graph = {"nodes": [{"id": "y", "expr": "x * 2"}], "outputs": ["y"]}
-    from service.client import Client  # (here: the wire part does not depend on it)
+    from gradserve.service.client import Client  # (here: the wire part does not depend on it)
 
     times: dict[str, float] = {}
     for name, threshold, encoding in [("base64", 0, "base64"), ("json", 1 << 62, "json")]:
@@ -776,7 +776,7 @@ def wire(rounds: int, shape: tuple[int, ...] = WIRE_SHAPE, steps: int = CHAIN_ST
                  "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
 
     def gs_argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "service.cli", "serve", "--port", str(port),
+        return [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port),
                 "--log-level", "warning"]
 
     out: dict[str, Any] = {"env": WIRE_ENV}
@@ -898,7 +898,7 @@ def main() -> None:
     (floor_dir / "floor_app.py").write_text(FLOOR_APP)
     (floor_dir / "torch_app.py").write_text(TORCH_APP)
     gs_port, floor_port, torch_port = free_port(), free_port(), free_port()
-    gs_argv = [sys.executable, "-m", "service.cli", "serve", "--port", str(gs_port),
+    gs_argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(gs_port),
                "--log-level", "warning"]
     floor_argv, torch_argv = (
         [sys.executable, "-m", "uvicorn", f"{app}:app", "--port", str(port), "--log-level",

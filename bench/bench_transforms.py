@@ -48,9 +48,9 @@ from bench.bench_compiled import (
     measure,
     objectives_data,
 )
-from engine.graph import TensorSpec, compile_graph, execute
-from service.compute import graph_spec
-from service.schemas import Graph
+from gradserve.engine.graph import TensorSpec, compile_graph, execute
+from gradserve.service.compute import graph_spec
+from gradserve.service.schemas import Graph
 
 Arrays = dict[str, np.ndarray]
 CELL = "tanh({x} @ w + {h} @ u + b)"

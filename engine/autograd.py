@@ -23,11 +23,11 @@ from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
-from engine.backends import Backend
-from engine.errors import BackwardError
-from engine.grad_mode import enable_grad
-from engine.rules import OPS, OpDef, is_number
-from engine.shapes import sum_to_shape
+from gradserve.engine.backends import Backend
+from gradserve.engine.errors import BackwardError
+from gradserve.engine.grad_mode import enable_grad
+from gradserve.engine.rules import OPS, OpDef, is_number
+from gradserve.engine.shapes import sum_to_shape
 
 _FREED_MESSAGE = (
     "Trying to backward through the graph a second time (or directly access saved tensors "

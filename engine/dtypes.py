@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from engine.errors import DTypeError
+from gradserve.engine.errors import DTypeError
 
 float16: Final = "float16"
 float32: Final = "float32"

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engine._tensor import Tensor, grad, tensor
+from gradserve.engine._tensor import Tensor, grad, tensor
 
 
 class GradcheckError(AssertionError):

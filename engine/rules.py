@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from engine.dtypes import DTYPES, FLOATS, INTS, check_dtype, scalar_dtype
-from engine.errors import ArityError
-from engine.ops import OPS
-from engine.ops.common import elementwise_infer, is_number
-from engine.ops.registry import (
+from gradserve.engine.dtypes import DTYPES, FLOATS, INTS, check_dtype, scalar_dtype
+from gradserve.engine.errors import ArityError
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.common import elementwise_infer, is_number
+from gradserve.engine.ops.registry import (
     INT64_MAX,
     INT64_MIN,
     Attr,
@@ -31,7 +31,7 @@ from engine.ops.registry import (
     literal_meta,
     promoted_dtype,
 )
-from engine.shapes import Shape, fmt, numel
+from gradserve.engine.shapes import Shape, fmt, numel
 
 __all__ = [
     "DTYPES", "FLOATS", "GRAD", "INT64_MAX", "INT64_MIN", "INTS", "JVP", "OPS", "SCAN_NODE",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.errors import ShapeError
+from gradserve.engine.errors import ShapeError
 
 Shape = tuple[int, ...]
 

@@ -13,10 +13,10 @@ import asyncio
 import time
 from collections import deque
 
-from engine.errors import DeadlineExceeded
-from service.errors import ProblemError
-from service.metrics import Metrics
-from service.settings import Settings
+from gradserve.engine.errors import DeadlineExceeded
+from gradserve.service.errors import ProblemError
+from gradserve.service.metrics import Metrics
+from gradserve.service.settings import Settings
 
 RETRY_AFTER_S = 1
 

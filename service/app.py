@@ -17,15 +17,15 @@ from fastapi.routing import APIRouter
 from fastapi_offline import FastAPIOffline
 from pydantic.json_schema import models_json_schema
 
-from engine.backends import parse_device
-from service.errors import install_handlers
-from service.metrics import Metrics
-from service.middleware import Gateway
-from service.protocol import POLICY_STATE, ConnectionPolicy
-from service.routes import catalog, compute, explorer, health, operation_id
-from service.runner import Runner
-from service.schemas import BackwardRequest, ForwardRequest, PlanRequest, Problem
-from service.settings import Settings, get_settings
+from gradserve.engine.backends import parse_device
+from gradserve.service.errors import install_handlers
+from gradserve.service.metrics import Metrics
+from gradserve.service.middleware import Gateway
+from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
+from gradserve.service.routes import catalog, compute, explorer, health, operation_id
+from gradserve.service.runner import Runner
+from gradserve.service.schemas import BackwardRequest, ForwardRequest, PlanRequest, Problem
+from gradserve.service.settings import Settings, get_settings
 
 log = logging.getLogger("gradserve")
 

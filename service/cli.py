@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import json
 import os
 import shutil
@@ -17,14 +18,16 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from service.settings import Settings
+if TYPE_CHECKING:
+    from gradserve.service.settings import Settings
 
 OPENAPI_PATH = Path("openapi") / "openapi.json"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# What the `server` extra brings (pyproject.toml), by import name: the base install is the
+# client and the engine, and this command says so rather than fail on an import.
+SERVER_MODULES = ("fastapi", "uvicorn", "pydantic_settings", "msgspec", "prometheus_client")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec.add_argument("--output", type=Path, default=OPENAPI_PATH, help=f"default {OPENAPI_PATH}")
 
     args = parser.parse_args(argv)
+    missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        parser.exit(2, f"gradserve {args.command}: the service's dependencies are not "
+                       f"installed ({', '.join(missing)}): pip install 'gradserve[server]'\n")
     if args.command == "openapi":
         return write_openapi(args.output)
     flags = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
@@ -55,8 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve_forever(flags: dict[str, Any]) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
-    from service.protocol import GradserveProtocol
+    from gradserve.service.protocol import GradserveProtocol
+    from gradserve.service.settings import Settings
 
     for name, value in flags.items():
         os.environ[f"GRADSERVE_{name.upper()}"] = str(value)
@@ -69,7 +78,7 @@ def serve_forever(flags: dict[str, Any]) -> int:
     # and share one program store (service/store.py).
     with metrics_directory(settings.workers), store_directory(settings):
         uvicorn.run(
-            "service.app:app_from_env",
+            "gradserve.service.app:app_from_env",
             factory=True,
             host=settings.host,
             port=settings.port,
@@ -150,7 +159,8 @@ def log_config(level: str) -> dict[str, Any]:
 
 
 def write_openapi(path: Path) -> int:
-    from service.app import create_app
+    from gradserve.service.app import create_app
+    from gradserve.service.settings import Settings
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(openapi_text(create_app(Settings())))

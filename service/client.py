@@ -1,6 +1,6 @@
 """A Python client for gradserve, on httpx: NumPy arrays in, NumPy arrays out.
 
-    >>> from service.client import Client
+    >>> from gradserve.service.client import Client
     >>> graph = {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]}
     >>> with Client("http://127.0.0.1:8000") as gs:
     ...     r = gs.backward(graph, {"x": 2.0, "y": 3.0})
@@ -88,10 +88,10 @@ import orjson
 import pybase64
 import pydantic_core
 
-from engine.rules import DTYPES
-from service.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
-from service.trace import Catalog, Functional, TraceError, spec_of, wire_dtype
-from service.trace import trace as trace_graph
+from gradserve.engine.rules import DTYPES
+from gradserve.service.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
+from gradserve.service.trace import Catalog, Functional, TraceError, spec_of, wire_dtype
+from gradserve.service.trace import trace as trace_graph
 
 ArrayLike = Any  # a NumPy array, a Python number, or nested lists of numbers
 

@@ -19,9 +19,9 @@ import orjson
 import pybase64
 from pydantic_core import from_json
 
-from engine import collector
-from engine.errors import TensorDataError, quoted
-from engine.rules import DTYPES, INTS
+from gradserve.engine import collector
+from gradserve.engine.errors import TensorDataError, quoted
+from gradserve.engine.rules import DTYPES, INTS
 
 NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)

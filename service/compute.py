@@ -28,8 +28,8 @@ import msgspec
 import numpy as np
 from pydantic import ValidationError
 
-from engine.backends import get_backend, parse_device
-from engine.errors import (
+from gradserve.engine.backends import get_backend, parse_device
+from gradserve.engine.errors import (
     GradserveError,
     GraphError,
     MemoryBudgetError,
@@ -37,7 +37,7 @@ from engine.errors import (
     ValidationErrors,
     quoted,
 )
-from engine.graph import (
+from gradserve.engine.graph import (
     BodySpec,
     GraphSpec,
     Limits,
@@ -49,14 +49,14 @@ from engine.graph import (
     compile_graph,
     execute,
 )
-from engine.graph.ir import RECOMPUTE
-from engine.graph.serial import Unstorable, dump_program, load_program
-from service import codec
-from service.errors import ProblemError, pydantic_errors, schema_problem
-from service.graph_id import canonical_graph, id_of_canonical
-from service.graph_json import graph_spec_from_json
-from service.programs import Programs
-from service.schemas import (
+from gradserve.engine.graph.ir import RECOMPUTE
+from gradserve.engine.graph.serial import Unstorable, dump_program, load_program
+from gradserve.service import codec
+from gradserve.service.errors import ProblemError, pydantic_errors, schema_problem
+from gradserve.service.graph_id import canonical_graph, id_of_canonical
+from gradserve.service.graph_json import graph_spec_from_json
+from gradserve.service.programs import Programs
+from gradserve.service.schemas import (
     BackwardRequest,
     ForwardRequest,
     Graph,
@@ -66,7 +66,7 @@ from service.schemas import (
     TensorSpecIn,
     Wire,
 )
-from service.settings import Settings
+from gradserve.service.settings import Settings
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 Model = type[ForwardRequest | BackwardRequest]

@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.metrics import Metrics
-from service.runner import Runner
-from service.settings import Settings
+from gradserve.service.metrics import Metrics
+from gradserve.service.runner import Runner
+from gradserve.service.settings import Settings
 
 
 def runner_of(request: Request) -> Runner:

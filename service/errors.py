@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from engine.errors import (
+from gradserve.engine.errors import (
     ArityError,
     AttributeError_,
     BackwardError,
@@ -37,7 +37,7 @@ from engine.errors import (
     UnknownOpError,
     ValidationErrors,
 )
-from engine.graph.spec import Limits
+from gradserve.engine.graph.spec import Limits
 
 if TYPE_CHECKING:  # the web framework is not imported by the worker processes (memory)
     from fastapi import FastAPI, Request

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.graph.spec import BodySpec, GraphSpec, NodeSpec
+from gradserve.engine.graph.spec import BodySpec, GraphSpec, NodeSpec
 
 _GRAPH_KEYS = frozenset({"nodes", "outputs"})
 _NODE_KEYS = frozenset({"id", "op", "args", "attrs", "expr", "body", "results"})

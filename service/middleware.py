@@ -23,15 +23,15 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import Cancelled
-from service.errors import (
+from gradserve.engine.errors import Cancelled
+from gradserve.service.errors import (
     ENGINE_PROBLEMS,
     PROBLEM_JSON,
     ProblemError,
     internal_error_body,
     problem_body,
 )
-from service.metrics import METHODS, Metrics
+from gradserve.service.metrics import METHODS, Metrics
 
 access_log = logging.getLogger("gradserve.access")
 error_log = logging.getLogger("gradserve.errors")

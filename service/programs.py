@@ -36,12 +36,12 @@ from typing import Any
 
 import orjson
 
-from engine.backends import get_backend
-from engine.errors import GradserveError
-from engine.graph import GraphSpec, Program
-from engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
-from service.settings import Settings
-from service.store import Store, entry_name, version_key
+from gradserve.engine.backends import get_backend
+from gradserve.engine.errors import GradserveError
+from gradserve.engine.graph import GraphSpec, Program
+from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
+from gradserve.service.settings import Settings
+from gradserve.service.store import Store, entry_name, version_key
 
 ALIASES = 8192  # raw keys remembered per process (each ~150 bytes)
 EVICT_BEFORE = 0.9  # a preload stops where it would start evicting what it loaded

@@ -44,9 +44,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from service.errors import SERVICE_PROBLEMS, problem_body
-from service.middleware import PROBE_PATHS, TIMED_OUT, loggable
-from service.settings import Settings
+from gradserve.service.errors import SERVICE_PROBLEMS, problem_body
+from gradserve.service.middleware import PROBE_PATHS, TIMED_OUT, loggable
+from gradserve.service.settings import Settings
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send

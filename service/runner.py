@@ -28,9 +28,9 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
-from engine.errors import DeadlineExceeded, GradserveError
-from service.admission import Admission
-from service.compute import (
+from gradserve.engine.errors import DeadlineExceeded, GradserveError
+from gradserve.service.admission import Admission
+from gradserve.service.compute import (
     MODELS,
     PLANS,
     WARM_UP,
@@ -41,10 +41,10 @@ from service.compute import (
     Stats,
     warm_up,
 )
-from service.errors import ProblemError
-from service.metrics import Metrics
-from service.settings import Settings
-from service.workers import (
+from gradserve.service.errors import ProblemError
+from gradserve.service.metrics import Metrics
+from gradserve.service.settings import Settings
+from gradserve.service.workers import (
     SHM_MIN_BYTES,
     GradserveTimeout,
     Pool,

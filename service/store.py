@@ -290,8 +290,8 @@ def version_key(array_library: str) -> str:
     """What a stored entry depends on: gradserve's version, its source (the engine's every
     module, and the service's, which parse and validate graphs), the op catalog, and the
     array library that runs the programs (with its version)."""
-    import engine
-    from engine.ops import OPS
+    import gradserve.engine as engine
+    from gradserve.engine.ops import OPS
 
     h = hashlib.blake2b(digest_size=16)
     h.update(_gradserve_version().encode())

@@ -1,6 +1,6 @@
 """Tracing Python functions into gradserve graphs, PyTorch-style.
 
-    >>> from service.trace import F, trace
+    >>> from gradserve.service.trace import F, trace
     >>> def model(X, w, b, y):
     ...     margin = -y * (X @ w + b)
     ...     loss = F.softplus(margin).mean() + 0.01 * (w * w).sum()
@@ -103,8 +103,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import DTypeError, GradserveError
-from engine.rules import (
+from gradserve.engine.errors import DTypeError, GradserveError
+from gradserve.engine.rules import (
     DTYPES,
     OPS,
     Meta,

@@ -53,12 +53,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import GradserveError
-from service.admission import RETRY_AFTER_S
-from service.compute import MODELS, PLANS, Compute, Handoff, Stats, warm_up
-from service.errors import ProblemError, as_problem
-from service.metrics import Metrics
-from service.settings import Settings
+from gradserve.engine.errors import GradserveError
+from gradserve.service.admission import RETRY_AFTER_S
+from gradserve.service.compute import MODELS, PLANS, Compute, Handoff, Stats, warm_up
+from gradserve.service.errors import ProblemError, as_problem
+from gradserve.service.metrics import Metrics
+from gradserve.service.settings import Settings
 
 log = logging.getLogger("gradserve.workers")
 
@@ -503,7 +503,7 @@ def start_forkserver() -> None:
     It has imported the engine (~50 MB, shared with the workers until they write), so a
     worker starts in milliseconds of CPU, not a Python start. (Each child also runs the
     main module again, as multiprocessing does: `gradserve serve`'s imports nothing more.)"""
-    _CONTEXT.set_forkserver_preload(["service.workers"])
+    _CONTEXT.set_forkserver_preload(["gradserve.service.workers"])
     forkserver.ensure_running()
 
 

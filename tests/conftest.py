@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.autograd import raw_namespace
-from engine.backends import set_cpu_namespace
+from gradserve.engine.autograd import raw_namespace
+from gradserve.engine.backends import set_cpu_namespace
 
 
 @pytest.fixture(params=["numpy", "array-api-strict"])
@@ -47,8 +47,8 @@ def graphs_go_the_fast_way() -> Iterator[None]:
     """Every graph that the wire models accept in a request served in this process goes
     service.graph_json's way too, to the same GraphSpec (tests/test_graph_json.py)."""
     try:  # (here: engine-only test runs need no service)
-        from service import compute
-        from service.graph_json import graph_spec_from_json
+        from gradserve.service import compute
+        from gradserve.service.graph_json import graph_spec_from_json
         from tests.test_graph_json import same
     except ImportError:
         yield

@@ -11,8 +11,8 @@ import httpx
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from service.app import create_app
-from service.settings import Settings
+from gradserve.service.app import create_app
+from gradserve.service.settings import Settings
 
 
 @asynccontextmanager

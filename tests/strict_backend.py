@@ -10,7 +10,7 @@ from typing import Any
 import array_api_strict as xps
 import numpy as np
 
-from engine.backends.base import Backend, namespace_with
+from gradserve.engine.backends.base import Backend, namespace_with
 
 
 def _via_numpy(fn: Any) -> Any:
@@ -24,7 +24,7 @@ def _via_numpy(fn: Any) -> Any:
 
 
 def make_strict_backend() -> Backend:
-    from engine.backends.numpy_backend import _scatter_add
+    from gradserve.engine.backends.numpy_backend import _scatter_add
 
     xp = namespace_with(
         xps,

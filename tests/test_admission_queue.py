@@ -18,11 +18,11 @@ import pytest
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 
-from engine.errors import DeadlineExceeded
-from service.admission import Admission
-from service.errors import ProblemError
-from service.metrics import Metrics
-from service.settings import Settings
+from gradserve.engine.errors import DeadlineExceeded
+from gradserve.service.admission import Admission
+from gradserve.service.errors import ProblemError
+from gradserve.service.metrics import Metrics
+from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
 from tests.test_pool import worker_body

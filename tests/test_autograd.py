@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-import engine
-from engine.errors import BackwardError, DTypeError, ShapeError
+import gradserve.engine as engine
+from gradserve.engine.errors import BackwardError, DTypeError, ShapeError
 
 try:
     import torch

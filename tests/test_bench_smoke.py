@@ -119,9 +119,9 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
     import time
 
     from bench import bench_remat as br
-    from engine.errors import MemoryBudgetError
-    from service.compute import MODELS, Compute
-    from service.settings import Settings
+    from gradserve.engine.errors import MemoryBudgetError
+    from gradserve.service.compute import MODELS, Compute
+    from gradserve.service.settings import Settings
 
     n, s = 40, 40
     x = np.random.default_rng(5).random(n)

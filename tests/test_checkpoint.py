@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import MemoryBudgetError
-from engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
-from engine.graph.checkpoint import checkpoint_every
-from engine.graph.compiler import _backend_ufuncs
-from engine.graph.executor import bind, execute
-from engine.graph.ir import Program
-from engine.graph.scan import SCAN, Body, replay_cost
+from gradserve.engine.errors import MemoryBudgetError
+from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph.checkpoint import checkpoint_every
+from gradserve.engine.graph.compiler import _backend_ufuncs
+from gradserve.engine.graph.executor import bind, execute
+from gradserve.engine.graph.ir import Program
+from gradserve.engine.graph.scan import SCAN, Body, replay_cost
 from tests import test_transforms
 from tests.test_serial import round_trip
 

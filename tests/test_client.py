@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
-from service.client import (
+from gradserve.service.client import (
     BINARY_HEADER,
     GRAPH_ID_MISSES,
     GRAPH_UNKNOWN,
@@ -29,7 +29,7 @@ from service.client import (
     GradserveHTTPError,
     Result,
 )
-from service.graph_id import GRAPH_HEADER, canonical_graph, graph_key
+from gradserve.service.graph_id import GRAPH_HEADER, canonical_graph, graph_key
 from tests.test_integration_service import Server, _start, _stop
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.client import (
+from gradserve.service.client import (
     GRAPH_UNKNOWN,
     RETRY_ERRORS,
     AsyncClient,
@@ -75,7 +75,7 @@ def _launch(tmp: Path, port: int, **env: str) -> Server:
     log = tmp / f"server-{port}-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
             cwd=ROOT,
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
                  "MKL_NUM_THREADS": "1", **env},

@@ -1,4 +1,4 @@
-"""engine.collector.paused: the garbage collector off while a compile or a parse runs, and
+"""gradserve.engine.collector.paused: the garbage collector off while a compile or a parse runs, and
 back as it was after, however the work ends and however many threads share the pause."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from engine import collector
-from service import codec
+from gradserve.engine import collector
+from gradserve.service import codec
 
 
 def test_paused_and_restored_even_when_the_work_fails() -> None:

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-import engine
-from engine.backends import get_backend
-from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
-from engine.graph.autodiff import vjp
-from engine.graph.builder import Builder, Sym
-from engine.graph.compiler import assemble
-from engine.graph.executor import execute
-from engine.ops import OPS
-from engine.ops.registry import Meta
+import gradserve.engine as engine
+from gradserve.engine.backends import get_backend
+from gradserve.engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph.autodiff import vjp
+from gradserve.engine.graph.builder import Builder, Sym
+from gradserve.engine.graph.compiler import assemble
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.registry import Meta
 from tests.op_samples import ERRORS, TORCH, Sample
 from tests.test_ops import _cases, _is_float_array, engine_args, run, torch_args
 

@@ -27,11 +27,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from service import protocol
-from service.app import create_app
-from service.middleware import TIMED_OUT, loggable
-from service.protocol import GradserveProtocol, H11Guard, HttpToolsGuard
-from service.settings import Settings
+from gradserve.service import protocol
+from gradserve.service.app import create_app
+from gradserve.service.middleware import TIMED_OUT, loggable
+from gradserve.service.protocol import GradserveProtocol, H11Guard, HttpToolsGuard
+from gradserve.service.settings import Settings
 from tests.test_integration_service import Server, _start, _stop
 
 PROBLEM = "application/problem+json"

@@ -10,13 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.backends import available_devices, get_backend
-from engine.graph.autodiff import vjp
-from engine.graph.builder import Builder
-from engine.graph.compiler import assemble
-from engine.graph.executor import execute
-from engine.ops import OPS
-from engine.ops.registry import Meta
+from gradserve.engine.backends import available_devices, get_backend
+from gradserve.engine.graph.autodiff import vjp
+from gradserve.engine.graph.builder import Builder
+from gradserve.engine.graph.compiler import assemble
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.registry import Meta
 from tests.op_samples import Sample
 from tests.test_ops import _cases, _is_float_array
 
@@ -89,8 +89,8 @@ def test_the_service_lists_the_gpu_and_computes_on_it() -> None:
     import httpx
     from asgi_lifespan import LifespanManager
 
-    from service.app import create_app
-    from service.settings import Settings
+    from gradserve.service.app import create_app
+    from gradserve.service.settings import Settings
     from tests.seeds import SEED_OP
 
     async def check() -> None:
@@ -125,7 +125,7 @@ def test_the_service_lists_the_gpu_and_computes_on_it() -> None:
 def test_scan_and_derivative_nodes_on_the_gpu_are_the_cpu_ones() -> None:
     """A differentiated scan (an RNN, with a grad node in a second loop's body) and an
     in-graph HVP, compiled for each device: the loop's stacking and slicing run on CuPy."""
-    from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
+    from gradserve.engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph
 
     rng = np.random.default_rng(3)
     arrays = {"xs": rng.standard_normal((50, 4, 8)), "w": rng.standard_normal((8, 8)) * 0.3,

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from service.settings import Settings
+from gradserve.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

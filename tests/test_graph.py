@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine
-from engine.errors import (
+import gradserve.engine as engine
+from gradserve.engine.errors import (
     ArityError,
     AttributeError_,
     BackwardError,
@@ -30,7 +30,7 @@ from engine.errors import (
     UnknownOpError,
     ValidationErrors,
 )
-from engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph, execute
+from gradserve.engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph, execute
 
 SCALAR = TensorSpec((), "float32", True)
 
@@ -558,7 +558,7 @@ def test_runtime_op_errors_name_the_node() -> None:
 def test_the_fast_expr_scan_agrees_with_the_tokenizer(text: str) -> None:
     """Text without strings is scanned without Python's tokenizer: the bracket depth and the
     first integer literal too long for int64 must be what the tokenizer finds."""
-    from engine.graph import expr
+    from gradserve.engine.graph import expr
 
     assert expr._scan_tokens(text) == expr._scan_with_tokenizer(text)
 
@@ -568,7 +568,7 @@ def test_the_fast_expr_scan_agrees_with_the_tokenizer(text: str) -> None:
 def test_the_ast_depth_walk_agrees_with_ast_itself(text: str) -> None:
     import ast
 
-    from engine.graph import expr
+    from gradserve.engine.graph import expr
 
     try:
         tree = ast.parse(text, mode="eval")

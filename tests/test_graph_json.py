@@ -1,4 +1,4 @@
-"""service.graph_json: a graph's JSON straight into a GraphSpec, exactly where the wire
+"""gradserve.service.graph_json: a graph's JSON straight into a GraphSpec, exactly where the wire
 models would accept it and give the same spec; None everywhere else (pydantic then says
 what is wrong).
 
@@ -18,10 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from engine.graph.spec import NodeSpec
-from service.compute import graph_spec
-from service.graph_json import MAX_SCAN_DEPTH, graph_spec_from_json
-from service.schemas import Graph
+from gradserve.engine.graph.spec import NodeSpec
+from gradserve.service.compute import graph_spec
+from gradserve.service.graph_json import MAX_SCAN_DEPTH, graph_spec_from_json
+from gradserve.service.schemas import Graph
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
 

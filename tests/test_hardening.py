@@ -25,9 +25,9 @@ import numpy as np
 import psutil
 import pytest
 
-from service.compute import MODELS, Compute
-from service.runner import INLINE_MAX_BODY_BYTES, parse_reservation
-from service.settings import Settings
+from gradserve.service.compute import MODELS, Compute
+from gradserve.service.runner import INLINE_MAX_BODY_BYTES, parse_reservation
+from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
 from tests.test_integration_service import Server, _start, _stop

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.client import Client, GradserveHTTPError
+from gradserve.service.client import Client, GradserveHTTPError
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def _start(tmp: Path, preexec_fn: Callable[[], None] | None = None, **env: str) 
     log = tmp / f"server-{port}.log"
     with log.open("wb") as out:  # the server writes to its own copy of the descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
             cwd=ROOT,
             # One BLAS thread: the long computation leaves a core to the event loop.
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",

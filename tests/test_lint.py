@@ -22,6 +22,6 @@ def test_ruff_is_clean() -> None:
 
 def test_mypy_is_clean() -> None:
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy", "engine", "service"], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "mypy", "-p", "gradserve"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

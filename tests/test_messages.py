@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import UnknownOpError, ValidationErrors
-from engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.errors import UnknownOpError, ValidationErrors
+from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
 
 INPUTS = {"x": TensorSpec((3, 4), "float32"), "w": TensorSpec((5, 2), "float32"),
           "weights": TensorSpec((4,), "float32")}

@@ -24,8 +24,8 @@ from prometheus_client import values as prometheus_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.cli import metrics_directory
-from service.metrics import MULTIPROC_ENV, Metrics
+from gradserve.service.cli import metrics_directory
+from gradserve.service.metrics import MULTIPROC_ENV, Metrics
 from tests.test_integration_service import Server, _start, _stop, seed
 
 ROUTE = "/backward"

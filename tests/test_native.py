@@ -13,24 +13,24 @@ from pathlib import Path
 
 import pytest
 
-import engine.graph
-from engine.graph import _native, compiler
+import gradserve.engine.graph as engine_graph
+from gradserve.engine.graph import _native, compiler
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_modules_imported_are_the_ones_engine_graph_says() -> None:
     assert compiler.__file__ is not None
-    assert compiler.__file__.endswith(".py") != engine.graph.NATIVE
+    assert compiler.__file__.endswith(".py") != engine_graph.NATIVE
 
 
-@pytest.mark.skipif(not engine.graph.NATIVE, reason="the compiler runs from its source here: "
+@pytest.mark.skipif(not engine_graph.NATIVE, reason="the compiler runs from its source here: "
                     "this whole run is the pure-Python one")
 def test_the_compiled_program_tests_pass_on_the_python_source() -> None:
     tests = ["tests/test_program_identity.py", "tests/test_graph.py", "tests/test_transforms.py",
              "tests/test_compiled.py", "tests/test_messages.py"]
-    check = ("import engine.graph, engine.graph.compiler as c; "
-             "assert not engine.graph.NATIVE and c.__file__.endswith('.py')")
+    check = ("import gradserve.engine.graph as g, gradserve.engine.graph.compiler as c; "
+             "assert not g.NATIVE and c.__file__.endswith('.py')")
     env = {**os.environ, "GRADSERVE_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, check=True, timeout=60)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p",

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph, execute
+from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph, execute
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-import engine
-from engine._tensor import apply
-from engine.ops import OPS
+import gradserve.engine as engine
+from gradserve.engine._tensor import apply
+from gradserve.engine.ops import OPS
 from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
 
 try:

@@ -20,11 +20,11 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from service.app import create_app
-from service.compute import WARM_UP
-from service.metrics import Metrics
-from service.settings import Settings
-from service.workers import Pool, Task, _Worker
+from gradserve.service.app import create_app
+from gradserve.service.compute import WARM_UP
+from gradserve.service.metrics import Metrics
+from gradserve.service.settings import Settings
+from gradserve.service.workers import Pool, Task, _Worker
 from tests.in_process import serving
 from tests.test_service_api import assert_problem
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-import engine.graph.autodiff as autodiff
-import engine.graph.builder as builder
-import engine.graph.executor as executor
-from engine.graph import BodySpec, GraphSpec, NodeSpec, Program, TensorSpec, compile_graph
-from engine.graph.executor import LOOP, Run
-from engine.graph.ir import Lit, Step
-from engine.graph.scan import Body
+import gradserve.engine.graph.autodiff as autodiff
+import gradserve.engine.graph.builder as builder
+import gradserve.engine.graph.executor as executor
+from gradserve.engine.graph import BodySpec, GraphSpec, NodeSpec, Program, TensorSpec, compile_graph
+from gradserve.engine.graph.executor import LOOP, Run
+from gradserve.engine.graph.ir import Lit, Step
+from gradserve.engine.graph.scan import Body
 
 
 def _fn(fn: Any) -> str:

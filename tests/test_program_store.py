@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service import compute as compute_module
-from service.compute import MODELS, Compute, Stats
-from service.errors import ProblemError
-from service.settings import Settings
+from gradserve.service import compute as compute_module
+from gradserve.service.compute import MODELS, Compute, Stats
+from gradserve.service.errors import ProblemError
+from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.test_service_api import strict_json
 
@@ -77,7 +77,7 @@ def test_a_cheap_program_is_stored_at_its_second_use_a_costly_one_at_once(
     run(compute, chain_body([0.5]))  # its second use
     compute.programs.flush()
     assert programs() == 1
-    monkeypatch.setattr("service.programs.STORE_AT_ONCE_MS", 0.0)  # (as if costly)
+    monkeypatch.setattr("gradserve.service.programs.STORE_AT_ONCE_MS", 0.0)  # (as if costly)
     run(compute, chain_body([0.5, 1.0]))
     compute.programs.flush()
     assert programs() == 2

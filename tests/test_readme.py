@@ -10,7 +10,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_engine_example_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    engine_blocks = [b for b in blocks if b.startswith("import engine")]
+    engine_blocks = [b for b in blocks if b.startswith("import gradserve.engine as ge")]
     assert engine_blocks, "the README has no engine example"
     for block in engine_blocks:
         namespace: dict[str, object] = {}
@@ -21,7 +21,7 @@ def test_engine_example_runs() -> None:
 
 
 def test_every_setting_has_a_row_in_the_settings_table() -> None:
-    from service.settings import Settings
+    from gradserve.service.settings import Settings
 
     text = README.read_text()
     missing = [name for name in Settings.model_fields

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
-from engine.graph import (
+from gradserve.engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
+from gradserve.engine.graph import (
     BodySpec,
     GraphSpec,
     Limits,
@@ -28,11 +28,11 @@ from engine.graph import (
     TensorSpec,
     compile_graph,
 )
-from engine.graph.executor import execute
-from engine.graph.ir import BYTE_COST, RECOMPUTE
-from engine.graph.scan import SCAN, replay_cost
-from engine.graph.serial import dump_program
-from engine.ops import OPS
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.ir import BYTE_COST, RECOMPUTE
+from gradserve.engine.graph.scan import SCAN, replay_cost
+from gradserve.engine.graph.serial import dump_program
+from gradserve.engine.ops import OPS
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.test_ops import _cases, _is_float_array

@@ -21,13 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import bench_compiled as bc
-from engine.errors import BackwardError, Cancelled, GradserveError
-from engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
-from engine.graph.checkpoint import checkpoint_every
-from engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, bind, execute
-from engine.graph.ir import Lit, Program, Step
-from engine.graph.scan import SCAN, Body
-from engine.graph.serial import (
+from gradserve.engine.errors import BackwardError, Cancelled, GradserveError
+from gradserve.engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
+from gradserve.engine.graph.checkpoint import checkpoint_every
+from gradserve.engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, bind, execute
+from gradserve.engine.graph.ir import Lit, Program, Step
+from gradserve.engine.graph.scan import SCAN, Body
+from gradserve.engine.graph.serial import (
     FORMAT_VERSION,
     MAGIC,
     CorruptProgram,
@@ -35,8 +35,8 @@ from engine.graph.serial import (
     dump_program,
     load_program,
 )
-from engine.ops import OPS
-from service.compute import encode_result, planned_steps, program_dot
+from gradserve.engine.ops import OPS
+from gradserve.service.compute import encode_result, planned_steps, program_dot
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.test_ops import _cases, _is_float_array
@@ -394,7 +394,7 @@ def test_an_error_names_the_node_and_op_the_compiled_program_names(path: dict[st
 def test_values_keep_their_exact_types() -> None:
     """Literals and attributes: bool, int and float apart, -0.0, NaN and infinities,
     integers past 64 bits, tuples and lists, None, strings, dicts."""
-    from engine.graph.serial import _decode, _encode
+    from gradserve.engine.graph.serial import _decode, _encode
 
     values = [True, 0, 1, -0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-310,
               2**70, -(2**63), None, "s", [1, [2.0, (3,)]], (), {"a": (1, None), 2: [False]}]

@@ -16,12 +16,12 @@ import numpy as np
 import openapi_spec_validator
 import pytest
 
-import engine
-from engine.rules import TRANSFORMS
-from service.app import create_app
-from service.metrics import Metrics
-from service.middleware import TENANT, Gateway, tenant_id
-from service.settings import Settings
+import gradserve.engine as engine
+from gradserve.engine.rules import TRANSFORMS
+from gradserve.service.app import create_app
+from gradserve.service.metrics import Metrics
+from gradserve.service.middleware import TENANT, Gateway, tenant_id
+from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
@@ -759,7 +759,7 @@ async def test_500_hides_the_traceback(
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr("service.compute.execute", boom)
+    monkeypatch.setattr("gradserve.service.compute.execute", boom)
     with caplog.at_level(logging.ERROR, logger="gradserve.errors"):
         r = await client.post("/backward", json=SEED_OP, headers={"X-Request-ID": "r-500"})
     p = assert_problem(r, 500, "internal", "r-500")
@@ -792,7 +792,7 @@ async def test_program_cache_reuses_plans_per_graph_and_specs() -> None:
 
 
 async def test_async_client() -> None:
-    from service.client import AsyncClient, GradserveHTTPError
+    from gradserve.service.client import AsyncClient, GradserveHTTPError
 
     async with serving() as (_, app):
         transport = httpx.ASGITransport(app)

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from service.app import create_app
-from service.cli import main, openapi_text
-from service.settings import Settings
+from gradserve.service.app import create_app
+from gradserve.service.cli import main, openapi_text
+from gradserve.service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def uvicorn_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def test_serve_defaults(uvicorn_run: dict[str, Any]) -> None:
     assert main(["serve"]) == 0
-    assert uvicorn_run["app"] == "service.app:app_from_env" and uvicorn_run["factory"]
+    assert uvicorn_run["app"] == "gradserve.service.app:app_from_env" and uvicorn_run["factory"]
     assert (uvicorn_run["host"], uvicorn_run["port"]) == ("127.0.0.1", 8000)
     assert (uvicorn_run["workers"], uvicorn_run["log_level"]) == (1, "info")
     assert uvicorn_run["access_log"] is False  # ours carries the request id

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from engine.errors import TensorDataError
-from service.codec import decode_tensor, dumps, encode_tensor
+from gradserve.engine.errors import TensorDataError
+from gradserve.service.codec import decode_tensor, dumps, encode_tensor
 
 LOC = ("inputs", "x")
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "bool"]
@@ -135,7 +135,7 @@ def test_the_wire_dtypes_are_the_engines() -> None:
     """The schemas' Literal (which the OpenAPI document lists) is the engine's dtype table."""
     from typing import get_args
 
-    from engine.dtypes import DTYPES
-    from service.schemas import DType
+    from gradserve.engine.dtypes import DTYPES
+    from gradserve.service.schemas import DType
 
     assert get_args(DType) == DTYPES

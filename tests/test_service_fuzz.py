@@ -17,9 +17,9 @@ from asgi_lifespan import LifespanManager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import engine
-from service.app import create_app
-from service.settings import Settings
+import gradserve.engine as engine
+from gradserve.service.app import create_app
+from gradserve.service.settings import Settings
 from tests.seeds import SEED_OP
 from tests.test_service_api import PROBLEM, assert_problem, strict_json
 

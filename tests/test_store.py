@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from service import store as store_module
-from service.store import MAGIC, STALE_TEMP_S, Store, entry_name
+from gradserve.service import store as store_module
+from gradserve.service.store import MAGIC, STALE_TEMP_S, Store, entry_name
 
 VERSION = "v1"
 

@@ -19,12 +19,12 @@ import numpy as np
 import orjson
 import pytest
 
-from engine.graph import NodeSpec, TensorSpec, compile_graph, execute
-from engine.graph.spec import RunResult
-from service.compute import graph_spec
-from service.routes.catalog import _ops_body
-from service.schemas import Graph
-from service.trace import (
+from gradserve.engine.graph import NodeSpec, TensorSpec, compile_graph, execute
+from gradserve.engine.graph.spec import RunResult
+from gradserve.service.compute import graph_spec
+from gradserve.service.routes.catalog import _ops_body
+from gradserve.service.schemas import Graph
+from gradserve.service.trace import (
     Catalog,
     F,
     Functional,
@@ -814,19 +814,20 @@ def test_a_catalog_that_differs() -> None:
 
 # What the light client may not load: the server's dependencies and the eager engine.
 HEAVY = ("fastapi", "starlette", "uvicorn", "pebble", "pydantic_settings", "prometheus_client",
-         "engine._tensor", "engine.autograd", "engine.functions", "engine.ops.dispatch",
-         "engine.tensor", "engine.graph", "engine.backends", "service.app")
+         *(f"gradserve.{m}" for m in ("engine._tensor", "engine.autograd", "engine.functions",
+                                      "engine.ops.dispatch", "engine.tensor", "engine.graph",
+                                      "engine.backends", "service.app")))
 
 
 def test_the_client_and_tracer_load_the_rules_and_nothing_heavy() -> None:
     """The tracer's shapes are the engine's rules (engine.rules), which import without the
     eager engine; the client and tracer load no server dependency either, not even to trace
     on the standard catalog."""
-    code = ("import sys, service.trace, service.client; "
-            "g = service.trace.trace(lambda x: x.sum(1), x=((2, 3), 'float32')); "
+    code = ("import sys, gradserve.service.client, gradserve.service.trace as t; "
+            "g = t.trace(lambda x: x.sum(1), x=((2, 3), 'float32')); "
             "assert g['nodes'] == [{'id': 'out', 'expr': 'sum(x, dim=1)'}], g; "
             f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]; "
-            "assert not heavy, heavy; assert 'engine.rules' in sys.modules")
+            "assert not heavy, heavy; assert 'gradserve.engine.rules' in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
@@ -842,7 +843,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.mark.integration
 def test_traced_functions_and_their_hand_written_json_agree_over_http(server: Any) -> None:
-    from service.client import Client
+    from gradserve.service.client import Client
 
     data = objective_data()
     with Client(server.base) as gs:
@@ -873,7 +874,7 @@ def test_traced_functions_and_their_hand_written_json_agree_over_http(server: An
 
 @pytest.mark.integration
 def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
-    from service.client import Client
+    from gradserve.service.client import Client
 
     calls = []
 
@@ -904,7 +905,7 @@ def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
 
 @pytest.mark.integration
 def test_async_client_traces(server: Any) -> None:
-    from service.client import AsyncClient
+    from gradserve.service.client import AsyncClient
 
     async def go() -> None:
         async with AsyncClient(server.base) as gs:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
-from engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
-from engine.graph.executor import execute
-from engine.graph.ir import Program
+from gradserve.engine.errors import ComputeBudgetError, MemoryBudgetError, ValidationErrors
+from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.ir import Program
 
 RNG = np.random.default_rng(9)
 
@@ -544,7 +544,7 @@ def test_a_loop_over_the_budgets_is_refused_before_it_runs() -> None:
 def test_loops_and_derivatives_on_a_strict_array_api_backend(backend_name: str) -> None:
     """A differentiated scan with a grad node in its body, and an in-graph HVP, on NumPy
     and on array-api-strict (which stands in for CuPy on hosts without a GPU)."""
-    from engine.backends import get_backend
+    from gradserve.engine.backends import get_backend
 
     arrays = {**rnn_arrays(steps=5), "v": RNG.standard_normal((3, 4))}
     body = BodySpec(carry=["h"], xs=["x"], nodes=[

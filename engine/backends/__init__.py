@@ -12,8 +12,8 @@ from contextvars import ContextVar, Token
 from functools import cache
 from types import TracebackType
 
-from engine.backends.base import Backend
-from engine.errors import DeviceUnavailableError
+from gradserve.engine.backends.base import Backend
+from gradserve.engine.errors import DeviceUnavailableError
 
 __all__ = [
     "Backend",
@@ -44,7 +44,7 @@ def set_cpu_namespace(factory: Callable[[], Backend] | None) -> None:
 def _cpu_backend() -> Backend:
     if _cpu_factory:
         return _cpu_factory[0]()
-    from engine.backends.numpy_backend import make_numpy_backend
+    from gradserve.engine.backends.numpy_backend import make_numpy_backend
 
     return make_numpy_backend()
 
@@ -52,7 +52,7 @@ def _cpu_backend() -> Backend:
 @cache
 def _cuda_count() -> int:
     try:
-        from engine.backends.cupy_backend import device_count
+        from gradserve.engine.backends.cupy_backend import device_count
     except ImportError:
         return 0
     return device_count()
@@ -60,7 +60,7 @@ def _cuda_count() -> int:
 
 @cache
 def _cuda_backend(index: int) -> Backend:
-    from engine.backends.cupy_backend import make_cupy_backend
+    from gradserve.engine.backends.cupy_backend import make_cupy_backend
 
     return make_cupy_backend(index)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.dtypes import DTYPES
+from gradserve.engine.dtypes import DTYPES
 
 Array = Any  # an array of the backend's namespace
 

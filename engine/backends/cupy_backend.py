@@ -6,7 +6,7 @@ import cupy
 import numpy as np
 from array_api_compat import cupy as xp_cupy
 
-from engine.backends.base import Array, Backend, namespace_with
+from gradserve.engine.backends.base import Array, Backend, namespace_with
 
 
 def device_count() -> int:

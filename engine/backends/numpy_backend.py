@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backends.base import Array, Backend, namespace_with
+from gradserve.engine.backends.base import Array, Backend, namespace_with
 
 
 def _scatter_add(x: Array, dim: int, index: Array, src: Array) -> Array:

@@ -17,11 +17,11 @@ The compiler's hottest modules are compiled by mypyc when the package is install
 (setup.py); `NATIVE` says whether those are the ones imported (engine.graph._native).
 """
 
-from engine.graph._native import NATIVE  # (first: which form of the compiler to import)
-from engine.graph.compiler import check_budgets, compile_graph
-from engine.graph.executor import execute
-from engine.graph.ir import Program
-from engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
+from gradserve.engine.graph._native import NATIVE  # (first: which form of the compiler to import)
+from gradserve.engine.graph.compiler import check_budgets, compile_graph
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.ir import Program
+from gradserve.engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
 
 __all__ = [
     "NATIVE",

@@ -64,7 +64,7 @@ def _choose() -> bool:
     if why is None:
         return True
     if why:
-        warnings.warn(f"engine.graph: running the compiler from its Python source: {why}",
+        warnings.warn(f"gradserve.engine.graph: running the compiler from its Python source: {why}",
                       RuntimeWarning, stacklevel=3)
         sys.meta_path.insert(0, _Sources())
     return False

@@ -17,14 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from engine.dtypes import FLOATS
-from engine.graph.builder import Builder, Memo, Sym, derived
-from engine.graph.facts import Facts, facts_of
-from engine.graph.ir import BACKWARD, Lit, Step
-from engine.graph.scan import SCAN, Body, emit_scan, stacked
-from engine.ops import OPS
-from engine.ops.registry import Meta, OpDef
-from engine.shapes import sum_to_shape
+from gradserve.engine.dtypes import FLOATS
+from gradserve.engine.graph.builder import Builder, Memo, Sym, derived
+from gradserve.engine.graph.facts import Facts, facts_of
+from gradserve.engine.graph.ir import BACKWARD, Lit, Step
+from gradserve.engine.graph.scan import SCAN, Body, emit_scan, stacked
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.registry import Meta, OpDef
+from gradserve.engine.shapes import sum_to_shape
 
 
 def active_slots(b: Builder, steps: Iterable[Step], wrt: Iterable[int]) -> set[int]:

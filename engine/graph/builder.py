@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
-from engine.errors import GradserveError
-from engine.graph.facts import Facts, attr_values, facts_of, literal_key
-from engine.graph.ir import BACKWARD, CAST, CONSTANT, NODE, Arg, Lit, Step
-from engine.ops.registry import OPS, Meta, OpDef, literal_meta, promoted_dtype
+from gradserve.engine.dtypes import DEFAULT_FLOAT, FLOATS, scalar_dtype
+from gradserve.engine.errors import GradserveError
+from gradserve.engine.graph.facts import Facts, attr_values, facts_of, literal_key
+from gradserve.engine.graph.ir import BACKWARD, CAST, CONSTANT, NODE, Arg, Lit, Step
+from gradserve.engine.ops.registry import OPS, Meta, OpDef, literal_meta, promoted_dtype
 
 Value = Any  # a Sym, or a Python number (a weak literal)
 

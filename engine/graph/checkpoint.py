@@ -34,11 +34,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from engine.graph.facts import Facts, size_of
-from engine.graph.ir import Program, Step
-from engine.graph.plan import plan
-from engine.graph.scan import Body
-from engine.ops.registry import Meta
+from gradserve.engine.graph.facts import Facts, size_of
+from gradserve.engine.graph.ir import Program, Step
+from gradserve.engine.graph.plan import plan
+from gradserve.engine.graph.scan import Body
+from gradserve.engine.ops.registry import Meta
 
 
 @dataclass(eq=False)

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import collector
-from engine.errors import (
+from gradserve.engine import collector
+from gradserve.engine.errors import (
     ArityError,
     AttributeError_,
     BackwardError,
@@ -30,18 +30,18 @@ from engine.errors import (
     did_you_mean,
     quoted,
 )
-from engine.graph.autodiff import active_slots, vjp
-from engine.graph.builder import Builder, Sym, derived
-from engine.graph.checkpoint import checkpoint_loops
-from engine.graph.executor import bind
-from engine.graph.expr import Span, expand_expr, piece_of
-from engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
-from engine.graph.plan import plan
-from engine.graph.remat import rematerialize
-from engine.graph.scan import SCAN, Body, emit_scan
-from engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
-from engine.graph.transforms import Derivations, emit_grad, emit_jvp
-from engine.rules import (
+from gradserve.engine.graph.autodiff import active_slots, vjp
+from gradserve.engine.graph.builder import Builder, Sym, derived
+from gradserve.engine.graph.checkpoint import checkpoint_loops
+from gradserve.engine.graph.executor import bind
+from gradserve.engine.graph.expr import Span, expand_expr, piece_of
+from gradserve.engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
+from gradserve.engine.graph.plan import plan
+from gradserve.engine.graph.remat import rematerialize
+from gradserve.engine.graph.scan import SCAN, Body, emit_scan
+from gradserve.engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
+from gradserve.engine.graph.transforms import Derivations, emit_grad, emit_jvp
+from gradserve.engine.rules import (
     FLOATS,
     GRAD,
     INT64_MAX,
@@ -284,7 +284,7 @@ def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], 
 
 
 def _backend_ufuncs(device: str) -> bool:
-    from engine.backends import get_backend
+    from gradserve.engine.backends import get_backend
 
     return get_backend(device).ufuncs is not None
 

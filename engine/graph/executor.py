@@ -19,15 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from engine.backends import Backend, get_backend
-from engine.dtypes import ITEMSIZE
-from engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
-from engine.graph.builder import Memo
-from engine.graph.facts import Facts, facts_of
-from engine.graph.ir import BACKWARD, RECOMPUTE, Lit, Program, Step
-from engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
-from engine.graph.spec import RunResult
-from engine.shapes import fmt, numel
+from gradserve.engine.backends import Backend, get_backend
+from gradserve.engine.dtypes import ITEMSIZE
+from gradserve.engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
+from gradserve.engine.graph.builder import Memo
+from gradserve.engine.graph.facts import Facts, facts_of
+from gradserve.engine.graph.ir import BACKWARD, RECOMPUTE, Lit, Program, Step
+from gradserve.engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
+from gradserve.engine.graph.spec import RunResult
+from gradserve.engine.shapes import fmt, numel
 
 # Step codes: how many slots the kernel reads, or how it runs.
 NULLARY, UNARY, BINARY, NARY, ALIAS, LOOP, UNARY_INTO, BINARY_INTO = range(8)

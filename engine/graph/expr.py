@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import ExprError, GraphError, UnknownOpError, did_you_mean, quoted
-from engine.graph.spec import NodeSpec
-from engine.rules import OPS, TRANSFORMS
+from gradserve.engine.errors import ExprError, GraphError, UnknownOpError, did_you_mean, quoted
+from gradserve.engine.graph.spec import NodeSpec
+from gradserve.engine.rules import OPS, TRANSFORMS
 
 _BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
            ast.MatMult: "matmul"}

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.dtypes import ITEMSIZE
-from engine.graph.ir import BYTE_COST, Step
-from engine.ops.registry import Meta, OpDef, literal_meta
-from engine.shapes import numel
+from gradserve.engine.dtypes import ITEMSIZE
+from gradserve.engine.graph.ir import BYTE_COST, Step
+from gradserve.engine.ops.registry import Meta, OpDef, literal_meta
+from gradserve.engine.shapes import numel
 
 # Result dtypes that compiled programs compute with the backend's ufuncs directly (the
 # others, float16 above all, keep the ops' own forwards: PyTorch computes float16 with

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.ops.registry import Meta, OpDef
+from gradserve.engine.ops.registry import Meta, OpDef
 
 
 class Lit:

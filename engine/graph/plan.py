@@ -16,9 +16,9 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
-from engine.graph.facts import Facts, facts_of, size_of
-from engine.graph.ir import BYTE_COST, NODE, RECOMPUTE, Program, Step
-from engine.graph.scan import OUTER, SCAN, Body, carry_sources, replay_cost
+from gradserve.engine.graph.facts import Facts, facts_of, size_of
+from gradserve.engine.graph.ir import BYTE_COST, NODE, RECOMPUTE, Program, Step
+from gradserve.engine.graph.scan import OUTER, SCAN, Body, carry_sources, replay_cost
 
 # A buffer is worth taking over from 32 KiB: below, NumPy's allocator hands out recycled
 # small blocks for less than the `out=` argument costs to pass.

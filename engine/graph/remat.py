@@ -48,11 +48,11 @@ import heapq
 from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, MutableMapping
 
-from engine.errors import MemoryBudgetError
-from engine.graph.facts import Facts, facts_of, size_of
-from engine.graph.ir import BACKWARD, RECOMPUTE, Program, Step
-from engine.graph.plan import plan
-from engine.graph.scan import SCAN
+from gradserve.engine.errors import MemoryBudgetError
+from gradserve.engine.graph.facts import Facts, facts_of, size_of
+from gradserve.engine.graph.ir import BACKWARD, RECOMPUTE, Program, Step
+from gradserve.engine.graph.plan import plan
+from gradserve.engine.graph.scan import SCAN
 
 # Exact plans tried towards the budget (each is linear in the program's size), and the
 # ones tried for the smallest peak when none fits.

@@ -42,10 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.graph.builder import Builder, Sym
-from engine.graph.facts import size_of
-from engine.graph.ir import BYTE_COST, Program, Step
-from engine.ops.registry import Meta, OpDef
+from gradserve.engine.graph.builder import Builder, Sym
+from gradserve.engine.graph.facts import size_of
+from gradserve.engine.graph.ir import BYTE_COST, Program, Step
+from gradserve.engine.ops.registry import Meta, OpDef
 
 # Cost units charged per body step per iteration, whatever the step computes: what
 # running it costs the loop (so that a long loop of tiny steps is priced as work).

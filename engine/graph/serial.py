@@ -72,10 +72,10 @@ from typing import Any, cast, overload
 import numpy as np
 import orjson
 
-from engine.backends import Backend, get_backend
-from engine.dtypes import ITEMSIZE
-from engine.graph.builder import Builder, Memo
-from engine.graph.executor import (
+from gradserve.engine.backends import Backend, get_backend
+from gradserve.engine.dtypes import ITEMSIZE
+from gradserve.engine.graph.builder import Builder, Memo
+from gradserve.engine.graph.executor import (
     ALIAS,
     BINARY,
     BINARY_INTO,
@@ -90,7 +90,7 @@ from engine.graph.executor import (
     given_of,
     kernel_of,
 )
-from engine.graph.ir import (
+from gradserve.engine.graph.ir import (
     BACKWARD,
     BYTE_COST,
     CAST,
@@ -102,9 +102,9 @@ from engine.graph.ir import (
     Program,
     Step,
 )
-from engine.graph.scan import SCAN, Body
-from engine.ops import OPS
-from engine.ops.registry import Meta, OpDef, bind_attributes, literal_meta
+from gradserve.engine.graph.scan import SCAN, Body
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.registry import Meta, OpDef, bind_attributes, literal_meta
 
 FORMAT_VERSION = 3
 MAGIC = b"GSPROG\r\n"

@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.dtypes import FLOATS
-from engine.errors import BackwardError, DTypeError, ShapeError
-from engine.graph.autodiff import vjp, vjp_all
-from engine.graph.builder import Builder, Sym, derived
-from engine.graph.ir import DERIVED
-from engine.shapes import fmt, numel
+from gradserve.engine.dtypes import FLOATS
+from gradserve.engine.errors import BackwardError, DTypeError, ShapeError
+from gradserve.engine.graph.autodiff import vjp, vjp_all
+from gradserve.engine.graph.builder import Builder, Sym, derived
+from gradserve.engine.graph.ir import DERIVED
+from gradserve.engine.shapes import fmt, numel
 
 
 class Derivations:

@@ -5,7 +5,7 @@ nothing here imports the eager engine (Tensor, autograd), so the client's tracer
 same shape rules, promotion and attribute binding the engine runs.
 """
 
-from engine.ops import (  # noqa: F401  (importing a group registers its ops)
+from gradserve.engine.ops import (  # noqa: F401  (importing a group registers its ops)
     arithmetic,
     comparison,
     constants,
@@ -15,7 +15,7 @@ from engine.ops import (  # noqa: F401  (importing a group registers its ops)
     reduction,
     shape,
 )
-from engine.ops.registry import OPS, Attr, Meta, OpDef
+from gradserve.engine.ops.registry import OPS, Attr, Meta, OpDef
 
 # One module per group of the catalog (the op tests keep their samples in modules of the
 # same names).

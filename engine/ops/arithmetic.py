@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.errors import DTypeError
-from engine.ops.common import as_array, binary, elementwise_infer, is_number, unary
-from engine.ops.registry import Meta, register
+from gradserve.engine.errors import DTypeError
+from gradserve.engine.ops.common import as_array, binary, elementwise_infer, is_number, unary
+from gradserve.engine.ops.registry import Meta, register
 
 
 def _pow_input_grad(F: Any, g: Any, a: Any, b: Any, result: Any) -> Any:

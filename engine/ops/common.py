@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import DEFAULT_FLOAT, DTYPES, FLOATS
-from engine.ops.registry import VJP, Attr, Meta, OpDef, promoted_dtype
-from engine.shapes import broadcast_shapes
+from gradserve.engine.dtypes import DEFAULT_FLOAT, DTYPES, FLOATS
+from gradserve.engine.ops.registry import VJP, Attr, Meta, OpDef, promoted_dtype
+from gradserve.engine.shapes import broadcast_shapes
 
 _NUMBER = (int, float, bool)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import bool_
-from engine.errors import DTypeError
-from engine.ops.common import binary
-from engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype, register
-from engine.shapes import broadcast_shapes
+from gradserve.engine.dtypes import bool_
+from gradserve.engine.errors import DTypeError
+from gradserve.engine.ops.common import binary
+from gradserve.engine.ops.registry import Meta, OpDef, literal_meta, promoted_dtype, register
+from gradserve.engine.shapes import broadcast_shapes
 
 _NUMBER = (int, float, bool)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, Scalar, scalar_dtype
-from engine.errors import AttributeError_, DTypeError, ShapeError
-from engine.ops.registry import Attr, Meta, OpDef, register
+from gradserve.engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, Scalar, scalar_dtype
+from gradserve.engine.errors import AttributeError_, DTypeError, ShapeError
+from gradserve.engine.ops.registry import Attr, Meta, OpDef, register
 
 
 def _cast_vjp(F: Any, g: Any, x: Any, *, dtype: str) -> Any:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import FLOATS, bool_
-from engine.errors import AttributeError_, DTypeError
-from engine.ops.common import dtype_name, is_number, unary
-from engine.ops.registry import Attr, Meta, promoted_dtype, register
+from gradserve.engine.dtypes import FLOATS, bool_
+from gradserve.engine.errors import AttributeError_, DTypeError
+from gradserve.engine.ops.common import dtype_name, is_number, unary
+from gradserve.engine.ops.registry import Attr, Meta, promoted_dtype, register
 
 
 def _refuse(name: str, kinds: str) -> tuple[Any, Any]:

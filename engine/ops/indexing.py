@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.dtypes import INTS
-from engine.errors import AttributeError_, DTypeError, ShapeError
-from engine.ops.common import is_number
-from engine.ops.registry import Attr, Meta, OpDef, register
-from engine.shapes import fmt, normalize_dim, numel
+from gradserve.engine.dtypes import INTS
+from gradserve.engine.errors import AttributeError_, DTypeError, ShapeError
+from gradserve.engine.ops.common import is_number
+from gradserve.engine.ops.registry import Attr, Meta, OpDef, register
+from gradserve.engine.shapes import fmt, normalize_dim, numel
 
 # ---------------------------------------------------------------- helpers
 

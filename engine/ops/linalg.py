@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from engine.dtypes import FLOATS, ITEMSIZE
-from engine.errors import DTypeError, ShapeError
-from engine.ops.common import dtype_name, is_number
-from engine.ops.registry import Attr, Meta, OpDef, nbytes, promoted_dtype, register
-from engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
+from gradserve.engine.dtypes import FLOATS, ITEMSIZE
+from gradserve.engine.errors import DTypeError, ShapeError
+from gradserve.engine.ops.common import dtype_name, is_number
+from gradserve.engine.ops.registry import Attr, Meta, OpDef, nbytes, promoted_dtype, register
+from gradserve.engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
 
 Shape = tuple[int, ...]
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, bool_
-from engine.errors import DTypeError
-from engine.ops.registry import Attr, Meta, OpDef, register
-from engine.shapes import expand_reduced, normalize_dim, normalize_dims, numel, reduced_shape
+from gradserve.engine.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOATS, INTS, bool_
+from gradserve.engine.errors import DTypeError
+from gradserve.engine.ops.registry import Attr, Meta, OpDef, register
+from gradserve.engine.shapes import (
+    expand_reduced,
+    normalize_dim,
+    normalize_dims,
+    numel,
+    reduced_shape,
+)
 
 DIM = Attr("int|ints", None, "dim or dims to reduce; all when absent", nullable=True)
 KEEPDIM = Attr("bool", False, "keep reduced dims as size 1")

@@ -20,9 +20,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from engine.dtypes import DEFAULT_FLOAT, FLOATS, ITEMSIZE, Scalar, check_dtype, result_type
-from engine.errors import ArityError, AttributeError_, DTypeError, did_you_mean
-from engine.shapes import numel
+from gradserve.engine.dtypes import (
+    DEFAULT_FLOAT,
+    FLOATS,
+    ITEMSIZE,
+    Scalar,
+    check_dtype,
+    result_type,
+)
+from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, did_you_mean
+from gradserve.engine.shapes import numel
 
 Array = Any
 VJP = Callable[..., Any]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.errors import ShapeError
-from engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
-from engine.shapes import fmt, normalize_dim, normalize_dims, numel, sum_to_shape
+from gradserve.engine.errors import ShapeError
+from gradserve.engine.ops.registry import Attr, Meta, OpDef, promoted_dtype, register
+from gradserve.engine.shapes import fmt, normalize_dim, normalize_dims, numel, sum_to_shape
 
 
 def reshape_target(shape: tuple[int, ...], target: Any) -> tuple[int, ...]:

@@ -8,12 +8,12 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from engine.backends import available_devices, parse_device
-from engine.rules import catalog_ops
-from service.codec import dumps
-from service.deps import SettingsDep
-from service.routes import operation_id
-from service.schemas import DevicesResponse, OpsResponse
+from gradserve.engine.backends import available_devices, parse_device
+from gradserve.engine.rules import catalog_ops
+from gradserve.service.codec import dumps
+from gradserve.service.deps import SettingsDep
+from gradserve.service.routes import operation_id
+from gradserve.service.schemas import DevicesResponse, OpsResponse
 
 router = APIRouter(tags=["catalog"], generate_unique_id_function=operation_id)
 
@@ -40,7 +40,8 @@ async def devices(settings: SettingsDep) -> dict[str, Any]:
         if name == "cpu":
             listed.append({"name": "cpu", "kind": "cpu"})
         else:
-            from engine.backends.cupy_backend import device_info  # CuPy is there: cuda:N listed
+            # CuPy is there: cuda:N listed
+            from gradserve.engine.backends.cupy_backend import device_info
 
             listed.append({"name": name, "kind": "cuda", **device_info(int(name.split(":")[1]))})
     return {"default": parse_device(settings.default_device), "devices": listed}

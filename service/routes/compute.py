@@ -21,13 +21,13 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from service.compute import BINARY_HEADER
-from service.deps import runner_of
-from service.errors import ProblemError
-from service.middleware import TENANT
-from service.routes import operation_id
-from service.runner import Runner
-from service.schemas import (
+from gradserve.service.compute import BINARY_HEADER
+from gradserve.service.deps import runner_of
+from gradserve.service.errors import ProblemError
+from gradserve.service.middleware import TENANT
+from gradserve.service.routes import operation_id
+from gradserve.service.runner import Runner
+from gradserve.service.schemas import (
     BackwardRequest,
     BackwardResponse,
     ForwardRequest,

@@ -23,7 +23,7 @@ from fastapi import APIRouter
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from service.routes import operation_id
+from gradserve.service.routes import operation_id
 
 STATIC = Path(__file__).resolve().parent.parent / "static" / "explorer"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from service.deps import MetricsDep
-from service.errors import ProblemError
-from service.metrics import CONTENT_TYPE
-from service.routes import operation_id
-from service.schemas import Health
+from gradserve.service.deps import MetricsDep
+from gradserve.service.errors import ProblemError
+from gradserve.service.metrics import CONTENT_TYPE
+from gradserve.service.routes import operation_id
+from gradserve.service.schemas import Health
 
 router = APIRouter(tags=["health"], generate_unique_id_function=operation_id)
 

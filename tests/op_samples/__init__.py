@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.ops import GROUP_MODULES
+from gradserve.engine.ops import GROUP_MODULES
 
 RNG = np.random.default_rng(1234)
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import DTypeError, ShapeError
+from gradserve.engine.errors import DTypeError, ShapeError
 from tests.op_samples import ErrorSample, Sample, pos, randn
 
 _BROADCAST = [

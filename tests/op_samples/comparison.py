@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import DTypeError, ShapeError
+from gradserve.engine.errors import DTypeError, ShapeError
 from tests.op_samples import ErrorSample, Sample, randn
 
 _CMP = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}

@@ -4,7 +4,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
+from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
 from tests.op_samples import ErrorSample, Sample, randn
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import ArityError, AttributeError_, DTypeError
+from gradserve.engine.errors import ArityError, AttributeError_, DTypeError
 from tests.op_samples import ErrorSample, Sample, pos, randn
 
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
+from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
 from tests.op_samples import ErrorSample, Sample, ints, randn
 
 

@@ -12,35 +12,44 @@ from typing import Any, assert_type
 
 import numpy as np
 
-import engine
-from service.client import AsyncClient, Client, GradserveHTTPError, Result
-from service.trace import F, TracedTensor, grad, scan, trace
+import gradserve.engine as ge
+from gradserve import (
+    AsyncClient,
+    Client,
+    F,
+    GradserveHTTPError,
+    Result,
+    TracedTensor,
+    grad,
+    scan,
+    trace,
+)
 
 # ---------------------------------------------------------------- the engine
-x = engine.tensor(2.0, requires_grad=True)
-y = engine.tensor(3.0, requires_grad=True)
+x = ge.tensor(2.0, requires_grad=True)
+y = ge.tensor(3.0, requires_grad=True)
 z = (x + y) * (x - y)
 z.backward()
 assert z.grad_fn is not None and x.grad is not None and y.grad is not None
 print(z.item(), z.grad_fn.name(), x.grad.item(), y.grad.item())
-assert_type(z, engine.Tensor)
-assert_type(x.sum(), engine.Tensor)
-assert_type(2 * x - 1.5, engine.Tensor)
-assert_type(x == y, engine.Tensor)
+assert_type(z, ge.Tensor)
+assert_type(x.sum(), ge.Tensor)
+assert_type(2 * x - 1.5, ge.Tensor)
+assert_type(x == y, ge.Tensor)
 
-a = engine.tensor([5.0], requires_grad=True)
-with engine.no_grad():
+a = ge.tensor([5.0], requires_grad=True)
+with ge.no_grad():
     b = a**2 + 16
 
-w = engine.tensor([[0.5, -1.0], [2.0, 0.1]], dtype="float64", requires_grad=True)
-loss = engine.mean(engine.softmax(w @ w, dim=1) ** 2)
-(g,) = engine.grad(loss, w, create_graph=True)
-v = engine.ones(shape=[2, 2], dtype="float64")
+w = ge.tensor([[0.5, -1.0], [2.0, 0.1]], dtype="float64", requires_grad=True)
+loss = ge.mean(ge.softmax(w @ w, dim=1) ** 2)
+(g,) = ge.grad(loss, w, create_graph=True)
+v = ge.ones(shape=[2, 2], dtype="float64")
 assert g is not None
-(hvp,) = engine.grad(g, w, grad_outputs=v)
-assert engine.gradcheck(lambda w: engine.logsumexp(w @ w, dim=0), [w])
-assert_type(w.sum(dim=1, keepdim=True).exp().T[0], engine.Tensor)
-assert_type(engine.cat([w, w], dim=0).reshape(2, 4).float(), engine.Tensor)
+(hvp,) = ge.grad(g, w, grad_outputs=v)
+assert ge.gradcheck(lambda w: ge.logsumexp(w @ w, dim=0), [w])
+assert_type(w.sum(dim=1, keepdim=True).exp().T[0], ge.Tensor)
+assert_type(ge.cat([w, w], dim=0).reshape(2, 4).float(), ge.Tensor)
 
 
 # ---------------------------------------------------------------- the client, tracing
