@@ -201,11 +201,14 @@ def _binary_header_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     value = _header(headers, BINARY_HEADER.encode())
     if value is None:
         return None
-    if not value.strip().isdigit():
+    count = value.strip()
+    # ASCII digits only: str.isdigit() also takes "²" (a latin-1 header byte), which int()
+    # does not.
+    if not (count.isascii() and count.isdigit()):
         raise ProblemError(
             "malformed-body", f"Inference-Header-Content-Length must be a byte count, not "
             f"{value[:64]!r}", errors=[{"loc": ["headers", BINARY_HEADER], "msg": "not a count"}])
-    return int(value)
+    return int(count)
 
 
 @router.post(
