@@ -89,7 +89,8 @@ def _kind(kind: str, query: bytes) -> str:
     """The request's kind: /plan's `?format=dot` asks for Graphviz DOT."""
     if kind != "plan" or not query:
         return kind
-    formats = parse_qs(query.decode("latin-1")).get("format", ["json"])
+    # keep_blank_values: `format=` is neither json nor dot, as the document's enum says
+    formats = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("format", ["json"])
     if formats[-1] not in ("json", "dot"):
         raise ProblemError("bad-request", f"format must be json or dot, not {formats[-1][:32]!r}",
                            errors=[{"loc": ["query", "format"], "msg": "json or dot"}])
