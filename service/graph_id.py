@@ -34,6 +34,12 @@ def id_of_canonical(canonical: bytes) -> str:
     return hashlib.blake2b(canonical, digest_size=16).hexdigest()
 
 
+def is_graph_id(text: str) -> bool:
+    """Whether `text` is an id some graph can have (32 lowercase hex digits): anything else
+    names no graph, and must not reach the program store as part of a file name."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 def graph_key(graph: Any) -> str:
     """The graph's id, from the graph (as parsed from JSON, or as a client holds it): the
     inputs' data and the JSON's formatting do not change it."""

@@ -40,6 +40,7 @@ from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import GraphSpec, Program
 from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
+from gradserve.service.graph_id import is_graph_id
 from gradserve.service.settings import Settings
 from gradserve.service.store import Store, entry_name, version_key
 
@@ -134,7 +135,7 @@ class Programs:
         """The graph with this id, held here or in the store (`parse` makes the store's
         canonical JSON a GraphSpec), or None."""
         graph = self.graphs.get(graph_id)
-        if graph is None and self.store is not None:
+        if graph is None and self.store is not None and is_graph_id(graph_id):
             found = self.store.get(f"g-{graph_id}")
             if found is not None:
                 graph = parse(bytes(found[0]))

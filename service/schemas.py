@@ -34,9 +34,35 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+def _rules(*rules: dict[str, Any]) -> ConfigDict:
+    """A model's cross-field rules (what its validator, or the codec, checks) in the
+    document, so that the document is no looser than the server. Inside an allOf:
+    openapi-python-client reads an object's own anyOf or oneOf as a union of models, and
+    would build the model from the branches alone, losing its fields."""
+    return ConfigDict(json_schema_extra={"allOf": list(rules)})
+
+
+def _given(**fields: dict[str, Any]) -> dict[str, Any]:
+    """Each field is present and not null (its schema says what it is then)."""
+    return {"required": list(fields), "properties": fields}
+
+
+_NULL = {"type": "null"}  # absent, or null: the same to the models
+_OBJECT = {"type": "object"}
+_STRING = {"type": "string"}
+_ARRAY = {"type": "array"}
+_DATA = _given(data={"type": ["number", "boolean", "string", "array"]})  # any but null
+
+
 class TensorIn(Wire):
     """A tensor as an object: `data` (JSON), `b64` (raw little-endian bytes), or
     `binary_data_size` (that many raw bytes of a binary body's tail)."""
+
+    model_config = _rules(
+        {"oneOf": [_DATA, _given(b64=_STRING), _given(binary_data_size={"type": "integer"})]},
+        # raw bytes say nothing of their type and shape (the codec's "needs a dtype")
+        {"anyOf": [_DATA, _given(dtype=_STRING, shape=_ARRAY)]},
+    )
 
     data: TensorData | None = None
     b64: str | None = None
@@ -75,6 +101,21 @@ Arg = Annotated[
 class Node(Wire):
     """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` node
     also has `body` and `results`."""
+
+    model_config = _rules({"oneOf": [
+        # an infix expression: no op, args, attrs, body or results
+        {"required": ["expr"], "properties": {
+            "expr": _STRING, "op": _NULL, "args": _NULL, "attrs": _NULL, "body": _NULL,
+            "results": _NULL}},
+        # an op other than scan: no expr, body or results
+        {"required": ["op"], "properties": {
+            "op": {"type": "string", "not": {"const": "scan"}}, "expr": _NULL, "body": _NULL,
+            "results": _NULL}},
+        # a scan, with its body and results
+        {"required": ["op", "body", "results"], "properties": {
+            "op": {"const": "scan"}, "expr": _NULL, "body": _OBJECT,
+            "results": {"type": "object", "minProperties": 1}}},  # "at least one result"
+    ]})
 
     id: str = Field(min_length=1)
     op: str | None = None
@@ -126,7 +167,13 @@ MemoryBudget = Annotated[int | None, Field(
                             "server's for its path (more is a 422)")]
 
 
+# "a request needs 'graph' or 'graph_id'"
+_GRAPH_OR_ID = {"anyOf": [_given(graph=_OBJECT), _given(graph_id=_STRING)]}
+
+
 class _ComputeRequest(Wire):
+    model_config = _rules(_GRAPH_OR_ID)
+
     graph: Graph | None = None
     graph_id: str | None = Field(
         None, description="instead of `graph`: the `meta.graph_id` of an earlier response "
@@ -146,10 +193,15 @@ class _ComputeRequest(Wire):
 
 
 class ForwardRequest(_ComputeRequest):
+    """One of `graph` or `graph_id` (both: the id must be the graph's), the inputs, and how
+    to run and answer."""
+
     no_grad: bool = False
 
 
 class BackwardRequest(_ComputeRequest):
+    """What /forward takes (but `no_grad`), and the upstream gradients."""
+
     grad_outputs: dict[str, Tensor] | None = None
 
 
@@ -181,6 +233,10 @@ PlanTensor = Annotated[
 class PlanRequest(Wire):
     """What /forward or /backward would take, with tensors as specs or data, and the path
     to plan."""
+
+    model_config = _rules(_GRAPH_OR_ID, {"anyOf": [  # "grad_outputs belongs to path 'backward'"
+        {"properties": {"grad_outputs": _NULL}}, {"properties": {"path": {"const": "backward"}}},
+    ]})
 
     graph: Graph | None = None
     graph_id: str | None = None

@@ -163,6 +163,15 @@ async def test_malformed_framing_gets_its_problem_and_the_server_stays_up(
     np.testing.assert_array_equal(arrays["outputs.y"], x * 2 + 1)
 
 
+async def test_a_header_of_other_digits_is_not_a_count(client: httpx.AsyncClient) -> None:
+    """"²" (a latin-1 header byte) is a digit to str.isdigit(), but not to int(): it is
+    refused as any other value that is not a count, not with a 500."""
+    body, headers = framed({"graph": IDENTITY, "inputs": {"x": 1.0}})
+    r = await client.post("/forward", content=body,
+                          headers={**headers, HEADER: "\N{SUPERSCRIPT TWO}".encode("latin-1")})
+    assert_problem(r, 400, "malformed-body", "byte count")
+
+
 async def test_the_body_limit_applies_to_the_whole_framed_body() -> None:
     x = np.zeros(1000)
     spec, raw = binary(x)

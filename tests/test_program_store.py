@@ -163,6 +163,16 @@ def test_graphs_and_programs_are_shared_through_the_store(store_dir: str) -> Non
     np.testing.assert_allclose(third["gradients"]["x"]["data"], grad, rtol=1e-5)
 
 
+@pytest.mark.parametrize("graph_id", ["a\x00b", "../" + "0" * 32, "0" * 31, "A" * 32])
+def test_an_id_no_graph_can_have_is_unknown_not_a_file_name(store_dir: str,
+                                                           graph_id: str) -> None:
+    # Found by schemathesis: a NUL in graph_id reached open() in the store (a 500).
+    with pytest.raises(ProblemError) as info:
+        Compute(Settings(program_store_dir=store_dir)).plan(
+            json.dumps({"graph_id": graph_id}).encode())
+    assert info.value.slug == "graph-unknown"
+
+
 def test_ids_are_scoped_to_the_key_that_sent_the_graph(store_dir: str) -> None:
     a, b = (Compute(Settings(program_store_dir=store_dir)) for _ in range(2))
     first, _ = run(a, chain_body([0.5, 1.0]), tenant="tenant-a")

@@ -26,6 +26,7 @@ from gradserve.service.deps import runner_of
 from gradserve.service.errors import ProblemError
 from gradserve.service.middleware import TENANT
 from gradserve.service.routes import operation_id
+from gradserve.service.routes.explorer import EXAMPLES
 from gradserve.service.runner import Runner
 from gradserve.service.schemas import (
     BackwardRequest,
@@ -89,7 +90,8 @@ def _kind(kind: str, query: bytes) -> str:
     """The request's kind: /plan's `?format=dot` asks for Graphviz DOT."""
     if kind != "plan" or not query:
         return kind
-    formats = parse_qs(query.decode("latin-1")).get("format", ["json"])
+    # keep_blank_values: `format=` is neither json nor dot, as the document's enum says
+    formats = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("format", ["json"])
     if formats[-1] not in ("json", "dot"):
         raise ProblemError("bad-request", f"format must be json or dot, not {formats[-1][:32]!r}",
                            errors=[{"loc": ["query", "format"], "msg": "json or dot"}])
@@ -146,20 +148,34 @@ RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _body_schema(model: type) -> dict[str, Any]:
+def _examples(*names: str) -> dict[str, Any]:
+    """The explorer's examples (the contract's seed examples among them) as a body's: /docs
+    offers them, and schemathesis sends them and checks their answers."""
+    return {name: {"summary": EXAMPLES[name][0], "value": EXAMPLES[name][1]} for name in names}
+
+
+def _body_schema(model: type, *examples: str) -> dict[str, Any]:
     # The body is parsed by hand (once, by pydantic-core, with the contract's statuses), so
     # FastAPI cannot see it: describe it here. The schema itself is registered in app.py.
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {
         "requestBody": {"required": True, "content": {
-            "application/json": {"schema": ref},
+            "application/json": {"schema": ref, "examples": _examples(*examples)},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary", "description": BINARY_BODY}},
         }},
         "parameters": [{
             "name": "Inference-Header-Content-Length", "in": "header", "required": False,
-            "schema": {"type": "integer", "minimum": 0},
-            "description": "present: the body is binary, its JSON header this many bytes",
+            # ASCII digits (int64): anything else is a 400 malformed-body
+            "schema": {"type": "integer", "format": "int64", "minimum": 0},
+            "description": "Present: the body is binary (application/octet-stream, or a "
+                           "JSON type), and this is the length in bytes of the JSON request "
+                           "at its start, which the raw bytes of its `binary_data_size` "
+                           "tensors follow, in order, to the body's end. A value that is not "
+                           "a count, a length past the body, or a tail of another size is a "
+                           "400 malformed-body; a length that ends the JSON request "
+                           "elsewhere is a 400 malformed-json. Absent: the body is the JSON "
+                           "request alone (`binary_data_size` is then a 400 malformed-body)",
         }],
     }
 
@@ -201,11 +217,14 @@ def _binary_header_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     value = _header(headers, BINARY_HEADER.encode())
     if value is None:
         return None
-    if not value.strip().isdigit():
+    count = value.strip()
+    # ASCII digits only: str.isdigit() also takes "²" (a latin-1 header byte), which int()
+    # does not.
+    if not (count.isascii() and count.isdigit()):
         raise ProblemError(
             "malformed-body", f"Inference-Header-Content-Length must be a byte count, not "
             f"{value[:64]!r}", errors=[{"loc": ["headers", BINARY_HEADER], "msg": "not a count"}])
-    return int(value)
+    return int(count)
 
 
 @router.post(
@@ -213,7 +232,7 @@ def _binary_header_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     summary="Evaluate a graph (no_grad: the inference-only path)",
     response_model=ForwardResponse,
     responses=RESPONSES,
-    openapi_extra=_body_schema(ForwardRequest),
+    openapi_extra=_body_schema(ForwardRequest, "seed-no-grad"),
 )
 @parses("forward")
 async def forward(request: Request) -> Response:
@@ -226,7 +245,7 @@ async def forward(request: Request) -> Response:
     summary="Evaluate a graph and back-propagate: outputs and gradients",
     response_model=BackwardResponse,
     responses=RESPONSES,
-    openapi_extra=_body_schema(BackwardRequest),
+    openapi_extra=_body_schema(BackwardRequest, "seed", "seed-expr", "mlp"),
 )
 @parses("backward")
 async def backward(request: Request) -> Response:
@@ -243,7 +262,8 @@ async def backward(request: Request) -> Response:
                **PROBLEM_RESPONSES},
     openapi_extra={
         "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/PlanRequest"}}}},
+            "schema": {"$ref": "#/components/schemas/PlanRequest"},
+            "examples": _examples("seed", "seed-expr", "mlp")}}},
         "parameters": [{"name": "format", "in": "query", "required": False,
                         "schema": {"type": "string", "enum": ["json", "dot"]}}],
     },
