@@ -33,7 +33,8 @@ def _fn(fn: Any) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({_fn(fn.func)}, {len(fn.args)}, {sorted(fn.keywords)})"
     if isinstance(fn, types.FunctionType):
-        return f"{fn.__module__}.{fn.__qualname__}"
+        # by the module names the digests were recorded under (before `gradserve.`)
+        return f"{fn.__module__.removeprefix('gradserve.')}.{fn.__qualname__}"
     return type(fn).__name__ + ("" if not hasattr(fn, "__name__") else f":{fn.__name__}")
 
 
