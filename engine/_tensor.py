@@ -16,7 +16,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -47,7 +47,9 @@ from gradserve.engine.rules import (
 )
 
 Number = builtins.bool | builtins.int | builtins.float
-DTypeLike = str | type | np.dtype[Any]  # what check_dtype reads: "float32", np.float32, float
+# What check_dtype reads: "float32", np.float32, float. A declared alias, because mypyc's
+# build (setup.py) type-checks without NumPy installed, where `np.dtype` is Any.
+DTypeLike: TypeAlias = str | type | np.dtype[Any]
 _NUMBER = (int, float, bool)
 _NO_ATTRS: dict[str, Any] = {}
 
