@@ -67,6 +67,7 @@ from gradserve.service.schemas import (
     Wire,
 )
 from gradserve.service.settings import Settings
+from gradserve.service.tier import INTERPRETER, XLA, Tier
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 Model = type[ForwardRequest | BackwardRequest]
@@ -94,6 +95,10 @@ class Stats:
     program_key: str | None = None  # the program's, when it is in the process's memory now
     store_evictions: int = 0  # by this process since it last reported
     store_damaged: int = 0
+    tier: str | None = None  # the tier that ran it: "interpreter" or "xla"
+    # The process's background lowerings that ended since it last reported: (program key,
+    # None when swapped in or why refused, XLA's compile time in ms).
+    lowerings: list[tuple[str, str | None, float]] = field(default_factory=list)
     # What the computation left in its process's memory (its graph id, its program key):
     # the pool sends later tasks with these keys to that worker while it is idle.
     affinity_keys: tuple[str, ...] = ()
@@ -172,6 +177,7 @@ class Compute:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.programs = Programs(settings)
+        self.tier = Tier(settings)
         self._devices: dict[str | None, str] = {}  # request's device -> canonical name
 
     def device(self, spec: str | None) -> str:
@@ -503,24 +509,32 @@ class Compute:
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
         p.stats.planned_peak_bytes = program.planned_peak_bytes
         reserve(program.planned_peak_bytes + _output_bytes(program, p.encoding))
-        try:
-            result = execute(
-                program,
-                _arrays(p.inputs, p.device),
-                grad_outputs=None if p.grad_outputs is None
-                else _arrays(p.grad_outputs, p.device),
-                deadline=deadline,
-                cancel=cancel,
-            )
-        except GradserveError as err:
-            p.stats.rejected = _REJECTIONS.get(type(err).__name__)
-            raise
+        lowered, tier = self.tier.choose(p.key, program, p.device)
+        result = None
+        if lowered is not None:  # (None again, and why, if XLA failed: interpreted)
+            result, tier = self.tier.run(p.key, lowered, _hosts(p.inputs),
+                                         None if p.grad_outputs is None
+                                         else _hosts(p.grad_outputs))
+        if result is None:
+            try:
+                result = execute(
+                    program,
+                    _arrays(p.inputs, p.device),
+                    grad_outputs=None if p.grad_outputs is None
+                    else _arrays(p.grad_outputs, p.device),
+                    deadline=deadline,
+                    cancel=cancel,
+                )
+            except GradserveError as err:
+                p.stats.rejected = _REJECTIONS.get(type(err).__name__)
+                raise
         p.stats.peak_bytes = result.peak_bytes
+        p.stats.tier = XLA if tier == XLA else INTERPRETER
         p.inputs, p.grad_outputs = {}, None  # the inputs' memory goes before the answer's
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(program, result, device=p.device, no_grad=p.no_grad,
                              encoding=p.encoding, graph_id=p.graph_id,
-                             source=p.stats.program or "compiled")
+                             source=p.stats.program or "compiled", tier=tier)
 
 
 @dataclass(frozen=True)
@@ -608,6 +622,7 @@ def warm_up(settings: Settings, body: bytes = WARM_UP) -> None:
         "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
         "compute_budget": 1e9, "max_inputs": 16, "max_id_chars": 64,
         "program_store_dir": None,  # (nothing of it for the store)
+        "xla": "off",  # (nor for the native tier)
     })
     Compute(roomy).run(body, MODELS["backward"], time.monotonic() + 60, lambda _: None)
 
@@ -871,6 +886,11 @@ def _spec_key(decoded: Decoded | None) -> Hashable:
     return tuple([(name, a.shape, a.dtype, rg) for name, (a, rg) in decoded.items()])
 
 
+def _hosts(decoded: Decoded) -> dict[str, np.ndarray]:
+    """The decoded host arrays (as the native tier takes them)."""
+    return {name: a for name, (a, _) in decoded.items()}
+
+
 def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
     """The decoded host arrays on the request's device (on the CPU: the arrays themselves)."""
     backend = get_backend(device)
@@ -878,9 +898,10 @@ def _arrays(decoded: Decoded, device: str) -> dict[str, Any]:
 
 
 def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
-                  encoding: str, graph_id: str, source: str) -> Reply:
+                  encoding: str, graph_id: str, source: str, tier: str) -> Reply:
     """The response: JSON, or with the binary encoding a JSON header whose tensors say
-    `binary_data_size`, followed by their bytes in the order they appear in it."""
+    `binary_data_size`, followed by their bytes in the order they appear in it. `tier`:
+    "xla", or why the interpreter ran it (service/tier.py)."""
     to_host = get_backend(device).to_host
     tail: list[memoryview] = []
     slots = dict(program.outputs)
@@ -906,6 +927,8 @@ def encode_result(program: Program, result: RunResult, *, device: str, no_grad: 
         "compute_cost": program.compute_cost,
         "program": source,
         "recompute": recomputation(program),
+        "tier": XLA if tier == XLA else INTERPRETER,
+        "tier_reason": None if tier == XLA else tier,
         "timings_ms": result.timings_ms,
     }
     header = codec.dumps(content)

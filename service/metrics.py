@@ -192,6 +192,21 @@ class Metrics:
             "gradserve_program_compile_seconds", "time to compile a program",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # The native tier (service/tier.py): which tier answered each run, and the lowerings.
+        self.tier_runs = Counter(
+            "gradserve_tier_runs", "program runs by the tier that ran them: interpreter or xla",
+            ["tier"], registry=r,
+        )
+        self.xla_lowerings = Counter(
+            "gradserve_xla_lowerings", "hot programs the native tier lowered in the background "
+            "(every process's), by outcome: xla (swapped in) or refused",
+            ["outcome"], registry=r,
+        )
+        self.xla_compile_seconds = Histogram(
+            "gradserve_xla_compile_seconds", "time XLA took to compile a lowered program (an "
+            "executable loaded from the store's cache counts as its compile)",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.load_seconds = Histogram(
             "gradserve_program_load_seconds", "time to load a program from the store",
             buckets=_LATENCY_BUCKETS, registry=r,

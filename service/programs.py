@@ -71,9 +71,9 @@ class Programs:
         self.settings = settings
         self.memory = ProgramCache(settings.program_cache_bytes)
         self.graphs = GraphCache(settings.graph_cache_bytes)
-        self._aliases = _Lru(ALIASES)  # raw key -> graph id
-        self._grants = _Lru(GRANTS)  # grant entry name -> True
-        self._unstored = _Lru(ALIASES)  # program key -> its device: compiled once, cheaply
+        self._aliases = Lru(ALIASES)  # raw key -> graph id
+        self._grants = Lru(GRANTS)  # grant entry name -> True
+        self._unstored = Lru(ALIASES)  # program key -> its device: compiled once, cheaply
         s = settings
         self._limits = f"{s.max_nodes},{s.expr_max_chars},{s.expr_max_depth}," \
                        f"{s.max_inputs},{s.max_id_chars}"
@@ -378,7 +378,7 @@ def _count_nodes(nodes: Any) -> int:
     return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
 
 
-class _Lru(OrderedDict[Any, Any]):
+class Lru(OrderedDict[Any, Any]):
     """A dict bounded to `limit` items, least recently used out (thread-safe enough for
     hints: a lost update is a miss)."""
 

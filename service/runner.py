@@ -402,8 +402,21 @@ class Runner:
             self.metrics.compile_seconds.observe(stats.compile_ms / 1000)
         if stats.load_ms is not None:
             self.metrics.load_seconds.observe(stats.load_ms / 1000)
-        if not stats.pid:  # (a worker's own store figures come in its stats)
+        if not stats.pid:  # (a worker's own store figures and lowerings come in its stats)
             stats.store_evictions, stats.store_damaged = self.compute.programs.changes()
+            stats.lowerings = self.compute.tier.ended()
+        if stats.tier is not None:
+            self.metrics.tier_runs.labels(stats.tier).inc()
+        for key, refused, compile_ms in stats.lowerings:
+            where = f"compute worker {stats.pid}" if stats.pid else "the front process"
+            if refused is None:
+                self.metrics.xla_lowerings.labels("xla").inc()
+                self.metrics.xla_compile_seconds.observe(compile_ms / 1000)
+                log.info("program %s runs in the native tier in %s from now on (XLA compiled "
+                         "it in %.0f ms)", key, where, compile_ms)
+            else:
+                self.metrics.xla_lowerings.labels("refused").inc()
+                log.info("program %s stays interpreted in %s: %s", key, where, refused)
         if stats.store_evictions:
             self.metrics.store_evictions.inc(stats.store_evictions)
         if stats.store_damaged:

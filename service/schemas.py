@@ -295,6 +295,14 @@ class Meta(BaseModel):
                     "store, or compiled for this request")
     recompute: Recomputation | None = Field(
         description="null: nothing is recomputed; the peak figures above are with it")
+    tier: Literal["interpreter", "xla"] = Field(
+        description="what ran the program: gradserve's interpreter, or its native tier "
+                    "(the program lowered to XLA once hot)")
+    tier_reason: str | None = Field(
+        description="null with the native tier; else why the interpreter ran it: `off` "
+                    "(GRADSERVE_XLA=off), `unavailable` (jax is not installed), `cold` (not "
+                    "hot yet), `compiling` (being lowered in the background), or why the "
+                    "tier refused the program (e.g. an op without a lowering)")
     timings_ms: dict[str, float]
 
 

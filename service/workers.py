@@ -59,6 +59,7 @@ from gradserve.service.compute import MODELS, PLANS, Compute, Handoff, Stats, wa
 from gradserve.service.errors import ProblemError, as_problem
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
+from gradserve.service.tier import CPUS
 
 log = logging.getLogger("gradserve.workers")
 
@@ -136,6 +137,10 @@ class Ledger:
 
     def total(self) -> int:
         return sum(self._values)
+
+    def busy(self, compute_slots: int) -> list[int]:
+        """The compute slots (the first `compute_slots` lines) that hold bytes now."""
+        return [i for i, held in enumerate(self._values[:compute_slots]) if held]
 
     def close(self) -> None:
         if self._fd < 0:
@@ -419,6 +424,8 @@ def run_task(task: Task) -> Reply:
             stats.rejected = "inflight_memory"
             raise overloaded(nbytes, ledger)
 
+    share_cores(task.slot, ledger.busy(_compute.settings.max_concurrency),
+                _compute.settings.max_concurrency)
     segment = None
     if task.header_length is None or isinstance(task.body, bytes):  # (parsed from bytes)
         body: bytes | memoryview = unpack(task.body, consume=True)
@@ -458,10 +465,45 @@ def run_task(task: Task) -> Reply:
             trim_memory()
         stats.pid = os.getpid()
         stats.store_evictions, stats.store_damaged = _compute.programs.changes()
+        stats.lowerings = _compute.tier.ended()
     # What this worker holds now: the graph the front process named, and the one it
     # found (the same, or one the front process could not know without a parse).
     stats.affinity_keys = tuple(dict.fromkeys(k for k in (task.affinity, stats.graph_id) if k))
     return "ok", reply, stats
+
+
+_cores: tuple[set[int], list[str]] = (set(CPUS), [])  # this worker's share, its threads
+
+
+def share_cores(slot: int, busy: list[int], compute_slots: int) -> None:
+    """Let this worker's threads (XLA's thread pool, the interpreter's BLAS) run on its
+    share of the cores (`cores_for`) for a task on `slot`. The share is the worker's CPU
+    affinity, every thread's, which the kernel enforces: a pool of more threads than its
+    cores runs them in turn on those cores. It is fixed for the task: one that starts
+    alone keeps its cores when others arrive."""
+    global _cores
+    cores = cores_for(slot, busy, compute_slots, CPUS)
+    try:
+        threads = os.listdir("/proc/self/task")  # (XLA starts its pool on its first compile)
+    except OSError:
+        return
+    if (cores, threads) == _cores:
+        return
+    _cores = (cores, threads)
+    for tid in threads:
+        with contextlib.suppress(OSError):  # (a thread that has just exited)
+            os.sched_setaffinity(int(tid), cores)
+
+
+def cores_for(slot: int, busy: list[int], compute_slots: int, cpus: tuple[int, ...]
+              ) -> set[int]:
+    """A task's share of `cpus`: the cores over the compute slots busy now (`busy`, its own
+    `slot` included), and never more cores than the compute slots free with its own. Alone
+    on an idle machine, every core; under load, one. Side by side with the other busy
+    slots' shares, by its rank among them."""
+    count = max(1, min(len(cpus) // max(len(busy), 1), compute_slots - len(busy) + 1))
+    rank = busy.index(slot) if slot in busy else 0
+    return {cpus[(rank * count + i) % len(cpus)] for i in range(count)}
 
 
 def overloaded(nbytes: int, ledger: Ledger) -> ProblemError:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -10,6 +12,15 @@ import pytest
 
 from gradserve.engine.autograd import raw_namespace
 from gradserve.engine.backends import set_cpu_namespace
+from tests.hooks.sitecustomize import install_no_jax
+
+# Every Python process the tests start (servers, forkservers, workers) runs
+# tests/hooks/sitecustomize.py: with GRADSERVE_TEST_NO_JAX=1, none of them can import jax,
+# nor can this one (CI's second run of the suite: gradserve without its `xla` extra).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).parent / "hooks"), *filter(None, [os.environ.get("PYTHONPATH")])])
+if os.environ.get("GRADSERVE_TEST_NO_JAX") == "1":
+    install_no_jax()
 
 
 @pytest.fixture(params=["numpy", "array-api-strict"])

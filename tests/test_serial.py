@@ -208,7 +208,7 @@ def run_both(fresh: Program, loaded: Program, inputs: dict[str, Any], **kw: Any)
 def _response(program: Program, result: Any) -> Any:
     """The response body /forward or /backward would send, without its timings."""
     reply = encode_result(program, result, device="cpu", no_grad=program.no_grad,
-                          encoding="json", graph_id="g", source="store")
+                          encoding="json", graph_id="g", source="store", tier="off")
     body = orjson.loads(b"".join(bytes(p) for p in reply.parts))
     del body["meta"]["timings_ms"]
     return body
