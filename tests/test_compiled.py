@@ -66,23 +66,28 @@ def assert_same(got: Any, expected: Any) -> None:
     np.testing.assert_array_equal(got, expected)  # NaN equals NaN here
 
 
+def forward_program(name: str, sample: Sample, dtype: str) -> tuple[Any, dict[str, np.ndarray]]:
+    """The op on the sample's arguments as a program of one step, and its inputs."""
+    op = OPS[name]
+    b, args, syms, arrays = _program_inputs(name, sample, dtype)
+    out = b.emit(op, args, op.bind_attrs(sample.attrs))
+    return assemble(b, syms, {"out": out}), arrays
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("name", "sample"), _cases())
 def test_forward_is_the_eager_forward(name: str, sample: Sample, dtype: str,
                                       backend_name: str) -> None:
     """One step: the shape rule equals the forward's shape and dtype (`verify`), the value
     is the eager one bit for bit, and the planned peak is the measured one."""
-    op = OPS[name]
-    b, args, syms, arrays = _program_inputs(name, sample, dtype)
-    out = b.emit(op, args, op.bind_attrs(sample.attrs))
-    program = assemble(b, syms, {"out": out})
+    program, arrays = forward_program(name, sample, dtype)
     result = _run(program, arrays)
     eager = run(name, engine_args(name, sample, dtype, False), sample.attrs)
     assert_same(result.outputs["out"], eager.numpy())
     assert result.peak_bytes == result.planned_peak_bytes
 
 
-def _with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str],
+def with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str],
                                                         np.ndarray]:
     """The op and its VJP with upstream `v` as one program, in float64."""
     op = OPS[name]
@@ -104,7 +109,7 @@ def _with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarra
 @pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
 def test_gradients_are_the_eager_gradients_and_torch(name: str, sample: Sample,
                                                      backend_name: str) -> None:
-    program, arrays, wrt, upstream = _with_gradients(name, sample)
+    program, arrays, wrt, upstream = with_gradients(name, sample)
     result = _run(program, arrays)
     assert result.peak_bytes == result.planned_peak_bytes
 
@@ -125,12 +130,10 @@ def test_gradients_are_the_eager_gradients_and_torch(name: str, sample: Sample,
                                    equal_nan=True)
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
-def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sample) -> None:
-    """d/dx ⟨∂f/∂x · v, w⟩: the derived backward is differentiated again, as a program,
-    against PyTorch's double backward."""
-    if not sample.second_order:
-        pytest.skip("PyTorch's double backward differs here on purpose (see the sample)")
+def differentiated_twice(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray],
+                                                         list[str]]:
+    """d/dx ⟨∂f/∂x · v, w⟩ as a program (the derived backward differentiated again), its
+    inputs, and the arguments it differentiates."""
     op = OPS[name]
     b, args, syms, arrays = _program_inputs(name, sample, "float64")
     wrt = _differentiable(name, sample, syms)
@@ -154,6 +157,16 @@ def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sa
     program = assemble(b, {**syms, "v": v, **{f"w{k}": w for k, w in ws.items()}}, outputs)
     arrays["v"] = rng.standard_normal(out.shape).astype(out.dtype)
     arrays.update({f"w{k}": rng.standard_normal(syms[k].shape) for k in wrt})
+    return program, arrays, wrt
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sample) -> None:
+    """d/dx ⟨∂f/∂x · v, w⟩: the derived backward is differentiated again, as a program,
+    against PyTorch's double backward."""
+    if not sample.second_order:
+        pytest.skip("PyTorch's double backward differs here on purpose (see the sample)")
+    program, arrays, wrt = differentiated_twice(name, sample)
     result = _run(program, arrays)
     assert result.peak_bytes == result.planned_peak_bytes
 

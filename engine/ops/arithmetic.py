@@ -30,31 +30,44 @@ def _pow_exponent_grad(F: Any, g: Any, a: Any, b: Any, result: Any) -> Any:
 _NEGATIVE_INT_POWER = "Integers to negative integer powers are not allowed"
 
 
-def _pow(xp: Any, a: Any, b: Any) -> Any:
+def _power(integer_powers: Any) -> Any:
     """a ** b with PyTorch's special cases: integer tensors to negative tensor powers give
-    1, -1 or 0 (a negative literal power is an error), bool only to a bool literal power,
-    and literal powers 0.5 and -0.5 as sqrt and rsqrt (so sqrt(-inf) is NaN)."""
-    arr = b if is_number(a) else a
-    if type(b) is float and xp.isdtype(arr.dtype, "real floating"):
-        if b == 0.5:
-            return xp.sqrt(a)
-        if b == -0.5:
-            return 1.0 / xp.sqrt(a)
-        return a ** b
-    if arr.dtype == xp.bool:
-        if isinstance(b, bool):
-            return a if b else xp.ones_like(a)
-        raise DTypeError(_BOOL_POW)
-    if not xp.isdtype(arr.dtype, "integral"):
-        return a ** b
-    if is_number(b):
-        if b < 0:
-            raise DTypeError(_NEGATIVE_INT_POWER)
-        return a ** b
-    a = as_array(xp, a, b)
+    1, -1 or 0 (`integer_powers`; a negative literal power is an error), bool only to a
+    bool literal power, and literal powers 0.5 and -0.5 as sqrt and rsqrt (so sqrt(-inf)
+    is NaN)."""
+
+    def pow_(xp: Any, a: Any, b: Any) -> Any:
+        arr = b if is_number(a) else a
+        if type(b) is float and xp.isdtype(arr.dtype, "real floating"):
+            if b == 0.5:
+                return xp.sqrt(a)
+            if b == -0.5:
+                return 1.0 / xp.sqrt(a)
+            return a ** b
+        if arr.dtype == xp.bool:
+            if isinstance(b, bool):
+                return a if b else xp.ones_like(a)
+            raise DTypeError(_BOOL_POW)
+        if not xp.isdtype(arr.dtype, "integral"):
+            return a ** b
+        if is_number(b):
+            if b < 0:
+                raise DTypeError(_NEGATIVE_INT_POWER)
+            return a ** b
+        return integer_powers(xp, as_array(xp, a, b), b)
+
+    return pow_
+
+
+def _integer_powers_if_any_negative(xp: Any, a: Any, b: Any) -> Any:
+    """The interpreter's: plain a ** b when no exponent is negative (which it can see)."""
+    return a ** b if not xp.any(b < 0) else _integer_powers(xp, a, b)
+
+
+def _integer_powers(xp: Any, a: Any, b: Any) -> Any:
+    """Integer tensors to integer tensor powers, negative ones as PyTorch: 1 ** n is 1,
+    (-1) ** n is 1 or -1 by n's parity, and any other base gives 0."""
     negative = b < 0
-    if not xp.any(negative):
-        return a ** b
     zero = xp.zeros_like(b)
     out = a ** xp.where(negative, zero, b)
     one = xp.ones_like(out)
@@ -131,8 +144,11 @@ register(
            (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * ((a / b) / b)),
            save=("input", "other"), float_result=True, ufunc="divide"),
     binary("pow", "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
-           _pow, (_pow_input_grad, _pow_exponent_grad), views_input=True,
-           save=("input", "exponent", "result"), args=("input", "exponent"), infer=_pow_infer),
+           _power(_integer_powers_if_any_negative), (_pow_input_grad, _pow_exponent_grad),
+           views_input=True, save=("input", "exponent", "result"), args=("input", "exponent"),
+           infer=_pow_infer,
+           # (the XLA tier cannot look at the exponents first: it always selects)
+           lower=_power(_integer_powers)),
     binary("maximum", "Elementwise max; ties give half the gradient to each side.",
            lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
            (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),

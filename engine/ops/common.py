@@ -103,6 +103,7 @@ def binary(
     check_args: Any = None,
     ufunc: str | None = None,
     views_input: bool = False,
+    lower: Any = None,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -118,4 +119,5 @@ def binary(
         check_args=check_args,
         ufunc=ufunc,
         views_input=views_input,
+        lower=lower,
     )

@@ -103,6 +103,11 @@ _TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+def NOT_LOWERED(*_: Any, **__: Any) -> Any:
+    """`OpDef.lower` of an op the XLA tier does not compute (a marker, never called)."""
+    raise AssertionError("an op marked NOT_LOWERED is never lowered")
+
+
 @dataclass(eq=False)
 class OpDef:
     """One op, declared once. See the module docstring."""
@@ -152,6 +157,11 @@ class OpDef:
     # that depend only on shapes, dtypes and attributes made once (checks included: the
     # compiler ran the shape rule).
     kernel: Callable[..., Callable[..., Array] | None] | None = None
+    # How the XLA tier (engine.graph.xla) computes this op: None, `forward` itself on the
+    # tier's JAX namespace (it traces as it is); else `lower(xp, *args, **attrs)` on that
+    # namespace, where the forward cannot trace (a check that reads the data) or XLA
+    # computes otherwise than PyTorch; NOT_LOWERED keeps its programs on the interpreter.
+    lower: Callable[..., Array] | None = None
 
     # Derived once at registration.
     grad_fn_name: str = field(init=False)

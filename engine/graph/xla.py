@@ -1,0 +1,317 @@
+"""The native tier: a compiled program lowered to XLA through JAX, as one function.
+
+A Program is already everything an array compiler wants: static shapes and dtypes, the
+derived backward as more steps, loops as `scan` steps. `lower` traces its steps, forward
+and backward (RECOMPUTE ones included), into one pure JAX function, a `scan` step as
+`lax.scan` over its body's steps, and has XLA compile it (`jax.jit(...).lower(...)
+.compile()`). JAX is a compiler only here: the derivative is gradserve's, never jax.grad.
+
+Each op runs its OpDef's `lower`, else its `forward`, on a JAX namespace (jax.numpy with
+the extras the NumPy backend's namespace has, and `defer`); an op marked NOT_LOWERED, or
+whose forward does not trace, keeps the program on the interpreter (NotLowerable says
+which). Every traced step's shape and dtype is checked against its shape rule while
+tracing, so a lowering that computes another dtype is refused before anything runs.
+
+Checks that read the data (an index out of range) cannot raise inside XLA: a lowering
+hands the values they read to `xp.defer(check, *values)`, they become extra results, and
+`check` runs on them on the host after the run (inside a loop, stacked over its
+iterations: a check reads them as a whole).
+
+Budgets: XLA's buffer assignment (`memory_analysis()`: arguments, results and temporaries,
+less what aliases) must fit the program's planned peak, or `lower` refuses. A recomputed
+value (engine.graph.remat) is computed from its inputs passed through an optimization
+barrier with the backward value made just before it, so that XLA neither merges it with
+the forward's nor moves it earlier, and its memory stays the plan's. A checkpointed loop
+(engine.graph.checkpoint) is refused: the plan chose it because the loop's plain
+residuals did not fit, which a plain `lax.scan` would hold again.
+
+jax is imported on first use only: gradserve imports and runs without it (`available`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from functools import cache
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from gradserve.engine.backends.base import namespace_with
+from gradserve.engine.errors import GradserveError, ShapeError
+from gradserve.engine.graph.executor import given_of
+from gradserve.engine.graph.ir import RECOMPUTE, Program, Step
+from gradserve.engine.graph.scan import SCAN, Body
+from gradserve.engine.graph.spec import RunResult
+from gradserve.engine.ops.registry import NOT_LOWERED, Meta
+from gradserve.engine.shapes import fmt
+
+__all__ = ["Lowered", "NotLowerable", "available", "lower", "namespace"]
+
+
+class NotLowerable(Exception):
+    """The program stays on the interpreter; `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@cache
+def _jax() -> Any:
+    import jax
+
+    # Process-wide, and before any tracing: gradserve's programs are float64 by default.
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def available() -> bool:
+    """Whether jax can be imported (imports it the first time; never raises)."""
+    try:
+        _jax()
+    except Exception:  # (ImportError, or a broken install: either way, no tier)
+        return False
+    return True
+
+
+# A check deferred to the host: the function, the traced values it reads (stacked by the
+# loops they are computed in), and the step that deferred it (its node and op for errors).
+Deferred = tuple[Callable[..., None], list[Any], Step]
+_tracing = threading.local()  # .deferred: the current trace's list of Deferred, .step
+
+
+def _defer(check: Callable[..., None], *values: Any) -> None:
+    """`xp.defer`: run `check(*values)` on the host after the run, on NumPy arrays."""
+    _tracing.deferred.append((check, list(values), _tracing.step))
+
+
+def _scatter_add(x: Any, dim: int, index: Any, src: Any) -> Any:
+    """torch.scatter_add on JAX arrays: repeated indices accumulate (`.at[].add`)."""
+    jnp = _jax().numpy
+    grid = list(jnp.indices(index.shape, sparse=True))
+    grid[dim] = index
+    return x.at[tuple(grid)].add(src[tuple(slice(0, n) for n in index.shape)])
+
+
+@cache
+def namespace() -> SimpleNamespace:
+    """The `xp` that ops' forwards and lowerings get in the tier: jax.numpy, plus the
+    NumPy backend's extras (einsum, scatter_add) and `defer`."""
+    jnp = _jax().numpy
+    return namespace_with(jnp, einsum=jnp.einsum, scatter_add=_scatter_add, defer=_defer)
+
+
+def _device(jax: Any, device: str) -> Any:
+    """The JAX device of a gradserve device name ("cpu", "cuda:N")."""
+    kind, _, index = device.partition(":")
+    try:
+        devices = jax.devices("gpu" if kind == "cuda" else kind)
+        return devices[int(index or 0)]
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise NotLowerable(f"device {device!r}: JAX has no such device ({exc})") from None
+
+
+class _Tracer:
+    """Runs a program's steps on traced values (a list by slot), deferring its checks."""
+
+    def __init__(self, jax: Any) -> None:
+        self.jax = jax
+        self.xp = namespace()
+
+    def run(self, program: Program, env: list[Any], deferred: list[Deferred]) -> None:
+        last = None  # the value of the step before (what a recomputation waits for)
+        for step in program.steps:
+            if step.op is SCAN:
+                self._scan(step, env, deferred)
+                last = env[step.out]
+                continue
+            args = [env[a] if type(a) is int else a.value for a in step.args]  # type: ignore[union-attr]
+            if step.kind == RECOMPUTE and last is not None:
+                arrays = [a for a in args if not isinstance(a, (bool, int, float))]
+                barred = iter(self.jax.lax.optimization_barrier((arrays, last))[0])
+                args = [a if isinstance(a, (bool, int, float)) else next(barred) for a in args]
+            env[step.out] = last = self._apply(step, args, program.metas[step.out], deferred)
+
+    def _apply(self, step: Step, args: list[Any], meta: Meta, deferred: list[Deferred]) -> Any:
+        op = step.op
+        if op.lower is NOT_LOWERED:
+            raise NotLowerable(f"op {op.name!r} has no lowering")
+        fn = op.lower or op.forward
+        _tracing.deferred, _tracing.step = deferred, step
+        try:
+            out = fn(self.xp, *args, **step.attrs)
+        except NotLowerable:
+            raise
+        except Exception as exc:  # (a concretization error: the forward reads the data)
+            raise NotLowerable(f"op {op.name!r} has no lowering: its forward does not trace "
+                               f"({type(exc).__name__}: {exc})") from None
+        out = self.xp.asarray(out)
+        shape, dtype = tuple(out.shape), out.dtype.name
+        if shape != meta.shape or dtype != meta.dtype:
+            raise NotLowerable(f"op {op.name!r} traced to {fmt(shape)} {dtype}, but its shape "
+                               f"rule says {fmt(meta.shape)} {meta.dtype}")
+        return out
+
+    def _scan(self, step: Step, env: list[Any], deferred: list[Deferred]) -> None:
+        """A scan step as lax.scan over its body's program."""
+        body: Body = step.attrs["body"]
+        if body.every or body.replay is not None:
+            raise NotLowerable("op 'scan': a checkpointed loop (its residuals recomputed to "
+                               "fit the memory budget) is not lowered")
+        program = body.program
+        assert program is not None, "a scan is lowered after its body is planned"
+        jax, jnp = self.jax, self.xp
+        metas = program.metas
+        args = [env[a] for a in step.slots]
+        nc, nx = len(body.carries), len(body.xs)
+        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:]
+        length, reverse = body.length, body.reverse
+        # A shifted slice is the row of the step the loop visits next, and at its last
+        # step a closure's value (engine.graph.scan): read by index, not copied shifted.
+        shifted = {body.xs[i]: (xs[i], closures[j]) for i, j in body.shifted}
+        plain = [(slot, seq) for slot, seq in zip(body.xs, xs, strict=True)
+                 if slot not in shifted]
+        ys = [y for k, y in enumerate(body.ys) if body.wanted[nc + k]]
+        inner: list[Deferred] = []
+        ahead = -1 if reverse else 1
+
+        def one_step(carry: tuple[Any, ...], x: tuple[Any, list[Any]]) -> Any:
+            t, rows = x
+            slots: list[Any] = [None] * len(metas)
+            for slot, value in zip(body.closures, closures, strict=True):
+                slots[slot] = value
+            for slot, value in zip(body.carries, carry, strict=True):
+                slots[slot] = value
+            for (slot, _), row in zip(plain, rows, strict=True):
+                slots[slot] = row
+            for slot, (seq, first) in shifted.items():
+                p = length - 1 - t if reverse else t
+                row = jax.lax.dynamic_index_in_dim(seq, jnp.clip(t + ahead, 0, length - 1),
+                                                   keepdims=False)
+                slots[slot] = jnp.where(p < length - 1, row, first)
+            inner.clear()
+            self.run(program, slots, inner)
+            nexts = tuple(self._strong(slots[n], metas[n]) for n in body.nexts)
+            return nexts, ([slots[y] for y in ys], [d[1] for d in inner])
+
+        init = tuple(self._strong(c, metas[s]) for c, s in zip(carries, body.carries,
+                                                                  strict=True))
+        final, (stacks, checked) = jax.lax.scan(
+            one_step, init, (jnp.arange(length), [seq for _, seq in plain]), length=length,
+            reverse=reverse)
+        deferred.extend((check, values, at)
+                        for (check, _, at), values in zip(inner, checked, strict=True))
+        stacked = iter(stacks)
+        for k, slot in enumerate(step.outs):
+            if k < nc:
+                env[slot] = final[k]
+            elif body.wanted[k]:
+                env[slot] = next(stacked)
+
+    def _strong(self, value: Any, meta: Meta) -> Any:
+        """A carry as lax.scan needs it from step to step: its dtype, not weakly typed."""
+        return self.jax.lax.convert_element_type(value, np.dtype(meta.dtype))
+
+
+class Lowered:
+    """A program compiled by XLA, run as one call."""
+
+    def __init__(self, program: Program, device: str, compiled: Any, memory_bytes: int,
+                 compile_ms: float, deferred: list[Deferred]) -> None:
+        self.program = program
+        self.device = device
+        self.memory_bytes = memory_bytes
+        self.compile_ms = compile_ms
+        self._compiled = compiled
+        self._given = _given(program)
+        self._deferred = deferred
+
+    def run(self, inputs: Mapping[str, Any],
+            grad_outputs: Mapping[str, Any] | None = None) -> RunResult:
+        """Run on NumPy arrays (checked against the compiled shapes and dtypes, as the
+        executor checks them); NumPy arrays out."""
+        program = self.program
+        given = grad_outputs or {}
+        arrays = []
+        for name, _, shape, dtype, upstream in self._given:
+            array = (given if upstream else inputs).get(name)
+            if array is None or tuple(array.shape) != shape or array.dtype.name != dtype:
+                got = "nothing" if array is None else f"{fmt(tuple(array.shape))} {array.dtype}"
+                raise ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on "
+                                 f"{self.device}, as compiled; got {got}")
+            arrays.append(array)
+        t0 = time.perf_counter()
+        results, checked = self._compiled(*arrays)
+        results = [np.asarray(r) for r in results]
+        elapsed = round((time.perf_counter() - t0) * 1000, 3)
+        for (check, _, step), values in zip(self._deferred, checked, strict=True):
+            try:
+                check(*[np.asarray(v) for v in values])
+            except GradserveError as err:
+                raise err.at(node=step.origin, op=step.op.name) from None
+        it = iter(results)
+        outputs = {name: next(it) for name, _ in program.outputs}
+        gradients = {name: next(it) for name, _ in program.gradients} \
+            if program.backward else None
+        # XLA runs the forward and the backward as one call: all of it counts as forward.
+        timings = {"plan": round(program.plan_ms, 3), "forward": elapsed}
+        return RunResult(outputs=outputs, gradients=gradients, peak_bytes=self.memory_bytes,
+                         planned_peak_bytes=program.planned_peak_bytes, nodes=program.nodes,
+                         timings_ms=timings)
+
+
+def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
+    """What the program is given, one entry per slot (a name given twice is one array)."""
+    seen: set[int] = set()
+    out = []
+    for entry in given_of(program):
+        if entry[1] not in seen:
+            seen.add(entry[1])
+            out.append(entry)
+    return out
+
+
+def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -> Lowered:
+    """`program` traced and compiled by XLA for `device`; raises NotLowerable (an op
+    without a lowering, a checkpointed loop, XLA's memory over `budget`, the program's
+    planned peak by default, no jax). Slow (XLA compiles): call it off the request path."""
+    try:
+        jax = _jax()
+    except ImportError as exc:
+        raise NotLowerable(f"jax is not installed ({exc})") from None
+    started = time.perf_counter()
+    target = _device(jax, device)
+    sharding = jax.sharding.SingleDeviceSharding(target)
+    given = _given(program)
+    results = [slot for _, slot in program.outputs]
+    if program.backward:
+        results += [slot for _, slot in program.gradients]
+    tracer = _Tracer(jax)
+    deferred: list[Deferred] = []
+
+    def whole(*arrays: Any) -> Any:
+        env: list[Any] = [None] * len(program.metas)
+        for (_, slot, _, _, _), array in zip(given, arrays, strict=True):
+            env[slot] = array
+        deferred.clear()
+        tracer.run(program, env, deferred)
+        return [env[s] for s in results], [d[1] for d in deferred]
+
+    specs = [jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+             for _, _, shape, dtype, _ in given]
+    # Float32 products in full precision, as NumPy and PyTorch compute them (not TF32).
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(whole).lower(*specs).compile()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise NotLowerable("memory: XLA gives no memory analysis for this device")
+    need = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+            + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+    budget = program.planned_peak_bytes if budget is None else budget
+    if need > budget:
+        raise NotLowerable(f"memory: XLA needs {need} bytes, the plan {budget}")
+    compile_ms = (time.perf_counter() - started) * 1000
+    return Lowered(program, device, compiled, need, compile_ms, list(deferred))

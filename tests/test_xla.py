@@ -1,0 +1,228 @@
+"""The XLA tier (engine.graph.xla) against the interpreter: every op sample forward, backward
+and second order; every graph of the compiled and transforms suites, run twice through the
+tier; what it refuses (an op without a lowering, memory over the plan); and gradserve
+without jax."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.xla import NotLowerable, available, lower
+from gradserve.engine.ops import OPS
+from gradserve.engine.ops.registry import NOT_LOWERED
+from tests import test_compiled, test_transforms
+from tests.op_samples import Sample
+from tests.test_compiled import differentiated_twice, forward_program, with_gradients
+from tests.test_ops import _cases
+
+pytest.importorskip("jax")
+
+# The semantic tests compare values, not memory: XLA may hold them in any bytes.
+UNBOUNDED = 1 << 60
+TOLERANCE = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-3}
+
+
+def assert_equivalent(got: Any, expected: Any, what: str = "") -> None:
+    """Shape and dtype exact; floats to the dtype's tolerance (relative, and absolute for
+    values that cancel: XLA sums in another order), NaN and inf where the interpreter has
+    them; everything else exact."""
+    got, expected = np.asarray(got), np.asarray(expected)
+    assert (got.shape, got.dtype) == (expected.shape, expected.dtype), what
+    tol = TOLERANCE.get(expected.dtype.name)
+    if tol is None:
+        np.testing.assert_array_equal(got, expected, err_msg=what)
+    else:
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, equal_nan=True,
+                                   err_msg=what)
+
+
+def assert_same_run(got: Any, expected: Any) -> None:
+    """Two results of one program (RunResults) agree: outputs and gradients."""
+    assert got.outputs.keys() == expected.outputs.keys()
+    for name, value in expected.outputs.items():
+        assert_equivalent(got.outputs[name], value, f"output {name!r}")
+    assert (got.gradients is None) == (expected.gradients is None)
+    for name, value in (expected.gradients or {}).items():
+        assert_equivalent(got.gradients[name], value, f"gradient {name!r}")
+
+
+def through_both(program: Any, arrays: Mapping[str, np.ndarray],
+                 grad_outputs: Mapping[str, np.ndarray] | None = None) -> None:
+    expected = execute(program, arrays, grad_outputs=grad_outputs)
+    assert_same_run(lower(program, budget=UNBOUNDED).run(arrays, grad_outputs), expected)
+
+
+# ---------------------------------------------------------------- every op sample
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("name", "sample"), _cases())
+def test_forward_through_the_tier(name: str, sample: Sample, dtype: str) -> None:
+    through_both(*forward_program(name, sample, dtype))
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_gradients_through_the_tier(name: str, sample: Sample) -> None:
+    program, arrays, _, _ = with_gradients(name, sample)
+    through_both(program, arrays)
+
+
+@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+def test_second_order_through_the_tier(name: str, sample: Sample) -> None:
+    program, arrays, _ = differentiated_twice(name, sample)
+    through_both(program, arrays)
+
+
+# ---------------------------------------------------------------- the seed, and refusals
+
+
+def seed_program(n: int = 3) -> Any:
+    spec = GraphSpec([NodeSpec("z", expr="(x + y) * (x - y)")], ["z"])
+    vector = TensorSpec((n,), "float64", True)
+    return compile_graph(spec, {"x": vector, "y": vector}, backward=True,
+                         grad_outputs={"z": TensorSpec((n,), "float64")})
+
+
+def test_the_seed_forward_and_backward_within_the_plan() -> None:
+    program = seed_program()
+    lowered = lower(program)
+    assert 0 < lowered.memory_bytes <= program.planned_peak_bytes
+    arrays, upstream = {"x": np.arange(3.0), "y": np.ones(3)}, {"z": np.ones(3)}
+    result = lowered.run(arrays, upstream)
+    np.testing.assert_array_equal(result.outputs["z"], [-1.0, 0.0, 3.0])
+    np.testing.assert_array_equal(result.gradients["x"], [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(result.gradients["y"], [-2.0, -2.0, -2.0])
+    assert result.peak_bytes == lowered.memory_bytes
+    assert result.planned_peak_bytes == program.planned_peak_bytes
+    with pytest.raises(Exception, match="input 'x' must be"):
+        lowered.run({"x": np.arange(3), "y": np.ones(3)}, upstream)
+
+
+def test_memory_over_the_plan_is_refused() -> None:
+    program = seed_program()
+    with pytest.raises(NotLowerable, match=r"memory: XLA needs \d+ bytes, the plan \d+"):
+        lower(program, budget=program.planned_peak_bytes // 4)
+    program.planned_peak_bytes //= 4
+    with pytest.raises(NotLowerable, match="memory"):
+        lower(program)
+
+
+def test_an_op_without_a_lowering_keeps_its_program_interpreted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(OPS["sub"], "lower", NOT_LOWERED)
+    with pytest.raises(NotLowerable, match="op 'sub' has no lowering") as info:
+        lower(seed_program())
+    assert info.value.reason == "op 'sub' has no lowering"
+
+
+def test_a_forward_that_does_not_trace_is_refused_naming_its_op(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def reads_the_data(xp: Any, a: Any, b: Any) -> Any:
+        return a + b if bool(xp.all(a > 0)) else a - b
+
+    monkeypatch.setattr(OPS["add"], "lower", reads_the_data)
+    with pytest.raises(NotLowerable, match="op 'add' has no lowering: its forward does not"):
+        lower(seed_program())
+
+
+def test_gradserve_imports_and_runs_without_jax() -> None:
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["jax"] = None  # an import of jax raises ImportError
+        import numpy as np
+        from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
+        from gradserve.engine.graph import xla
+        from gradserve.engine.graph.executor import execute
+        vector = TensorSpec((3,), "float64", True)
+        program = compile_graph(GraphSpec([NodeSpec("z", expr="(x + y) * (x - y)")], ["z"]),
+                                {"x": vector, "y": vector}, backward=True,
+                                grad_outputs={"z": TensorSpec((3,), "float64")})
+        assert not xla.available()
+        try:
+            xla.lower(program)
+        except xla.NotLowerable as err:
+            assert "jax is not installed" in err.reason, err.reason
+        else:
+            raise AssertionError("lowered without jax")
+        r = execute(program, {"x": np.ones(3), "y": np.ones(3)}, grad_outputs={"z": np.ones(3)})
+        assert r.gradients["x"].tolist() == [2.0, 2.0, 2.0]
+        print("ok")
+    """)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert available()
+
+
+# ---------------------------------------------------------------- the suites' graphs, twice
+
+
+def _suite_tests() -> dict[str, Any]:
+    """The whole-graph tests of the compiled and transforms suites (not the op samples',
+    which run above): each runs here again with every program it executes also run twice
+    through the tier (`tier_too`)."""
+    per_sample = {"test_forward_is_the_eager_forward",
+                  "test_gradients_are_the_eager_gradients_and_torch",
+                  "test_second_order_by_differentiating_the_program_twice"}
+    return {f"{name}_twice_through_the_tier": fn
+            for module in (test_compiled, test_transforms)
+            for name, fn in vars(module).items()
+            if name.startswith("test_") and callable(fn) and name not in per_sample}
+
+
+globals().update(_suite_tests())
+
+
+@pytest.fixture(autouse=True)
+def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For the suites' tests: `execute` runs the interpreter, then the program lowered,
+    twice, with the same inputs: both runs equal the interpreter's, and each other, bit for
+    bit; an error of the interpreter's is the tier's too."""
+    if request.function.__module__ == __name__:
+        yield
+        return
+    lowered: dict[int, Any] = {}
+
+    def both(program: Any, inputs: Mapping[str, Any], *,
+             grad_outputs: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+        backend = program.run.backend
+        host = {k: np.asarray(backend.to_host(a)) for k, a in inputs.items()}
+        host_grads = None if grad_outputs is None else {
+            k: np.asarray(backend.to_host(a)) for k, a in grad_outputs.items()}
+        if id(program) not in lowered:
+            lowered[id(program)] = (program, lower(program, budget=UNBOUNDED))
+        tier = lowered[id(program)][1]
+        try:
+            result = execute(program, inputs, grad_outputs=grad_outputs, **kw)
+        except Exception as err:
+            with pytest.raises(type(err)):
+                tier.run(host, host_grads)
+            raise
+        first, second = tier.run(host, host_grads), tier.run(host, host_grads)
+        interpreted = type(result)(**{**vars(result)})
+        interpreted.outputs = {k: np.asarray(backend.to_host(v))
+                               for k, v in result.outputs.items()}
+        if result.gradients is not None:
+            interpreted.gradients = {k: np.asarray(backend.to_host(v))
+                                     for k, v in result.gradients.items()}
+        assert_same_run(first, interpreted)
+        for name, value in first.outputs.items():
+            assert value.tobytes() == second.outputs[name].tobytes()
+        for name, value in (first.gradients or {}).items():
+            assert value.tobytes() == second.gradients[name].tobytes()  # type: ignore[index]
+        return result
+
+    for module in (test_compiled, test_transforms):
+        monkeypatch.setattr(module, "execute", both)
+    yield
