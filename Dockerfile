@@ -34,8 +34,9 @@ RUN set -eu; \
 
 # -------------------------------------------------------------------------- builder
 FROM python AS builder
-# Comma-separated extras from pyproject.toml to install besides "server" (which the image
-# always has), e.g. "gpu" (cupy-cuda12x, for a CUDA 12 base). Empty: the CPU image.
+# Comma-separated extras from pyproject.toml to install besides "server" and "xla" (which
+# the image always has: the service, and its native tier, JAX on the CPU), e.g. "gpu"
+# (cupy-cuda12x, for a CUDA 12 base). Empty: the CPU image.
 ARG GRADSERVE_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -63,7 +64,7 @@ WORKDIR /src
 COPY pyproject.toml ./
 RUN /opt/venv/bin/python -c 'import os, tomllib; \
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-extras = ["server"] + [e.strip() for e in os.environ.get("GRADSERVE_EXTRAS", "").split(",") if e.strip()]; \
+extras = ["server", "xla"] + [e.strip() for e in os.environ.get("GRADSERVE_EXTRAS", "").split(",") if e.strip()]; \
 unknown = [e for e in extras if e not in project.get("optional-dependencies", {})]; \
 assert not unknown, "unknown extras: %s" % unknown; \
 reqs = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]; \

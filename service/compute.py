@@ -510,13 +510,13 @@ class Compute:
         p.stats.planned_peak_bytes = program.planned_peak_bytes
         reserve(program.planned_peak_bytes + _output_bytes(program, p.encoding))
         lowered, tier = self.tier.choose(p.key, program, p.device)
-        result = None
-        if lowered is not None:  # (None again, and why, if XLA failed: interpreted)
-            result, tier = self.tier.run(p.key, lowered, _hosts(p.inputs),
-                                         None if p.grad_outputs is None
-                                         else _hosts(p.grad_outputs))
-        if result is None:
-            try:
+        try:
+            result = None
+            if lowered is not None:  # (None again, and why, if XLA failed: interpreted)
+                result, tier = self.tier.run(p.key, lowered, _hosts(p.inputs),
+                                             None if p.grad_outputs is None
+                                             else _hosts(p.grad_outputs))
+            if result is None:
                 result = execute(
                     program,
                     _arrays(p.inputs, p.device),
@@ -525,9 +525,9 @@ class Compute:
                     deadline=deadline,
                     cancel=cancel,
                 )
-            except GradserveError as err:
-                p.stats.rejected = _REJECTIONS.get(type(err).__name__)
-                raise
+        except GradserveError as err:
+            p.stats.rejected = _REJECTIONS.get(type(err).__name__)
+            raise
         p.stats.peak_bytes = result.peak_bytes
         p.stats.tier = XLA if tier == XLA else INTERPRETER
         p.inputs, p.grad_outputs = {}, None  # the inputs' memory goes before the answer's

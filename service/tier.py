@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Program, RunResult, xla
 from gradserve.service.programs import Lru
 from gradserve.service.settings import Settings
@@ -97,6 +98,8 @@ class Tier:
         caller interprets it)."""
         try:
             return lowered.run(inputs, grad_outputs), XLA
+        except GradserveError:  # (this request's own: the interpreter's, checked on the host)
+            raise
         except Exception as exc:  # (a bug of the lowering: the interpreter answers)
             log.exception("program %s failed in the native tier; it stays interpreted", key)
             reason = f"failed in XLA: {type(exc).__name__}"

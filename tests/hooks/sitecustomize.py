@@ -4,7 +4,9 @@ tests start, their forkserver and compute workers): what the environment asks of
 - GRADSERVE_TEST_NO_JAX=1: `jax` cannot be imported, as where it is not installed (CI's
   second run of the suite, and the tests of a server without the native tier);
 - GRADSERVE_TEST_SLOW_XLA=<seconds>: every lowered program sleeps that long before it runs
-  (a deadline that passes during an XLA execution).
+  (a deadline that passes during an XLA execution);
+- GRADSERVE_TEST_NOT_LOWERED=<op>: that op has no lowering (its programs stay interpreted,
+  whatever the lowering covers today).
 """
 
 from __future__ import annotations
@@ -41,7 +43,16 @@ def _slow_xla(seconds: float) -> None:
     xla.Lowered.run = slow  # type: ignore[method-assign]
 
 
+def _not_lowered(name: str) -> None:
+    from gradserve.engine.ops import OPS
+    from gradserve.engine.ops.registry import NOT_LOWERED
+
+    OPS[name].lower = NOT_LOWERED
+
+
 if os.environ.get("GRADSERVE_TEST_NO_JAX") == "1":
     install_no_jax()
 if os.environ.get("GRADSERVE_TEST_SLOW_XLA"):
     _slow_xla(float(os.environ["GRADSERVE_TEST_SLOW_XLA"]))
+if os.environ.get("GRADSERVE_TEST_NOT_LOWERED"):
+    _not_lowered(os.environ["GRADSERVE_TEST_NOT_LOWERED"])
