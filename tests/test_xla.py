@@ -127,7 +127,7 @@ def test_the_seed_forward_and_backward_within_the_plan() -> None:
 
 
 def test_memory_over_the_plan_is_refused() -> None:
-    program = seed_program()
+    program = seed_program(1000)
     with pytest.raises(NotLowerable, match=r"memory: XLA needs \d+ bytes, the plan \d+"):
         lower(program, budget=program.planned_peak_bytes // 4)
     program.planned_peak_bytes //= 4
