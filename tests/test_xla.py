@@ -15,15 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.errors import ShapeError
+from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.ir import RECOMPUTE
 from gradserve.engine.graph.xla import NotLowerable, available, lower
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import NOT_LOWERED
 from tests import test_compiled, test_transforms
 from tests.op_samples import Sample
+from tests.test_checkpoint import forced, rnn, rnn_arrays, specs
 from tests.test_compiled import differentiated_twice, forward_program, with_gradients
 from tests.test_ops import _cases
+from tests.test_remat import sin_chain
 
 pytest.importorskip("jax")
 
@@ -83,6 +87,20 @@ def test_second_order_through_the_tier(name: str, sample: Sample) -> None:
     through_both(program, arrays)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("source", ["float32", "float64"])
+def test_floats_out_of_an_integer_range_cast_as_on_the_interpreter(source: str,
+                                                                   dtype: str) -> None:
+    """NaN, infinities and values out of range give the most negative integer, as NumPy
+    and PyTorch on the CPU (XLA saturates, and gives 0 for NaN); not among the op samples,
+    as CUDA converts them otherwise."""
+    values = np.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 3e9, -3e9, 2.7, -2.7, 0.0])
+    spec = GraphSpec([NodeSpec("y", "cast", ["x"], {"dtype": dtype})], ["y"])
+    program = compile_graph(spec, {"x": TensorSpec(values.shape, source)})
+    with np.errstate(invalid="ignore"):
+        through_both(program, {"x": values.astype(source)})
+
+
 # ---------------------------------------------------------------- the seed, and refusals
 
 
@@ -109,7 +127,7 @@ def test_the_seed_forward_and_backward_within_the_plan() -> None:
 
 
 def test_memory_over_the_plan_is_refused() -> None:
-    program = seed_program()
+    program = seed_program(1000)
     with pytest.raises(NotLowerable, match=r"memory: XLA needs \d+ bytes, the plan \d+"):
         lower(program, budget=program.planned_peak_bytes // 4)
     program.planned_peak_bytes //= 4
@@ -133,6 +151,54 @@ def test_a_forward_that_does_not_trace_is_refused_naming_its_op(
     monkeypatch.setattr(OPS["add"], "lower", reads_the_data)
     with pytest.raises(NotLowerable, match="op 'add' has no lowering: its forward does not"):
         lower(seed_program())
+
+
+def test_an_index_out_of_range_is_the_interpreters_error_in_a_loop_too() -> None:
+    """The range check reads the index: the tier defers it to the host, after the run."""
+    pick = [NodeSpec("y", "index_select", ["x", "i"], {"dim": 0})]
+    body = BodySpec(carry=["h"], xs=["j"], nodes=[
+        NodeSpec("r", "index_select", ["x", "j"], {"dim": 0}), NodeSpec("h2", expr="h + r")],
+        next={"h": "h2"})
+    loop = [NodeSpec("s", op="scan", args=["h0", "i"], body=body, results={"y": "h"})]
+    x = np.arange(6.0).reshape(3, 2)
+    for nodes, i in ((pick, np.array([2, 0])), (loop, np.array([[2], [0]]))):
+        inputs = {"x": TensorSpec((3, 2), "float64"), "i": TensorSpec(i.shape, "int64"),
+                  "h0": TensorSpec((1, 2), "float64")}
+        program = compile_graph(GraphSpec(nodes, ["y"]), inputs)
+        arrays = {"x": x, "i": i, "h0": np.zeros((1, 2))}
+        through_both(program, arrays)
+        lowered = lower(program, budget=UNBOUNDED)
+        for bad in (3, -1):
+            arrays["i"] = np.where(i == 0, bad, i)
+            with pytest.raises(ShapeError) as interpreted:
+                execute(program, arrays)
+            with pytest.raises(ShapeError) as tiered:
+                lowered.run(arrays)
+            assert str(tiered.value) == str(interpreted.value)
+            assert (tiered.value.node, tiered.value.op) == (interpreted.value.node,
+                                                            interpreted.value.op)
+
+
+def test_recomputed_values_are_the_plans() -> None:
+    """A backward over its budget recomputes forward values (engine.graph.remat): XLA
+    keeps them recomputed (not merged with the forward's), and they give the same."""
+    spec = sin_chain(40)
+    inputs = {"x": TensorSpec((1000,), "float64", True)}
+    plain = compile_graph(spec, inputs, backward=True)
+    program = compile_graph(spec, inputs, backward=True, limits=Limits(
+        memory_budget_bytes=plain.planned_peak_bytes // 3))
+    assert any(step.kind == RECOMPUTE for step in program.steps)
+    lowered = lower(program)
+    assert lowered.memory_bytes <= program.planned_peak_bytes < plain.planned_peak_bytes
+    arrays = {"x": np.random.default_rng(0).standard_normal(1000)}
+    assert_same_run(lowered.run(arrays), execute(program, arrays))
+
+
+def test_a_checkpointed_loop_is_refused() -> None:
+    arrays = rnn_arrays(12)
+    program = forced(rnn(False), specs(arrays, list(arrays)), 4, backward=True)
+    with pytest.raises(NotLowerable, match="op 'scan': a checkpointed loop"):
+        lower(program, budget=UNBOUNDED)
 
 
 def test_gradserve_imports_and_runs_without_jax() -> None:

@@ -18,7 +18,8 @@ hands the values they read to `xp.defer(check, *values)`, they become extra resu
 iterations: a check reads them as a whole).
 
 Budgets: XLA's buffer assignment (`memory_analysis()`: arguments, results and temporaries,
-less what aliases) must fit the program's planned peak, or `lower` refuses. A recomputed
+less what aliases) must fit the program's planned peak, or `lower` refuses; beyond the
+plan's arrays, only XLA's bookkeeping (BOOKKEEPING_BYTES) is allowed. A recomputed
 value (engine.graph.remat) is computed from its inputs passed through an optimization
 barrier with the backward value made just before it, so that XLA neither merges it with
 the forward's nor moves it earlier, and its memory stays the plan's. A checkpointed loop
@@ -49,6 +50,12 @@ from gradserve.engine.ops.registry import NOT_LOWERED, Meta
 from gradserve.engine.shapes import fmt
 
 __all__ = ["Lowered", "NotLowerable", "available", "lower", "namespace"]
+
+
+# What XLA's buffers hold besides array values, which the plan (arrays only) does not
+# count: the tables of a tuple's buffers and a loop's counter, 8 bytes each (a 1,000-step
+# RNN's loops and outputs, differentiated: 216 bytes).
+BOOKKEEPING_BYTES = 4096
 
 
 class NotLowerable(Exception):
@@ -226,7 +233,9 @@ class Lowered:
         self.memory_bytes = memory_bytes
         self.compile_ms = compile_ms
         self._compiled = compiled
-        self._given = _given(program)
+        # (name, shape, dtype, upstream) of each argument: checked on every run
+        self._given = [(name, shape, np.dtype(dtype), upstream)
+                       for name, _, shape, dtype, upstream in _given(program)]
         self._deferred = deferred
 
     def run(self, inputs: Mapping[str, Any],
@@ -236,9 +245,9 @@ class Lowered:
         program = self.program
         given = grad_outputs or {}
         arrays = []
-        for name, _, shape, dtype, upstream in self._given:
+        for name, shape, dtype, upstream in self._given:
             array = (given if upstream else inputs).get(name)
-            if array is None or tuple(array.shape) != shape or array.dtype.name != dtype:
+            if array is None or array.shape != shape or array.dtype != dtype:
                 got = "nothing" if array is None else f"{fmt(tuple(array.shape))} {array.dtype}"
                 raise ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on "
                                  f"{self.device}, as compiled; got {got}")
@@ -247,11 +256,12 @@ class Lowered:
         results, checked = self._compiled(*arrays)
         results = [np.asarray(r) for r in results]
         elapsed = round((time.perf_counter() - t0) * 1000, 3)
-        for (check, _, step), values in zip(self._deferred, checked, strict=True):
-            try:
-                check(*[np.asarray(v) for v in values])
-            except GradserveError as err:
-                raise err.at(node=step.origin, op=step.op.name) from None
+        if checked:
+            for (check, _, step), values in zip(self._deferred, checked, strict=True):
+                try:
+                    check(*[np.asarray(v) for v in values])
+                except GradserveError as err:
+                    raise err.at(node=step.origin, op=step.op.name) from None
         it = iter(results)
         outputs = {name: next(it) for name, _ in program.outputs}
         gradients = {name: next(it) for name, _ in program.gradients} \
@@ -276,8 +286,9 @@ def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]
 
 def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -> Lowered:
     """`program` traced and compiled by XLA for `device`; raises NotLowerable (an op
-    without a lowering, a checkpointed loop, XLA's memory over `budget`, the program's
-    planned peak by default, no jax). Slow (XLA compiles): call it off the request path."""
+    without a lowering, a checkpointed loop, XLA's memory over `budget`, by default the
+    program's planned peak and XLA's bookkeeping, no jax). Slow (XLA compiles): call it off
+    the request path."""
     try:
         jax = _jax()
     except ImportError as exc:
@@ -310,8 +321,10 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
         raise NotLowerable("memory: XLA gives no memory analysis for this device")
     need = (stats.argument_size_in_bytes + stats.output_size_in_bytes
             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-    budget = program.planned_peak_bytes if budget is None else budget
+    if budget is None:
+        budget = program.planned_peak_bytes + BOOKKEEPING_BYTES
     if need > budget:
-        raise NotLowerable(f"memory: XLA needs {need} bytes, the plan {budget}")
+        raise NotLowerable(f"memory: XLA needs {need} bytes, the plan "
+                           f"{program.planned_peak_bytes} (allowed: {budget})")
     compile_ms = (time.perf_counter() - started) * 1000
     return Lowered(program, device, compiled, need, compile_ms, list(deferred))

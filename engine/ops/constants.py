@@ -14,12 +14,33 @@ def _cast_vjp(F: Any, g: Any, x: Any, *, dtype: str) -> Any:
     return F.cast(g, dtype=F.dtype_of(x))
 
 
+def _cast(xp: Any, x: Any, *, dtype: str) -> Any:
+    return xp.astype(x, getattr(xp, dtype))
+
+
+def _cast_lowering(xp: Any, x: Any, *, dtype: str) -> Any:
+    """The cast in the XLA tier, where XLA converts otherwise:
+    - a bool tensor to floats, as a selection of ones and zeros: XLA rewrites a product
+      with a converted bool as a selection (`x * float(m)` as `m ? x : 0`), which gives 0
+      where x is inf or NaN, where IEEE (and PyTorch) give NaN, but keeps a selection's;
+    - floats to integers: XLA saturates (and NaN gives 0), where PyTorch and NumPy on the
+      CPU give the most negative integer for NaN, infinities and values out of range."""
+    target = getattr(xp, dtype)
+    if x.dtype == xp.bool and dtype in FLOATS:
+        return xp.where(x, xp.ones(x.shape, dtype=target), xp.zeros(x.shape, dtype=target))
+    if dtype in _INT_RANGE and xp.isdtype(x.dtype, "real floating"):
+        low, high = _INT_RANGE[dtype]
+        inside = (x >= float(low)) & (x < float(high + 1))  # (bounds exact in every float)
+        return xp.where(inside, xp.astype(x, target), xp.full(x.shape, low, dtype=target))
+    return _cast(xp, x, dtype=dtype)
+
+
 register(
     OpDef(
         name="cast", group="dtype and graph",
         doc="Convert to another dtype; the gradient is cast back (floats only).",
         args=("input",),
-        forward=lambda xp, x, *, dtype: xp.astype(x, getattr(xp, dtype)),
+        forward=_cast, lower=_cast_lowering,
         infer=lambda metas, *, dtype: Meta(metas[0].shape, dtype),
         vjp=(_cast_vjp,), save=("input",),
         attrs={"dtype": Attr("dtype", doc="the target dtype")},
