@@ -217,7 +217,7 @@ def test_gradserve_imports_and_runs_without_jax() -> None:
         try:
             xla.lower(program)
         except xla.NotLowerable as err:
-            assert "jax is not installed" in err.reason, err.reason
+            assert "jax cannot be imported" in err.reason, err.reason
         else:
             raise AssertionError("lowered without jax")
         r = execute(program, {"x": np.ones(3), "y": np.ones(3)}, grad_outputs={"z": np.ones(3)})

@@ -291,8 +291,8 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
     the request path."""
     try:
         jax = _jax()
-    except ImportError as exc:
-        raise NotLowerable(f"jax is not installed ({exc})") from None
+    except Exception as exc:
+        raise NotLowerable(f"jax cannot be imported ({exc})") from None
     started = time.perf_counter()
     target = _device(jax, device)
     sharding = jax.sharding.SingleDeviceSharding(target)
@@ -315,7 +315,12 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
              for _, _, shape, dtype, _ in given]
     # Float32 products in full precision, as NumPy and PyTorch compute them (not TF32).
     with jax.default_matmul_precision("highest"):
-        compiled = jax.jit(whole).lower(*specs).compile()
+        try:
+            compiled = jax.jit(whole).lower(*specs).compile()
+        except NotLowerable:
+            raise
+        except Exception as exc:  # (XLA's own refusal: the interpreter keeps the program)
+            raise NotLowerable(f"XLA: {type(exc).__name__}: {exc}") from None
     stats = compiled.memory_analysis()
     if stats is None:
         raise NotLowerable("memory: XLA gives no memory analysis for this device")

@@ -30,33 +30,38 @@ def _pow_exponent_grad(F: Any, g: Any, a: Any, b: Any, result: Any) -> Any:
 _NEGATIVE_INT_POWER = "Integers to negative integer powers are not allowed"
 
 
-def _power(integer_powers: Any) -> Any:
+def _power(xp: Any, a: Any, b: Any, integer_powers: Any) -> Any:
     """a ** b with PyTorch's special cases: integer tensors to negative tensor powers give
     1, -1 or 0 (`integer_powers`; a negative literal power is an error), bool only to a
     bool literal power, and literal powers 0.5 and -0.5 as sqrt and rsqrt (so sqrt(-inf)
     is NaN)."""
+    arr = b if is_number(a) else a
+    if type(b) is float and xp.isdtype(arr.dtype, "real floating"):
+        if b == 0.5:
+            return xp.sqrt(a)
+        if b == -0.5:
+            return 1.0 / xp.sqrt(a)
+        return a ** b
+    if arr.dtype == xp.bool:
+        if isinstance(b, bool):
+            return a if b else xp.ones_like(a)
+        raise DTypeError(_BOOL_POW)
+    if not xp.isdtype(arr.dtype, "integral"):
+        return a ** b
+    if is_number(b):
+        if b < 0:
+            raise DTypeError(_NEGATIVE_INT_POWER)
+        return a ** b
+    return integer_powers(xp, as_array(xp, a, b), b)
 
-    def pow_(xp: Any, a: Any, b: Any) -> Any:
-        arr = b if is_number(a) else a
-        if type(b) is float and xp.isdtype(arr.dtype, "real floating"):
-            if b == 0.5:
-                return xp.sqrt(a)
-            if b == -0.5:
-                return 1.0 / xp.sqrt(a)
-            return a ** b
-        if arr.dtype == xp.bool:
-            if isinstance(b, bool):
-                return a if b else xp.ones_like(a)
-            raise DTypeError(_BOOL_POW)
-        if not xp.isdtype(arr.dtype, "integral"):
-            return a ** b
-        if is_number(b):
-            if b < 0:
-                raise DTypeError(_NEGATIVE_INT_POWER)
-            return a ** b
-        return integer_powers(xp, as_array(xp, a, b), b)
 
-    return pow_
+def _pow(xp: Any, a: Any, b: Any) -> Any:
+    return _power(xp, a, b, _integer_powers_if_any_negative)
+
+
+def _pow_lowering(xp: Any, a: Any, b: Any) -> Any:
+    """The XLA tier's: it cannot look at the exponents first, so it always selects."""
+    return _power(xp, a, b, _integer_powers)
 
 
 def _integer_powers_if_any_negative(xp: Any, a: Any, b: Any) -> Any:
@@ -144,11 +149,9 @@ register(
            (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * ((a / b) / b)),
            save=("input", "other"), float_result=True, ufunc="divide"),
     binary("pow", "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
-           _power(_integer_powers_if_any_negative), (_pow_input_grad, _pow_exponent_grad),
-           views_input=True, save=("input", "exponent", "result"), args=("input", "exponent"),
-           infer=_pow_infer,
-           # (the XLA tier cannot look at the exponents first: it always selects)
-           lower=_power(_integer_powers)),
+           _pow, (_pow_input_grad, _pow_exponent_grad), views_input=True,
+           save=("input", "exponent", "result"), args=("input", "exponent"), infer=_pow_infer,
+           lower=_pow_lowering),
     binary("maximum", "Elementwise max; ties give half the gradient to each side.",
            lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
            (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),

@@ -14,10 +14,6 @@ def _cast_vjp(F: Any, g: Any, x: Any, *, dtype: str) -> Any:
     return F.cast(g, dtype=F.dtype_of(x))
 
 
-def _cast(xp: Any, x: Any, *, dtype: str) -> Any:
-    return xp.astype(x, getattr(xp, dtype))
-
-
 def _cast_lowering(xp: Any, x: Any, *, dtype: str) -> Any:
     """The cast in the XLA tier, where XLA converts otherwise:
     - a bool tensor to floats, as a selection of ones and zeros: XLA rewrites a product
@@ -32,7 +28,7 @@ def _cast_lowering(xp: Any, x: Any, *, dtype: str) -> Any:
         low, high = _INT_RANGE[dtype]
         inside = (x >= float(low)) & (x < float(high + 1))  # (bounds exact in every float)
         return xp.where(inside, xp.astype(x, target), xp.full(x.shape, low, dtype=target))
-    return _cast(xp, x, dtype=dtype)
+    return xp.astype(x, target)
 
 
 register(
@@ -40,7 +36,8 @@ register(
         name="cast", group="dtype and graph",
         doc="Convert to another dtype; the gradient is cast back (floats only).",
         args=("input",),
-        forward=_cast, lower=_cast_lowering,
+        forward=lambda xp, x, *, dtype: xp.astype(x, getattr(xp, dtype)),
+        lower=_cast_lowering,
         infer=lambda metas, *, dtype: Meta(metas[0].shape, dtype),
         vjp=(_cast_vjp,), save=("input",),
         attrs={"dtype": Attr("dtype", doc="the target dtype")},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from gradserve.engine.dtypes import INTS
@@ -170,21 +171,17 @@ def _index_select_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta((*x.shape[:d], numel(index.shape), *x.shape[d + 1 :]), x.dtype)
 
 
-def _index_select(check: Any) -> Any:
+def _index_select(xp: Any, x: Any, index: Any, *, dim: int,
+                  check: Any = _check_index) -> Any:
     """index_select's forward, the index checked by `check` (`_check_index` or, in the XLA
     tier, `_defer_index_check`)."""
-
-    def index_select(xp: Any, x: Any, index: Any, *, dim: int) -> Any:
-        d = normalize_dim(dim, x.ndim)
-        if index.ndim > 1:
-            raise ShapeError(
-                f"index_select: index must be 0-d or 1-d, got shape {fmt(index.shape)}")
-        check(xp, index, x.shape[d] if x.ndim else 1, dim)
-        if x.ndim == 0:
-            return xp.reshape(xp.take(_as_1d(xp, x), _as_1d(xp, index), axis=0), ())
-        return xp.take(x, _as_1d(xp, index), axis=d)
-
-    return index_select
+    d = normalize_dim(dim, x.ndim)
+    if index.ndim > 1:
+        raise ShapeError(f"index_select: index must be 0-d or 1-d, got shape {fmt(index.shape)}")
+    check(xp, index, x.shape[d] if x.ndim else 1, dim)
+    if x.ndim == 0:
+        return xp.reshape(xp.take(_as_1d(xp, x), _as_1d(xp, index), axis=0), ())
+    return xp.take(x, _as_1d(xp, index), axis=d)
 
 
 def _index_select_vjp(F: Any, g: Any, x: Any, index: Any, *, dim: int) -> Any:
@@ -222,19 +219,16 @@ def _gather_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta(index.shape, x.dtype)
 
 
-def _gather(check: Any) -> Any:
+def _gather(xp: Any, x: Any, index: Any, *, dim: int,
+            check: Any = _check_index) -> Any:
     """gather's forward, the index checked by `check` (as `_index_select`'s)."""
-
-    def gather(xp: Any, x: Any, index: Any, *, dim: int) -> Any:
-        d = _gather_shapes("gather", tuple(x.shape), tuple(index.shape), dim)
-        check(xp, index, x.shape[d] if x.ndim else 1, dim)
-        if x.ndim == 0:
-            return xp.reshape(_as_1d(xp, x)[_as_1d(xp, index)], ())
-        # Torch's index may be smaller than the input in the other dims: cut the input to it.
-        x = x[_leading(tuple(x.shape), tuple(index.shape), d)]
-        return xp.take_along_axis(x, index, axis=d)
-
-    return gather
+    d = _gather_shapes("gather", tuple(x.shape), tuple(index.shape), dim)
+    check(xp, index, x.shape[d] if x.ndim else 1, dim)
+    if x.ndim == 0:
+        return xp.reshape(_as_1d(xp, x)[_as_1d(xp, index)], ())
+    # Torch's index may be smaller than the input in the other dims: cut the input to it.
+    x = x[_leading(tuple(x.shape), tuple(index.shape), d)]
+    return xp.take_along_axis(x, index, axis=d)
 
 
 def _gather_vjp(F: Any, g: Any, x: Any, index: Any, *, dim: int) -> Any:
@@ -260,21 +254,17 @@ def _scatter_add_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta(x.shape, x.dtype)
 
 
-def _scatter_add(check: Any) -> Any:
+def _scatter_add(xp: Any, x: Any, index: Any, src: Any, *, dim: int,
+                 check: Any = _check_index) -> Any:
     """scatter_add's forward, the index checked by `check` (as `_index_select`'s)."""
-
-    def scatter_add(xp: Any, x: Any, index: Any, src: Any, *, dim: int) -> Any:
-        d = _scatter_add_shapes(tuple(x.shape), tuple(index.shape), tuple(src.shape), dim)
-        if src.dtype != x.dtype:
-            raise DTypeError(
-                f"scatter_add: src must have the input's dtype {x.dtype}, got {src.dtype}")
-        check(xp, index, x.shape[d] if x.ndim else 1, dim)
-        if x.ndim == 0:
-            out = xp.scatter_add(_as_1d(xp, x), 0, _as_1d(xp, index), _as_1d(xp, src))
-            return xp.reshape(out, ())
-        return xp.scatter_add(x, d, index, src)
-
-    return scatter_add
+    d = _scatter_add_shapes(tuple(x.shape), tuple(index.shape), tuple(src.shape), dim)
+    if src.dtype != x.dtype:
+        raise DTypeError(f"scatter_add: src must have the input's dtype {x.dtype}, got {src.dtype}")
+    check(xp, index, x.shape[d] if x.ndim else 1, dim)
+    if x.ndim == 0:
+        out = xp.scatter_add(_as_1d(xp, x), 0, _as_1d(xp, index), _as_1d(xp, src))
+        return xp.reshape(out, ())
+    return xp.scatter_add(x, d, index, src)
 
 
 def _scatter_add_src_vjp(F: Any, g: Any, index: Any, src: Any, *, dim: int) -> Any:
@@ -303,7 +293,7 @@ register(
         name="index_select", group="indexing",
         doc="The entries at an int index (0-d or 1-d) along `dim`, as torch.index_select.",
         args=("input", "index"),
-        forward=_index_select(_check_index), lower=_index_select(_defer_index_check),
+        forward=_index_select, lower=partial(_index_select, check=_defer_index_check),
         infer=_INDEX_SELECT[1](_index_select_infer),
         check_args=_INDEX_SELECT[0],
         vjp=(_index_select_vjp, None), save=("input", "index"),
@@ -315,7 +305,7 @@ register(
         doc="out[i][j] = input[index[i][j]][j] along `dim`, as torch.gather "
             "(repeated indices sum their gradients).",
         args=("input", "index"),
-        forward=_gather(_check_index), lower=_gather(_defer_index_check),
+        forward=_gather, lower=partial(_gather, check=_defer_index_check),
         infer=_GATHER[1](_gather_infer), check_args=_GATHER[0],
         vjp=(_gather_vjp, None), save=("input", "index"),
         attrs={"dim": _INDEX_DIM},
@@ -326,7 +316,7 @@ register(
         doc="input with src added at index along `dim` (repeats accumulate), "
             "as torch.Tensor.scatter_add.",
         args=("input", "index", "src"),
-        forward=_scatter_add(_check_index), lower=_scatter_add(_defer_index_check),
+        forward=_scatter_add, lower=partial(_scatter_add, check=_defer_index_check),
         infer=_SCATTER_ADD[1](_scatter_add_infer),
         check_args=_SCATTER_ADD[0],
         vjp=(lambda F, g, index, src, *, dim: g, None, _scatter_add_src_vjp),

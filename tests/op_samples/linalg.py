@@ -1,5 +1,7 @@
 """Samples for matmul, einsum, transpose, permute, det, inv, solve, cross."""
 
+from typing import Any
+
 import numpy as np
 
 from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
@@ -105,9 +107,17 @@ SAMPLES = {
     ],
 }
 
+
+def _einsum_left_to_right(torch: Any, equation: str, ops: tuple[Any, ...]) -> Any:
+    """torch.einsum in PyTorch's own order, as gradserve's einsum contracts: with opt_einsum
+    installed (jax brings it) PyTorch would take opt_einsum's order instead."""
+    with torch.backends.opt_einsum.flags(enabled=False):
+        return torch.einsum(equation, *ops)
+
+
 TORCH = {
     "matmul": lambda torch, a, b: torch.matmul(a, b),
-    "einsum": lambda torch, *ops, equation: torch.einsum(equation, *ops),
+    "einsum": lambda torch, *ops, equation: _einsum_left_to_right(torch, equation, ops),
     "transpose": lambda torch, x, dim0, dim1: torch.transpose(x, dim0, dim1),
     "permute": lambda torch, x, dims: torch.permute(x, dims),
     "det": lambda torch, a: torch.linalg.det(a),
