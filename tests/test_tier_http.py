@@ -204,7 +204,7 @@ def test_a_second_server_loads_the_executables_from_the_store(tmp_path: Path) ->
         entries.append(sorted(p.name for p in (store / "xla").iterdir()
                               if p.name.endswith("-cache")))
     assert entries[0], "the first server left no executable in the store"
-    assert entries[1] == entries[0]
+    assert entries[1] == entries[0], (entries, compiled)
     assert compiled[1] < compiled[0], compiled
 
 
