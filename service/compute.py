@@ -67,7 +67,7 @@ from gradserve.service.schemas import (
     Wire,
 )
 from gradserve.service.settings import Settings
-from gradserve.service.tier import INTERPRETER, XLA, Tier
+from gradserve.service.tier import COLD, INTERPRETER, XLA, Tier
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 Model = type[ForwardRequest | BackwardRequest]
@@ -509,7 +509,7 @@ class Compute:
         plan_ms = (time.perf_counter() - p.started) * 1000  # parse, decode, compile or lookup
         p.stats.planned_peak_bytes = program.planned_peak_bytes
         reserve(program.planned_peak_bytes + _output_bytes(program, p.encoding))
-        lowered, tier = self.tier.choose(p.key, program, p.device)
+        lowered, tier = self.tier.choose(p.key)
         try:
             result = None
             if lowered is not None:  # (None again, and why, if XLA failed: interpreted)
@@ -517,6 +517,7 @@ class Compute:
                                              None if p.grad_outputs is None
                                              else _hosts(p.grad_outputs))
             if result is None:
+                started = time.perf_counter()
                 result = execute(
                     program,
                     _arrays(p.inputs, p.device),
@@ -525,6 +526,9 @@ class Compute:
                     deadline=deadline,
                     cancel=cancel,
                 )
+                if tier == COLD:
+                    tier = self.tier.interpreted(p.key, program, p.device,
+                                                 (time.perf_counter() - started) * 1000)
         except GradserveError as err:
             p.stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise

@@ -2,8 +2,12 @@
 background thread and swapped in when ready, while the interpreter keeps answering.
 
 A program is hot at its `GRADSERVE_XLA_HOT_HITS`-th run in a process, or at its first
-when its planned compute cost is `GRADSERVE_XLA_MIN_COST` or more. The run that makes it
-hot is still interpreted: it only queues the program. One thread per process compiles the
+when its planned compute cost is `GRADSERVE_XLA_MIN_COST` or more; but never while its
+fastest interpreted run took less than `MIN_RUN_MS`: XLA's own call (its dispatch, the
+inputs copied in, the results out: ~50 µs) would cost more than the whole interpreted
+run, and a tiny program like the seed would get slower (the fastest run, because a
+loaded machine slows any one run). The run that makes it hot is still
+interpreted: it only queues the program. One thread per process compiles the
 queue, one program at a time, and exits when it is empty; the queue is bounded (a program
 that finds it full is queued at a later run). A program the lowering refuses (an op
 without a lowering, XLA's memory over the plan) or that fails to compile is remembered
@@ -43,9 +47,11 @@ REMEMBERED = 8192  # programs whose hits or refusals a process remembers
 CPUS = tuple(sorted(os.sched_getaffinity(0)))  # the cores the server may use (its cpuset)
 XLA_STORE = "xla"  # the subdirectory of the program store that holds XLA's executables
 
+MIN_RUN_MS = 0.1  # a program the interpreter ever ran faster than this is not lowered
+
 INTERPRETER, XLA = "interpreter", "xla"
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason.
-OFF, UNAVAILABLE, COLD, COMPILING = "off", "unavailable", "cold", "compiling"
+OFF, UNAVAILABLE, COLD, COMPILING, SMALL = "off", "unavailable", "cold", "compiling", "small"
 
 
 class Tier:
@@ -54,7 +60,8 @@ class Tier:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.off = OFF if settings.xla == "off" else None if _installed() else UNAVAILABLE
-        self._hits: Lru = Lru(REMEMBERED)  # program key -> its runs so far
+        # program key -> (its runs so far, its fastest interpreted run in ms)
+        self._hits: Lru = Lru(REMEMBERED)
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
         self._lowered: Lru = Lru(LOWERED)  # program key -> Lowered
         self._queue: deque[tuple[str, Program, str]] = deque()
@@ -63,9 +70,10 @@ class Tier:
         self._worker: threading.Thread | None = None
         self._ended: list[tuple[str, str | None, float]] = []  # lowerings not yet reported
 
-    def choose(self, key: str, program: Program, device: str) -> tuple[Lowered | None, str]:
+    def choose(self, key: str) -> tuple[Lowered | None, str]:
         """One run of program `key`: its lowered program, or None and why the interpreter
-        answers this run (the run that makes it hot queues it, and is interpreted)."""
+        answers this run (COLD: not known to be hot yet; the caller then says how long the
+        run took, `interpreted`)."""
         if self.off is not None:
             return None, self.off
         lowered = self._lowered.get(key)
@@ -75,21 +83,29 @@ class Tier:
         if refused is not None:
             return None, refused
         with self._lock:
+            return None, COMPILING if key in self._queued else COLD
+
+    def interpreted(self, key: str, program: Program, device: str, run_ms: float) -> str:
+        """A COLD run of program `key` took `run_ms` in the interpreter: count it, and queue
+        the program if that makes it hot. Returns why the interpreter answered it."""
+        costly = program.compute_cost >= self.settings.xla_min_cost
+        with self._lock:
             if key in self._queued:
-                return None, COMPILING
-            hits = self._hits.get(key, 0) + 1
-            self._hits.put(key, hits)
-            hot = hits >= self.settings.xla_hot_hits or \
-                program.compute_cost >= self.settings.xla_min_cost
-            if not hot or len(self._queue) >= QUEUE:
-                return None, COLD
+                return COMPILING
+            hits, fastest = self._hits.get(key, (0, run_ms))
+            hits, fastest = hits + 1, min(fastest, run_ms)
+            self._hits.put(key, (hits, fastest))
+            if fastest < MIN_RUN_MS and not costly:
+                return SMALL
+            if (hits < self.settings.xla_hot_hits and not costly) or len(self._queue) >= QUEUE:
+                return COLD
             self._queue.append((key, program, device))
             self._queued.add(key)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._compile_all, daemon=True,
                                                 name="gradserve-xla")
                 self._worker.start()
-        return None, COMPILING
+        return COMPILING
 
     def run(self, key: str, lowered: Lowered, inputs: Mapping[str, np.ndarray],
             grad_outputs: Mapping[str, np.ndarray] | None) -> tuple[RunResult | None, str]:

@@ -37,8 +37,9 @@ def seed(x: float = 2.0, y: float = 3.0) -> dict[str, Any]:
 
 
 def rnn(steps: int = 1000) -> dict[str, Any]:
-    """A 1,000-step scan RNN, h = 0.95 h + 0.05 tanh(x + 1.1 h) on 4 values, fwd+bwd: a
-    body too large for the front process, computed in a worker."""
+    """A scan RNN, h = 0.95 h + 0.05 tanh(x + 1.1 h) on 4 values, fwd+bwd: with 1,000
+    steps a body too large for the front process, computed in a worker; with 100, one the
+    front process computes (and still ~1 ms: a run that counts towards tiering up)."""
     rng = np.random.default_rng(0)
     body = {"carry": ["h"], "xs": ["x"], "next": {"h": "h2"},
             "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}]}
@@ -56,10 +57,11 @@ NOT_LOWERED = "sin"  # (in the servers here: tests/hooks/sitecustomize.py)
 
 
 def refused() -> dict[str, Any]:
-    """A program with an op that has no lowering."""
-    return {"graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}], "outputs": ["z"]},
-            "inputs": {"x": {"data": [3.0, 1.0, 2.0], "dtype": "float64",
-                             "requires_grad": True}}}
+    """A program with an op that has no lowering (`sin`, in a 100-step loop: a run long
+    enough to count towards tiering up)."""
+    body = rnn(100)
+    body["graph"]["nodes"][0]["body"]["nodes"][0]["expr"] = "0.95 * h + 0.05 * sin(x + h)"
+    return body
 
 
 def post(server: Server, body: dict[str, Any], path: str = "/backward") -> dict[str, Any]:
@@ -100,9 +102,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @needs_jax
-@pytest.mark.parametrize("make", [seed, rnn], ids=["front process", "worker"])
-def test_a_hot_program_tiers_up_off_the_request_path(server: Server, make: Any) -> None:
-    body = make()
+@pytest.mark.parametrize("steps", [100, 1000], ids=["front process", "worker"])
+def test_a_hot_program_tiers_up_off_the_request_path(server: Server, steps: int) -> None:
+    body = rnn(steps)
     first = [post(server, body) for _ in range(HOT)]
     # Cold, then the run that makes it hot: interpreted, without waiting for the compile.
     assert [m["meta"]["tier"] for m in first] == ["interpreter"] * HOT
@@ -113,6 +115,18 @@ def test_a_hot_program_tiers_up_off_the_request_path(server: Server, make: Any) 
     again = post(server, body)
     assert again["meta"]["tier"] == "xla"
     assert_same(first[0], again)
+
+
+@needs_jax
+def test_a_tiny_program_stays_interpreted(server: Server) -> None:
+    """The seed runs in microseconds: XLA's call alone would cost more. It never counts
+    towards tiering up, however often it comes."""
+    metas = [post(server, seed())["meta"] for _ in range(2 * HOT)]
+    assert {m["tier"] for m in metas} == {"interpreter"}
+    # (a run may take longer, its first above all, which binds the kernels: the fastest
+    # decides, and it is under MIN_RUN_MS from then on)
+    assert {m["tier_reason"] for m in metas} <= {"cold", "small"}
+    assert metas[-1]["tier_reason"] == "small"
 
 
 @needs_jax
