@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from bench import bench_compiled as bc
+from gradserve.engine.graph import xla
 
 WORKLOADS = bc.small_workloads()
 
@@ -150,3 +151,15 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
     assert fitted["gradients"] == plain["gradients"]
     np.testing.assert_allclose(plain["outputs"]["out"]["data"], want, rtol=1e-12)
     np.testing.assert_allclose(plain["gradients"]["x"]["data"], grad, rtol=1e-10, atol=1e-15)
+
+
+@pytest.mark.skipif(not xla.available(), reason="jax is not importable (the run without it)")
+def test_the_native_tier_benchmark_agrees_with_jax() -> None:
+    """bench/bench_xla.py's workloads, small: the interpreter, the native tier and JAX's
+    own derivative of the same function agree (bench_case checks it, to 1e-9)."""
+    from bench import bench_xla as bx
+
+    gs = bc.Gradserve()
+    for case in (bx.rnn_scan(20), bx.lse(100), bx.llsq(16, 4), bx.ode(10, 4), bx.saddle(3)):
+        row = bx.bench_case(case, gs, rounds=1, budget_s=0.0)
+        assert {"interp", "xla", "jax"} <= set(row.ms), (case.name, row.note)

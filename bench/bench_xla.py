@@ -1,0 +1,424 @@
+"""The native tier (XLA through JAX) against the interpreter, JAX itself, hand-written
+NumPy and the FastAPI + PyTorch script: one table, side by side, in one run.
+
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/bench_xla.py [--quick]
+
+In process (a program compiled once; the timed call is its execution, NumPy in and out):
+
+  interp  gradserve's flat interpreter (engine.graph.execute);
+  xla     the same program lowered by gradserve.engine.graph.xla and compiled by XLA: the
+          forward and gradserve's own derived backward, one executable;
+  jax     the same function written for JAX and differentiated by it,
+          `jax.jit(jax.value_and_grad(f))`, waited for (`block_until_ready`), as
+          GradBench's JAX tool is made to wait;
+  numpy   hand-written NumPy (forward, and backward by the chain rule), where there is one.
+
+Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values),
+bench_compiled's 24-step recurrent cell, GradBench-style lse, llsq and ode (written as its
+JAX tool writes them), and a nested derivative like GradBench's saddle. Over HTTP
+(`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
+script a user would write, each server alone with its defaults.
+
+Medians over interleaved rounds; ratios are medians of per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_compiled import Gradserve, measure, recurrent_cell
+from bench.bench_remat import ode_graph
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+except ImportError:  # the xla extra (and the test extra) brings it
+    jax = None  # type: ignore[assignment]
+
+Arrays = dict[str, np.ndarray]
+Graph = dict[str, Any]
+
+
+@dataclass(eq=False)
+class Case:
+    """One workload: the graph and its inputs for gradserve, and the same function for
+    JAX (arguments in `wrt` order, then the rest) and, where written, NumPy."""
+
+    name: str
+    graph: Graph
+    inputs: Arrays
+    wrt: list[str]
+    output: str
+    jax_fn: Callable[..., Any] | None = None  # (*inputs in `order`) -> scalar
+    order: list[str] | None = None  # the JAX function's arguments, by input name
+    numpy: Callable[[Arrays], tuple[Any, Arrays]] | None = None
+    numpy_inputs: Arrays | None = None
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def rnn_scan(steps: int = 1000, width: int = 4) -> Case:
+    rng = np.random.default_rng(0)
+    graph = {"nodes": [
+        {"id": "loop", "op": "scan", "args": ["h0", "xs"], "attrs": {"length": steps},
+         "body": {"carry": ["h"], "xs": ["x"],
+                  "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
+                  "next": {"h": "h2"}},
+         "results": {"hT": "h"}},
+        {"id": "loss", "expr": "sum(hT)"}], "outputs": ["loss"]}
+    inputs = {"h0": rng.standard_normal(width), "xs": rng.standard_normal((steps, width))}
+
+    def f(h0: Any, xs: Any) -> Any:
+        def body(h: Any, x: Any) -> tuple[Any, None]:
+            return 0.95 * h + 0.05 * jnp.tanh(x + 1.1 * h), None
+
+        return jnp.sum(lax.scan(body, h0, xs)[0])
+
+    return Case(f"RNN scan, {steps} steps x {width} f64", graph, inputs, ["h0", "xs"],
+                "loss", f, ["h0", "xs"])
+
+
+def lse(n: int = 100_000) -> Case:
+    """GradBench's lse: logsumexp of a vector, as its JAX tool writes it (max-shifted)."""
+    x = np.random.default_rng(1).standard_normal(n)
+
+    def f(x: Any) -> Any:
+        m = jnp.max(x)
+        return m + jnp.log(jnp.sum(jnp.exp(x - m)))
+
+    graph = {"nodes": [{"id": "m", "expr": "max(x)"},
+                       {"id": "out", "expr": "m + log(sum(exp(x - m)))"}], "outputs": ["out"]}
+    return Case(f"GradBench lse, n={n:,}", graph, {"x": x}, ["x"], "out", f, ["x"])
+
+
+def llsq(n: int = 1024, m: int = 128) -> Case:
+    """GradBench's llsq: fit of sign(t) by a degree-(m-1) polynomial at n points of [-1, 1]:
+    0.5 * sum((sign(t) - T @ x)^2), T the points' powers (given, like GradBench's data)."""
+    t = -1.0 + 2.0 * np.arange(n) / (n - 1)
+    powers = t[:, None] ** np.arange(m)
+    x = np.random.default_rng(2).standard_normal(m) / m
+
+    def f(x: Any, T: Any, s: Any) -> Any:
+        return 0.5 * jnp.sum((s - T @ x) ** 2)
+
+    graph = {"nodes": [{"id": "out", "expr": "0.5 * sum((s - T @ x) ** 2)"}],
+             "outputs": ["out"]}
+    return Case(f"GradBench llsq, {n}x{m}", graph, {"x": x, "T": powers, "s": np.sign(t)},
+                ["x"], "out", f, ["x", "T", "s"])
+
+
+def ode(n: int = 1000, s: int = 100) -> Case:
+    """GradBench's ode (bench_remat's graph: RK4 as a scan)."""
+    x = np.random.default_rng(3).uniform(0.0, 1.0, n)
+    h = 2.0 / s
+
+    def f(x: Any) -> Any:
+        first = jnp.arange(n) == 0
+
+        def fy(y: Any) -> Any:
+            return jnp.where(first, x, x * jnp.roll(y, 1))
+
+        def step(y: Any, _: Any) -> tuple[Any, None]:
+            k1 = fy(y)
+            k2 = fy(y + h / 2 * k1)
+            k3 = fy(y + h / 2 * k2)
+            k4 = fy(y + h * k3)
+            return y + h / 6 * (k1 + ((2 * k2) + (2 * k3) + k4)), None
+
+        return lax.scan(step, jnp.zeros(n), None, length=s)[0][-1]
+
+    m = np.zeros(n)
+    m[0] = 1.0
+    return Case(f"GradBench ode, n={n:,}, s={s}", ode_graph(n, s), {"x": x, "m": m}, ["x"],
+                "out", f, ["x"])
+
+
+def saddle(steps: int = 100) -> Case:
+    """A nested derivative like GradBench's saddle: an inner gradient ascent on y (a
+    `grad` inside a `scan`) inside an objective of x, differentiated with respect to x."""
+    rng = np.random.default_rng(4)
+    graph = {"nodes": [
+        {"id": "ascent", "op": "scan", "args": ["y0"], "attrs": {"length": steps},
+         "body": {"carry": ["y"], "xs": [], "nodes": [
+             {"id": "inner", "expr": "sum(x * y) - sum(y * y) - sum(y ** 4) / 10"},
+             {"id": "y2", "expr": "y + 0.1 * grad(inner, y)"}], "next": {"y": "y2"}},
+         "results": {"y_star": "y"}},
+        {"id": "outer", "expr": "sum(x * x) + sum(x * y_star) + sum(y_star ** 2)"}],
+        "outputs": ["outer"]}
+
+    def f(x: Any, y0: Any) -> Any:
+        def step(y: Any, _: Any) -> tuple[Any, None]:
+            inner = jax.grad(lambda y: jnp.sum(x * y) - jnp.sum(y * y) - jnp.sum(y**4) / 10)
+            return y + 0.1 * inner(y), None
+
+        y = lax.scan(step, y0, None, length=steps)[0]
+        return jnp.sum(x * x) + jnp.sum(x * y) + jnp.sum(y**2)
+
+    return Case(f"nested grad (saddle-like), {steps} inner steps", graph,
+                {"x": rng.standard_normal(2), "y0": rng.standard_normal(2)}, ["x"], "outer",
+                f, ["x", "y0"])
+
+
+def cell() -> Case:
+    w = recurrent_cell()
+    return Case(w.name, w.graph, w.inputs, w.wrt, w.output, numpy=w.numpy,
+                numpy_inputs=w.baseline_inputs)
+
+
+# ---------------------------------------------------------------- running
+
+
+def compile_program(c: Case) -> Any:
+    """As the service compiles a /backward request: its wire schema, then the compiler."""
+    from gradserve.engine.graph import TensorSpec, compile_graph
+    from gradserve.service.compute import graph_spec
+    from gradserve.service.schemas import Graph
+
+    specs = {k: TensorSpec(a.shape, a.dtype.name, k in c.wrt) for k, a in c.inputs.items()}
+    return compile_graph(graph_spec(Graph.model_validate(c.graph)), specs, backward=True)
+
+
+@dataclass
+class Row:
+    name: str
+    ms: dict[str, float]  # contender -> median ms
+    ratios: dict[str, float | None]  # "xla/interp", "xla/jax", "xla/numpy"
+    compile_ms: dict[str, float]  # "xla" (gradserve's lowering), "jax"
+    note: str = ""
+
+
+def _close(a: Any, b: Any, what: str) -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9 * scale, err_msg=what)
+
+
+def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
+    from gradserve.engine.graph import xla
+
+    program = compile_program(c)
+    value, grads, _ = gs.run(program, c.inputs)
+    fns: dict[str, Callable[[], object]] = {"interp": lambda: gs.run(program, c.inputs)}
+    compile_ms: dict[str, float] = {}
+    note = ""
+    try:
+        t = time.perf_counter()
+        lowered = xla.lower(program)
+        compile_ms["xla"] = (time.perf_counter() - t) * 1e3
+    except xla.NotLowerable as e:
+        lowered, note = None, f"stays interpreted: {e}"
+    if lowered is not None:
+        r = lowered.run(c.inputs)
+        _close(r.outputs[c.output], value[c.output], f"{c.name}: xla value")
+        for k in c.wrt:
+            _close(r.gradients[k], grads[k], f"{c.name}: xla gradient {k}")
+        fns["xla"] = lambda: lowered.run(c.inputs)
+    if c.jax_fn is not None and jax is not None:
+        order = c.order or c.wrt
+        jitted = jax.jit(jax.value_and_grad(c.jax_fn, argnums=tuple(range(len(c.wrt)))))
+        args = [c.inputs[k] for k in order]
+        t = time.perf_counter()
+        v, g = jax.block_until_ready(jitted(*args))
+        compile_ms["jax"] = (time.perf_counter() - t) * 1e3
+        _close(v, value[c.output], f"{c.name}: jax value")
+        for k, gk in zip(c.wrt, g, strict=True):
+            _close(gk, grads[k], f"{c.name}: jax gradient {k}")
+        fns["jax"] = lambda: jax.block_until_ready(jitted(*args))
+    if c.numpy is not None:
+        fns["numpy"] = lambda: c.numpy(c.numpy_inputs or c.inputs)
+    samples = measure(fns, rounds, budget_s)
+
+    def ratio(a: str, b: str) -> float | None:
+        if a not in samples or b not in samples:
+            return None
+        return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
+
+    return Row(c.name, {k: statistics.median(v) * 1e3 for k, v in samples.items()},
+               {f"xla/{b}": ratio("xla", b) for b in ("interp", "jax", "numpy")}, compile_ms,
+               note)
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def print_table(rows: list[Row], header: str) -> None:
+    print(header)
+    cols = ["interp", "xla", "jax", "numpy"]
+    print("| workload | " + " | ".join(f"{c} ms" for c in cols)
+          + " | xla/interp | xla/jax | xla/numpy | xla compile ms | jax compile ms |")
+    print("|" + " --- |" * (len(cols) + 6))
+    for r in rows:
+        print(f"| {r.name} | " + " | ".join(_f(r.ms.get(c)) for c in cols) + " | "
+              + " | ".join(_f(r.ratios[k]) for k in ("xla/interp", "xla/jax", "xla/numpy"))
+              + f" | {_f(r.compile_ms.get('xla'))} | {_f(r.compile_ms.get('jax'))} |")
+    for r in rows:
+        if r.note:
+            print(f"- {r.name}: {r.note}")
+
+
+# ---------------------------------------------------------------- over HTTP
+
+# The script a user would write to serve the two objectives with PyTorch: JSON lists in,
+# forward and backward, JSON lists out; PyTorch with its default threads (every core).
+TORCH_APP = """
+import torch
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+app = FastAPI()
+
+
+class Llsq(BaseModel):
+    x: list[float]
+    T: list[list[float]]
+    s: list[float]
+
+
+class Lse(BaseModel):
+    x: list[float]
+
+
+@app.post("/llsq")
+def llsq(req: Llsq) -> dict:
+    x = torch.tensor(req.x, dtype=torch.float64, requires_grad=True)
+    T = torch.tensor(req.T, dtype=torch.float64)
+    s = torch.tensor(req.s, dtype=torch.float64)
+    out = 0.5 * torch.sum((s - T @ x) ** 2)
+    out.backward()
+    return {"out": out.item(), "x": x.grad.tolist()}
+
+
+@app.post("/lse")
+def lse(req: Lse) -> dict:
+    x = torch.tensor(req.x, dtype=torch.float64, requires_grad=True)
+    out = torch.logsumexp(x, dim=0)
+    out.backward()
+    return {"out": out.item(), "x": x.grad.tolist()}
+"""
+
+
+def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float, float, str]]:
+    """(workload, gradserve p50 ms, FastAPI+PyTorch p50 ms, gradserve's tier): each server
+    alone, with its defaults; gradserve through its client (binary bodies), the script
+    through httpx with JSON lists, as each one's user sends them."""
+    import tempfile
+
+    import httpx
+    import orjson
+
+    from bench.bench_service import free_port, server
+    from gradserve import Client
+
+    app_dir = Path(tempfile.mkdtemp(prefix="gradserve-xla-bench-"))
+    (app_dir / "torch_app.py").write_text(TORCH_APP)
+    cases = [llsq(*((256, 32) if quick else (1024, 128))), lse(10_000 if quick else 100_000)]
+    gs_port, torch_port = free_port(), free_port()
+    gs_argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(gs_port),
+               "--log-level", "warning"]
+    torch_argv = [sys.executable, "-m", "uvicorn", "torch_app:app", "--port", str(torch_port),
+                  "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
+    rows = []
+    with server(gs_argv, gs_port) as gs_base, server(torch_argv, torch_port) as torch_base, \
+            Client(gs_base, timeout=60) as gs, httpx.Client(timeout=60) as http:
+        for c in cases:
+            path = "/llsq" if "llsq" in c.name else "/lse"
+            body = orjson.dumps({k: a.tolist() for k, a in c.inputs.items()},
+                                option=orjson.OPT_SERIALIZE_NUMPY)
+
+            def via_gradserve(c: Case = c) -> Any:
+                return gs.backward(c.graph, c.inputs, requires_grad=c.wrt)
+
+            def via_torch(path: str = path, body: bytes = body) -> Any:
+                r = http.post(torch_base + path, content=body,
+                              headers={"Content-Type": "application/json"})
+                r.raise_for_status()
+                return r.json()
+
+            # Until the program has tiered up (bounded), and both agree with each other.
+            deadline = time.monotonic() + 60
+            r = via_gradserve()
+            while r.meta.get("tier") != "xla" and time.monotonic() < deadline:
+                time.sleep(0.05)
+                r = via_gradserve()
+            t = via_torch()
+            _close(r.outputs[c.output], t["out"], f"{c.name}: over HTTP")
+            _close(r.gradients["x"], np.array(t["x"]), f"{c.name}: gradient over HTTP")
+            samples: dict[str, list[float]] = {"gradserve": [], "torch": []}
+            for _ in range(rounds):
+                for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
+                    samples[name].append(statistics.median(
+                        _timed(fn) for _ in range(requests)))
+            rows.append((c.name, statistics.median(samples["gradserve"]) * 1e3,
+                         statistics.median(samples["torch"]) * 1e3,
+                         str(r.meta.get("tier", "?"))))
+    return rows
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def print_http(rows: list[tuple[str, float, float, str]], rounds: int) -> None:
+    print(f"\nover HTTP, one request at a time, each server alone with its defaults; medians of "
+          f"{rounds} rounds (target: gradserve <= 0.7x the FastAPI + PyTorch script)")
+    print("| workload | gradserve ms | FastAPI+PyTorch ms | ratio | gradserve's tier |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, gs_ms, torch_ms, tier in rows:
+        print(f"| {name} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} | {tier} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--only", default="")
+    parser.add_argument("--http", action="store_true", help="also the HTTP comparison")
+    parser.add_argument("--requests", type=int, default=20, help="per round, over HTTP")
+    args = parser.parse_args()
+    if jax is None:
+        raise SystemExit("JAX is needed (pip install -e '.[test]' or '.[xla]')")
+    quick = args.quick
+    rounds = args.rounds or (2 if quick else 5)
+    budget = 0.02 if quick else 0.15
+    gs = Gradserve()
+    cases = [rnn_scan(100 if quick else 1000), cell(), lse(10_000 if quick else 100_000),
+             llsq(*((256, 32) if quick else (1024, 128))), ode(*((100, 10) if quick else
+                                                                   (1000, 100))),
+             saddle(10 if quick else 100)]
+    gc.collect()
+    gc.freeze()
+    started = time.perf_counter()
+    rows = []
+    for c in cases:
+        if args.only in c.name:
+            t = time.perf_counter()
+            rows.append(bench_case(c, gs, rounds, budget))
+            print(f"  {c.name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    print_table(rows, f"\nthe native tier in process: medians of {rounds} interleaved rounds; "
+                      f"JAX {jax.__version__} on {jax.devices()[0].platform}, "
+                      f"{platform.python_version()}, NumPy {np.__version__}; "
+                      f"{time.perf_counter() - started:.0f} s{'; --quick' if quick else ''}")
+    if args.http:
+        print_http(http_rows(rounds, args.requests, quick), rounds)
+
+
+if __name__ == "__main__":
+    main()
