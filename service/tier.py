@@ -7,7 +7,10 @@ fastest interpreted run took less than `MIN_RUN_MS`: XLA's own call (its dispatc
 inputs copied in, the results out: ~50 µs) would cost more than the whole interpreted
 run, and a tiny program like the seed would get slower (the fastest run, because a
 loaded machine slows any one run). The run that makes it hot is still
-interpreted: it only queues the program. One thread per process compiles the
+interpreted: it only queues the program. A lowered program is also timed: if its fastest
+of its first `TRIALS` runs is slower than its fastest interpreted one (one large BLAS call,
+which NumPy's BLAS does faster than XLA's CPU kernels), it goes back to the interpreter
+for good. One thread per process compiles the
 queue, one program at a time, and exits when it is empty; the queue is bounded (a program
 that finds it full is queued at a later run). A program the lowering refuses (an op
 without a lowering, XLA's memory over the plan) or that fails to compile is remembered
@@ -25,6 +28,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -48,6 +52,7 @@ CPUS = tuple(sorted(os.sched_getaffinity(0)))  # the cores the server may use (i
 XLA_STORE = "xla"  # the subdirectory of the program store that holds XLA's executables
 
 MIN_RUN_MS = 0.1  # a program the interpreter ever ran faster than this is not lowered
+TRIALS = 3  # runs of a lowered program timed against the interpreter's fastest
 
 INTERPRETER, XLA = "interpreter", "xla"
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason.
@@ -64,6 +69,7 @@ class Tier:
         self._hits: Lru = Lru(REMEMBERED)
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
         self._lowered: Lru = Lru(LOWERED)  # program key -> Lowered
+        self._trials: Lru = Lru(LOWERED)  # program key -> its lowered runs' times, in ms
         self._queue: deque[tuple[str, Program, str]] = deque()
         self._queued: set[str] = set()  # waiting or compiling
         self._lock = threading.Lock()
@@ -113,7 +119,10 @@ class Tier:
         where the interpreter would not (the program is refused from now on, and the
         caller interprets it)."""
         try:
-            return lowered.run(inputs, grad_outputs), XLA
+            started = time.perf_counter()
+            result = lowered.run(inputs, grad_outputs)
+            self._timed(key, (time.perf_counter() - started) * 1000)
+            return result, XLA
         except GradserveError:  # (this request's own: the interpreter's, checked on the host)
             raise
         except Exception as exc:  # (a bug of the lowering: the interpreter answers)
@@ -122,6 +131,23 @@ class Tier:
             self._lowered.pop(key, None)
             self._refused.put(key, reason)
             return None, reason
+
+    def _timed(self, key: str, run_ms: float) -> None:
+        """One of the first TRIALS runs of lowered program `key` took `run_ms`: after the
+        last, the program goes back to the interpreter if it was faster there."""
+        trials = self._trials.get(key)
+        if trials is None or len(trials) >= TRIALS:
+            return
+        trials.append(run_ms)
+        if len(trials) < TRIALS:
+            return
+        interpreted = self._hits.get(key, (0, float("inf")))[1]
+        if min(trials) > interpreted:
+            reason = (f"slower in XLA: {min(trials):.3f} ms against {interpreted:.3f} ms "
+                      "interpreted")
+            log.info("program %s goes back to the interpreter: %s", key, reason)
+            self._lowered.pop(key, None)
+            self._refused.put(key, reason)
 
     def _compile_all(self) -> None:
         """The background thread: compile the queue, then exit. It may use every core
@@ -154,6 +180,7 @@ class Tier:
                 ended = (key, f"lowering failed: {type(exc).__name__}", 0.0)
                 self._refused.put(key, ended[1])
             else:
+                self._trials.put(key, [])
                 self._lowered.put(key, lowered)
                 ended = (key, None, lowered.compile_ms)
             with self._lock:

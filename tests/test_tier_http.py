@@ -239,3 +239,50 @@ def test_a_task_shares_the_cores() -> None:
     assert len(cores_for(1, [0, 1, 2, 3, 4], 8, cpus)) == 1
     assert cores_for(0, [0], 2, cpus) == {0, 1}  # (2 slots, 1 busy: 2 cores at most)
     assert cores_for(0, [0, 1], 2, cpus) == {0}
+
+
+class _FakeLowered:
+    """A lowered program that takes `ms` a run (the tier's bookkeeping is what is tested)."""
+
+    compile_ms = 1.0
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def run(self, inputs: Any, grad_outputs: Any) -> str:
+        time.sleep(self.ms / 1000)
+        return "result"
+
+
+def test_a_lowered_program_slower_than_the_interpreter_goes_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After TRIALS runs, a lowered program slower than its fastest interpreted run is
+    refused for good (it says why), and a faster one stays."""
+    from gradserve.service import tier as tier_module
+    from gradserve.service.settings import Settings
+
+    speeds = {"slow": 20.0, "fast": 0.0}
+    monkeypatch.setattr(tier_module.xla, "available", lambda: True)
+    monkeypatch.setattr(tier_module.xla, "lower",
+                        lambda program, device: _FakeLowered(speeds[program.name]))
+    tier = tier_module.Tier(Settings(xla="auto", xla_hot_hits=1, program_store_bytes=0))
+    tier.off = None  # (jax itself is not needed: `lower` is the fake above)
+    program = type("Program", (), {"compute_cost": 0})
+    for key in speeds:
+        p = program()
+        p.name = key
+        assert tier.choose(key) == (None, "cold")
+        assert tier.interpreted(key, p, "cpu", run_ms=5.0) == "compiling"
+    deadline = time.monotonic() + 10
+    while not all(tier.choose(k)[0] for k in speeds):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    for key in speeds:
+        for _ in range(tier_module.TRIALS):
+            lowered, why = tier.choose(key)
+            assert why == "xla"
+            assert tier.run(key, lowered, {}, None) == ("result", "xla")
+    assert tier.choose("fast")[1] == "xla"
+    lowered, why = tier.choose("slow")
+    assert lowered is None
+    assert re.fullmatch(r"slower in XLA: 2\d\.\d{3} ms against 5\.000 ms interpreted", why), why
