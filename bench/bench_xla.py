@@ -17,7 +17,9 @@ Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 value
 bench_compiled's 24-step recurrent cell, GradBench-style lse, llsq and ode (written as its
 JAX tool writes them), and a nested derivative like GradBench's saddle. Over HTTP
 (`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
-script a user would write, each server alone with its defaults.
+script a user would write, each server alone with its defaults, gradserve through its
+client (binary bodies) and the script with JSON lists, as each one's user sends them: the
+wire is most of that difference, the tier little of it.
 
 Medians over interleaved rounds; ratios are medians of per-round ratios.
 """
@@ -317,7 +319,8 @@ def lse(req: Lse) -> dict:
 
 
 def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float, float, str]]:
-    """(workload, gradserve p50 ms, FastAPI+PyTorch p50 ms, gradserve's tier): each server
+    """(workload, gradserve p50 ms, FastAPI+PyTorch p50 ms, the tier that answered in the
+    end): each server
     alone, with its defaults; gradserve through its client (binary bodies), the script
     through httpx with JSON lists, as each one's user sends them."""
     import tempfile
@@ -367,9 +370,11 @@ def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float,
                 for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
                     samples[name].append(statistics.median(
                         _timed(fn) for _ in range(requests)))
+            last = via_gradserve().meta  # (the tier keeps a program only where it is faster)
+            tier = last.get("tier", "?") + (f" ({last['tier_reason']})"
+                                            if last.get("tier_reason") else "")
             rows.append((c.name, statistics.median(samples["gradserve"]) * 1e3,
-                         statistics.median(samples["torch"]) * 1e3,
-                         str(r.meta.get("tier", "?"))))
+                         statistics.median(samples["torch"]) * 1e3, tier))
     return rows
 
 
