@@ -15,7 +15,8 @@ In process (a program compiled once; the timed call is its execution, NumPy in a
 
 Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values),
 bench_compiled's 24-step recurrent cell, GradBench-style lse, llsq and ode (written as its
-JAX tool writes them), and a nested derivative like GradBench's saddle. Over HTTP
+JAX tool writes them), GradBench's kmeans objective, and a nested derivative like
+GradBench's saddle. Over HTTP
 (`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
 script a user would write, each server alone with its defaults, gradserve through its
 client (binary bodies) and the script with JSON lists, as each one's user sends them: the
@@ -148,6 +149,23 @@ def ode(n: int = 1000, s: int = 100) -> Case:
     m[0] = 1.0
     return Case(f"GradBench ode, n={n:,}, s={s}", ode_graph(n, s), {"x": x, "m": m}, ["x"],
                 "out", f, ["x"])
+
+
+def kmeans(n: int = 1000, k: int = 100, d: int = 8) -> Case:
+    """GradBench's kmeans objective: each point's squared distance to its nearest
+    centroid, summed, differentiated with respect to the centroids (GradBench's eval also
+    takes the Hessian's diagonal; this row times the gradient)."""
+    rng = np.random.default_rng(5)
+    points, centroids = rng.standard_normal((n, d)), rng.standard_normal((k, d))
+
+    def f(C: Any, P: Any) -> Any:
+        return jnp.sum(jnp.min(jnp.sum((P[:, None, :] - C[None, :, :]) ** 2, axis=2), axis=1))
+
+    graph = {"nodes": [
+        {"id": "dist", "expr": "sum((unsqueeze(P, dim=1) - unsqueeze(C, dim=0)) ** 2, dim=2)"},
+        {"id": "out", "expr": "sum(min(dist, dim=1))"}], "outputs": ["out"]}
+    return Case(f"GradBench kmeans, n={n:,}, k={k}, d={d}", graph, {"C": centroids, "P": points},
+                ["C"], "out", f, ["C", "P"])
 
 
 def saddle(steps: int = 100) -> Case:
@@ -408,7 +426,9 @@ def main() -> None:
     budget = 0.02 if quick else 0.15
     gs = Gradserve()
     cases = [rnn_scan(100 if quick else 1000), cell(), lse(10_000 if quick else 100_000),
-             llsq(*((256, 32) if quick else (1024, 128))), ode(*((100, 10) if quick else
+             llsq(*((256, 32) if quick else (1024, 128))),
+             kmeans(*((100, 10, 4) if quick else (1000, 100, 8))),
+             ode(*((100, 10) if quick else
                                                                    (1000, 100))),
              saddle(10 if quick else 100)]
     gc.collect()
