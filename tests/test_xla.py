@@ -22,7 +22,7 @@ from gradserve.engine.graph.ir import RECOMPUTE
 from gradserve.engine.graph.xla import BOOKKEEPING_BYTES, NotLowerable, available, lower
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import NOT_LOWERED
-from tests import test_compiled, test_transforms
+from tests import test_compiled, test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.test_checkpoint import forced, rnn, rnn_arrays, specs
 from tests.test_compiled import differentiated_twice, forward_program, with_gradients
@@ -267,14 +267,14 @@ def test_gradserve_imports_and_runs_without_jax() -> None:
 
 
 def _suite_tests() -> dict[str, Any]:
-    """The whole-graph tests of the compiled and transforms suites (not the op samples',
-    which run above): each runs here again with every program it executes also run twice
-    through the tier (`tier_too`)."""
+    """The whole-graph tests of the compiled, objectives and transforms suites (not the op
+    samples', which run above): each runs here again with every program it executes also
+    run twice through the tier (`tier_too`)."""
     per_sample = {"test_forward_is_the_eager_forward",
                   "test_gradients_are_the_eager_gradients_and_torch",
                   "test_second_order_by_differentiating_the_program_twice"}
     return {f"{name}_twice_through_the_tier": fn
-            for module in (test_compiled, test_transforms)
+            for module in (test_compiled, test_objectives, test_transforms)
             for name, fn in vars(module).items()
             if name.startswith("test_") and callable(fn) and name not in per_sample}
 
@@ -321,6 +321,6 @@ def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
             assert value.tobytes() == second.gradients[name].tobytes()  # type: ignore[index]
         return result
 
-    for module in (test_compiled, test_transforms):
+    for module in (test_compiled, test_objectives, test_transforms):
         monkeypatch.setattr(module, "execute", both)
     yield
