@@ -42,7 +42,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_compiled import Gradserve, measure, recurrent_cell
+from bench.bench_compiled import Gradserve, _ratio, _timed, measure, recurrent_cell
+from bench.bench_compiled import _close as close
 from bench.bench_remat import ode_graph
 
 try:
@@ -223,12 +224,10 @@ class Row:
 
 
 def _close(a: Any, b: Any, what: str) -> None:
-    """Equal to summation order: 1e-9 of the tensor's scale in float64, 1e-5 in float32
-    (XLA sums and multiplies in its own order)."""
+    """Equal to summation order (bench_compiled's check): 1e-9 of the tensor's scale in
+    float64, 1e-5 in float32 (XLA sums and multiplies in its own order)."""
     a, b = np.asarray(a), np.asarray(b)
-    rtol = 1e-5 if np.float32 in (a.dtype, b.dtype) else 1e-9
-    scale = float(np.max(np.abs(b))) if b.size else 0.0
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=what)
+    close(a, b, 1e-5 if np.float32 in (a.dtype, b.dtype) else 1e-9, what)
 
 
 def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
@@ -265,15 +264,9 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
     if c.numpy is not None:
         fns["numpy"] = lambda: c.numpy(c.numpy_inputs or c.inputs)
     samples = measure(fns, rounds, budget_s)
-
-    def ratio(a: str, b: str) -> float | None:
-        if a not in samples or b not in samples:
-            return None
-        return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
-
     return Row(c.name, {k: statistics.median(v) * 1e3 for k, v in samples.items()},
-               {f"xla/{b}": ratio("xla", b) for b in ("interp", "jax", "numpy")}, compile_ms,
-               note)
+               {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax", "numpy")},
+               compile_ms, note)
 
 
 def _f(v: float | None) -> str:
@@ -394,12 +387,6 @@ def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float,
             rows.append((c.name, statistics.median(samples["gradserve"]) * 1e3,
                          statistics.median(samples["torch"]) * 1e3, tier))
     return rows
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def print_http(rows: list[tuple[str, float, float, str]], rounds: int) -> None:
