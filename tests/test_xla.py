@@ -122,8 +122,16 @@ def test_the_seed_forward_and_backward_within_the_plan() -> None:
     np.testing.assert_array_equal(result.gradients["y"], [-2.0, -2.0, -2.0])
     assert result.peak_bytes == lowered.memory_bytes
     assert result.planned_peak_bytes == program.planned_peak_bytes
-    with pytest.raises(Exception, match="input 'x' must be"):
-        lowered.run({"x": np.arange(3), "y": np.ones(3)}, upstream)
+    # An input that is not what was compiled: the interpreter's error, word for word.
+    for wrong, upstream_given in (({"x": np.arange(3), "y": np.ones(3)}, upstream),
+                                  ({"x": np.ones(4), "y": np.ones(3)}, upstream),
+                                  (arrays, {})):
+        with pytest.raises(ShapeError) as interpreted:
+            execute(program, wrong, grad_outputs=upstream_given)
+        with pytest.raises(ShapeError) as tiered:
+            lowered.run(wrong, upstream_given)
+        assert str(tiered.value) == str(interpreted.value)
+        assert "as compiled; got" in str(tiered.value)
 
 
 def test_memory_over_the_plan_is_refused() -> None:

@@ -198,6 +198,15 @@ def _with_literals(fn: Kernel, args: Sequence[Any]) -> Kernel:
     return kernel
 
 
+def wrong_input(name: str, shape: tuple[int, ...], dtype: str, device: str,
+                got: tuple[tuple[int, ...], str] | None) -> ShapeError:
+    """An input that is not what the program was compiled for (`got`: its shape and dtype,
+    None when it is missing), the same error in either tier."""
+    given = "nothing" if got is None else f"{fmt(got[0])} {got[1]}"
+    return ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on {device}, as "
+                      f"compiled; got {given}")
+
+
 def execute(
     program: Program,
     inputs: Mapping[str, Any],
@@ -220,10 +229,8 @@ def execute(
     for name, slot, shape, dtype, upstream in bound.given:
         array = (given if upstream else inputs).get(name)
         if array is None or array.shape != shape or backend.dtype_name(array) != dtype:
-            got = "nothing" if array is None else \
-                f"{fmt(tuple(array.shape))} {backend.dtype_name(array)}"
-            raise ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on "
-                             f"{backend.device}, as compiled; got {got}")
+            raise wrong_input(name, shape, dtype, backend.device, None if array is None
+                              else (tuple(array.shape), backend.dtype_name(array)))
         if slots[slot] is None:  # (a name given twice is one array, counted once)
             slots[slot] = array
             sizes[slot] = nbytes = backend.nbytes(array)

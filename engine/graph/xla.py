@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from gradserve.engine.backends.base import namespace_with
-from gradserve.engine.errors import GradserveError, ShapeError
-from gradserve.engine.graph.executor import given_of
+from gradserve.engine.errors import GradserveError
+from gradserve.engine.graph.executor import given_of, wrong_input
 from gradserve.engine.graph.ir import RECOMPUTE, Program, Step
 from gradserve.engine.graph.scan import SCAN, Body
 from gradserve.engine.graph.spec import RunResult
@@ -268,9 +268,8 @@ class Lowered:
         for name, shape, dtype, upstream in self._given:
             array = (given if upstream else inputs).get(name)
             if array is None or array.shape != shape or array.dtype != dtype:
-                got = "nothing" if array is None else f"{fmt(tuple(array.shape))} {array.dtype}"
-                raise ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on "
-                                 f"{self.device}, as compiled; got {got}")
+                raise wrong_input(name, shape, dtype.name, self.device, None if array is None
+                                  else (tuple(array.shape), array.dtype.name))
             arrays.append(array)
         t0 = time.perf_counter()
         results, checked = self._compiled(*arrays)
