@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradserve.engine.errors import ShapeError
+from gradserve.engine.errors import Cancelled, DeadlineExceeded, ShapeError
 from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.ir import RECOMPUTE
@@ -290,15 +290,13 @@ def _suite_tests() -> dict[str, Any]:
 globals().update(_suite_tests())
 
 
-@pytest.fixture(autouse=True)
-def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """For the suites' tests: `execute` runs the interpreter, then the program lowered,
-    twice, with the same inputs: both runs equal the interpreter's, and each other, bit for
-    bit; an error of the interpreter's is the tier's too."""
-    if request.function.__module__ == __name__:
-        yield
-        return
-    lowered: dict[int, Any] = {}
+def interpreter_then_tier(lowered: dict[int, Any]) -> Any:
+    """`execute` as the suites call it, checked: the interpreter runs the program, then its
+    lowering (cached in `lowered` by program) runs it twice with the same inputs: both runs
+    equal the interpreter's, and each other, bit for bit; an error of the interpreter's is
+    the tier's too. A refusal is allowed for a checkpointed loop (by design: the
+    interpreter alone answers it), or for a program the interpreter fails too (the error
+    is what the service answers)."""
 
     def both(program: Any, inputs: Mapping[str, Any], *,
              grad_outputs: Mapping[str, Any] | None = None, **kw: Any) -> Any:
@@ -307,10 +305,19 @@ def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         host_grads = None if grad_outputs is None else {
             k: np.asarray(backend.to_host(a)) for k, a in grad_outputs.items()}
         if id(program) not in lowered:
-            lowered[id(program)] = (program, lower(program, budget=UNBOUNDED))
+            try:
+                lowered[id(program)] = (program, lower(program, budget=UNBOUNDED))
+            except NotLowerable as refused:
+                lowered[id(program)] = (program, refused)
         tier = lowered[id(program)][1]
+        if isinstance(tier, NotLowerable):
+            result = execute(program, inputs, grad_outputs=grad_outputs, **kw)
+            assert "checkpointed loop" in str(tier), tier
+            return result
         try:
             result = execute(program, inputs, grad_outputs=grad_outputs, **kw)
+        except (DeadlineExceeded, Cancelled):
+            raise  # (the run's time, not its values: the service kills the tier's likewise)
         except Exception as err:
             with pytest.raises(type(err)):
                 tier.run(host, host_grads)
@@ -329,6 +336,16 @@ def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
             assert value.tobytes() == second.gradients[name].tobytes()  # type: ignore[index]
         return result
 
+    return both
+
+
+@pytest.fixture(autouse=True)
+def tier_too(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For the suites' tests: `execute` is `interpreter_then_tier`'s."""
+    if request.function.__module__ == __name__:
+        yield
+        return
+    both = interpreter_then_tier({})
     for module in (test_compiled, test_objectives, test_transforms):
         monkeypatch.setattr(module, "execute", both)
     yield
