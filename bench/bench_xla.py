@@ -14,9 +14,10 @@ In process (a program compiled once; the timed call is its execution, NumPy in a
   numpy   hand-written NumPy (forward, and backward by the chain rule), where there is one.
 
 Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values),
-bench_compiled's 24-step recurrent cell, GradBench-style lse, llsq and ode (written as its
-JAX tool writes them), GradBench's kmeans objective, and a nested derivative like
-GradBench's saddle. Over HTTP
+bench_compiled's 24-step recurrent cell (unrolled, as a `scan`, and as a `scan` with its
+inputs' projection hoisted as the hand-written NumPy does), GradBench-style lse, llsq and
+ode (written as its JAX tool writes them), GradBench's kmeans objective, and a nested
+derivative like GradBench's saddle. Over HTTP
 (`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
 script a user would write, each server alone with its defaults, gradserve through its
 client (binary bodies) and the script with JSON lists, as each one's user sends them: the
@@ -195,10 +196,61 @@ def saddle(steps: int = 100) -> Case:
                 f, ["x", "y0"])
 
 
+def _cell_step(h: Any, a: Any) -> Any:
+    return jax.nn.sigmoid(a + 1.0) * h + jax.nn.sigmoid(a) * jnp.tanh(a)
+
+
 def cell() -> Case:
+    """bench_compiled's cell as define-by-run records it: 24 unrolled copies of the step,
+    each step's input its own tensor; JAX's contender unrolled alike."""
     w = recurrent_cell()
-    return Case(w.name, w.graph, w.inputs, w.wrt, w.output, numpy=w.numpy,
+    steps = len(w.baseline_inputs["xs"])
+
+    def f(*args: Any) -> Any:
+        xs, (wx, u, b, h) = args[:steps], args[steps:]
+        for x in xs:
+            h = _cell_step(h, x @ wx + h @ u + b)
+        return jnp.sum(h * h)
+
+    return Case(w.name, w.graph, w.inputs, w.wrt, w.output, f, numpy=w.numpy,
                 numpy_inputs=w.baseline_inputs)
+
+
+def cell_scan(hoisted: bool) -> Case:
+    """The same cell written as a loop: a `scan` over its 24 steps (as `trace` records
+    `scan`, or a user writes the graph); `hoisted`: the inputs' projection `xs @ w + b` of
+    every step in one matmul before the loop, as the hand-written NumPy computes it. JAX's
+    contender is the same loop as `lax.scan`."""
+    w = recurrent_cell()
+    d = w.baseline_inputs
+    steps, batch, width = d["xs"].shape
+    step = "sigmoid(a + 1.0) * h + sigmoid(a) * tanh(a)"
+    if hoisted:
+        before = [{"id": "p", "expr": f"reshape(reshape(xs, shape=[{steps * batch}, {width}])"
+                                      f" @ w, shape=[{steps}, {batch}, {width}]) + b"}]
+        per_step, a = ["p", "pt"], "pt + h @ u"
+    else:
+        before, per_step, a = [], ["xs", "x"], "x @ w + h @ u + b"
+    graph = {"nodes": [*before,
+        {"id": "loop", "op": "scan", "args": ["h0", per_step[0]],
+         "body": {"carry": ["h"], "xs": [per_step[1]],
+                  "nodes": [{"id": "a", "expr": a}, {"id": "h2", "expr": step}],
+                  "next": {"h": "h2"}},
+         "results": {"hT": "h"}},
+        {"id": "loss", "expr": "sum(hT * hT)"}], "outputs": ["loss"]}
+    wrt = ["xs", "w", "u", "b", "h0"]
+
+    def f(xs: Any, wx: Any, u: Any, b: Any, h0: Any) -> Any:
+        if hoisted:
+            xs = (xs.reshape(-1, width) @ wx).reshape(xs.shape) + b
+
+        def body(h: Any, x: Any) -> tuple[Any, None]:
+            return _cell_step(h, x + h @ u if hoisted else x @ wx + h @ u + b), None
+
+        return jnp.sum(lax.scan(body, h0, xs)[0] ** 2)
+
+    how = "a scan, input projection hoisted" if hoisted else "a scan"
+    return Case(f"{w.name}, as {how}", graph, d, wrt, "loss", f, numpy=w.numpy)
 
 
 # ---------------------------------------------------------------- running
@@ -262,6 +314,10 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
             _close(gk, grads[k], f"{c.name}: jax gradient {k}")
         fns["jax"] = lambda: jax.block_until_ready(jitted(*args))
     if c.numpy is not None:
+        v, g = c.numpy(c.numpy_inputs or c.inputs)
+        _close(v, value[c.output], f"{c.name}: numpy value")
+        for k in c.wrt if g.keys() == set(c.wrt) else ():  # (else its inputs are others)
+            _close(g[k], grads[k], f"{c.name}: numpy gradient {k}")
         fns["numpy"] = lambda: c.numpy(c.numpy_inputs or c.inputs)
     samples = measure(fns, rounds, budget_s)
     return Row(c.name, {k: statistics.median(v) * 1e3 for k, v in samples.items()},
@@ -412,7 +468,8 @@ def main() -> None:
     rounds = args.rounds or (2 if quick else 5)
     budget = 0.02 if quick else 0.15
     gs = Gradserve()
-    cases = [rnn_scan(100 if quick else 1000), cell(), lse(10_000 if quick else 100_000),
+    cases = [rnn_scan(100 if quick else 1000), cell(), cell_scan(False), cell_scan(True),
+             lse(10_000 if quick else 100_000),
              llsq(*((256, 32) if quick else (1024, 128))),
              kmeans(*((100, 10, 4) if quick else (1000, 100, 8))),
              ode(*((100, 10) if quick else

@@ -164,3 +164,16 @@ def test_the_native_tier_benchmark_agrees_with_jax() -> None:
                  bx.ode(10, 4), bx.saddle(3)):
         row = bx.bench_case(case, gs, rounds=1, budget_s=0.0)
         assert {"interp", "xla", "jax"} <= set(row.ms), (case.name, row.note)
+
+
+@pytest.mark.skipif(not xla.available(), reason="jax is not importable (the run without it)")
+def test_the_cell_as_a_scan_agrees_with_jax_and_numpy() -> None:
+    """bench_xla's cell written as a scan, with and without the inputs' projection hoisted
+    out of the loop: the interpreter, the tier, JAX and the hand-written NumPy agree
+    (bench_case checks it, to 1e-5 in float32), and both fit their plans (lowered)."""
+    from bench import bench_xla as bx
+
+    gs = bc.Gradserve()
+    for hoisted in (False, True):
+        row = bx.bench_case(bx.cell_scan(hoisted), gs, rounds=1, budget_s=0.0)
+        assert {"interp", "xla", "jax", "numpy"} <= set(row.ms), row.note
