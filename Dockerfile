@@ -36,7 +36,7 @@ RUN set -eu; \
 FROM python AS builder
 # Comma-separated extras from pyproject.toml to install besides "server" and "xla" (which
 # the image always has: the service, and its native tier, JAX on the CPU), e.g. "gpu"
-# (cupy-cuda12x, for a CUDA 12 base). Empty: the CPU image.
+# (cupy-cuda12x and JAX's CUDA 12 build, for a CUDA 12 base). Empty: the CPU image.
 ARG GRADSERVE_EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -29,20 +29,21 @@ from tests.test_compiled import differentiated_twice, forward_program, with_grad
 from tests.test_ops import _cases
 from tests.test_remat import sin_chain
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
 
 # The semantic tests compare values, not memory: XLA may hold them in any bytes.
 UNBOUNDED = 1 << 60
 TOLERANCE = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-3}
 
 
-def assert_equivalent(got: Any, expected: Any, what: str = "") -> None:
+def assert_equivalent(got: Any, expected: Any, what: str = "",
+                      tolerance: Mapping[str, float] = TOLERANCE) -> None:
     """Shape and dtype exact; floats to the dtype's tolerance (relative, and absolute for
     values that cancel: XLA sums in another order), NaN and inf where the interpreter has
     them; everything else exact."""
     got, expected = np.asarray(got), np.asarray(expected)
     assert (got.shape, got.dtype) == (expected.shape, expected.dtype), what
-    tol = TOLERANCE.get(expected.dtype.name)
+    tol = tolerance.get(expected.dtype.name)
     if tol is None:
         np.testing.assert_array_equal(got, expected, err_msg=what)
     else:
@@ -50,14 +51,15 @@ def assert_equivalent(got: Any, expected: Any, what: str = "") -> None:
                                    err_msg=what)
 
 
-def assert_same_run(got: Any, expected: Any) -> None:
+def assert_same_run(got: Any, expected: Any,
+                    tolerance: Mapping[str, float] = TOLERANCE) -> None:
     """Two results of one program (RunResults) agree: outputs and gradients."""
     assert got.outputs.keys() == expected.outputs.keys()
     for name, value in expected.outputs.items():
-        assert_equivalent(got.outputs[name], value, f"output {name!r}")
+        assert_equivalent(got.outputs[name], value, f"output {name!r}", tolerance)
     assert (got.gradients is None) == (expected.gradients is None)
     for name, value in (expected.gradients or {}).items():
-        assert_equivalent(got.gradients[name], value, f"gradient {name!r}")
+        assert_equivalent(got.gradients[name], value, f"gradient {name!r}", tolerance)
 
 
 def through_both(program: Any, arrays: Mapping[str, np.ndarray],
@@ -85,6 +87,41 @@ def test_gradients_through_the_tier(name: str, sample: Sample) -> None:
 def test_second_order_through_the_tier(name: str, sample: Sample) -> None:
     program, arrays, _ = differentiated_twice(name, sample)
     through_both(program, arrays)
+
+
+def _jax_has_a_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # (no GPU backend: the CPU build of jaxlib, or no device)
+        return False
+
+
+# On a GPU the lowering runs XLA's GPU kernels, against the interpreter on the CPU: within
+# test_cuda's tolerances (other transcendental functions, other summation orders).
+CUDA_TOLERANCE = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def _cuda_cases() -> list[Any]:
+    """Every op sample forward (float32 and float64), and backward and second order where
+    the op has a derivative: (what, name, sample)."""
+    return [pytest.param(what, *case.values, id=f"{what}-{case.id}")
+            for what, cases in (("forward", _cases()), ("derivatives", _cases(only_grad=True)))
+            for case in cases]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _jax_has_a_gpu(),
+                    reason="JAX has no GPU here (the gpu extra's jax[cuda12], on a CUDA host)")
+@pytest.mark.parametrize(("what", "name", "sample"), _cuda_cases())
+def test_the_op_samples_through_the_tier_on_cuda(what: str, name: str, sample: Sample) -> None:
+    """Lowered for cuda:0, against the interpreter on the CPU."""
+    runs = ([forward_program(name, sample, dtype) for dtype in ("float32", "float64")]
+            if what == "forward" else
+            [with_gradients(name, sample)[:2], differentiated_twice(name, sample)[:2]])
+    for program, arrays in runs:
+        expected = execute(program, arrays)
+        assert_same_run(lower(program, "cuda:0", budget=UNBOUNDED).run(arrays), expected,
+                        CUDA_TOLERANCE)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
