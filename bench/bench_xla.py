@@ -367,7 +367,9 @@ def saddle_graph(bound: int) -> Graph:
     """Saddle's objective of x: the max over y of f(x, y) = (x₁² + x₂²) - (y₁² + y₂²), by
     gd.hpp's multivariate_argmax from `start` (its argmin of -f, the gradient -∇ᵧf a `grad`
     in the loop's body): one turn of its while loop per step of a loop of `bound` steps,
-    frozen once finished. Outputs f(x, y*), `finished` and y*."""
+    frozen once finished. Outputs f(x, y*), `finished` and y*. In the gradient program, y*
+    depends on x only through comparisons, so gradserve's backward never enters the loop:
+    it gives ∂f/∂x at y*, as GradBench's C++ tools compute it."""
     return {"nodes": [
         {"id": "fx", "expr": "sum(x * x)"},
         {"id": "f0", "expr": "fx - sum(start * start)"},
@@ -808,7 +810,9 @@ def main() -> None:
         print_evals(eval_rows, f"\nGradBench's particle and saddle, whole evaluations (the "
                                f"client's descent, each objective or gradient one program run): "
                                f"server ms, medians of {rounds} interleaved rounds (target: "
-                               f"xla/interp <= 0.05); {time.perf_counter() - started:.0f} s")
+                               f"xla/interp <= 0.05); compile ms: every program built, "
+                               f"too-short bounds' included; "
+                               f"{time.perf_counter() - started:.0f} s")
     if args.http:
         print_http(http_rows(rounds, args.requests, quick), rounds)
 
