@@ -314,7 +314,8 @@ def _multigammaln(a: float, p: int) -> float:
 def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
     """GradBench's gmm objective (ADBench's): alphas (k), means (k, d), icf (k, d + d(d-1)/2)
     (log-diagonal, then the strict lower triangle column by column), x (n, d); Wishart prior
-    gamma = 1, m = 0 as in GradBench's data. Gradients w.r.t. alphas, means, icf."""
+    gamma = 1, m = 0 as in GradBench's data; the log Wishart prior added, as GradBench
+    defines it (ADBench subtracted it). Gradients w.r.t. alphas, means, icf."""
     rng = np.random.default_rng(2)
     nl = d * (d - 1) // 2
     rows = np.array([i for j in range(d) for i in range(j + 1, d)], dtype=np.int64)
@@ -329,7 +330,7 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
     gamma, m = 1.0, 0
     nw = d + m + 1
     const = (-n * d * 0.5 * math.log(2 * math.pi)
-             - k * (nw * d * math.log(gamma / math.sqrt(2)) - _multigammaln(0.5 * nw, d)))
+             + k * (nw * d * math.log(gamma / math.sqrt(2)) - _multigammaln(0.5 * nw, d)))
     half_g2 = 0.5 * gamma * gamma
     graph = {"nodes": [
         ex("q", f"slice(icf, dim=1, start=0, stop={d})"),
@@ -340,7 +341,8 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         ex("xc", "unsqueeze(x, dim=1) - means"),
         ex("Lx", 'Q * xc + einsum("kij,nkj->nki", L, xc)'),
         ex("inner", "alphas + sum_qs - 0.5 * sum(Lx * Lx, dim=2)"),
-        ex("prior", f"sum({half_g2!r} * (sum(Q * Q, dim=1) + sum(l * l, dim=1)) - {m} * sum_qs)"),
+        ex("prior", f"-sum({half_g2!r} * (sum(Q * Q, dim=1) + sum(l * l, dim=1))"
+                    f" - {m} * sum_qs)"),
         ex("loss", f"{const!r} + sum(logsumexp(inner, dim=1)) - {n} * logsumexp(alphas, dim=0)"
                    " + prior"),
     ], "outputs": ["loss"]}
@@ -361,16 +363,16 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         ea = np.exp(alphas - am)
         sa = ea.sum()
         value = (const + np.sum(np.log(se) + mx) - n * (np.log(sa) + am)
-                 + half_g2 * (np.sum(Q * Q) + np.sum(lo * lo)) - m * q.sum())
+                 - half_g2 * (np.sum(Q * Q) + np.sum(lo * lo)) + m * q.sum())
         P = e / se  # d value / d inner
         dsum_qs = P.sum(0)
         dLx = -P[:, :, None] * Lx
-        dQ = np.einsum("nkd,nkd->kd", dLx, xc) + 2 * half_g2 * Q
+        dQ = np.einsum("nkd,nkd->kd", dLx, xc) - 2 * half_g2 * Q
         dL = np.einsum("nki,nkj->kij", dLx, xc)
         dxc = Q * dLx + np.einsum("kij,nki->nkj", L, dLx)
         dicf = np.empty_like(icf)
-        dicf[:, :d] = dQ * Q + (dsum_qs - m)[:, None]
-        dicf[:, d:] = dL[:, rows, cols] + 2 * half_g2 * lo
+        dicf[:, :d] = dQ * Q + (dsum_qs + m)[:, None]
+        dicf[:, d:] = dL[:, rows, cols] - 2 * half_g2 * lo
         return np.asarray(value), {"alphas": dsum_qs - n * ea / sa, "means": -dxc.sum(0),
                                    "icf": dicf}
 
@@ -383,8 +385,8 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         xc = x[:, None, :] - means
         Lx = Q * xc + torch.einsum("kij,nkj->nki", L, xc)
         inner = alphas + sum_qs - 0.5 * torch.sum(Lx**2, 2)
-        prior = torch.sum(half_g2 * (torch.sum(Q**2, 1) + torch.sum(icf[:, d:] ** 2, 1))
-                          - m * sum_qs)
+        prior = -torch.sum(half_g2 * (torch.sum(Q**2, 1) + torch.sum(icf[:, d:] ** 2, 1))
+                           - m * sum_qs)
         return (const + torch.sum(torch.logsumexp(inner, 1))
                 - n * torch.logsumexp(alphas, 0) + prior)
 

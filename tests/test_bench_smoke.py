@@ -161,9 +161,10 @@ def test_the_native_tier_benchmark_agrees_with_jax() -> None:
 
     gs = bc.Gradserve()
     for case in (bx.rnn_scan(20), bx.lse(100), bx.llsq(16, 4), bx.kmeans(20, 3, 2),
-                 bx.ode(10, 4)):
+                 bx.gmm(3, 4, 20), bx.ode(10, 4)):
         row = bx.bench_case(case, gs, rounds=1, budget_s=0.0)
         assert {"interp", "xla", "jax"} <= set(row.ms), (case.name, row.note)
+        assert row.served_jax is not None or not row.gradbench, case.name
 
 
 @pytest.mark.skipif(not xla.available(), reason="jax is not importable (the run without it)")
@@ -250,3 +251,44 @@ def test_gradbench_particle_and_saddle_evaluations() -> None:
                                            err_msg=f"{ev.name}: {k} at {at}")
             np.testing.assert_allclose(interp.gradient(at), native.gradient(at), rtol=1e-9,
                                        atol=1e-12, err_msg=f"{ev.name}: gradient at {at}")
+
+
+def test_the_gradbench_kmeans_dir_is_its_closed_form() -> None:
+    """bench_xla's kmeans dir (a forward program with `grad` and `jvp` inside): J / H
+    with J = 2 sum(c - p) over each centroid's points and H = 2 * their count, from
+    gradserve's interpreter, and from the native tier and GradBench's JAX `dir` where jax
+    is importable (bench_case checks those against the interpreter)."""
+    from bench import bench_xla as bx
+
+    case = bx.kmeans(30, 4, 3)
+    P, C = case.inputs["P"], case.inputs["C"]
+    nearest = np.argmin(((P[:, None, :] - C[None, :, :]) ** 2).sum(2), axis=1)
+    want = np.stack([(C[j] - P[nearest == j]).sum(0) / (nearest == j).sum()
+                     for j in range(len(C))])
+    program = bx.compile_program(case)
+    assert not program.backward
+    gs = bc.Gradserve()
+    outputs, _, _ = gs.run(program, case.inputs)
+    np.testing.assert_allclose(outputs["out"], want, rtol=1e-12, atol=1e-14)
+    assert case.numpy is not None
+    np.testing.assert_allclose(case.numpy(case.inputs)[0], want, rtol=1e-12, atol=1e-14)
+    if xla.available():
+        row = bx.bench_case(case, gs, rounds=1, budget_s=0.0)
+        assert {"interp", "xla", "jax", "numpy"} <= set(row.ms), row.note
+
+
+def test_the_gradbench_gmm_is_gradbenchs_definition() -> None:
+    """bench_compiled's gmm is GradBench's log posterior: on a 1-d, 1-component model it
+    is the Gaussian log likelihood of the points plus the log Wishart (here gamma-
+    distribution) density of the precision exp(2 q), at gamma = 1, m = 0."""
+    from math import lgamma, log, pi
+
+    n = 5
+    w = bc.gmm(1, 1, n)
+    x, mu, q = w.inputs["x"][:, 0], w.inputs["means"][0, 0], w.inputs["icf"][0, 0]
+    tau = np.exp(2 * q)  # the precision, Q^T Q
+    likelihood = np.sum(0.5 * np.log(tau / (2 * pi)) - 0.5 * tau * (x - mu) ** 2)
+    # Wishart_1(V = 1/gamma^2 = 1, dof 2): a gamma density of shape 1, scale 2.
+    prior = -tau / 2 - log(2) - lgamma(1)
+    outputs, _, _ = bc.Gradserve().run_graph(w.graph, w.inputs, w.wrt)
+    np.testing.assert_allclose(outputs["loss"], likelihood + prior, rtol=1e-12)

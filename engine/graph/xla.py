@@ -69,11 +69,19 @@ BOOKKEEPING_BYTES = 4096
 # scheduler alone computes one such sum after the other (46,700); without fusion each
 # step's result is materialized and freed as the plan frees it, and that scheduler keeps
 # to the plan's peak (36,204). An optimization barrier cannot stand in: XLA's CPU
-# pipeline removes them before fusion. CPU only: on another backend the options would
-# mean something else (GPU fusion is most of its speed).
+# pipeline removes them before fusion. Before giving up fusion: reductions kept from
+# YNNPACK (its dots stay). A YNNPACK reduction is a library call on materialized
+# operands, where XLA's own reduce fusion computes its elementwise operands as it reads
+# them: GradBench's gmm (d=10, k=25, n=1000), whose dQ = Σ_n dLx·xc held a recomputed
+# xc, 2 MB, next to three other f64[1000,25,10], needs 8,338,384 bytes with YNNPACK's
+# reductions against a plan of 8,130,408, and 6,400,336 without them (and runs faster).
+# CPU only: on another backend the options would mean something else (GPU fusion is most
+# of its speed).
 _MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 CPU_ATTEMPTS: tuple[dict[str, Any], ...] = (
-    {}, _MEMORY_SCHEDULER, {**_MEMORY_SCHEDULER, "xla_disable_hlo_passes": "fusion"})
+    {}, _MEMORY_SCHEDULER,
+    {**_MEMORY_SCHEDULER, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
+    {**_MEMORY_SCHEDULER, "xla_disable_hlo_passes": "fusion"})
 
 
 class NotLowerable(Exception):
