@@ -25,6 +25,7 @@ store, compiles a program it lowers again from the cache, not from scratch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
@@ -192,6 +193,7 @@ class Tier:
                 self._ended.append(ended)
                 del self._ended[:-QUEUE * 8]  # (a process that never reports keeps the last)
             del program
+            _freeze_jax()
 
     def ended(self) -> list[tuple[str, str | None, float]]:
         """The lowerings that ended since the last call (for the front process's metrics and
@@ -199,6 +201,22 @@ class Tier:
         with self._lock:
             ended, self._ended = self._ended, []
         return ended
+
+
+_jax_frozen = False
+
+
+def _freeze_jax() -> None:
+    """After a process's first lowering, what jax brought (its modules, XLA's client, their
+    caches: ~80,000 objects) lives as long as the process: out of the cycle collector's
+    sight, as the process's own start-up is (service/app.py, service/workers.py). Else
+    every full collection walks it, ~18 ms (in the front process, on the event loop). Once:
+    what later lowerings make may be garbage in cycles, for the collector to free."""
+    global _jax_frozen
+    if not _jax_frozen:
+        _jax_frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def _installed() -> bool:
