@@ -25,7 +25,9 @@ time: their sum). Over HTTP
 (`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
 script a user would write, each server alone with its defaults, gradserve through its
 client (binary bodies) and the script with JSON lists, as each one's user sends them: the
-wire is most of that difference, the tier little of it.
+wire is most of that difference, the tier little of it. On a device
+(`--device cuda:0`, or `cpu`): the 24-step cell at batch 64×256 as the service runs it
+there, against PyTorch eager on it.
 
 Medians over interleaved rounds; ratios are medians of per-round ratios.
 """
@@ -278,11 +280,10 @@ def _cell_step(h: Any, a: Any) -> Any:
     return jax.nn.sigmoid(a + 1.0) * h + jax.nn.sigmoid(a) * jnp.tanh(a)
 
 
-def cell() -> Case:
-    """bench_compiled's cell as define-by-run records it: 24 unrolled copies of the step,
-    each step's input its own tensor; JAX's contender unrolled alike."""
-    w = recurrent_cell()
-    steps = len(w.baseline_inputs["xs"])
+def cell(steps: int = 24, batch: int = 4, width: int = 16) -> Case:
+    """bench_compiled's cell as define-by-run records it: `steps` unrolled copies of the
+    step, each step's input its own tensor; JAX's contender unrolled alike."""
+    w = recurrent_cell(steps, batch, width)
 
     def f(*args: Any) -> Any:
         xs, (wx, u, b, h) = args[:steps], args[steps:]
@@ -294,12 +295,12 @@ def cell() -> Case:
                 numpy_inputs=w.baseline_inputs)
 
 
-def cell_scan(hoisted: bool) -> Case:
+def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
     """The same cell written as a loop: a `scan` over its 24 steps (as `trace` records
     `scan`, or a user writes the graph); `hoisted`: the inputs' projection `xs @ w + b` of
     every step in one matmul before the loop, as the hand-written NumPy computes it. JAX's
     contender is the same loop as `lax.scan`."""
-    w = recurrent_cell()
+    w = recurrent_cell(24, batch, width)
     d = w.baseline_inputs
     steps, batch, width = d["xs"].shape
     step = "sigmoid(a + 1.0) * h + sigmoid(a) * tanh(a)"
@@ -334,7 +335,7 @@ def cell_scan(hoisted: bool) -> Case:
 # ---------------------------------------------------------------- running
 
 
-def compile_program(c: Case) -> Any:
+def compile_program(c: Case, device: str = "cpu") -> Any:
     """As the service compiles a /backward request: its wire schema, then the compiler."""
     from gradserve.engine.graph import TensorSpec, compile_graph
     from gradserve.service.compute import graph_spec
@@ -342,7 +343,7 @@ def compile_program(c: Case) -> Any:
 
     specs = {k: TensorSpec(a.shape, a.dtype.name, k in c.wrt) for k, a in c.inputs.items()}
     return compile_graph(graph_spec(Graph.model_validate(c.graph)), specs,
-                         backward=bool(c.wrt))
+                         backward=bool(c.wrt), device=device)
 
 
 @dataclass
@@ -832,6 +833,71 @@ def print_evals(rows: list[EvalRow], header: str) -> None:
             print(f"- {r.name}: {r.note}")
 
 
+# ---------------------------------------------------------------- on a device
+
+
+def device_rows(device: str, rounds: int, budget_s: float) -> list[tuple[str, str, float, float]]:
+    """The issue's GPU row, ready for a GPU: the 24-step cell at batch 64×256 (float32),
+    forward and backward, as the service runs it on `device` (lowered for it, or by the
+    interpreter there when XLA's memory is over the plan), against PyTorch eager on it;
+    each answer's value and gradients copied to the host, as a service returns them. Runs
+    on "cpu" too (how it is tested where there is no GPU).
+    (name, what gradserve ran, gradserve ms, torch ms)."""
+    import torch
+
+    from bench.bench_compiled import recurrent_torch
+    from gradserve.engine.backends import get_backend
+    from gradserve.engine.graph import execute, xla
+
+    target = torch.device(device)  # ("cpu", "cuda:N": gradserve's names are PyTorch's)
+    backend = get_backend(device)
+    rows = []
+    for c in (cell(24, 64, 256), cell_scan(False, 64, 256), cell_scan(True, 64, 256)):
+        program = compile_program(c, device)
+        try:
+            lowered = xla.lower(program, device)
+            tier = "xla"
+
+            def via_gradserve(lowered: Any = lowered, c: Case = c) -> tuple[Any, Any]:
+                r = lowered.run(c.inputs)
+                return r.outputs, r.gradients
+        except xla.NotLowerable as refused:
+            tier = f"interpreter ({refused.reason})"
+
+            def via_gradserve(program: Any = program, c: Case = c) -> tuple[Any, Any]:
+                r = execute(program, {k: backend.from_host(a) for k, a in c.inputs.items()})
+                return ({k: backend.to_host(v) for k, v in r.outputs.items()},
+                        {k: backend.to_host(v) for k, v in (r.gradients or {}).items()})
+
+        base = c.numpy_inputs or c.inputs
+        tensors = {k: torch.from_numpy(a).to(target) for k, a in base.items()}
+
+        def via_torch(tensors: dict[str, Any] = tensors) -> tuple[Any, dict[str, Any]]:
+            t = {k: v.detach().requires_grad_(True) for k, v in tensors.items()}
+            loss = recurrent_torch(t)
+            loss.backward()
+            return loss.detach().cpu().numpy(), {
+                k: v.grad.cpu().numpy() for k, v in t.items()}  # type: ignore[union-attr]
+
+        (outputs, gradients), (value, grads) = via_gradserve(), via_torch()
+        _close(outputs[c.output], value, f"{c.name} on {device}: value")
+        for k in grads.keys() & gradients.keys():  # (the unrolled cell's xs are 24 inputs)
+            _close(gradients[k], grads[k], f"{c.name} on {device}: gradient {k}")
+        samples = measure({"gradserve": via_gradserve, "torch": via_torch}, rounds, budget_s)
+        rows.append((c.name, tier, statistics.median(samples["gradserve"]) * 1e3,
+                     statistics.median(samples["torch"]) * 1e3))
+    return rows
+
+
+def print_device(rows: list[tuple[str, str, float, float]], device: str, rounds: int) -> None:
+    print(f"\non {device}: gradserve as the service runs it against PyTorch eager, results to "
+          f"the host; medians of {rounds} interleaved rounds (target on a GPU: <= 0.5x torch)")
+    print("| workload | gradserve's tier | gradserve ms | PyTorch eager ms | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, tier, gs_ms, torch_ms in rows:
+        print(f"| {name} | {tier} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} |")
+
+
 # ---------------------------------------------------------------- over HTTP
 
 # The script a user would write to serve the two objectives with PyTorch: JSON lists in,
@@ -948,6 +1014,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", default="")
     parser.add_argument("--http", action="store_true", help="also the HTTP comparison")
+    parser.add_argument("--device", default=None,
+                        help="also the cell at 64x256 on this device (cuda:0, or cpu) "
+                             "against PyTorch eager on it")
     parser.add_argument("--requests", type=int, default=20, help="per round, over HTTP")
     args = parser.parse_args()
     if jax is None:
@@ -989,6 +1058,8 @@ def main() -> None:
                                f"xla/interp <= 0.05); compile ms: every program built, "
                                f"too-short bounds' included; "
                                f"{time.perf_counter() - started:.0f} s")
+    if args.device:
+        print_device(device_rows(args.device, rounds, budget), args.device, rounds)
     if args.http:
         print_http(http_rows(rounds, args.requests, quick), rounds)
 

@@ -292,3 +292,15 @@ def test_the_gradbench_gmm_is_gradbenchs_definition() -> None:
     prior = -tau / 2 - log(2) - lgamma(1)
     outputs, _, _ = bc.Gradserve().run_graph(w.graph, w.inputs, w.wrt)
     np.testing.assert_allclose(outputs["loss"], likelihood + prior, rtol=1e-12)
+
+
+@pytest.mark.skipif(not xla.available(), reason="jax is not importable (the run without it)")
+def test_the_device_rows_run_on_the_cpu() -> None:
+    """bench_xla --device (the issue's GPU row, prepared for a GPU), run on the CPU: the
+    cell at 64x256 as the service runs it (the unrolled one refused by its memory plan,
+    interpreted; the scans lowered) agrees with PyTorch eager (device_rows checks it)."""
+    from bench import bench_xla as bx
+
+    rows = bx.device_rows("cpu", rounds=1, budget_s=0.0)
+    assert [tier.split(" ")[0] for _, tier, _, _ in rows] == ["interpreter", "xla", "xla"]
+    assert all(gs_ms > 0 and torch_ms > 0 for _, _, gs_ms, torch_ms in rows)
