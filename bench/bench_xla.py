@@ -41,7 +41,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,15 +335,21 @@ def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
 # ---------------------------------------------------------------- running
 
 
-def compile_program(c: Case, device: str = "cpu") -> Any:
-    """As the service compiles a /backward request: its wire schema, then the compiler."""
+def compile_request(graph: Graph, inputs: Arrays, wrt: Collection[str],
+                    device: str = "cpu") -> Any:
+    """As the service compiles a request: its wire schema, then the compiler; a backward
+    program when `wrt` names inputs to differentiate, else a forward one."""
     from gradserve.engine.graph import TensorSpec, compile_graph
     from gradserve.service.compute import graph_spec
     from gradserve.service.schemas import Graph
 
-    specs = {k: TensorSpec(a.shape, a.dtype.name, k in c.wrt) for k, a in c.inputs.items()}
-    return compile_graph(graph_spec(Graph.model_validate(c.graph)), specs,
-                         backward=bool(c.wrt), device=device)
+    specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
+    return compile_graph(graph_spec(Graph.model_validate(graph)), specs,
+                         backward=bool(wrt), device=device)
+
+
+def compile_program(c: Case, device: str = "cpu") -> Any:
+    return compile_request(c.graph, c.inputs, c.wrt, device)
 
 
 @dataclass
@@ -711,15 +717,8 @@ class Server:
 def compile_eval(ev: Evaluation, bound: int, gradient: bool) -> Any:
     """The objective's program (forward only), or the gradient's (the same graph, `out`
     differentiated: its other outputs need no gradient), as the service compiles them."""
-    from gradserve.engine.graph import TensorSpec, compile_graph
-    from gradserve.service.compute import graph_spec
-    from gradserve.service.schemas import Graph
-
-    inputs = {**ev.inputs, ev.point: ev.start}
-    specs = {k: TensorSpec(a.shape, a.dtype.name, gradient and k == ev.point)
-             for k, a in inputs.items()}
-    return compile_graph(graph_spec(Graph.model_validate(ev.graph(bound))), specs,
-                         backward=gradient)
+    return compile_request(ev.graph(bound), {**ev.inputs, ev.point: ev.start},
+                           [ev.point] if gradient else [])
 
 
 def interpreted(gs: Gradserve) -> Build:

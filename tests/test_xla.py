@@ -244,14 +244,10 @@ def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
     (79,532 bytes against a plan of 34,692); `lower` compiles it again with the memory-
     optimized scheduler and no fusion, which keeps to the plan, and it gives the same."""
     from bench.bench_compiled import recurrent_cell
-    from gradserve.service.compute import graph_spec
-    from gradserve.service.schemas import Graph
+    from bench.bench_xla import compile_request
 
     cell = recurrent_cell()
-    wrt = set(cell.wrt)
-    program = compile_graph(graph_spec(Graph.model_validate(cell.graph)), {
-        k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in cell.inputs.items()},
-        backward=True)
+    program = compile_request(cell.graph, cell.inputs, cell.wrt)
     lowered = lower(program)
     assert lowered.memory_bytes <= program.planned_peak_bytes + BOOKKEEPING_BYTES
     got, expected = lowered.run(cell.inputs), execute(program, cell.inputs)
@@ -267,14 +263,10 @@ def test_gradbenchs_gmm_tiers_up_within_the_plan() -> None:
     `lower` compiles it again with XLA's own reductions, which keeps within the plan, and
     it gives the same."""
     from bench.bench_compiled import gmm
-    from gradserve.service.compute import graph_spec
-    from gradserve.service.schemas import Graph
+    from bench.bench_xla import compile_request
 
     w = gmm()
-    wrt = set(w.wrt)
-    program = compile_graph(graph_spec(Graph.model_validate(w.graph)), {
-        k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in w.inputs.items()},
-        backward=True)
+    program = compile_request(w.graph, w.inputs, w.wrt)
     lowered = lower(program)
     assert lowered.memory_bytes <= program.planned_peak_bytes + BOOKKEEPING_BYTES
     assert_same_run(lowered.run(w.inputs), execute(program, w.inputs))
