@@ -35,13 +35,16 @@ Medians over interleaved rounds; ratios are medians of per-round ratios.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import math
 import platform
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -938,11 +941,59 @@ def lse(req: Lse) -> dict:
 """
 
 
-def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float, float, str]]:
-    """(workload, gradserve p50 ms, FastAPI+PyTorch p50 ms, the tier that answered in the
-    end): each server
-    alone, with its defaults; gradserve through its client (binary bodies), the script
-    through httpx with JSON lists, as each one's user sends them."""
+@contextmanager
+def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[None]:
+    """bench_hardening's misbehaving clients beside each server on `ports`, while the body
+    runs: `idle` connections that never send, and `slow` ones trickling a request at a
+    byte a second (in a thread of their own, on their own event loop)."""
+    import orjson
+
+    from bench.bench_hardening import HOST, Conn, _close_all, _trickle, _watch, seed_body
+
+    body = orjson.dumps(seed_body(2.0, 3.0, "expr"))
+    request = (b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+               b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    loop = asyncio.new_event_loop()
+    conns: list[Conn] = []
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def open_all() -> None:
+        for port in ports:
+            for kind, n in (("idle", idle), ("slow", slow)):
+                for _ in range(n):
+                    with suppress(OSError, TimeoutError):
+                        reader, writer = await asyncio.wait_for(
+                            asyncio.open_connection(HOST, port), 10)
+                        conn = Conn(kind, writer)
+                        conns.append(conn)
+                        tasks.append(asyncio.create_task(_watch(conn, reader)))
+                        if kind == "slow":
+                            tasks.append(asyncio.create_task(
+                                _trickle(conn, request, time.monotonic() + 600)))
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(open_all(), loop).result(timeout=120)
+        yield
+    finally:
+        asyncio.run_coroutine_threadsafe(_close_all(conns, tasks), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+HttpRow = tuple[str, str, float, float, str]  # workload, phase, gradserve ms, torch ms, tier
+
+
+def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[HttpRow]:
+    """Each workload's requests to two servers started fresh for this run, each with its
+    defaults: gradserve through its client (binary bodies), the FastAPI + PyTorch script
+    through httpx with JSON lists, as each one's user sends them. Per workload: its first
+    request (a program new to the server: gradserve compiles it), warm (medians of
+    `rounds` rounds of `requests`, after gradserve's tier-up), its first request after
+    `idle_s` idle, and warm again with bench_hardening's misbehaving clients beside both
+    servers (200 idle connections and 20 slow senders each)."""
     import tempfile
 
     import httpx
@@ -959,9 +1010,10 @@ def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float,
                "--log-level", "warning"]
     torch_argv = [sys.executable, "-m", "uvicorn", "torch_app:app", "--port", str(torch_port),
                   "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
-    rows = []
+    rows: list[HttpRow] = []
     with server(gs_argv, gs_port) as gs_base, server(torch_argv, torch_port) as torch_base, \
             Client(gs_base, timeout=60) as gs, httpx.Client(timeout=60) as http:
+        contenders = []
         for c in cases:
             path = "/llsq" if "llsq" in c.name else "/lse"
             body = orjson.dumps({k: a.tolist() for k, a in c.inputs.items()},
@@ -976,6 +1028,26 @@ def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float,
                 r.raise_for_status()
                 return r.json()
 
+            contenders.append((c, via_gradserve, via_torch))
+
+        def tier() -> str:  # (the tier keeps a program only where it is faster)
+            meta = via_gradserve().meta
+            return meta.get("tier", "?") + (f" ({meta['tier_reason']})"
+                                            if meta.get("tier_reason") else "")
+
+        def warm(phase: str) -> None:
+            for c, via_gradserve, via_torch in contenders:
+                samples: dict[str, list[float]] = {"gradserve": [], "torch": []}
+                for _ in range(rounds):
+                    for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
+                        samples[name].append(statistics.median(
+                            _timed(fn) for _ in range(requests)))
+                rows.append((c.name, phase, statistics.median(samples["gradserve"]) * 1e3,
+                             statistics.median(samples["torch"]) * 1e3, tier()))
+
+        for c, via_gradserve, via_torch in contenders:
+            rows.append((c.name, "first request", _timed(via_gradserve) * 1e3,
+                         _timed(via_torch) * 1e3, "interpreter (cold)"))
             # Until the program has tiered up (bounded), and both agree with each other.
             deadline = time.monotonic() + 60
             r = via_gradserve()
@@ -985,26 +1057,25 @@ def http_rows(rounds: int, requests: int, quick: bool) -> list[tuple[str, float,
             t = via_torch()
             _close(r.outputs[c.output], t["out"], f"{c.name}: over HTTP")
             _close(r.gradients["x"], np.array(t["x"]), f"{c.name}: gradient over HTTP")
-            samples: dict[str, list[float]] = {"gradserve": [], "torch": []}
-            for _ in range(rounds):
-                for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
-                    samples[name].append(statistics.median(
-                        _timed(fn) for _ in range(requests)))
-            last = via_gradserve().meta  # (the tier keeps a program only where it is faster)
-            tier = last.get("tier", "?") + (f" ({last['tier_reason']})"
-                                            if last.get("tier_reason") else "")
-            rows.append((c.name, statistics.median(samples["gradserve"]) * 1e3,
-                         statistics.median(samples["torch"]) * 1e3, tier))
+        warm("warm")
+        time.sleep(idle_s)
+        for c, via_gradserve, via_torch in contenders:
+            gs_ms, torch_ms = _timed(via_gradserve) * 1e3, _timed(via_torch) * 1e3
+            rows.append((c.name, f"first after {idle_s:.0f} s idle", gs_ms, torch_ms, tier()))
+        with misbehaving([gs_port, torch_port]):
+            warm("warm, misbehaving clients beside")
     return rows
 
 
-def print_http(rows: list[tuple[str, float, float, str]], rounds: int) -> None:
-    print(f"\nover HTTP, one request at a time, each server alone with its defaults; medians of "
-          f"{rounds} rounds (target: gradserve <= 0.7x the FastAPI + PyTorch script)")
-    print("| workload | gradserve ms | FastAPI+PyTorch ms | ratio | gradserve's tier |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, gs_ms, torch_ms, tier in rows:
-        print(f"| {name} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} | {tier} |")
+def print_http(rows: list[HttpRow], rounds: int) -> None:
+    print(f"\nover HTTP, one request at a time, two servers started fresh with their defaults; "
+          f"warm: medians of {rounds} rounds (target: gradserve <= 0.7x the FastAPI + PyTorch "
+          f"script)")
+    print("| workload | when | gradserve ms | FastAPI+PyTorch ms | ratio | gradserve's tier |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, phase, gs_ms, torch_ms, tier in rows:
+        print(f"| {name} | {phase} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} "
+              f"| {tier} |")
 
 
 def main() -> None:
@@ -1017,6 +1088,8 @@ def main() -> None:
                         help="also the cell at 64x256 on this device (cuda:0, or cpu) "
                              "against PyTorch eager on it")
     parser.add_argument("--requests", type=int, default=20, help="per round, over HTTP")
+    parser.add_argument("--idle-seconds", type=float, default=60.0,
+                        help="over HTTP: the pause before the first request after idle")
     args = parser.parse_args()
     if jax is None:
         raise SystemExit("JAX is needed (pip install -e '.[test]' or '.[xla]')")
@@ -1060,7 +1133,7 @@ def main() -> None:
     if args.device:
         print_device(device_rows(args.device, rounds, budget), args.device, rounds)
     if args.http:
-        print_http(http_rows(rounds, args.requests, quick), rounds)
+        print_http(http_rows(rounds, args.requests, quick, args.idle_seconds), rounds)
 
 
 if __name__ == "__main__":
