@@ -23,9 +23,11 @@ gmm. Then GradBench's particle and saddle, whole evaluations: the client runs Gr
 gradient descent, and each objective or gradient it asks for is one program run (server
 time: their sum). Over HTTP
 (`--http`): least squares 1024×128 and logsumexp on 10⁵ against the FastAPI + PyTorch
-script a user would write, each server alone with its defaults, gradserve through its
-client (binary bodies) and the script with JSON lists, as each one's user sends them: the
-wire is most of that difference, the tier little of it. On a device
+script a user would write, both started fresh with their defaults, gradserve through its
+client (binary bodies) and the script with JSON lists, as each one's user sends them (the
+wire is most of that difference, the tier little of it): each workload's first request,
+warm, the first after --idle-seconds (60) idle, and warm with bench_hardening's
+misbehaving clients beside both servers. On a device
 (`--device cuda:0`, or `cpu`): the 24-step cell at batch 64×256 as the service runs it
 there, against PyTorch eager on it.
 
