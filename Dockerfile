@@ -78,6 +78,8 @@ COPY README.md setup.py ./
 COPY gradserve ./gradserve
 COPY engine ./engine
 COPY service ./service
+COPY client ./client
+COPY wire ./wire
 RUN /opt/venv/bin/python -m pip wheel --no-deps --wheel-dir /tmp/dist . \
     && /opt/venv/bin/python -m pip install --no-deps /tmp/dist/gradserve-*.whl \
     && /opt/venv/bin/python -m pip check \

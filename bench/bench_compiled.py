@@ -75,8 +75,8 @@ class Gradserve:
 
     def __init__(self) -> None:
         from gradserve.engine import graph as eg
-        from gradserve.service.graph_id import graph_key
         from gradserve.service.programs import ProgramCache
+        from gradserve.wire.graph_id import graph_key
 
         self._graph = eg
         self._graph_key = graph_key

@@ -65,7 +65,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gradserve.service.client import AsyncClient, GradserveHTTPError  # noqa: E402
+from gradserve.client.http import AsyncClient, GradserveHTTPError  # noqa: E402
 
 HOST = "127.0.0.1"
 MiB = 1 << 20

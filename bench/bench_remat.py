@@ -143,7 +143,7 @@ def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 409
 
 
 def part_http(report: Report, steps: int = 600) -> None:
-    from gradserve.service.client import Client
+    from gradserve.client.http import Client
 
     x = np.linspace(-1.0, 1.0, N)
     graph = {"nodes": [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"}
@@ -222,7 +222,7 @@ def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
     hidden 14: bench_compiled's GradBench lstm) over HTTP with a 256 MiB budget, checked
     against PyTorch in float64 (GradBench's own harness is not part of this repository)."""
     from bench.bench_compiled import lstm
-    from gradserve.service.client import Client
+    from gradserve.client.http import Client
 
     rng = np.random.default_rng(31337)
     n, s = 100_000, 100

@@ -243,7 +243,7 @@ def stack() -> str:
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
     x = np.random.default_rng(0).standard_normal(4_000_000).astype(np.float32)
     graph = {"nodes": [{"id": "y", "expr": "x * 2"}], "outputs": ["y"]}
-    from gradserve.service.client import Client  # (here: the wire part does not depend on it)
+    from gradserve.client.http import Client  # (here: the wire part does not depend on it)
 
     times: dict[str, float] = {}
     for name, threshold, encoding in [("base64", 0, "base64"), ("json", 1 << 62, "json")]:

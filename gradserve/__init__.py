@@ -3,10 +3,12 @@
     >>> from gradserve import Client, AsyncClient, trace, F   # talk to a gradserve
     >>> import gradserve.engine as ge                         # the autodiff engine in Python
 
-`gradserve.service` is the HTTP service (`gradserve serve`; its dependencies come with the
-`server` extra) and `gradserve.engine` the engine behind it. The names here are loaded when
-first used: `import gradserve.engine` does not load the client, and the client loads neither
-the service nor the eager engine.
+Three parts and what they share: `gradserve.client` (the HTTP client, the tracer and its op
+catalog), `gradserve.service` (the HTTP service, `gradserve serve`; its dependencies come
+with the `server` extra), `gradserve.engine` (the autodiff engine behind it), and
+`gradserve.wire` (the wire format the client and the service both speak). The names here
+are loaded when first used: `import gradserve.engine` does not load the client, and the
+client loads neither the service nor the eager engine.
 """
 
 from __future__ import annotations
@@ -15,23 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gradserve.service.client import AsyncClient, Client, GradserveHTTPError, Result, Retry
-    from gradserve.service.trace import F, TracedTensor, TraceError, grad, jvp, scan, trace
+    from gradserve.client.http import AsyncClient, Client, GradserveHTTPError, Result, Retry
+    from gradserve.client.trace import F, TracedTensor, TraceError, grad, jvp, scan, trace
 
 # name -> the module that defines it
 _EXPORTS = {
-    "Client": "gradserve.service.client",
-    "AsyncClient": "gradserve.service.client",
-    "GradserveHTTPError": "gradserve.service.client",
-    "Result": "gradserve.service.client",
-    "Retry": "gradserve.service.client",
-    "trace": "gradserve.service.trace",
-    "F": "gradserve.service.trace",
-    "TracedTensor": "gradserve.service.trace",
-    "TraceError": "gradserve.service.trace",
-    "grad": "gradserve.service.trace",
-    "jvp": "gradserve.service.trace",
-    "scan": "gradserve.service.trace",
+    "Client": "gradserve.client.http",
+    "AsyncClient": "gradserve.client.http",
+    "GradserveHTTPError": "gradserve.client.http",
+    "Result": "gradserve.client.http",
+    "Retry": "gradserve.client.http",
+    "trace": "gradserve.client.trace",
+    "F": "gradserve.client.trace",
+    "TracedTensor": "gradserve.client.trace",
+    "TraceError": "gradserve.client.trace",
+    "grad": "gradserve.client.trace",
+    "jvp": "gradserve.client.trace",
+    "scan": "gradserve.client.trace",
 }
 
 __all__ = ["AsyncClient", "Client", "F", "GradserveHTTPError", "Result", "Retry", "TraceError",

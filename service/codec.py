@@ -21,12 +21,13 @@ from pydantic_core import from_json
 
 from gradserve.engine import collector
 from gradserve.engine.errors import TensorDataError, quoted
-from gradserve.engine.rules import DTYPES, INTS
+from gradserve.engine.rules import INTS
+from gradserve.wire.binary import array_of, raw_bytes
+from gradserve.wire.dtypes import LITTLE_ENDIAN, dtype_name
+from gradserve.wire.numbers import NONFINITE, dumps, json_data
 
-NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
-_NONFINITE_NAMES = np.array(["NaN", "Infinity", "-Infinity"], dtype=object)
-_LE = {name: np.dtype(name).newbyteorder("<") for name in DTYPES}
-_NAMES = {np.dtype(name): name for name in DTYPES}
+__all__ = ["JSONError", "check_shape", "decode_tensor", "dtype_name", "dumps", "encode_tensor",
+           "loads"]
 
 Loc = tuple[str | int, ...]
 
@@ -91,7 +92,7 @@ def decode_tensor(
     """A host array from one wire tensor; `loc` is e.g. ("inputs", "x"). `binary`: its
     bytes from a binary body's tail (the array is a read-only view on them)."""
     if shape is not None:
-        check_shape(loc, shape, _LE[dtype].itemsize if dtype is not None else 8)
+        check_shape(loc, shape, LITTLE_ENDIAN[dtype].itemsize if dtype is not None else 8)
     if binary is not None:
         return _from_raw(loc, binary, dtype, shape, "binary_data_size")
     if b64 is not None:
@@ -153,7 +154,7 @@ def _from_raw(loc: Loc, raw: bytes | memoryview, dtype: str | None,
         raise _error(loc, "dtype", f"{field} needs a dtype")
     if shape is None:
         raise _error(loc, "shape", f"{field} needs a shape")
-    itemsize = _LE[dtype].itemsize
+    itemsize = LITTLE_ENDIAN[dtype].itemsize
     count = math.prod(shape)
     if len(raw) != count * itemsize:
         raise _error(
@@ -165,8 +166,7 @@ def _from_raw(loc: Loc, raw: bytes | memoryview, dtype: str | None,
         octets = np.frombuffer(raw, dtype=np.uint8)
         if octets.size and octets.max() > 1:
             raise _error(loc, field, "bool data must be bytes 0 or 1")
-    array = np.frombuffer(raw, dtype=_LE[dtype]).reshape(tuple(shape))
-    return array.astype(dtype, copy=False)  # to native byte order (a no-op on little-endian)
+    return array_of(raw, dtype, shape)
 
 
 def _from_json(loc: Loc, data: Any, dtype: str | None) -> np.ndarray:
@@ -260,10 +260,6 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
 
 
 # ------------------------------------------------------------------------ encoding
-def dtype_name(array: np.ndarray) -> str:
-    return _NAMES[array.dtype]  # `dtype.name` is computed in Python on every access
-
-
 def encode_tensor(array: np.ndarray, encoding: str,
                   tail: list[memoryview] | None = None) -> dict[str, Any]:
     """`dtype`, `shape` and `data`, `b64` or `binary_data_size` for a response; values are
@@ -273,44 +269,12 @@ def encode_tensor(array: np.ndarray, encoding: str,
     out: dict[str, Any] = {"dtype": name, "shape": list(array.shape)}
     if encoding == "binary":
         assert tail is not None
-        raw = np.ascontiguousarray(array, dtype=_LE[name]).reshape(-1).view(np.uint8)
-        tail.append(memoryview(raw))  # type: ignore[arg-type]  # (a buffer from 3.12's PEP 688)
+        raw = raw_bytes(array, name)
+        tail.append(raw)
         out["binary_data_size"] = raw.nbytes
     elif encoding == "base64":
-        le = np.ascontiguousarray(array, dtype=_LE[name])
         # Straight from the array's buffer into the document: no bytes or str copies.
-        raw = le.reshape(-1).view(np.uint8)  # a buffer (PEP 688 types it only from 3.12)
-        out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(raw))  # type: ignore[arg-type]
+        out["b64"] = orjson.Fragment(b'"%s"' % pybase64.b64encode(raw_bytes(array, name)))
     else:
         out["data"] = json_data(array)
     return out
-
-
-def json_data(array: np.ndarray) -> Any:
-    """Data orjson writes as strict JSON, with the shortest digits that round-trip."""
-    if array.ndim == 0:
-        value = array[()]  # a NumPy scalar: orjson writes it with its own dtype's digits
-        if array.dtype.kind == "f" and not math.isfinite(value):
-            return _nonfinite_fragment(array)
-        return value
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        return _nonfinite_fragment(array)
-    return np.ascontiguousarray(array)
-
-
-def _nonfinite_fragment(array: np.ndarray) -> orjson.Fragment:
-    """orjson writes every non-finite value as `null`, and nothing else as `null` in a
-    numeric array: put the right string in each `null`, in row-major order."""
-    flat = np.ascontiguousarray(array.reshape(-1) if array.ndim == 0 else array)
-    parts = dumps(flat).split(b"null")
-    bad = flat[~np.isfinite(flat)]
-    names = np.where(np.isnan(bad), b'"NaN"', np.where(bad > 0, b'"Infinity"', b'"-Infinity"'))
-    pieces: list[bytes] = [b""] * (2 * len(parts) - 1)
-    pieces[0::2] = parts
-    pieces[1::2] = names.tolist()
-    text = b"".join(pieces)
-    return orjson.Fragment(text[1:-1] if array.ndim == 0 else text)
-
-
-def dumps(content: Any) -> bytes:
-    return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -53,7 +53,6 @@ from gradserve.engine.graph.ir import RECOMPUTE
 from gradserve.engine.graph.serial import Unstorable, dump_program, load_program
 from gradserve.service import codec
 from gradserve.service.errors import ProblemError, pydantic_errors, schema_problem
-from gradserve.service.graph_id import canonical_graph, id_of_canonical
 from gradserve.service.graph_json import graph_spec_from_json
 from gradserve.service.programs import Programs
 from gradserve.service.schemas import (
@@ -68,6 +67,7 @@ from gradserve.service.schemas import (
 )
 from gradserve.service.settings import Settings
 from gradserve.service.tier import COLD, INTERPRETER, XLA, Tier
+from gradserve.wire.graph_id import canonical_graph, id_of_canonical
 
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 Model = type[ForwardRequest | BackwardRequest]

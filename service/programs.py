@@ -40,9 +40,9 @@ from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import GraphSpec, Program
 from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
-from gradserve.service.graph_id import is_graph_id
 from gradserve.service.settings import Settings
 from gradserve.service.store import Store, entry_name, version_key
+from gradserve.wire.graph_id import is_graph_id
 
 ALIASES = 8192  # raw keys remembered per process (each ~150 bytes)
 EVICT_BEFORE = 0.9  # a preload stops where it would start evicting what it loaded

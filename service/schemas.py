@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic.json_schema import WithJsonSchema
 
+from gradserve.wire.catalog import OpInfo
+
 DType = Literal["float16", "float32", "float64", "int32", "int64", "bool"]
 Encoding = Literal["json", "base64", "binary"]
 
@@ -362,26 +364,6 @@ class Problem(BaseModel):
     node: str | None = None
     errors: list[dict[str, Any]] | None = None
     request_id: str | None = None
-
-
-class AttrInfo(BaseModel):
-    type: str
-    default: Any = None
-    required: bool
-
-
-class OpInfo(BaseModel):
-    name: str
-    group: str
-    args: list[str]
-    variadic: bool
-    attrs: dict[str, AttrInfo]
-    differentiable: bool
-    doc: str
-    min_args: int | None = Field(None, description="node kinds (`grad`, `jvp`, `scan`): the "
-                                 "arguments that must be given; the rest are optional")
-    fields: dict[str, str] | None = Field(None, description="node kinds: the node's keys "
-                                          "beyond id, op, args and attrs")
 
 
 class OpsResponse(BaseModel):

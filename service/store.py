@@ -288,14 +288,17 @@ def entry_name(kind: str, *parts: bytes | memoryview | str) -> str:
 @functools.cache
 def version_key(array_library: str) -> str:
     """What a stored entry depends on: gradserve's version, its source (the engine's every
-    module, and the service's, which parse and validate graphs), the op catalog, and the
+    module, the wire format's, and the service's, which parse and validate graphs), the op
+    catalog, and the
     array library that runs the programs (with its version)."""
     import gradserve.engine as engine
+    import gradserve.wire as wire
     from gradserve.engine.ops import OPS
 
     h = hashlib.blake2b(digest_size=16)
     h.update(_gradserve_version().encode())
-    for package in (Path(engine.__file__).parent, Path(__file__).parent):
+    for package in (Path(engine.__file__).parent, Path(wire.__file__).parent,
+                    Path(__file__).parent):
         for path in sorted(package.rglob("*.py")):
             h.update(path.relative_to(package.parent).as_posix().encode())
             h.update(path.read_bytes())

@@ -17,8 +17,8 @@ from schemathesis.generation.modes import GenerationMode
 from schemathesis.hooks import HookContext
 from schemathesis.openapi.checks import RejectedPositiveData
 
+from gradserve.client.http import BINARY_HEADER
 from gradserve.service import schemas
-from gradserve.service.client import BINARY_HEADER
 from gradserve.service.errors import TYPE_PREFIX
 
 

@@ -45,8 +45,8 @@ from bench.bench_compiled import (
     recurrent_inputs,
     recurrent_numpy,
 )
-from gradserve.service.client import Client, GradserveHTTPError, Retry
-from gradserve.service.graph_id import GRAPH_HEADER, graph_key
+from gradserve.client.http import Client, GradserveHTTPError, Retry
+from gradserve.wire.graph_id import GRAPH_HEADER, graph_key
 from tests import test_docker
 from tests.seeds import SEED_EXPR
 from tests.test_docker import BASE_IMAGE, ROOT, _compose_command, _docker, _unavailable

@@ -222,13 +222,13 @@ async def test_graph_ids_ignore_key_order_and_spacing_and_not_the_data(
 def test_graph_ids_are_stable_across_processes() -> None:
     """The id is a function of the graph alone: another interpreter (another hash seed)
     computes the same one."""
-    script = ("import json, sys; from gradserve.service.graph_id import graph_key; "
+    script = ("import json, sys; from gradserve.wire.graph_id import graph_key; "
               "print(graph_key(json.loads(sys.argv[1])))")
     ids = {subprocess.run([sys.executable, "-c", script, json.dumps(DOUBLE)], check=True,
                           capture_output=True, text=True, timeout=120,
                           env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=".").stdout.strip()
            for seed in ("1", "2")}
-    from gradserve.service.graph_id import graph_key
+    from gradserve.wire.graph_id import graph_key
 
     assert ids == {graph_key(DOUBLE)}
 

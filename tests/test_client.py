@@ -1,4 +1,4 @@
-"""The Python client (service/client.py) against a real `gradserve serve` on loopback:
+"""The Python client (client/http.py) against a real `gradserve serve` on loopback:
 binary, base64 and JSON bodies each way, every dtype exactly (0-d and empty too), mixed
 requests, read-only views, graphs sent once by id (and sent again on a miss), retries, and
 the async client. Requests pass through a recording transport, which forwards them as
@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
-from gradserve.service.client import (
+from gradserve.client.http import (
     BINARY_HEADER,
     GRAPH_ID_MISSES,
     GRAPH_UNKNOWN,
@@ -29,7 +29,7 @@ from gradserve.service.client import (
     GradserveHTTPError,
     Result,
 )
-from gradserve.service.graph_id import GRAPH_HEADER, canonical_graph, graph_key
+from gradserve.wire.graph_id import GRAPH_HEADER, canonical_graph, graph_key
 from tests.test_integration_service import Server, _start, _stop
 
 pytestmark = pytest.mark.integration
@@ -215,9 +215,12 @@ def root(array: np.ndarray) -> Any:
     """What an array's memory belongs to, past any chain of views."""
     base: Any = array
     for _ in range(32):
-        if not isinstance(base, np.ndarray) or base.base is None:
+        if isinstance(base, memoryview):  # a view on part of a buffer: that buffer's
+            base = base.obj
+        elif not isinstance(base, np.ndarray) or base.base is None:
             return base
-        base = base.base
+        else:
+            base = base.base
     raise AssertionError("a chain of views longer than 32")
 
 

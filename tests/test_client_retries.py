@@ -1,4 +1,4 @@
-"""The client's retries (service/client.py, `Retry`) against real servers on loopback: a
+"""The client's retries (client/http.py, `Retry`) against real servers on loopback: a
 refused connection until a server starts on the port, a server killed mid-request and
 started again on the same port, 503 with Retry-After from a busy server, and what is not
 retried (4xx, 500, 504, a read timeout), the 409 resend, the attempt limit and the
@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gradserve.service.client import (
+from gradserve.client.http import (
     GRAPH_UNKNOWN,
     RETRY_ERRORS,
     AsyncClient,

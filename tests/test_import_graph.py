@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The packages walked: the module name of each, and the folder that holds its source.
 PACKAGES = {"gradserve": ROOT / "gradserve", "gradserve.engine": ROOT / "engine",
-            "gradserve.service": ROOT / "service"}
+            "gradserve.service": ROOT / "service", "gradserve.client": ROOT / "client",
+            "gradserve.wire": ROOT / "wire"}
 
 
 def _modules() -> dict[str, Path]:
@@ -117,3 +118,48 @@ def test_the_packages_import_without_a_cycle() -> None:
 def test_the_walk_finds_a_cycle_where_there_is_one() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module that importing `start`'s modules (it and its submodules) can import."""
+    todo = [m for m in graph if m == start or m.startswith(start + ".")]
+    seen = set(todo)
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+# The eager engine: Tensor, autograd and what only they import (the rules under them are
+# shared: the tracer computes shapes with them).
+EAGER = ("gradserve.engine._tensor", "gradserve.engine.autograd", "gradserve.engine.functions")
+
+
+def _within(modules: set[str], package: str) -> set[str]:
+    return {m for m in modules if m == package or m.startswith(package + ".")}
+
+
+def test_the_client_imports_neither_the_service_nor_the_eager_engine() -> None:
+    found = reachable(import_graph(), "gradserve.client")
+    assert not _within(found, "gradserve.service")
+    assert not {m for m in found if m.startswith(EAGER)}
+    assert "gradserve.wire.binary" in found  # (and the wire format, shared)
+
+
+def test_the_service_never_imports_the_client() -> None:
+    found = reachable(import_graph(), "gradserve.service")
+    assert not _within(found, "gradserve.client")
+    assert "gradserve.wire.graph_id" in found
+
+
+def test_the_wire_format_imports_neither_side() -> None:
+    found = reachable(import_graph(), "gradserve.wire")
+    assert not _within(found, "gradserve.service") | _within(found, "gradserve.client")
+    assert not {m for m in found if m.startswith(EAGER)}
+
+
+def test_the_guards_see_an_import_that_crosses() -> None:
+    graph = {"gradserve.client.x": {"gradserve.wire.y"},
+             "gradserve.wire.y": {"gradserve.service.z"}, "gradserve.service.z": set()}
+    assert "gradserve.service.z" in reachable(graph, "gradserve.client")

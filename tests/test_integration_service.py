@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from gradserve.service.client import Client, GradserveHTTPError
+from gradserve.client.http import Client, GradserveHTTPError
 
 pytestmark = pytest.mark.integration
 

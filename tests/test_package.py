@@ -46,7 +46,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     skip = shutil.ignore_patterns("__pycache__", "*.so", "_native.json")
-    for package in ("engine", "service"):
+    for package in ("engine", "service", "client", "wire"):
         shutil.copytree(ROOT / package, src / package, ignore=skip)
     shutil.copytree(ROOT / "gradserve", src / "gradserve", symlinks=True, ignore=skip)
     subprocess.run(

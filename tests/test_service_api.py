@@ -792,7 +792,7 @@ async def test_program_cache_reuses_plans_per_graph_and_specs() -> None:
 
 
 async def test_async_client() -> None:
-    from gradserve.service.client import AsyncClient, GradserveHTTPError
+    from gradserve.client.http import AsyncClient, GradserveHTTPError
 
     async with serving() as (_, app):
         transport = httpx.ASGITransport(app)

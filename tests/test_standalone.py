@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["gradserve", "engine", "service", "tests", "bench", "docs", "openapi"]
+SOURCES = ["gradserve", "engine", "service", "client", "wire", "tests", "bench", "docs",
+           "openapi"]
 TOP_LEVEL = ["README.md", "Dockerfile", "docker-compose.yml", "pyproject.toml", ".dockerignore"]
 SUFFIXES = {".py", ".md", ".json", ".toml", ".yml", ".yaml", ".txt", ".sh", ""}
 # Design notes kept outside the repository, and the directory next to it.
@@ -35,11 +36,11 @@ def test_nothing_points_outside_the_repository() -> None:
 
 
 def test_the_package_links_to_the_folders_beside_it() -> None:
-    """gradserve/engine and gradserve/service are links to the folders beside them."""
+    """gradserve/engine, service, client and wire are links to the folders beside them."""
     links = {p.relative_to(ROOT): p.resolve() for p in (ROOT / "gradserve").iterdir()
              if p.is_symlink()}
-    assert links == {Path("gradserve/engine"): ROOT / "engine",
-                     Path("gradserve/service"): ROOT / "service"}
+    assert links == {Path("gradserve") / name: ROOT / name
+                     for name in ("engine", "service", "client", "wire")}
 
 
 def test_the_contract_is_in_the_repository() -> None:

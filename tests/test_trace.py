@@ -1,4 +1,4 @@
-"""Graphs traced from Python (service/trace.py): every catalog op against PyTorch, the 10
+"""Graphs traced from Python (client/trace.py): every catalog op against PyTorch, the 10
 objectives of tests/test_objectives.py as Python functions against their hand-written
 graphs, grad/jvp/scan against hand-written nodes, readable ids and exprs, what needs data,
 a catalog that differs, and traced functions sent through the client to a real server."""
@@ -19,12 +19,7 @@ import numpy as np
 import orjson
 import pytest
 
-from gradserve.engine.graph import NodeSpec, TensorSpec, compile_graph, execute
-from gradserve.engine.graph.spec import RunResult
-from gradserve.service.compute import graph_spec
-from gradserve.service.routes.catalog import _ops_body
-from gradserve.service.schemas import Graph
-from gradserve.service.trace import (
+from gradserve.client.trace import (
     Catalog,
     F,
     Functional,
@@ -35,6 +30,11 @@ from gradserve.service.trace import (
     scan,
     trace,
 )
+from gradserve.engine.graph import NodeSpec, TensorSpec, compile_graph, execute
+from gradserve.engine.graph.spec import RunResult
+from gradserve.service.compute import graph_spec
+from gradserve.service.routes.catalog import _ops_body
+from gradserve.service.schemas import Graph
 from tests.op_samples import TORCH, Sample
 from tests.test_objectives import OBJECTIVES
 from tests.test_objectives import _data as objective_data
@@ -823,7 +823,7 @@ def test_the_client_and_tracer_load_the_rules_and_nothing_heavy() -> None:
     """The tracer's shapes are the engine's rules (engine.rules), which import without the
     eager engine; the client and tracer load no server dependency either, not even to trace
     on the standard catalog."""
-    code = ("import sys, gradserve.service.client, gradserve.service.trace as t; "
+    code = ("import sys, gradserve.client.http, gradserve.client.trace as t; "
             "g = t.trace(lambda x: x.sum(1), x=((2, 3), 'float32')); "
             "assert g['nodes'] == [{'id': 'out', 'expr': 'sum(x, dim=1)'}], g; "
             f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]; "
@@ -843,7 +843,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.mark.integration
 def test_traced_functions_and_their_hand_written_json_agree_over_http(server: Any) -> None:
-    from gradserve.service.client import Client
+    from gradserve.client.http import Client
 
     data = objective_data()
     with Client(server.base) as gs:
@@ -874,7 +874,7 @@ def test_traced_functions_and_their_hand_written_json_agree_over_http(server: An
 
 @pytest.mark.integration
 def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
-    from gradserve.service.client import Client
+    from gradserve.client.http import Client
 
     calls = []
 
@@ -905,7 +905,7 @@ def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
 
 @pytest.mark.integration
 def test_async_client_traces(server: Any) -> None:
-    from gradserve.service.client import AsyncClient
+    from gradserve.client.http import AsyncClient
 
     async def go() -> None:
         async with AsyncClient(server.base) as gs:

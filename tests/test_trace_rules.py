@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from gradserve.client.trace import F, TracedTensor, TraceError, trace
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import TensorSpec, compile_graph
 from gradserve.engine.ops import OPS
 from gradserve.service.compute import graph_spec
 from gradserve.service.schemas import Graph
-from gradserve.service.trace import F, TracedTensor, TraceError, trace
 from tests.op_samples import ERRORS, SAMPLES
 
 

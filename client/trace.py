@@ -1,6 +1,6 @@
 """Tracing Python functions into gradserve graphs, PyTorch-style.
 
-    >>> from gradserve.service.trace import F, trace
+    >>> from gradserve.client.trace import F, trace
     >>> def model(X, w, b, y):
     ...     margin = -y * (X @ w + b)
     ...     loss = F.softplus(margin).mean() + 0.01 * (w * w).sum()
@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import builtins
 import difflib
-import functools
 import inspect
 import itertools
 import json
@@ -103,6 +102,14 @@ from typing import Any
 
 import numpy as np
 
+from gradserve.client.catalog import (
+    ALIASES,
+    TRANSFORMS,
+    Catalog,
+    OpInfo,
+    as_catalog,
+    standard_catalog,
+)
 from gradserve.engine.errors import DTypeError, GradserveError
 from gradserve.engine.rules import (
     DTYPES,
@@ -110,12 +117,12 @@ from gradserve.engine.rules import (
     Meta,
     OpDef,
     Shape,
-    catalog_ops,
     check_dtype,
     elementwise_infer,
     fmt,
     literal_meta,
 )
+from gradserve.wire.dtypes import wire_dtype
 
 __all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
            "scan", "spec_of", "standard_catalog", "trace"]
@@ -162,14 +169,6 @@ def dtype_name(value: Any) -> str:
     return name
 
 
-def wire_dtype(dtype: np.dtype[Any]) -> str:
-    """The dtype an array travels as: its own, else float32 for floats and int64 for
-    integers (the client casts to it)."""
-    if dtype.name in DTYPES:
-        return dtype.name
-    return "float32" if dtype.kind == "f" else "bool" if dtype.kind == "b" else "int64"
-
-
 @dataclass(frozen=True)
 class Spec:
     """An input's shape and dtype."""
@@ -200,120 +199,6 @@ def spec_of(value: Any) -> Spec:
             return Spec(tuple(int(n) for n in found), dtype_name(dtype))
     array = np.asarray(value)
     return Spec(tuple(array.shape), wire_dtype(array.dtype))
-
-
-# ------------------------------------------------------------------ the catalog
-
-
-@dataclass(frozen=True)
-class AttrInfo:
-    type: str
-    default: Any
-    required: bool
-
-
-@dataclass(frozen=True)
-class OpInfo:
-    """One op of the catalog, as `GET /ops` lists it."""
-
-    name: str
-    group: str
-    args: tuple[str, ...]
-    variadic: bool
-    attrs: dict[str, AttrInfo]
-    doc: str = ""
-
-    @property
-    def lead_attr(self) -> str | None:
-        """A variadic op's required string attribute, written first (einsum's equation)."""
-        if not self.variadic:
-            return None
-        return next((k for k, a in self.attrs.items()
-                     if a.required and a.type.split("|")[0] == "str"), None)
-
-    @property
-    def order(self) -> tuple[str, ...]:
-        """The positional order of a non-variadic op: its tensors, then its attributes in
-        the catalog's order; a required `dim` of an op of several tensors goes second, as
-        PyTorch writes `gather(input, dim, index)`."""
-        attrs = tuple(self.attrs)
-        dim = self.attrs.get("dim")
-        if len(self.args) > 1 and dim is not None and dim.required:
-            rest = tuple(a for a in attrs if a != "dim")
-            return (self.args[0], "dim", *self.args[1:], *rest)
-        return (*self.args, *attrs)
-
-    @property
-    def self_arg(self) -> str:
-        """The argument a method's `self` is: `input` where there is one (`x.where(c, y)` is
-        where(c, x, y)), else the first."""
-        return "input" if "input" in self.args else self.args[0]
-
-
-# PyTorch's other spellings of catalog ops (used only where the catalog has the target and
-# not the alias itself).
-ALIASES = {
-    "inverse": "inv", "clip": "clamp", "concat": "cat", "concatenate": "cat", "amax": "max",
-    "amin": "min", "absolute": "abs", "negative": "neg", "multiply": "mul", "divide": "div",
-    "true_divide": "div", "subtract": "sub", "greater": "gt", "less": "lt",
-    "greater_equal": "ge", "less_equal": "le", "not_equal": "ne", "swapaxes": "transpose",
-    "swapdims": "transpose",
-}
-_TRANSFORMS = ("grad", "jvp", "scan")
-
-
-class Catalog:
-    """The op catalog: from `GET /ops`'s JSON, its list of ops, a mapping of name to op,
-    or another Catalog."""
-
-    def __init__(self, source: Any) -> None:
-        if isinstance(source, Catalog):
-            self.ops: dict[str, OpInfo] = dict(source.ops)
-            self.transforms: set[str] = set(source.transforms)
-            return
-        if isinstance(source, Mapping) and "ops" in source and not isinstance(
-                source["ops"], Mapping):
-            source = source["ops"]
-        items = list(source.values()) if isinstance(source, Mapping) else list(source)
-        self.ops = {}
-        self.transforms = set()
-        for item in items:
-            name = item["name"]
-            if item.get("group") == "transforms" or (name in _TRANSFORMS and "min_args" in item):
-                self.transforms.add(name)
-                continue
-            attrs = {k: AttrInfo(str(a.get("type", "")), a.get("default"),
-                                 bool(a.get("required", False)))
-                     for k, a in (item.get("attrs") or {}).items()}
-            self.ops[name] = OpInfo(name, str(item.get("group", "")), tuple(item.get("args", ())),
-                                    bool(item.get("variadic", False)), attrs,
-                                    str(item.get("doc", "")))
-
-    def resolve(self, name: str) -> OpInfo | None:
-        op = self.ops.get(name)
-        if op is None and ALIASES.get(name):
-            op = self.ops.get(ALIASES[name])
-        return op
-
-    def names(self) -> list[str]:
-        aliases = [a for a, t in ALIASES.items() if t and t in self.ops and a not in self.ops]
-        return sorted([*self.ops, *self.transforms, *aliases])
-
-    def missing(self, name: str, owner: str) -> AttributeError:
-        close = difflib.get_close_matches(name, self.names(), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return AttributeError(f"{owner} has no attribute {name!r}: op {name!r} is not in "
-                              f"this server's op catalog (GET /ops){hint}", name=name)
-
-
-def _as_catalog(source: Any) -> Catalog:
-    return source if isinstance(source, Catalog) else Catalog(source)
-
-
-@functools.cache  # the registry is fixed once imported
-def standard_catalog() -> Catalog:
-    """The catalog of this version's engine (engine.rules), for tracing without a server."""
-    return Catalog(catalog_ops())
 
 
 # ------------------------------------------------------------------ shape and dtype rules
@@ -535,7 +420,7 @@ class TracedTensor:
         catalog = self._trace.catalog
         op = catalog.resolve(name)
         if op is None or not op.args or op.variadic:
-            if op is None and name not in _TRANSFORMS and (
+            if op is None and name not in TRANSFORMS and (
                     name in OPS or name in ALIASES):
                 raise catalog.missing(name, "TracedTensor")
             close = difflib.get_close_matches(name, [*dir(type(self)), *_methods(catalog)], n=1)
@@ -903,7 +788,7 @@ class Functional:
         if name.startswith("_"):
             raise AttributeError(name)
         catalog = self._catalog()
-        if name in _TRANSFORMS and name in catalog.transforms:
+        if name in TRANSFORMS and name in catalog.transforms:
             return _HELPERS[name]
         op = catalog.resolve(name)
         if op is None:
@@ -933,7 +818,7 @@ def _transform(name: str) -> OpInfo:
     trace = _active()
     if name not in trace.catalog.transforms:
         raise trace.catalog.missing(name, "F")
-    return OpInfo(name, "transforms", (), False, {})
+    return OpInfo(name, "transforms", (), False, {}, True, "")
 
 
 def _tensor(value: Any, what: str) -> TracedTensor:
@@ -1173,7 +1058,7 @@ def trace(fn: Callable[..., Any], ops_catalog: Any = None, /, **specs: Any) -> d
     """The graph JSON (`{"nodes": [...], "outputs": [...]}`) of `fn` called on symbolic
     inputs, one per spec (see the module's docstring), on `ops_catalog` or else the
     standard catalog."""
-    catalog = standard_catalog() if ops_catalog is None else _as_catalog(ops_catalog)
+    catalog = standard_catalog() if ops_catalog is None else as_catalog(ops_catalog)
     t = _Trace(catalog)
     inputs: dict[str, TracedTensor] = {}
     for name, spec in specs.items():
