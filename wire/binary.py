@@ -11,10 +11,11 @@ after a document) to a multiple of 8 bytes, so that its first tensor starts alig
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
 from gradserve.wire.dtypes import LITTLE_ENDIAN
 
 BINARY_HEADER = "Inference-Header-Content-Length"
@@ -113,21 +114,3 @@ def header_length_of(value: str | None) -> int | None:
         raise FramingError(f"{BINARY_HEADER} must be a byte count, not {value[:64]!r}",
                            ("headers", BINARY_HEADER.lower()))
     return int(count)
-
-
-def frame(header: bytes, tail: Sequence[bytes | memoryview]) -> tuple[list[bytes | memoryview],
-                                                                      dict[str, str]]:
-    """A binary body's parts (its header, then each tensor's bytes as they lie) and the
-    headers that frame it."""
-    size = len(header) + sum(memoryview(t).nbytes for t in tail)
-    return [header, *tail], {"Content-Type": "application/octet-stream",
-                             BINARY_HEADER: str(len(header)), "Content-Length": str(size)}
-
-
-def sections_of(header: Mapping[str, Any], sections: Sequence[str]
-                ) -> Iterable[tuple[str, Mapping[str, Any]]]:
-    """The header's tensor sections that are there, in `sections`' order."""
-    for section in sections:
-        tensors = header.get(section)
-        if isinstance(tensors, Mapping):
-            yield section, tensors
