@@ -13,9 +13,9 @@ interleaved rounds, medians:
                           output under another name), never this graph;
   + deferred collection   the young-generation collection that follows a compile (the
                           collector is paused during it: engine.collector);
-  parse, validate, spec   the body parsed (service.codec.loads), validated by the wire
-                          models, and converted to a GraphSpec; and service.graph_json's
-                          one pass from the parsed JSON to the same GraphSpec;
+  parse, validate         the body parsed (service.codec.loads) and validated by the wire
+                          models, which the compiler then reads as they are (no spec made
+                          of them);
   key                     the graph's id (its canonical JSON hashed).
 
 The compiler's modules are the compiled ones where the package was installed with mypyc
@@ -44,13 +44,9 @@ import bench_compiled  # noqa: E402
 
 import gradserve.engine.graph as eg  # noqa: E402
 from gradserve.engine.graph import autodiff, builder, executor  # noqa: E402
-from gradserve.service.compute import graph_key, graph_spec, parse_json, validate  # noqa: E402
-from gradserve.service.schemas import BackwardRequest  # noqa: E402
-
-try:
-    from gradserve.service.graph_json import graph_spec_from_json
-except ImportError:  # (a checkout from before it)
-    graph_spec_from_json = None  # type: ignore[assignment]
+from gradserve.service.request import parse_json  # noqa: E402
+from gradserve.service.schemas import BackwardRequest, Graph  # noqa: E402
+from gradserve.wire.graph_id import graph_key  # noqa: E402
 
 WORKLOADS: dict[str, Callable[[], bench_compiled.Workload]] = {
     "cell": bench_compiled.recurrent_cell,
@@ -88,10 +84,12 @@ def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
                  "outputs": [renamed]}
         return orjson.dumps({"graph": graph, "inputs": inputs})
 
-    def spec() -> eg.GraphSpec:
-        return graph_spec(validate(parse_json(body()), BackwardRequest).graph)
+    def spec() -> Graph:
+        graph = BackwardRequest.model_validate(parse_json(body())).graph
+        assert graph is not None
+        return graph
 
-    def compile_(s: eg.GraphSpec) -> Any:
+    def compile_(s: Graph) -> Any:
         return eg.compile_graph(s, specs, backward=True)
 
     out: dict[str, list[float]] = {}
@@ -111,11 +109,8 @@ def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
         raw = body()
         dt, data = timed(parse_json, raw)
         out.setdefault("parse", []).append(dt)
-        dt, req = timed(validate, data, BackwardRequest)
+        dt, _ = timed(BackwardRequest.model_validate, data)
         out.setdefault("validate", []).append(dt)
-        out.setdefault("spec", []).append(timed(graph_spec, req.graph)[0])
-        if graph_spec_from_json is not None:
-            out.setdefault("graph_json", []).append(timed(graph_spec_from_json, data["graph"])[0])
         out.setdefault("key", []).append(timed(graph_key, data["graph"])[0])
     nodes = len(w.graph["nodes"])
     return {k: statistics.median(v) * 1e6 / nodes for k, v in out.items()}

@@ -275,7 +275,6 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
 def part_compile(report: Report, rounds: int) -> None:
     from gradserve.engine.graph import TensorSpec, compile_graph
     from gradserve.engine.graph.serial import dump_program, load_program
-    from gradserve.service.compute import graph_spec
     from gradserve.service.schemas import Graph
 
     workloads = [("3,000-node chain", unrolled(1_000), 10.0),
@@ -286,10 +285,10 @@ def part_compile(report: Report, rounds: int) -> None:
         salted = {"nodes": [*w.graph["nodes"], {"id": "salt", "op": "mul",
                                                 "args": [next(iter(w.inputs)), 3.25]}],
                   "outputs": w.graph["outputs"]}
-        compile_graph(graph_spec(Graph.model_validate(salted)), _specs(w, TensorSpec),
+        compile_graph(Graph.model_validate(salted), _specs(w, TensorSpec),
                       backward=True)
     for name, w, target in workloads:
-        spec = graph_spec(Graph.model_validate(w.graph))
+        spec = Graph.model_validate(w.graph)
         specs = _specs(w, TensorSpec)
         nodes = len(w.graph["nodes"])
         compile_ms, load_ms = [], []

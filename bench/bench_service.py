@@ -337,8 +337,8 @@ CHAIN_STEPS, CHAIN_WIDTH = 10_000, 512  # bench_compiled.unrolled: 30,001 op nod
 CHAIN_REPS = 4  # requests per round, each way
 RSS_ELEMENTS = 64 * 2**20  # 256 MiB of float32
 RSS_INTERVAL_S = 0.003
-# service/runner.py's INLINE_MAX_BODY_BYTES: a body this small computes in the front
-# process, which holds only the graphs it was sent itself (not those a worker holds).
+# service/placement.py's NEW_MAX_DOCUMENT_BYTES: a body this small may compute in the front
+# process (its fast lane), which finds a graph a worker holds in the program store.
 INLINE_MAX_BODY = 16 * 1024
 GiB = 1024**3
 # One compute worker, so that a graph_id is held by the process that answers; and limits
@@ -568,8 +568,8 @@ def wire_graph(gs_port: int, rounds: int, steps: int = CHAIN_STEPS, width: int =
         first = orjson.loads(memoryview(body))
         graph_id = first["meta"]["graph_id"]
         by_id = orjson.dumps({"graph_id": graph_id, "inputs": inputs})
-        # A small body by id (the same graph, width-8 inputs): computed in the front
-        # process, which did not see the graph. Recorded, not required.
+        # A small body by id (the same graph, width-8 inputs), which the front process did
+        # not see: placed by what the worker reported of the graph. Recorded, not required.
         tiny = orjson.dumps({"graph_id": graph_id, "inputs": _chain_inputs(8)})
         probe = client.post("/backward", [tiny], headers)[0]
 
@@ -855,11 +855,9 @@ def print_wire(w: dict[str, Any], rounds: int) -> None:
           f"each way a round; bytes sent {g['sent']['full']:,} full vs {g['sent']['id']:,} "
           f"by id; re-registrations {g['registrations']}")
     size, status = g["probe"]
-    print(f"- graph_id in a body of {size:,} bytes (<= {INLINE_MAX_BODY // 1024} KiB: the "
-          f"front process computes it inline) got {status}"
-          + (" graph-unknown although the worker holds the graph: the timed id requests "
-             f"carry inputs past {INLINE_MAX_BODY // 1024} KiB so that a worker answers them"
-             if status == 409 else ""))
+    print(f"- graph_id in a body of {size:,} bytes (<= {INLINE_MAX_BODY // 1024} KiB), the "
+          f"graph sent to a worker before, got {status}"
+          + (" graph-unknown although the worker holds the graph" if status == 409 else ""))
     hwm = ("could not be reset" if m["hwm_sum"] is None else
            f"{m['hwm_sum'] / mib:.0f} MiB ({m['hwm_sum'] / m['payload']:.2f}x; front "
            f"{m['hwm_front'] / mib:.0f})")

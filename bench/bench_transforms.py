@@ -49,7 +49,6 @@ from bench.bench_compiled import (
     objectives_data,
 )
 from gradserve.engine.graph import TensorSpec, compile_graph, execute
-from gradserve.service.compute import graph_spec
 from gradserve.service.schemas import Graph
 
 Arrays = dict[str, np.ndarray]
@@ -59,7 +58,7 @@ CELL = "tanh({x} @ w + {h} @ u + b)"
 def compile_json(graph: dict[str, Any], inputs: Arrays, wrt: list[str], *,
                  backward: bool) -> Any:
     """The service's path from a JSON graph: the wire model, the engine's spec, compile."""
-    spec = graph_spec(Graph.model_validate(graph))
+    spec = Graph.model_validate(graph)
     specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
     return compile_graph(spec, specs, backward=backward, no_grad=not backward)
 

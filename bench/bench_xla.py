@@ -345,11 +345,10 @@ def compile_request(graph: Graph, inputs: Arrays, wrt: Collection[str],
     """As the service compiles a request: its wire schema, then the compiler; a backward
     program when `wrt` names inputs to differentiate, else a forward one."""
     from gradserve.engine.graph import TensorSpec, compile_graph
-    from gradserve.service.compute import graph_spec
     from gradserve.service.schemas import Graph
 
     specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
-    return compile_graph(graph_spec(Graph.model_validate(graph)), specs,
+    return compile_graph(Graph.model_validate(graph), specs,
                          backward=bool(wrt), device=device)
 
 

@@ -879,10 +879,10 @@ def decode_binary(content: bytes, header_length: int
 def _view(raw: memoryview, tensor: Mapping[str, Any], what: str) -> np.ndarray:
     dtype, shape = tensor["dtype"], tuple(tensor["shape"])
     if dtype not in LITTLE_ENDIAN:
-        raise FramingError(f"{what}: unknown dtype {dtype!r}", (what,))
+        raise FramingError(f"{what}: unknown dtype {dtype!r}", (what,), "unknown dtype")
     if len(raw) != byte_size(dtype, shape):
         raise FramingError(f"{what}: binary_data_size {len(raw)} does not hold shape "
-                           f"{list(shape)} of {dtype}", (what,))
+                           f"{list(shape)} of {dtype}", (what,), "wrong size")
     return array_of(raw, dtype, shape)
 
 

@@ -5,7 +5,7 @@ for at most `GRADSERVE_QUEUE_TIMEOUT_S` and never past its own deadline. It gets
 `Retry-After` only when the queue is full or its wait runs out, so that a client can back
 off or go to another replica rather than wait behind ever longer latency; one whose
 deadline passes while it waits gets 504. Each slot has a number: its line in the
-in-flight memory ledger (service/workers.py)."""
+in-flight memory ledger (service/ledger.py)."""
 
 from __future__ import annotations
 

@@ -19,12 +19,22 @@ from pydantic.json_schema import models_json_schema
 
 from gradserve.engine.backends import parse_device
 from gradserve.service.errors import install_handlers
+from gradserve.service.front import Front
 from gradserve.service.metrics import Metrics
 from gradserve.service.middleware import Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
-from gradserve.service.routes import catalog, compute, explorer, health, operation_id
-from gradserve.service.runner import Runner
-from gradserve.service.schemas import BackwardRequest, ForwardRequest, PlanRequest, Problem
+from gradserve.service.routes import catalog, explorer, health, operation_id
+from gradserve.service.routes.compute import OPERATIONS
+from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
+from gradserve.service.schemas import (
+    BackwardRequest,
+    BackwardResponse,
+    ForwardRequest,
+    ForwardResponse,
+    PlanRequest,
+    PlanResponse,
+    Problem,
+)
 from gradserve.service.settings import Settings, get_settings
 
 log = logging.getLogger("gradserve")
@@ -45,10 +55,10 @@ def _version() -> str:
 async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     settings: Settings = app.state.settings
     parse_device(settings.default_device)  # fail at startup, not on the first request
-    runner: Runner = app.state.runner
+    front: Front = app.state.front
     # The seed example, run once at startup so the first request pays for no lazy import;
     # and the compute workers, started and warm before the server says it is ready.
-    await runner.start()
+    await front.start()
     metrics: Metrics = app.state.metrics
 
     def drain() -> None:
@@ -63,7 +73,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     policy = ConnectionPolicy.from_settings(
         settings, count=lambda reason: metrics.rejected[reason].inc(), drain=drain
     )
-    housekeeping = asyncio.create_task(runner.housekeeping())
+    housekeeping = asyncio.create_task(front.housekeeping())
     # Several front processes (`--workers N`): this one's gauges, published for any
     # process's scrape, and the gauges of any that died before it (a replaced worker's).
     metrics.sweep()
@@ -79,7 +89,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         app.state.ready = False
         housekeeping.cancel()
         publisher.cancel()
-        await anyio.to_thread.run_sync(runner.close)
+        await anyio.to_thread.run_sync(front.close)
         metrics.retire()
 
 
@@ -97,10 +107,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.runner = Runner(settings, metrics)
+    app.state.front = Front(settings, metrics)
     app.state.ready = False
     install_handlers(app)
-    _add_routes(app, compute.router, first=True)
+    app.router.routes[:0] = COMPUTE_ROUTES  # (matched first: they are the hot ones)
     _add_routes(app, catalog.router)
     _add_routes(app, health.router)
     _add_routes(app, explorer.router)
@@ -115,29 +125,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _add_routes(app: FastAPI, router: APIRouter, *, first: bool = False) -> None:
+def _add_routes(app: FastAPI, router: APIRouter) -> None:
     """Put a router's routes on the app's own router. `include_router` keeps the router
     nested (FastAPI >= 0.16x), and every request then walks it: about 10 us a request on
     these machines, more than some requests' compute. Our routers have no prefix or
-    dependencies of their own to apply, and each sets the operation ids itself. `first`:
-    matched before the docs routes (the compute routes are the hot ones)."""
-    if first:
-        app.router.routes[:0] = router.routes
-    else:
-        app.router.routes.extend(router.routes)
+    dependencies of their own to apply, and each sets the operation ids itself."""
+    app.router.routes.extend(router.routes)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the request bodies the compute routes parse themselves."""
+    """FastAPI's document of its routes, plus the compute routes, which are plain ASGI
+    endpoints (service/routes/compute.py), with their models."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         _, defs = models_json_schema(
             [(ForwardRequest, "validation"), (BackwardRequest, "validation"),
-             (PlanRequest, "validation"), (Problem, "serialization")],
+             (PlanRequest, "validation"), (ForwardResponse, "serialization"),
+             (BackwardResponse, "serialization"), (PlanResponse, "serialization"),
+             (Problem, "serialization")],
             ref_template="#/components/schemas/{model}",
         )
+        schema["paths"] = {**OPERATIONS, **schema["paths"]}
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
         app.openapi_schema = schema
     return app.openapi_schema

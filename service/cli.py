@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,7 +112,7 @@ def metrics_directory(workers: int) -> Iterator[str | None]:
     if workers <= 1:
         yield None
         return
-    with _server_directory("gradserve-metrics-", METRICS_ENV) as path:
+    with _server_directory("metrics", METRICS_ENV) as path:
         yield path
 
 
@@ -121,29 +120,31 @@ def metrics_directory(workers: int) -> Iterator[str | None]:
 def store_directory(settings: Settings) -> Iterator[str | None]:
     """GRADSERVE_PROGRAM_STORE_DIR for the front processes, when there are several and
     none is named: one directory of this server's own for all of them (each would make
-    its own otherwise: service/runner.py), under /dev/shm where it is writable, removed
+    its own otherwise: service/front.py), under /dev/shm where it is writable, removed
     when the server exits."""
     if settings.workers <= 1 or settings.program_store_dir is not None or \
             not settings.program_store_bytes:
         yield settings.program_store_dir
         return
-    with _server_directory("gradserve-programs-", "GRADSERVE_PROGRAM_STORE_DIR") as path:
+    with _server_directory("programs", "GRADSERVE_PROGRAM_STORE_DIR") as path:
         yield path
 
 
 @contextlib.contextmanager
-def _server_directory(prefix: str, variable: str) -> Iterator[str]:
+def _server_directory(kind: str, variable: str) -> Iterator[str]:
     """A new directory for the server's processes, named in `variable` for them: under
-    /dev/shm (RAM) where it is writable, else the temporary directory; removed when the
-    server exits."""
-    shm = "/dev/shm"
-    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
-    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    /dev/shm (RAM) where it is writable, else the temporary directory; held while the
+    server runs, and removed when it exits (or by the next server to start, should this
+    one be killed: service/shm.py)."""
+    from gradserve.service.shm import own_directory
+
+    path, held = own_directory(kind)
     os.environ[variable] = path
     try:
         yield path
     finally:
         os.environ.pop(variable, None)
+        os.close(held)
         shutil.rmtree(path, ignore_errors=True)
 
 

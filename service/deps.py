@@ -7,14 +7,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gradserve.service.metrics import Metrics
-from gradserve.service.runner import Runner
 from gradserve.service.settings import Settings
-
-
-def runner_of(request: Request) -> Runner:
-    """The compute routes take the runner straight from the app: no dependency to solve on
-    the hot path (tens of microseconds a request)."""
-    return request.app.state.runner  # type: ignore[no-any-return]
 
 
 # async: a sync dependency would cost a thread hop per request.

@@ -119,17 +119,17 @@ class ProblemError(Exception):
         self.headers = dict(headers or {})
         self.extra = extra
 
-    def to_wire(self) -> tuple[Any, ...]:
-        """Plain data, for crossing between processes (exceptions with keyword-only
-        arguments do not unpickle)."""
-        return (self.slug, self.detail, self.status, self.title, self.errors, self.headers,
-                self.extra)
+    def __reduce__(self) -> tuple[Any, ...]:
+        # It crosses from a worker to the front process pickled; an exception pickles as
+        # its class and args, and these arguments are keywords.
+        return (_problem, (self.slug, self.detail, self.errors, self.headers, self.status,
+                           self.title, self.extra))
 
-    @classmethod
-    def from_wire(cls, data: tuple[Any, ...]) -> ProblemError:
-        slug, detail, status, title, errors, headers, extra = data
-        return cls(slug, detail, errors=errors, headers=headers, status=status, title=title,
-                   **extra)
+
+def _problem(slug: str, detail: str, errors: Any, headers: Any, status: int, title: str,
+             extra: dict[str, Any]) -> ProblemError:
+    return ProblemError(slug, detail, errors=errors, headers=headers, status=status,
+                        title=title, **extra)
 
 
 def as_problem(err: GradserveError) -> ProblemError:

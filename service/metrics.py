@@ -18,16 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+if TYPE_CHECKING:
+    from gradserve.service.compute import Stats
+
+log = logging.getLogger("gradserve")
 
 # Request latency from 0.5 ms (a scalar graph) to a minute (the default time limit).
 _LATENCY_BUCKETS = (
@@ -176,18 +182,23 @@ class Metrics:
             "estimated bytes of the compiled programs cached, summed over the processes",
             registry=r, multiprocess_mode="livesum",
         )
-        # Where each computation's program came from, and what finding it cost.
+        # Where each computation's program came from, and what finding it cost; by the role
+        # of the process that computed: the front process (its fast lane) or a worker.
         self.compiles = Counter(
-            "gradserve_compiles", "graphs compiled into programs (every process's)", registry=r,
+            "gradserve_compiles", "graphs compiled into programs, by the role of the process "
+            "that compiled: front (its fast lane) or worker", ["role"], registry=r,
         )
         self.program_lookups = Counter(
             "gradserve_program_lookups",
             "programs looked up by computations, by where they were found: process (its "
-            "memory), store (loaded from the host's program store) or compiled (a miss)",
-            ["source"], registry=r,
+            "memory), store (loaded from the host's program store) or compiled (a miss); and "
+            "by the role of the process that looked: front or worker",
+            ["source", "role"], registry=r,
         )
-        self.lookups = {source: self.program_lookups.labels(source)
-                        for source in ("process", "store", "compiled")}
+        self.lookups = {(source, role): self.program_lookups.labels(source, role)
+                        for source in ("process", "store", "compiled")
+                        for role in ROLES}
+        self.compiled = {role: self.compiles.labels(role) for role in ROLES}
         self.compile_seconds = Histogram(
             "gradserve_program_compile_seconds", "time to compile a program",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -285,6 +296,44 @@ class Metrics:
             self._peak_children[path] = children
         return children
 
+    def observe(self, stats: Stats) -> None:
+        """A computation's figures (wherever it ran: workers keep no metrics of their
+        own)."""
+        planned, measured = self.peak_children(stats.path)
+        if stats.planned_peak_bytes is not None and stats.kind != "plan":
+            planned.observe(stats.planned_peak_bytes)
+        if stats.peak_bytes is not None:
+            measured.observe(stats.peak_bytes)
+        if stats.rejected is not None:
+            self.rejected[stats.rejected].inc()
+        if stats.cache_evictions:
+            self.cache_evictions.inc(stats.cache_evictions)
+        if stats.graph_evictions:
+            self.graph_evictions.inc(stats.graph_evictions)
+        if stats.program is not None:
+            self.lookups[(stats.program, stats.role)].inc()
+        if stats.compile_ms is not None:
+            self.compiled[stats.role].inc()
+            self.compile_seconds.observe(stats.compile_ms / 1000)
+        if stats.load_ms is not None:
+            self.load_seconds.observe(stats.load_ms / 1000)
+        if stats.tier is not None:
+            self.tier_runs.labels(stats.tier).inc()
+        for key, refused, compile_ms in stats.lowerings:
+            where = f"compute worker {stats.pid}" if stats.pid else "the front process"
+            if refused is None:
+                self.xla_lowerings.labels("xla").inc()
+                self.xla_compile_seconds.observe(compile_ms / 1000)
+                log.info("program %s runs in the native tier in %s from now on (XLA compiled "
+                         "it in %.0f ms)", key, where, compile_ms)
+            else:
+                self.xla_lowerings.labels("refused").inc()
+                log.info("program %s stays interpreted in %s: %s", key, where, refused)
+        if stats.store_evictions:
+            self.store_evictions.inc(stats.store_evictions)
+        if stats.store_damaged:
+            self.store_damaged.inc(stats.store_damaged)
+
     def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """`gauge` shows what `read` returns: read at the scrape (one front process: nothing
         on the hot path), or published by this process (several: see `publish`)."""
@@ -325,6 +374,7 @@ class Metrics:
         return generate_latest(self._scrape_registry)
 
 
+ROLES = ("front", "worker")  # the process that computed
 REJECTION_REASONS = (
     "queue_full",  # 503: all compute slots busy, and the queue for them full
     "queue_timeout",  # 503: no compute slot came free within GRADSERVE_QUEUE_TIMEOUT_S

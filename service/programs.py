@@ -5,7 +5,7 @@ comes from, by the graph's bytes as sent or by its id.
 The keys:
 
 - the raw key hashes a graph's bytes exactly as the client sent them (found in the body
-  without parsing it: service/compute.py `split_envelope`). Its alias entry gives the
+  without parsing it: service/request.py `open_envelope`). Its alias entry gives the
   graph's id, so a repeat costs a hash, not a parse and a validation;
 - the graph id (`graph_key`) hashes the graph's canonical JSON (keys sorted, no
   whitespace): the id clients see and send back;
@@ -38,7 +38,7 @@ import orjson
 
 from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
-from gradserve.engine.graph import GraphSpec, Program
+from gradserve.engine.graph import GraphLike, Program
 from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
 from gradserve.service.settings import Settings
 from gradserve.service.store import Store, entry_name, version_key
@@ -118,7 +118,7 @@ class Programs:
                 self._aliases.put(raw_key, graph_id)
         return graph_id
 
-    def remember_graph(self, graph_id: str, graph: GraphSpec, canonical: bytes,
+    def remember_graph(self, graph_id: str, graph: GraphLike, canonical: bytes,
                        raw_key: str | None) -> int:
         """A graph just validated: held by id (and by its raw key), here and in the store.
         Returns how many graphs the process's cache evicted for it."""
@@ -131,9 +131,9 @@ class Programs:
                 self.store.put(f"a-{raw_key}", graph_id.encode())
         return max(evicted, 0)
 
-    def graph(self, graph_id: str, parse: Callable[[bytes], GraphSpec]) -> GraphSpec | None:
+    def graph(self, graph_id: str, parse: Callable[[bytes], GraphLike]) -> GraphLike | None:
         """The graph with this id, held here or in the store (`parse` makes the store's
-        canonical JSON a GraphSpec), or None."""
+        canonical JSON a GraphLike), or None."""
         graph = self.graphs.get(graph_id)
         if graph is None and self.store is not None and is_graph_id(graph_id):
             found = self.store.get(f"g-{graph_id}")
@@ -224,17 +224,6 @@ class Programs:
                 with contextlib.suppress(GradserveError):  # (a device this host lacks)
                     loaded += self.find(name[2:], device).source == "store"
         return loaded
-
-    def stored(self, key: str) -> bool:
-        """Write the program of `key` to the store now, if it is waiting to be (a worker
-        is about to load it); whether the store holds it."""
-        name = f"p-{key}"
-        with self._lock:
-            mine = [entry for entry in self._pending if entry[0] == name]
-            self._pending = [entry for entry in self._pending if entry[0] != name]
-        for entry in mine:
-            self._write(*entry)
-        return self._stored(name)
 
     # ------------------------------------------------------------------ writing
     def _defer(self, name: str, payload: Callable[[], bytes], meta: dict[str, Any] | None = None
@@ -333,10 +322,10 @@ class GraphCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[str, tuple[GraphSpec, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[GraphLike, int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, graph_id: str) -> GraphSpec | None:
+    def get(self, graph_id: str) -> GraphLike | None:
         with self._lock:
             item = self._items.get(graph_id)
             if item is None:
@@ -344,7 +333,7 @@ class GraphCache:
             self._items.move_to_end(graph_id)
             return item[0]
 
-    def put(self, graph_id: str, graph: GraphSpec) -> int:
+    def put(self, graph_id: str, graph: GraphLike) -> int:
         """Hold `graph` (unless it alone is over the bound); returns how many were evicted
         to make room, or -1 when it was held already."""
         evicted = 0
@@ -367,15 +356,16 @@ class GraphCache:
         return len(self._items)
 
 
-def graph_bytes(graph: GraphSpec) -> int:
+def graph_bytes(graph: GraphLike) -> int:
     """What a held graph takes, bounded: 600 bytes a node (measured with tracemalloc: 370 a
     node on the 30,000-node chain, 420 on the recurrent cell, its NodeSpecs with their args
     and attrs; a loop body's nodes count too)."""
-    return 600 * (1 + _count_nodes(graph.nodes))
+    return 600 * (1 + count_nodes(graph.nodes))
 
 
-def _count_nodes(nodes: Any) -> int:
-    return sum(1 + (_count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
+def count_nodes(nodes: Any) -> int:
+    """A graph's nodes, a loop body's included."""
+    return sum(1 + (count_nodes(n.body.nodes) if n.body is not None else 0) for n in nodes)
 
 
 class Lru(OrderedDict[Any, Any]):

@@ -19,7 +19,7 @@ pick) add, per worker process:
   that, `PROBE_RESERVE` more connections may each ask `/healthz` or `/readyz` once (so
   probes still answer while the cap is full of busy connections), anything else on them
   gets a 503, and past the reserve a new connection gets a canned 503 problem at once;
-- readiness false from the moment uvicorn's shutdown begins (see `_Guard.shutdown`).
+- readiness false from the moment uvicorn's shutdown begins (see `_Guard._on_shutdown`).
 
 A 408 or 503 written by the protocol half-closes the connection and drops what the client
 still sends for up to `LINGER_S`, so the client reads the answer rather than a reset.
@@ -27,6 +27,26 @@ The deadlines are checked by one timer per server, once a second (`TICK_S`), ove
 connections: a request pays for a byte counter, a few attribute reads and a dict insert
 and delete, not for timers. The app hands its settings and metrics over in the lifespan
 state (`POLICY_STATE`).
+
+Why a subclass of uvicorn's protocol, and not uvicorn's own options: uvicorn has no
+request-head timeout (only the keep-alive one), and its `--limit-concurrency` answers a
+plain-text 503 without Retry-After. With only uvicorn's options, a user who runs
+`gradserve serve` without HAProxy in front (docker/) would be unprotected against slow
+clients. So the subclass stays, but uvicorn is touched in one place only:
+
+- `_Uvicorn`, the adapter (the first section below), is the only code that reads, writes,
+  calls or overrides anything of uvicorn's protocol classes, of a request's cycle, of its
+  flow control and of the server's state; `UVICORN_ATTRIBUTES` lists each of them. It turns
+  uvicorn's calls into the policy's hooks (`_on_open`, `_on_data`, ...) and answers the
+  policy's questions (`_uv_idle`, `_uv_reading_body`, ...).
+- `_Guard`, the policy (deadlines, cap, eviction, probes, draining), reads uvicorn only
+  through the adapter.
+- uvicorn is pinned to one version in pyproject.toml (the `server` extra), and
+  tests/test_uvicorn_contract.py checks every entry of `UVICORN_ATTRIBUTES` on the
+  installed uvicorn (that it exists, its kind, the parameters of each overridden method,
+  and the behaviour the policy relies on), and that no code outside the adapter touches
+  them. The pin and the contract test go together: bump uvicorn, run that test, and fix
+  the adapter (only) where it fails.
 """
 
 from __future__ import annotations
@@ -37,9 +57,10 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
-from typing import TYPE_CHECKING, Any
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any, Literal
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
@@ -57,6 +78,219 @@ except ImportError:  # pragma: no cover - not on Windows: the cap is taken as it
     resource = None  # type: ignore[assignment]
 
 log = logging.getLogger("gradserve.connections")
+
+
+# ------------------------------------------------------------------------------ the uvicorn adapter
+@dataclass(frozen=True)
+class UvicornAttribute:
+    """One thing of uvicorn's private surface that `_Uvicorn` touches; the contract test
+    (tests/test_uvicorn_contract.py) checks each on the installed uvicorn."""
+
+    # Whose: "protocol" (either protocol class, or its instance for a connection), "cycle"
+    # (a request's `RequestResponseCycle`), "flow" (a connection's `FlowControl`) or
+    # "server_state" (the server's `ServerState`).
+    owner: Literal["protocol", "cycle", "flow", "server_state"]
+    name: str
+    # What the adapter does with it, one or more of: "override" (a method it overrides,
+    # calling uvicorn's own), "read" (reads it, perhaps to call a method of the value) and
+    # "write" (assigns it).
+    use: str
+    # A method's parameter names after `self`; None for a value.
+    params: tuple[str, ...] | None = None
+    # A value's kind: what `isinstance` finds it to be once a request head has arrived on
+    # a connection (None: anything but None; the cycle's class differs between the two).
+    kind: type | tuple[type, ...] | None = None
+
+
+UVICORN_ATTRIBUTES: tuple[UvicornAttribute, ...] = (
+    # Overridden (each calls uvicorn's own): how uvicorn creates a connection's protocol
+    # (server.py's create_protocol, by keyword), and the events the policy hooks into.
+    UvicornAttribute("protocol", "__init__", "override",
+                     ("config", "server_state", "app_state", "_loop")),
+    UvicornAttribute("protocol", "connection_made", "override", ("transport",)),
+    UvicornAttribute("protocol", "connection_lost", "override", ("exc",)),
+    UvicornAttribute("protocol", "data_received", "override", ("data",)),
+    UvicornAttribute("protocol", "on_response_complete", "override", ()),
+    UvicornAttribute("protocol", "shutdown", "override", ()),
+    # A connection's state. `app` is read for each request head, so replacing it changes
+    # what serves the next request (the probe reserve, draining).
+    UvicornAttribute("protocol", "app", "read, write", kind=Callable),  # type: ignore[arg-type]
+    UvicornAttribute("protocol", "app_state", "read", kind=dict),
+    UvicornAttribute("protocol", "server_state", "read", kind=ServerState),
+    UvicornAttribute("protocol", "loop", "read", kind=asyncio.AbstractEventLoop),
+    UvicornAttribute("protocol", "transport", "read", kind=asyncio.Transport),
+    UvicornAttribute("protocol", "flow", "read", kind=FlowControl),
+    UvicornAttribute("protocol", "cycle", "read"),  # None until the first request head
+    UvicornAttribute("protocol", "client", "read", kind=(tuple, type(None))),
+    UvicornAttribute("protocol", "tasks", "read", kind=set),  # the server's request tasks
+    # The current request.
+    UvicornAttribute("cycle", "response_complete", "read", kind=bool),
+    UvicornAttribute("cycle", "more_body", "read", kind=bool),
+    UvicornAttribute("cycle", "response_started", "read", kind=bool),
+    UvicornAttribute("cycle", "scope", "read", kind=dict),
+    UvicornAttribute("cycle", "disconnected", "write", kind=bool),
+    UvicornAttribute("cycle", "message_event", "read", kind=asyncio.Event),  # set()
+    # Reading paused: the app is not reading the body (its buffer is full).
+    UvicornAttribute("flow", "read_paused", "read", kind=bool),
+    # The server's.
+    UvicornAttribute("server_state", "connections", "read", kind=set),
+    UvicornAttribute("server_state", "default_headers", "read", kind=list),
+)
+
+
+class _UvicornHTTP(asyncio.Protocol):
+    """What `_Uvicorn` uses of uvicorn's protocol classes (for the type checker only)."""
+
+    app: Any
+    app_state: dict[str, Any]
+    server_state: ServerState
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    flow: FlowControl
+    cycle: Any
+    client: tuple[str, int] | None
+    tasks: set[asyncio.Task[None]]
+
+    def on_response_complete(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+if TYPE_CHECKING:
+    _Base = _UvicornHTTP
+else:
+    _Base = asyncio.Protocol
+
+
+class _Uvicorn(_Base):
+    """The adapter: the only code that touches uvicorn's private protocol surface (the
+    entries of `UVICORN_ATTRIBUTES`), placed between the policy (`_Guard`) and either of
+    uvicorn's protocol classes in the method resolution order.
+
+    uvicorn's calls become the policy's hooks (`_on_...`, no-ops here); the policy asks
+    about the connection and its request with the `_uv_...` methods. The request itself is
+    handed to the policy as an opaque token (`_uv_request`), compared only by identity."""
+
+    # -- uvicorn's methods, overridden: uvicorn's own runs, and the policy's hook around it
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_init()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._on_open()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._on_lost()
+
+    def data_received(self, data: bytes) -> None:
+        size = len(data)
+        if self._on_data(size):
+            super().data_received(data)
+            self._on_parsed(size, self.cycle)
+
+    def on_response_complete(self) -> None:
+        self._on_response_complete()
+        super().on_response_complete()  # may start a pipelined request
+        if self.cycle.response_complete and not self.transport.is_closing():
+            self._on_idle()
+
+    def shutdown(self) -> None:
+        if self._on_shutdown():
+            super().shutdown()
+
+    # -- the policy's hooks
+    def _on_init(self) -> None:
+        """The protocol was created (for a connection about to be made)."""
+
+    def _on_open(self) -> None:
+        """The connection was made."""
+
+    def _on_lost(self) -> None:
+        """The connection was lost (closed by either side)."""
+
+    def _on_data(self, size: int) -> bool:
+        """`size` bytes arrived; False drops them (uvicorn does not see them)."""
+        return True
+
+    def _on_parsed(self, size: int, request: object) -> None:
+        """uvicorn has parsed the `size` bytes; `request` is the current request now."""
+
+    def _on_response_complete(self) -> None:
+        """A response is complete (before uvicorn starts a pipelined request, if any)."""
+
+    def _on_idle(self) -> None:
+        """After a response: no pipelined request started, and the connection is open."""
+
+    def _on_shutdown(self) -> bool:
+        """The server's graceful shutdown began; False keeps uvicorn's from running (it
+        closes an idle connection, and closes a busy one after its response)."""
+        return True
+
+    # -- what the policy asks uvicorn
+    def _uv_lifespan_state(self, key: str) -> Any:
+        """The lifespan state's value for `key` (None if none)."""
+        return self.app_state.get(key)
+
+    def _uv_server(self) -> object:
+        """The server, as an opaque key (one for each uvicorn server)."""
+        return self.server_state
+
+    def _uv_loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop
+
+    def _uv_now(self) -> float:
+        return self.loop.time()
+
+    def _uv_transport(self) -> asyncio.Transport:
+        """The connection's transport (used through asyncio's public interface)."""
+        return self.transport
+
+    def _uv_client(self) -> tuple[str, int] | None:
+        return self.client
+
+    def _uv_default_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers uvicorn puts on every response (date, server)."""
+        return self.server_state.default_headers
+
+    def _uv_served(self) -> bool:
+        """Still one of the server's HTTP connections (False once handed over to a
+        WebSocket protocol)."""
+        return self in self.server_state.connections
+
+    def _uv_requests_running(self) -> bool:
+        """Any request still running on the server (any connection)."""
+        return bool(self.tasks)
+
+    def _uv_wrap_app(self, wrap: Callable[[ASGIApp], ASGIApp]) -> None:
+        """Serve this connection's next requests with `wrap(app)`."""
+        self.app = wrap(self.app)
+
+    def _uv_request(self) -> object:
+        """The current request (None before the first head), an opaque token: a new one
+        at each request head."""
+        return self.cycle
+
+    def _uv_idle(self) -> bool:
+        """No request, or its response is complete: waiting for a request head."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _uv_reading_body(self) -> bool:
+        """Of a request that is not idle: its body is still coming, no response has
+        started, and the app is not behind on it (reading is not paused)."""
+        return (self.cycle.more_body and not self.cycle.response_started
+                and not self.flow.read_paused)
+
+    def _uv_request_scope(self) -> Scope:
+        """The current request's ASGI scope."""
+        return self.cycle.scope
+
+    def _uv_abandon_request(self) -> None:
+        """The current request's app sees a disconnect, and nothing more it sends reaches
+        the socket."""
+        self.cycle.disconnected = True
+        self.cycle.message_event.set()
+
 
 # The lifespan state key under which the app hands its `ConnectionPolicy` to the protocol.
 POLICY_STATE = "gradserve.connection_policy"
@@ -296,47 +530,27 @@ class _Watchdog:
         )
 
 
-_watchdogs: weakref.WeakKeyDictionary[ServerState, _Watchdog] = weakref.WeakKeyDictionary()
+# Keyed by the server (`_Uvicorn._uv_server`).
+_watchdogs: weakref.WeakKeyDictionary[object, _Watchdog] = weakref.WeakKeyDictionary()
 
 
-def _watchdog(state: ServerState, loop: asyncio.AbstractEventLoop) -> _Watchdog:
-    dog = _watchdogs.get(state)
+def _watchdog(server: object, loop: asyncio.AbstractEventLoop) -> _Watchdog:
+    dog = _watchdogs.get(server)
     if dog is None:
-        dog = _watchdogs[state] = _Watchdog(loop)
+        dog = _watchdogs[server] = _Watchdog(loop)
     return dog
 
 
-# ------------------------------------------------------------------------------ the protocol
-class _UvicornHTTP(asyncio.Protocol):
-    """What `_Guard` uses of uvicorn's protocol classes (for the type checker only)."""
+# ------------------------------------------------------------------------------ the policy
+class _Guard(_Uvicorn):
+    """The limits, on top of either uvicorn protocol class (see the module docstring):
+    uvicorn is read and driven only through the adapter (`_Uvicorn`)."""
 
-    app: Any
-    app_state: dict[str, Any]
-    server_state: ServerState
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-    flow: Any
-    cycle: Any
-    client: tuple[str, int] | None
-    tasks: set[asyncio.Task[None]]
-
-    def on_response_complete(self) -> None: ...
-    def shutdown(self) -> None: ...
-
-
-if TYPE_CHECKING:
-    _Base = _UvicornHTTP
-else:
-    _Base = asyncio.Protocol
-
-
-class _Guard(_Base):
-    """The limits, on top of either uvicorn protocol class (see the module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._policy: ConnectionPolicy = self.app_state.get(POLICY_STATE) or _fallback_policy()
-        self._dog = _watchdog(self.server_state, self.loop)
+    # -- the adapter's hooks
+    def _on_init(self) -> None:
+        self._policy: ConnectionPolicy = (self._uv_lifespan_state(POLICY_STATE)
+                                          or _fallback_policy())
+        self._dog = _watchdog(self._uv_server(), self._uv_loop())
         self._admitted = False
         self._waiting = False  # in `_dog.waiting`
         self._closing = False  # answered and half-closed: input is dropped
@@ -344,59 +558,56 @@ class _Guard(_Base):
         self._draining = False  # idle at shutdown, kept open while other requests run
         self._received = 0  # bytes, head and body, on this connection
         self._idle_since = 0.0  # when the current request head could begin
-        self._cycle_seen: Any = None  # the request whose body deadline is set
+        self._request_seen: object = None  # the request whose body deadline is set
         self._body_since = 0.0
         self._body_base = 0  # `_received` when its head was complete
 
-    # -- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+    def _on_open(self) -> None:
         dog = self._dog
         dog.cap = cap = self._policy.max_connections
         dog.add(self)
-        self._idle_since = now = self.loop.time()
+        self._idle_since = now = self._uv_now()
         if dog.admitted >= cap and not dog.make_room(now):
             if dog.admitted >= cap + PROBE_RESERVE:
                 self._policy.count("connections")
                 dog.refused += 1
                 self._finish(_refusal_response(os.urandom(16).hex(),
-                                               self.server_state.default_headers))
+                                               self._uv_default_headers()))
                 return
-            self.app = _probes_only(self.app, self._policy)
+            self._uv_wrap_app(partial(_probes_only, policy=self._policy))
         dog.admitted += 1
         self._admitted = True
         self._wait()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
+    def _on_lost(self) -> None:
         self._dog.members.discard(self)
         self._leave()
         if self._linger_until:
             self._linger_until = 0.0
             self._dog.lingering -= 1
 
-    def data_received(self, data: bytes) -> None:
+    def _on_data(self, size: int) -> bool:
         if self._closing:
-            return
+            return False
         if self._waiting:
             self._waiting = False
             del self._dog.waiting[self]
-        before = self._received
-        self._received = before + len(data)
-        super().data_received(data)
-        if self.cycle is not self._cycle_seen:  # a request head was completed
-            self._cycle_seen = self.cycle
-            self._body_since = self.loop.time()
-            self._body_base = before
+        self._received += size
+        return True
 
-    # -- uvicorn's protocol interface
-    def on_response_complete(self) -> None:
-        self._idle_since = self.loop.time()
-        super().on_response_complete()
-        if self.cycle.response_complete and not self.transport.is_closing():
-            self._wait()  # no pipelined request started: idle, waiting for the next one
+    def _on_parsed(self, size: int, request: object) -> None:
+        if request is not self._request_seen:  # a request head was completed
+            self._request_seen = request
+            self._body_since = self._uv_now()
+            self._body_base = self._received - size
 
-    def shutdown(self) -> None:
+    def _on_response_complete(self) -> None:
+        self._idle_since = self._uv_now()
+
+    def _on_idle(self) -> None:
+        self._wait()  # waiting for the next request
+
+    def _on_shutdown(self) -> bool:
         """uvicorn's shutdown has begun: it has stopped accepting connections, and now
         closes each idle one and lets each busy one finish its request. Readiness goes
         false here, and an idle keep-alive connection stays open while other requests still
@@ -405,15 +616,14 @@ class _Guard(_Base):
         self._policy.drain()
         self._dog.drain()
         if self._closing:  # already answered: its lingering ends now
-            self.transport.close()
-            return
-        idle = self.cycle is None or self.cycle.response_complete
-        if idle and self.tasks:
+            self._uv_transport().close()
+            return False
+        if self._uv_idle() and self._uv_requests_running():
             self._draining = True
             self._unwait()  # not to be evicted: it is on its way out
-            self.app = _closing(self.app)
-            return
-        super().shutdown()
+            self._uv_wrap_app(_closing)
+            return False
+        return True
 
     # -- bookkeeping
     def _wait(self) -> None:
@@ -437,68 +647,70 @@ class _Guard(_Base):
         """Closed to make room for a new connection (see `_Watchdog.make_room`)."""
         self._leave()
         self._closing = True
-        self.transport.close()
+        self._uv_transport().close()
 
     # -- the deadlines, checked by the watchdog
     def check(self, now: float) -> None:
-        if self not in self.server_state.connections:  # handed over to a WebSocket protocol
+        if not self._uv_served():  # handed over to a WebSocket protocol
             self._dog.members.discard(self)
             self._leave()
             return
         if self._closing:
             if now >= self._linger_until:
-                self.transport.close()
+                self._uv_transport().close()
             return
-        cycle = self.cycle
-        if cycle is not self._cycle_seen:  # a pipelined request started
-            self._cycle_seen = cycle
+        request = self._uv_request()
+        if request is not self._request_seen:  # a pipelined request started
+            self._request_seen = request
             self._body_since, self._body_base = now, self._received
-        if cycle is None or cycle.response_complete:
-            if self._draining and not self.tasks:
-                self.transport.close()
+        if self._uv_idle():
+            if self._draining and not self._uv_requests_running():
+                self._uv_transport().close()
             elif now - self._idle_since >= self._policy.header_timeout_s:
                 self._time_out(None, "the request head")
-        elif cycle.more_body and not cycle.response_started and not self.flow.read_paused:
+        elif self._uv_reading_body():
             p = self._policy
             allowed = p.body_timeout_s
             if p.body_min_rate_bytes_s:
                 allowed += (self._received - self._body_base) / p.body_min_rate_bytes_s
             if now - self._body_since >= allowed:
-                self._time_out(cycle, "the request body")
+                self._time_out(self._uv_request_scope(), "the request body")
 
-    def _time_out(self, cycle: Any, what: str) -> None:
+    def _time_out(self, scope: Scope | None, what: str) -> None:
+        """Answer 408 and close: the head did not arrive in time (`scope` None), or the
+        body of the request with `scope` did not."""
         self._policy.count("request_timeout")
-        state = cycle.scope.get("state", {}) if cycle is not None else {}
+        state = scope.get("state", {}) if scope is not None else {}
         rid = state.get("request_id") or os.urandom(16).hex()
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
-        if cycle is None:
+        peer = self._uv_client()
+        client = f"{peer[0]}:{peer[1]}" if peer else "-"
+        if scope is None:
             detail = f"{what} did not arrive within {self._policy.header_timeout_s:g} s"
             where = ""
         else:
             rate = self._policy.body_min_rate_bytes_s
             detail = (f"{what} did not arrive in time (within {self._policy.body_timeout_s:g} "
                       f"s, and then at {rate} bytes/s or more)")
-            scope = cycle.scope
             where = f' "{loggable(scope["method"])} {loggable(scope["path"])}"'
             # The app is waiting for the body: it sees a disconnect, and the middleware,
             # finding this mark, counts a 408 rather than a client that went away.
             state[TIMED_OUT] = True
-            cycle.disconnected = True  # nothing more from the app reaches the socket
-            cycle.message_event.set()
+            self._uv_abandon_request()  # nothing more from the app reaches the socket
         log.info("%s %s%s request timeout: %s; answered 408", rid, loggable(client), where, detail)
-        self._finish(_timeout_response(rid, detail, self.server_state.default_headers))
+        self._finish(_timeout_response(rid, detail, self._uv_default_headers()))
 
     def _finish(self, response: bytes) -> None:
         """Send `response` and close: half-close and linger, so it is read, not reset."""
         self._leave()
-        self.transport.write(response)
+        transport = self._uv_transport()
+        transport.write(response)
         self._closing = True
         dog = self._dog
-        if not self.transport.can_write_eof() or dog.lingering >= LINGER_MAX:
-            self.transport.close()
+        if not transport.can_write_eof() or dog.lingering >= LINGER_MAX:
+            transport.close()
             return
-        self.transport.write_eof()
-        self._linger_until = self.loop.time() + LINGER_S
+        transport.write_eof()
+        self._linger_until = self._uv_now() + LINGER_S
         dog.lingering += 1
 
 

@@ -157,7 +157,7 @@ class Tier:
     def _compile_all(self) -> None:
         """The background thread: compile the queue, then exit. It may use every core
         the server may (a worker narrows its threads to its share for each task: see
-        service/workers.py `share_cores`): XLA sizes its thread pool, once, by the
+        service/worker.py `share_cores`): XLA sizes its thread pool, once, by the
         cores of the thread that first compiles."""
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, CPUS)
@@ -209,7 +209,7 @@ _jax_frozen = False
 def _freeze_jax() -> None:
     """After a process's first lowering, what jax brought (its modules, XLA's client, their
     caches: ~80,000 objects) lives as long as the process: out of the cycle collector's
-    sight, as the process's own start-up is (service/app.py, service/workers.py). Else
+    sight, as the process's own start-up is (service/app.py, service/worker.py). Else
     every full collection walks it, ~18 ms (in the front process, on the event loop). Once:
     what later lowerings make may be garbage in cycles, for the collector to free."""
     global _jax_frozen

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -51,32 +50,3 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
     async with serving() as (c, _):
         yield c
-
-
-@pytest.fixture(autouse=True, scope="session")
-def graphs_go_the_fast_way() -> Iterator[None]:
-    """Every graph that the wire models accept in a request served in this process goes
-    service.graph_json's way too, to the same GraphSpec (tests/test_graph_json.py)."""
-    try:  # (here: engine-only test runs need no service)
-        from gradserve.service import compute
-        from gradserve.service.graph_json import graph_spec_from_json
-        from tests.test_graph_json import same
-    except ImportError:
-        yield
-        return
-
-    validate = compute.validate
-
-    def checked(data: Any, model: Any) -> Any:
-        request = validate(data, model)
-        if getattr(request, "graph", None) is not None:
-            fast = graph_spec_from_json(data["graph"])
-            assert fast is not None and same(fast, compute.graph_spec(request.graph)), \
-                data["graph"]
-        return request
-
-    compute.validate = checked  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        compute.validate = validate  # type: ignore[assignment]

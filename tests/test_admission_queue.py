@@ -39,7 +39,7 @@ def _metric(text: str, name: str) -> float:
 
 async def _hold_the_slot(app: FastAPI) -> int:
     """The only compute slot, taken as a long computation would hold it."""
-    slot: int = await app.state.runner.admission.enter(time.monotonic() + 60)
+    slot: int = await app.state.front.admission.enter(time.monotonic() + 60)
     return slot
 
 
@@ -53,7 +53,7 @@ async def _until_queued(c: httpx.AsyncClient, n: int) -> None:
 
 async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_answers() -> None:
     async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
-        admission = app.state.runner.admission
+        admission = app.state.front.admission
         slot = await _hold_the_slot(app)
         done: list[int] = []
 
@@ -184,14 +184,14 @@ async def test_16_clients_on_8_slots_all_wait_their_turn() -> None:
         assert _metric(metrics, "gradserve_queue_wait_seconds_count") >= 1
         for reason in ("queue_full", "queue_timeout", "timeout", "inflight_memory"):
             assert _metric(metrics, f'gradserve_rejections_total{{reason="{reason}"}}') == 0
-        assert app.state.runner.admission.active == 0
+        assert app.state.front.admission.active == 0
 
 
 async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
     """Its place in the queue goes at once (not when a slot would have come to it), and it
     is counted as a client that closed the request."""
     async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
-        runner = app.state.runner
+        runner = app.state.front
         slot = await _hold_the_slot(app)
         body = json.dumps(worker_body()).encode()
         messages = [{"type": "http.request", "body": body, "more_body": False}]
@@ -229,5 +229,5 @@ async def test_a_small_request_never_waits_behind_the_queue() -> None:
             assert time.perf_counter() - t0 < 0.5
             assert strict_json(r)["outputs"]["z"]["data"] == -5.0
         assert not any(t.done() for t in queued)
-        app.state.runner.admission.leave(slot)
+        app.state.front.admission.leave(slot)
         assert [(await t).json()["outputs"]["s"]["data"] for t in queued] == [5000.0, 10000.0]

@@ -121,7 +121,7 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
 
     from bench import bench_remat as br
     from gradserve.engine.errors import MemoryBudgetError
-    from gradserve.service.compute import MODELS, Compute
+    from gradserve.service.compute import Compute, Stats
     from gradserve.service.settings import Settings
 
     n, s = 40, 40
@@ -137,8 +137,8 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
             "m": {"data": m.tolist(), "dtype": "float64"}}}
         if budget:
             body["memory_budget_bytes"] = budget
-        reply = compute.run(json.dumps(body).encode(), MODELS["backward"],
-                            time.monotonic() + 60, lambda _: None)
+        reply = compute.serve("backward", json.dumps(body).encode(), None, None,
+                              time.monotonic() + 60, lambda _: None, Stats())
         return json.loads(b"".join(bytes(p) for p in reply.parts))  # type: ignore[no-any-return]
 
     plain = run(None)

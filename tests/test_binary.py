@@ -255,7 +255,7 @@ async def test_a_graph_evicted_from_the_process_is_found_in_the_store() -> None:
     graphs = [{"nodes": [{"id": "y", "expr": f"x * {k}"}], "outputs": ["y"]} for k in (2, 3)]
     async with serving(graph_cache_bytes=1500) as (c, app):
         ids = [strict_json(await _forward(c, graph=g))["meta"]["graph_id"] for g in graphs]
-        assert len(app.state.runner.compute.programs.graphs) == 1
+        assert len(app.state.front.compute.programs.graphs) == 1
         r = await c.post("/forward", json={"graph_id": ids[0], "inputs": {"x": [[1.0, 2.0]]}})
         assert strict_json(r)["outputs"]["y"]["data"] == [[2.0, 4.0]]
 

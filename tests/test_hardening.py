@@ -25,8 +25,10 @@ import numpy as np
 import psutil
 import pytest
 
-from gradserve.service.compute import MODELS, Compute
-from gradserve.service.runner import INLINE_MAX_BODY_BYTES, parse_reservation
+from gradserve.service.compute import Compute
+from gradserve.service.front import parse_reservation
+from gradserve.service.placement import NEW_MAX_DOCUMENT_BYTES
+from gradserve.service.request import open_envelope
 from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
@@ -51,14 +53,14 @@ def _matmuls(n: int, size: int, pad: int = 0) -> dict[str, Any]:
 
 async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_workers() -> None:
     async with serving() as (c, app):
-        runner = app.state.runner
+        runner = app.state.front
         r = await c.post("/backward", json=SEED_OP)
         assert r.status_code == 200 and runner.pool.tasks == 0
         x = np.linspace(-1, 1, 5000)
         body = {"graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}], "outputs": ["z"]},
                 "inputs": {"x": {"data": x.tolist(), "dtype": "float64",
                                  "requires_grad": True}}}
-        assert len(json.dumps(body)) > INLINE_MAX_BODY_BYTES
+        assert len(json.dumps(body)) > NEW_MAX_DOCUMENT_BYTES
         r = await c.post("/backward", json=body)
         assert r.status_code == 200, r.text
         assert runner.pool.tasks == 1
@@ -131,7 +133,8 @@ def test_the_parse_reservation_bounds_what_parsing_takes() -> None:
         gc.collect()
         tracemalloc.start()
         try:
-            prepared = compute.prepare(body, MODELS["forward"])
+            prepared = compute.parser.parse(open_envelope(body, None, compute.programs),
+                                            "forward", None)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -142,7 +145,7 @@ def test_the_parse_reservation_bounds_what_parsing_takes() -> None:
 async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> None:
     async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=1 << 20,
                        inflight_memory_bytes=4 << 20) as (c, app):
-        runner = app.state.runner
+        runner = app.state.front
         slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 3 << 20)  # another request holds 3 of the 4 MiB
         streamed = 0
@@ -196,7 +199,7 @@ async def test_long_ids_are_refused_and_not_echoed() -> None:
 
 async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> None:
     async with serving(program_cache_bytes=40_000) as (c, app):
-        cache = app.state.runner.compute.programs.memory
+        cache = app.state.front.compute.programs.memory
         for k in range(12):  # twelve distinct graphs of ~8 KB programs each
             body = {"graph": {"nodes": [{"id": "z", "expr": f"(x + {k}) * (x - y)"}],
                               "outputs": ["z"]}, "inputs": SEED_OP["inputs"]}
@@ -210,7 +213,7 @@ async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> N
 
 async def test_the_cache_key_is_the_graph_whatever_its_key_order_and_spacing() -> None:
     async with serving() as (c, app):
-        cache = app.state.runner.compute.programs.memory
+        cache = app.state.front.compute.programs.memory
         reordered = {"inputs": SEED_OP["inputs"], "graph": {
             "outputs": ["z"], "nodes": [{"args": n["args"], "op": n["op"], "id": n["id"]}
                                         for n in SEED_OP["graph"]["nodes"]]}}
@@ -311,7 +314,7 @@ async def test_a_hung_up_client_in_process_is_not_a_500() -> None:
     """On ASGI: a disconnect while a worker computes ends the request without a response
     and frees its slot and memory."""
     async with serving() as (_, app):
-        runner = app.state.runner
+        runner = app.state.front
         received: list[dict[str, Any]] = []
         body = json.dumps(_matmuls(40, 2048, pad=2000)).encode()
         messages = iter([{"type": "http.request", "body": body, "more_body": False}])

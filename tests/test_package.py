@@ -9,8 +9,10 @@ runs the seed against a live `gradserve serve` over HTTP.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 from tests.test_integration_service import Server, _start, _stop
+from tests.test_typing import MISTAKES, USER_CODE
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +35,7 @@ PAGE_FILES = ["index.html", "explorer.css", "explorer.js", "favicon.svg"]
 SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "pebble", "pydantic", "pydantic_settings",
                "msgspec", "prometheus_client")
 # The eager engine: the client traces with the rules alone.
-EAGER = ("gradserve.engine.tensor", "gradserve.engine.autograd", "gradserve.engine.ops.dispatch")
+EAGER = ("gradserve.engine._tensor", "gradserve.engine.autograd", "gradserve.engine.functions")
 PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
@@ -102,6 +105,7 @@ def test_the_wheel_holds_one_top_level_name(wheel: Path) -> None:
     for name in PAGE_FILES:  # the explorer page (GET /explorer) ships with the service
         assert f"gradserve/service/static/explorer/{name}" in names
     assert "gradserve/engine/ops/registry.py" in names
+    assert "gradserve/py.typed" in names  # PEP 561: mypy reads the installed package's types
     # mypyc's modules and their shared library, where this machine compiled them
     assert all(name.startswith("gradserve/engine/graph/") for name in names
                if name.endswith(".so"))
@@ -149,6 +153,12 @@ print(json.dumps({"offline": offline, "served": served, "z": float(r.outputs["z"
 """
 
 
+def test_the_eager_engine_is_named_by_modules_that_exist() -> None:
+    """EAGER names real modules: were one renamed, the client test's check that the client
+    loads none of them could not fail."""
+    assert [name for name in EAGER if importlib.util.find_spec(name) is None] == []
+
+
 def test_the_client_alone_traces_and_runs_the_seed(client_venv: Path, server: Server) -> None:
     run = _run(client_venv, LIGHT_CLIENT, server.base, json.dumps(SERVER_ONLY),
                json.dumps(EAGER))
@@ -164,3 +174,44 @@ def test_the_client_alone_traces_and_runs_the_seed(client_venv: Path, server: Se
     assert got["loss"] == pytest.approx(a.sum(), rel=1e-12)
     np.testing.assert_allclose(got["gw"], g @ w.T + w.T @ g, rtol=1e-12, atol=1e-12)
     assert got["heavy"] == []
+
+
+def test_user_code_type_checks_against_the_installed_wheel(client_venv: Path,
+                                                          tmp_path: Path) -> None:
+    """mypy, strict, over tests/typecheck/user_code.py and a copy with MISTAKES, with
+    gradserve found in the wheel's venv alone (tests/test_typing.py: the checkout's). mypy
+    is this environment's, pointed at the venv's interpreter; it runs away from the
+    checkout, without its configuration, and with the checkout off PYTHONPATH. The mistakes
+    keep it able to fail: a gradserve not found, or found untyped, is `Any` and they would
+    pass unseen; and the file mypy read for `gradserve` must be the venv's."""
+    code = USER_CODE.read_text()
+    (tmp_path / USER_CODE.name).write_text(code)
+    broken = tmp_path / "broken_user_code.py"
+    broken.write_text(code + "\n" + "\n".join(MISTAKES) + "\n")
+    first = code.count("\n") + 2  # the line of the first mistake
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not Path(p).resolve().is_relative_to(ROOT)]  # tests/hooks, the root
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    env |= {"PYTHONPATH": os.pathsep.join(path)} if path else {}
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--verbose",
+         "--config-file", os.devnull, "--python-executable", str(client_venv),
+         USER_CODE.name, broken.name],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out, log = result.stdout, result.stderr  # the errors; --verbose's log
+
+    assert "missing library stubs or py.typed marker" not in out, out
+    assert "Cannot find implementation" not in out, out
+    read = re.findall(r"^LOG: +Parsing (\S+) \(gradserve\)$", log, re.M)
+    assert [Path(p).resolve() for p in read] == [
+        (client_venv.parent.parent / "lib" / f"python{sys.version_info.major}."
+         f"{sys.version_info.minor}" / "site-packages" / "gradserve" / "__init__.py").resolve()
+    ], read
+    errors = re.findall(r"^(.+?):(\d+): error: (.*)$", out, re.M)
+    assert not [e for e in errors if Path(e[0]).name == USER_CODE.name], out
+    found = {int(line): message for file, line, message in errors
+             if Path(file).name == broken.name}
+    assert set(found) == set(range(first, first + len(MISTAKES))), out
+    for (line, message), expected in zip(sorted(found.items()), MISTAKES.values(), strict=True):
+        assert expected in message, (line, message)
+    assert result.returncode == 1, out  # errors found, and only the mistakes (above)

@@ -1,4 +1,4 @@
-"""The compute worker pool (service/workers.py): never cold, recycled by RSS with the
+"""The compute worker pool (service/pool.py): never cold, recycled by RSS with the
 replacement first, workers killed at a deadline or from outside replaced, and tasks sent
 to the worker that holds their key.
 
@@ -9,6 +9,7 @@ in count and time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -23,8 +24,9 @@ from asgi_lifespan import LifespanManager
 from gradserve.service.app import create_app
 from gradserve.service.compute import WARM_UP
 from gradserve.service.metrics import Metrics
+from gradserve.service.pool import Pool, _Worker
 from gradserve.service.settings import Settings
-from gradserve.service.workers import Pool, Task, _Worker
+from gradserve.service.worker import Report, Task
 from tests.in_process import serving
 from tests.test_service_api import assert_problem
 
@@ -47,7 +49,7 @@ async def _until(what: str, check: Callable[[], bool], timeout: float = 20) -> N
 
 def _served_by(app: Any) -> set[int]:
     """The workers that have answered (their pids), from what the runner counted."""
-    return set(app.state.runner._worker_cache_bytes)
+    return set(app.state.front._worker_cache_bytes)
 
 
 # ---------------------------------------------------------------- never cold
@@ -56,17 +58,17 @@ def _served_by(app: Any) -> set[int]:
 async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """/readyz says ready only once a worker is warm: with the worker's "ready" held back
     0.3 s, every 200 comes with a warm worker, and the probes before it are 503."""
-    on_message = Pool.on_message
+    on_report = Pool.on_report
 
-    def late(pool: Pool, worker: _Worker, message: tuple[str, Any, int]) -> None:
-        if message[0] == "ready":
-            pool.loop.call_later(0.3, on_message, pool, worker, message)
+    def late(pool: Pool, worker: _Worker, report: Report) -> None:
+        if report.outcome is None and report.failure is None:  # ready
+            pool.loop.call_later(0.3, on_report, pool, worker, report)
         else:
-            on_message(pool, worker, message)
+            on_report(pool, worker, report)
 
-    monkeypatch.setattr(Pool, "on_message", late)
+    monkeypatch.setattr(Pool, "on_report", late)
     app = create_app(Settings())
-    pool = app.state.runner.pool
+    pool = app.state.front.pool
     seen: list[tuple[int, int]] = []
     manager = LifespanManager(app, startup_timeout=60)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
@@ -89,7 +91,7 @@ async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> No
     """Two workers under load; idle, the one above the minimum exits and the other stays:
     the first request after the idle time starts no process and waits for none."""
     async with serving(compute_workers=2, compute_worker_idle_s=0.5) as (c, app):
-        runner = app.state.runner
+        runner = app.state.front
         pool = runner.pool
         assert pool.warm == 1 and pool.starts == 1
         replies = await asyncio.gather(*(c.post("/forward", json=worker_body(k))
@@ -125,24 +127,23 @@ async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_
     a task: its replacement is warm before it exits (and it exits cleanly, not killed); no
     request fails or waits."""
     events: list[tuple[str, int | None, int | None]] = []
-    on_message, on_exit = Pool.on_message, Pool.on_exit
+    on_report, on_exit = Pool.on_report, Pool.on_exit
 
-    def seen_message(pool: Pool, worker: _Worker, message: tuple[str, Any, int]) -> None:
-        kind, body, rss = message
-        if kind == "ready":
+    def seen_report(pool: Pool, worker: _Worker, report: Report) -> None:
+        if report.outcome is None and report.failure is None:
             events.append(("ready", worker.pid, None))
         else:
-            rss += 1 << 30
-        on_message(pool, worker, (kind, body, rss))
+            report = dataclasses.replace(report, rss=report.rss + (1 << 30))
+        on_report(pool, worker, report)
 
     def seen_exit(pool: Pool, worker: _Worker, exitcode: int | None) -> None:
         events.append(("exit", worker.pid, exitcode))
         on_exit(pool, worker, exitcode)
 
-    monkeypatch.setattr(Pool, "on_message", seen_message)
+    monkeypatch.setattr(Pool, "on_report", seen_report)
     monkeypatch.setattr(Pool, "on_exit", seen_exit)
     async with serving(compute_workers=2) as (c, app):
-        pool = app.state.runner.pool
+        pool = app.state.front.pool
         for k in range(8):
             r = await c.post("/forward", json=worker_body(float(k)))
             assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 5000.0 * k
@@ -169,7 +170,7 @@ async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_
 
 async def test_a_worker_killed_from_outside_is_replaced() -> None:
     async with serving() as (c, app):
-        pool = app.state.runner.pool
+        pool = app.state.front.pool
         (victim,) = pool.pids()
         os.kill(victim, signal.SIGKILL)  # idle: no request sees it
         await _until("a replacement", lambda: pool.warm == 1 and pool.pids() - {victim})
@@ -195,12 +196,12 @@ async def test_a_worker_killed_from_outside_is_replaced() -> None:
         assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 15000.0
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_compute_worker_exits_total{reason="died"} 2.0' in metrics
-        assert app.state.runner.ledger.total() == 0
+        assert app.state.front.ledger.total() == 0
 
 
 async def test_a_worker_past_the_deadline_is_killed_and_replaced() -> None:
     async with serving(request_timeout_s=1.0) as (c, app):
-        pool = app.state.runner.pool
+        pool = app.state.front.pool
         (first,) = pool.pids()
         long = {"graph": {"nodes": [
             {"id": "a", "expr": "full(shape=[2048, 2048], value=0.001, dtype='float64')"},
@@ -219,15 +220,20 @@ async def test_a_worker_past_the_deadline_is_killed_and_replaced() -> None:
 # ---------------------------------------------------------------- affinity
 
 
-def _task(pool: Pool, key: str, slot: int) -> Task:
-    return Task(kind="backward", body=WARM_UP, slot=slot, held=0,
+# Two programs: the seed, and the seed with one more op (another graph, another program).
+BODIES = {"a": WARM_UP, "b": WARM_UP.replace(b"(x + y) * (x - y)", b"(x + y) * (x - y) + 0")}
+
+
+def _task(pool: Pool, which: str, slot: int) -> Task:
+    return Task(kind="backward", body=BODIES[which], slot=slot, held=0,
                 deadline=time.monotonic() + 30, out_name=pool.segment() + "o",
-                request_id=f"affinity-{key}", affinity=key)
+                request_id=f"affinity-{which}")
 
 
-async def test_a_key_goes_to_the_idle_worker_that_holds_it() -> None:
-    """Two warm workers hold one key each: every later task with a key goes to its holder,
-    whichever worker was freed last; a task with a key no one holds goes to either."""
+async def test_a_program_goes_to_the_idle_worker_that_holds_it() -> None:
+    """Two warm workers hold one program each (their reports say which): every later
+    task for a program goes to its holder, whichever worker was freed last; a task for a
+    program no one holds goes to either."""
     settings = Settings(compute_workers=2, min_compute_workers=2)
     pool = Pool(settings, settings.max_concurrency, Metrics())
     try:
@@ -237,13 +243,15 @@ async def test_a_key_goes_to_the_idle_worker_that_holds_it() -> None:
         assert all(16 << 20 < w.warm_rss < 256 << 20 for w in pool._workers)
         a, b = await asyncio.gather(pool.submit(_task(pool, "a", 0)),
                                     pool.submit(_task(pool, "b", 1)))
-        holder = {"a": a[2].pid, "b": b[2].pid}
-        assert holder["a"] != holder["b"] and "a" in a[2].affinity_keys
-        for key in "abbaab":
-            status, reply, stats = await pool.submit(_task(pool, key, 0))
-            assert status == "ok" and json.loads(reply[0])["outputs"]["z"]["data"] == -5.0
-            assert stats.pid == holder[key], (key, stats.pid, holder)
-        _, _, stats = await pool.submit(_task(pool, "c", 0))
-        assert stats.pid in holder.values() and pool.waits == 0
+        keys = {"a": a.stats.program_key, "b": b.stats.program_key}
+        holder = {"a": a.stats.pid, "b": b.stats.pid}
+        assert holder["a"] != holder["b"] and None not in keys.values() != keys["b"]
+        for which in "abbaab":
+            outcome = await pool.submit(_task(pool, which, 0), keys[which])
+            assert outcome.problem is None and isinstance(outcome.body, bytes)
+            assert json.loads(outcome.body)["outputs"]["z"]["data"] == -5.0
+            assert outcome.stats.pid == holder[which], (which, outcome.stats.pid, holder)
+        outcome = await pool.submit(_task(pool, "a", 0), "a key no worker holds")
+        assert outcome.stats.pid in holder.values() and pool.waits == 0
     finally:
         await asyncio.to_thread(pool.close)

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gradserve.service import compute as compute_module
-from gradserve.service.compute import MODELS, Compute, Stats
+from gradserve.service import request as request_module
+from gradserve.service.compute import Compute, Stats
 from gradserve.service.errors import ProblemError
 from gradserve.service.settings import Settings
 from tests.in_process import serving
@@ -46,7 +46,7 @@ def run(compute: Compute, body: dict[str, Any] | bytes, kind: str = "backward",
         tenant: str | None = None) -> tuple[dict[str, Any], Stats]:
     stats = Stats()
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    reply = compute.run(raw, MODELS[kind], 1e12, lambda _: None, stats, tenant=tenant)
+    reply = compute.serve(kind, raw, None, tenant, 1e12, lambda _: None, stats)
     return json.loads(b"".join(bytes(p) for p in reply.parts)), stats
 
 
@@ -96,14 +96,18 @@ def test_a_repeat_is_found_by_its_bytes_without_a_parse(
     first, stats = run(compute, chain_body([0.5, 1.0]))
     assert stats.program == "compiled" and first["meta"]["program"] == "compiled"
     parsed: list[Any] = []
-    original = compute_module.parse_json
+    original, validate = request_module.parse_json, request_module._validate
 
     def counting(body: bytes) -> Any:
         parsed.append(body)
         return original(body)
 
-    monkeypatch.setattr(compute_module, "parse_json", counting)
-    monkeypatch.setattr(compute_module, "graph_spec", lambda *_: pytest.fail("validated"))
+    def no_graph(data: Any, model: Any) -> Any:
+        assert "graph" not in data, "the graph was validated again"
+        return validate(data, model)
+
+    monkeypatch.setattr(request_module, "parse_json", counting)
+    monkeypatch.setattr(request_module, "_validate", no_graph)
     again, stats = run(compute, chain_body([0.25, 2.0]))
     assert parsed == [] and stats.program == "process"
     assert again["meta"]["graph_id"] == first["meta"]["graph_id"]
@@ -168,8 +172,7 @@ def test_an_id_no_graph_can_have_is_unknown_not_a_file_name(store_dir: str,
                                                            graph_id: str) -> None:
     # Found by schemathesis: a NUL in graph_id reached open() in the store (a 500).
     with pytest.raises(ProblemError) as info:
-        Compute(Settings(program_store_dir=store_dir)).plan(
-            json.dumps({"graph_id": graph_id}).encode())
+        run(Compute(Settings(program_store_dir=store_dir)), {"graph_id": graph_id}, "plan")
     assert info.value.slug == "graph-unknown"
 
 
@@ -184,8 +187,7 @@ def test_ids_are_scoped_to_the_key_that_sent_the_graph(store_dir: str) -> None:
             run(compute, by_id, tenant="tenant-b")
         assert info.value.slug == "graph-unknown"
         with pytest.raises(ProblemError) as info:
-            compute.plan(json.dumps({**by_id, "path": "backward"}).encode(),
-                         tenant="tenant-b")
+            run(compute, {**by_id, "path": "backward"}, "plan", tenant="tenant-b")
         assert info.value.slug == "graph-unknown"
         answer, _ = run(compute, by_id, tenant="tenant-a")
         assert answer["gradients"] == first["gradients"]
@@ -216,7 +218,7 @@ async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(
     async with serving(program_store_dir=str(store)) as (c, app):
         first = strict_json(await c.post("/backward", json=body))
         await c.post("/backward", json=body)  # (its second use: stored)
-        app.state.runner.compute.programs.flush()
+        app.state.front.compute.programs.flush()
     entries = sorted(store.iterdir())
     assert {p.name[0] for p in entries} >= {"p", "g", "a"}, entries
     for path in entries:
@@ -247,7 +249,7 @@ async def test_an_unusable_store_directory_is_no_store(tmp_path: Path,
             _, grad = chain_numpy(np.array(x))
             np.testing.assert_allclose(strict_json(r)["gradients"]["x"]["data"], grad,
                                        rtol=1e-5)
-        app.state.runner.compute.programs.flush()
+        app.state.front.compute.programs.flush()
     assert sum("cannot create" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -256,16 +258,18 @@ async def test_the_metrics_count_where_programs_come_from(store_dir: str) -> Non
         for x in ([0.5, 1.0], [0.25, 2.0], [1.0, 1.0]):
             assert (await c.post("/backward", json=chain_body(x))).status_code == 200
         text = (await c.get("/metrics")).text
-    assert 'gradserve_program_lookups_total{source="compiled"} 1.0' in text
-    assert 'gradserve_program_lookups_total{source="process"} 2.0' in text
-    assert "gradserve_compiles_total 1.0" in text
+    # (a graph of 40 nodes and a small body: the front process's fast lane runs it)
+    assert 'gradserve_program_lookups_total{role="front",source="compiled"} 1.0' in text
+    assert 'gradserve_program_lookups_total{role="front",source="process"} 2.0' in text
+    assert 'gradserve_compiles_total{role="front"} 1.0' in text
+    assert 'gradserve_compiles_total{role="worker"} 0.0' in text
     assert "gradserve_program_compile_seconds_count 1.0" in text
     assert "gradserve_program_store_bytes" in text
 
 
 async def test_the_default_store_is_the_servers_own_and_goes_with_it() -> None:
     async with serving() as (c, app):
-        directory = app.state.runner.settings.program_store_dir
+        directory = app.state.front.settings.program_store_dir
         assert directory and Path(directory).is_dir()
         r = await c.post("/backward", json=chain_body([0.5]))
         assert r.status_code == 200
@@ -274,7 +278,7 @@ async def test_the_default_store_is_the_servers_own_and_goes_with_it() -> None:
 
 async def test_without_a_store_every_process_compiles_its_own(store_dir: str) -> None:
     async with serving(program_store_bytes=0) as (c, app):
-        assert app.state.runner.compute.programs.store is None
+        assert app.state.front.compute.programs.store is None
         r = await c.post("/backward", json=chain_body([0.5]))
         assert strict_json(r)["meta"]["program"] == "compiled"
 
@@ -336,12 +340,16 @@ async def _worker_request(c: Any, x: list[float]) -> dict[str, Any]:
 
 
 def _holders(app: Any, graph_id: str) -> list[int]:
-    return [w.pid for w in app.state.runner.pool._workers if graph_id in w.keys]
+    """The workers that hold the graph's program (as the front process knows them)."""
+    known = app.state.front.placement.known(graph_id)
+    return [w.pid for w in app.state.front.pool._workers
+            if known is not None and known.program_key in w.programs]
 
 
-def _lookups(text: str) -> dict[str, float]:
-    return {source: float(text.split(f'gradserve_program_lookups_total{{source="{source}"}} ')
-                          [1].split()[0]) for source in ("process", "store", "compiled")}
+def _lookups(text: str, role: str = "worker") -> dict[str, float]:
+    return {source: float(text.split(
+        f'gradserve_program_lookups_total{{role="{role}",source="{source}"}} ')[1].split()[0])
+        for source in ("process", "store", "compiled")}
 
 
 async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: str) -> None:
@@ -361,7 +369,7 @@ async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: 
         assert len(holder) == 1
         # Keep A busy (affinity would send the graph to it when idle).
         busy = asyncio.create_task(c.post("/forward", json=slow))
-        workers = app.state.runner.pool._workers
+        workers = app.state.front.pool._workers
         for _ in range(200):  # until A has the slow task (the worker freed last gets it)
             if any(w.pid in holder and w.task is not None for w in workers):
                 break
@@ -372,7 +380,11 @@ async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: 
     sources = [d["meta"]["program"] for d in docs]
     assert sources[0] == "store" and "compiled" not in sources, sources
     assert (await busy).status_code == 200
-    assert "gradserve_compiles_total 2.0" in text  # (the chain, and the slow graph)
+    # The chain and the slow graph, in workers; and the slow graph once in the front
+    # process, whose fast lane took it for its small body, found its program past the
+    # lane's bounds, dropped it and sent the request on.
+    assert 'gradserve_compiles_total{role="worker"} 2.0' in text
+    assert 'gradserve_compiles_total{role="front"} 1.0' in text
     assert _lookups(text)["store"] >= 1
 
 
@@ -401,7 +413,7 @@ async def test_a_recycled_workers_successor_takes_over_its_programs(store_dir: s
                        compute_worker_max_rss_growth_bytes=1 << 40) as (c, app):
         first = await _worker_request(c, x)
         await asyncio.sleep(0.5)  # (the program is written to the store after the answer)
-        pool = app.state.runner.pool
+        pool = app.state.front.pool
         (old,) = pool._workers
         pool.settings = pool.settings.model_copy(
             update={"compute_worker_max_rss_growth_bytes": 0})  # (recycle after the next)
@@ -411,7 +423,7 @@ async def test_a_recycled_workers_successor_takes_over_its_programs(store_dir: s
             if old not in pool._workers:
                 break
         (new,) = pool._workers
-        assert new.pid != old.pid and first["meta"]["graph_id"] in new.keys
+        assert new.pid != old.pid and _holders(app, first["meta"]["graph_id"]) == [new.pid]
         pool.settings = pool.settings.model_copy(
             update={"compute_worker_max_rss_growth_bytes": 1 << 40})
         again = await _worker_request(c, x)

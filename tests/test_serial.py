@@ -36,7 +36,8 @@ from gradserve.engine.graph.serial import (
     load_program,
 )
 from gradserve.engine.ops import OPS
-from gradserve.service.compute import encode_result, planned_steps, program_dot
+from gradserve.service.encode import encode_result
+from gradserve.service.plan_view import planned_steps, program_dot
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.test_ops import _cases, _is_float_array

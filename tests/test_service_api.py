@@ -716,14 +716,14 @@ async def test_422_grad_outputs_errors_name_the_output(client: httpx.AsyncClient
 async def test_503_when_all_slots_are_busy_and_nothing_may_queue() -> None:
     async with serving(max_concurrency=1, max_queue_size=0) as (c, app):
         # A computation holds the only slot.
-        slot = await app.state.runner.admission.enter(time.monotonic() + 60)
+        slot = await app.state.front.admission.enter(time.monotonic() + 60)
         # A body over 16 KiB: a small one computes in the front process, with no slot.
         body = {"graph": {"nodes": [{"id": "s", "expr": "sum(x)"}], "outputs": ["s"]},
                 "inputs": {"x": [1.0] * 5000}, "no_grad": True}
         r = await c.post("/forward", json=body)
         assert_problem(r, 503, "overloaded", "compute slots")
         assert r.headers["retry-after"] == "1"
-        app.state.runner.admission.leave(slot)
+        app.state.front.admission.leave(slot)
         assert (await c.post("/forward", json=body)).status_code == 200
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_rejections_total{reason="queue_full"} 1.0' in metrics
@@ -732,7 +732,7 @@ async def test_503_when_all_slots_are_busy_and_nothing_may_queue() -> None:
 async def test_503_when_in_flight_memory_is_full() -> None:
     async with serving(memory_budget_bytes=10_000, no_grad_memory_budget_bytes=10_000,
                            inflight_memory_bytes=100_000) as (c, app):
-        runner = app.state.runner
+        runner = app.state.front
         slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 99_990)  # another request holds most of it
         r = await c.post("/backward", json=SEED_OP)
@@ -773,7 +773,7 @@ async def test_500_hides_the_traceback(
 # ----------------------------------------------------------------------- program cache, client
 async def test_program_cache_reuses_plans_per_graph_and_specs() -> None:
     async with serving() as (c, app):
-        cache = app.state.runner.compute.programs.memory
+        cache = app.state.front.compute.programs.memory
         before = len(cache._items)
         for x in (1.0, 2.0, 3.0):
             r = await c.post("/backward", json={**SEED_EXPR, "inputs": {

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from gradserve.engine.graph import xla
-from gradserve.service.workers import cores_for
+from gradserve.service.worker import cores_for
 from tests.test_integration_service import Server, _start, _stop
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,6 @@ from gradserve.client.trace import (
 )
 from gradserve.engine.graph import NodeSpec, TensorSpec, compile_graph, execute
 from gradserve.engine.graph.spec import RunResult
-from gradserve.service.compute import graph_spec
 from gradserve.service.routes.catalog import _ops_body
 from gradserve.service.schemas import Graph
 from tests.op_samples import TORCH, Sample
@@ -49,7 +48,7 @@ RNG = np.random.default_rng(11)
 def compile_run(graph: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *,
                 wrt: tuple[str, ...] | list[str] = (), backward: bool = False) -> RunResult:
     """The graph JSON parsed as the server parses it, compiled and run in-process."""
-    spec = graph_spec(Graph.model_validate(graph))
+    spec = Graph.model_validate(graph)
     specs = {k: TensorSpec(a.shape, str(a.dtype), k in wrt) for k, a in arrays.items()}
     program = compile_graph(spec, specs, backward=backward, no_grad=not backward and not wrt)
     return execute(program, dict(arrays), verify=True)

@@ -14,7 +14,6 @@ from gradserve.client.trace import F, TracedTensor, TraceError, trace
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import TensorSpec, compile_graph
 from gradserve.engine.ops import OPS
-from gradserve.service.compute import graph_spec
 from gradserve.service.schemas import Graph
 from tests.op_samples import ERRORS, SAMPLES
 
@@ -59,7 +58,7 @@ def test_traced_shapes_are_the_compilers(name: str, args: list[Any], attrs: dict
         traced = None
     specs = {k: TensorSpec(a.shape, str(a.dtype)) for k, a in arrays.items()}
     try:
-        program = compile_graph(graph_spec(Graph.model_validate(graph)), specs, no_grad=True)
+        program = compile_graph(Graph.model_validate(graph), specs, no_grad=True)
     except GradserveError as exc:
         assert traced is None, f"the tracer says {traced}, the compiler refuses: {exc}"
         return

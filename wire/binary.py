@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from gradserve.engine.errors import quoted
 from gradserve.wire.dtypes import LITTLE_ENDIAN
 
 BINARY_HEADER = "Inference-Header-Content-Length"
@@ -28,11 +29,12 @@ Loc = tuple[str | int, ...]
 
 class FramingError(ValueError):
     """A binary body whose sizes do not add up; `loc` says where (a tensor's
-    `binary_data_size`, the header's length, or the body)."""
+    `binary_data_size`, the header's length, or the body), `short` what in a few words."""
 
-    def __init__(self, message: str, loc: Loc) -> None:
+    def __init__(self, message: str, loc: Loc, short: str) -> None:
         super().__init__(message)
         self.loc = loc
+        self.short = short
 
 
 def split(body: bytes | memoryview, header_length: int) -> tuple[memoryview, memoryview]:
@@ -40,7 +42,8 @@ def split(body: bytes | memoryview, header_length: int) -> tuple[memoryview, mem
     view = memoryview(body)
     if not 0 <= header_length <= len(view):
         raise FramingError(f"{BINARY_HEADER} is {header_length}, past the body's "
-                           f"{len(view)} bytes", ("headers", BINARY_HEADER.lower()))
+                           f"{len(view)} bytes", ("headers", BINARY_HEADER.lower()),
+                           "past the body")
     return view[:header_length], view[header_length:]
 
 
@@ -60,20 +63,22 @@ def tensor_bytes(header: Any, tail: memoryview | None, sections: Sequence[str]
                 continue
             loc = (section, name, "binary_data_size")
             if tail is None:
-                raise FramingError(f"{section}[{name!r}] has binary_data_size, but the body "
-                                   f"is not binary (no {BINARY_HEADER} header)", loc)
+                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size, but the body "
+                                   f"is not binary (no {BINARY_HEADER} header)", loc,
+                                   "needs a binary body")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise FramingError(f"{section}[{name!r}] has binary_data_size {size!r}, not "
-                                   "a byte count", loc)
+                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size {size!r}, not "
+                                   "a byte count", loc, "not a byte count")
             if offset + size > len(tail):
-                raise FramingError(f"{section}[{name!r}] has binary_data_size {size}, but "
-                                   f"the binary tail has {len(tail) - offset} bytes left", loc)
+                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size {size}, but "
+                                   f"the binary tail has {len(tail) - offset} bytes left", loc,
+                                   "past the end of the body")
             found[(section, name)] = tail[offset:offset + size]
             offset += size
     if tail is not None and offset != len(tail):
         raise FramingError(f"the binary tail has {len(tail) - offset} bytes after the last "
                            f"tensor's ({offset} of {len(tail)} are given a tensor by "
-                           "binary_data_size)", ("body",))
+                           "binary_data_size)", ("body",), "bytes left over")
     return found
 
 
@@ -112,5 +117,5 @@ def header_length_of(value: str | None) -> int | None:
     count = value.strip()
     if not (count.isascii() and count.isdigit()):
         raise FramingError(f"{BINARY_HEADER} must be a byte count, not {value[:64]!r}",
-                           ("headers", BINARY_HEADER.lower()))
+                           ("headers", BINARY_HEADER.lower()), "not a count")
     return int(count)

@@ -21,11 +21,20 @@ from gradserve.engine.graph._native import NATIVE  # (first: which form of the c
 from gradserve.engine.graph.compiler import check_budgets, compile_graph
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.ir import Program
-from gradserve.engine.graph.spec import BodySpec, GraphSpec, Limits, NodeSpec, RunResult, TensorSpec
+from gradserve.engine.graph.spec import (
+    BodySpec,
+    GraphLike,
+    GraphSpec,
+    Limits,
+    NodeSpec,
+    RunResult,
+    TensorSpec,
+)
 
 __all__ = [
     "NATIVE",
     "BodySpec",
+    "GraphLike",
     "GraphSpec",
     "Limits",
     "NodeSpec",

@@ -1,5 +1,6 @@
-"""From a GraphSpec to a Program: validate everything, infer shapes, derive the backward,
-plan memory and cost, and bind kernels, before any tensor is allocated.
+"""From a graph (a GraphSpec, or any GraphLike) to a Program: validate everything, infer
+shapes, derive the backward, plan memory and cost, and bind kernels, before any tensor is
+allocated.
 
 Nothing here recurses on graph depth. Errors are collected (up to `Limits.max_errors`),
 each naming its node and field, and raised together. The forward is emitted through the
@@ -39,7 +40,7 @@ from gradserve.engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
 from gradserve.engine.graph.plan import plan
 from gradserve.engine.graph.remat import rematerialize
 from gradserve.engine.graph.scan import SCAN, Body, emit_scan
-from gradserve.engine.graph.spec import GraphSpec, Limits, NodeSpec, TensorSpec
+from gradserve.engine.graph.spec import GraphLike, Limits, NodeLike, TensorSpec
 from gradserve.engine.graph.transforms import Derivations, emit_grad, emit_jvp
 from gradserve.engine.rules import (
     FLOATS,
@@ -164,7 +165,7 @@ class _Scope:
 
 
 def compile_graph(
-    spec: GraphSpec,
+    spec: GraphLike,
     inputs: Mapping[str, TensorSpec],
     *,
     limits: Limits | None = None,
@@ -179,7 +180,7 @@ def compile_graph(
         return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device)
 
 
-def _compile(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits | None,
+def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits | None,
              no_grad: bool, backward: bool, grad_outputs: Mapping[str, TensorSpec] | None,
              device: str) -> Program:
     started = time.perf_counter()
@@ -289,7 +290,7 @@ def _backend_ufuncs(device: str) -> bool:
     return get_backend(device).ufuncs is not None
 
 
-def _check_sizes(spec: GraphSpec, inputs: Mapping[str, TensorSpec], limits: Limits,
+def _check_sizes(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits,
                  errors: _Errors) -> None:
     """The request's size limits, before any work that grows with them."""
     if len(spec.nodes) > limits.max_nodes:
@@ -493,7 +494,7 @@ class _Resolver:
         self.keys += 1
         return self.keys - 1
 
-    def graph(self, nodes: Sequence[NodeSpec], scope: _Scope, ordered: bool = True
+    def graph(self, nodes: Sequence[NodeLike], scope: _Scope, ordered: bool = True
               ) -> list[_Node]:
         """The level's nodes in a topological order (`_topological`'s), linked; errors
         reported. Not `ordered`: in the client's order, for `_run_order` to order (the
@@ -546,7 +547,7 @@ class _Resolver:
             return None
         return key
 
-    def _check_ids(self, nodes: Sequence[NodeSpec], scope: _Scope) -> list[tuple[int, NodeSpec]]:
+    def _check_ids(self, nodes: Sequence[NodeLike], scope: _Scope) -> list[tuple[int, NodeLike]]:
         """Unique, non-empty ids that no other name of the level or an enclosing one has;
         returns (index, node) pairs to keep."""
         errors = self.errors
@@ -589,13 +590,13 @@ class _Resolver:
         return ""
 
     def _expand(
-        self, nodes: list[tuple[int, NodeSpec]], scope: _Scope,
-    ) -> tuple[list[tuple[NodeSpec, str, int]], dict[str, tuple[str, int]]]:
+        self, nodes: list[tuple[int, NodeLike]], scope: _Scope,
+    ) -> tuple[list[tuple[NodeLike, str, int]], dict[str, tuple[str, int]]]:
         """Op-form nodes (node, client id, client index), and aliases (`expr` that is a
         name)."""
         limits, errors = self.limits, self.errors
         taken = {node.id for _, node in nodes}
-        raw: list[tuple[NodeSpec, str, int]] = []
+        raw: list[tuple[NodeLike, str, int]] = []
         aliases: dict[str, tuple[str, int]] = {}
         for index, node in nodes:
             if (node.op is None) == (node.expr is None):
@@ -664,7 +665,7 @@ class _Resolver:
                         resolved[link] = target
         scope.names.update(resolved)
 
-    def _bind(self, raw: list[tuple[NodeSpec, str, int]], scope: _Scope
+    def _bind(self, raw: list[tuple[NodeLike, str, int]], scope: _Scope
               ) -> tuple[list[_Node], bool]:
         """Resolve ops, references, arity and attributes (and loop bodies); and whether
         every node reads only values made before it (keys are numbered in order)."""
@@ -685,7 +686,8 @@ class _Resolver:
             reads: list[int] = []
             ok = True
             own = names[node.id]
-            for j, arg in enumerate(node.args):
+            node_args = node.args or ()  # (a graph's node may leave them out: None)
+            for j, arg in enumerate(node_args):
                 if type(arg) is str or isinstance(arg, str):
                     key = names.get(arg)  # (a name of this level that is a value: the most)
                     if key is None or key in loops:
@@ -712,12 +714,12 @@ class _Resolver:
                     ok = False
             try:
                 given = node.attrs
-                if type(op) is OpDef and not op.variadic and len(node.args) == len(op.args):
+                if type(op) is OpDef and not op.variadic and len(node_args) == len(op.args):
                     # (what check_arity accepts, and bind_attrs gives for no attributes)
                     attrs = (op.defaults if not given and len(op.defaults) == len(op.attrs)
                              else op.bind_attrs(dict(given) if given else {}))
                 else:
-                    op.check_arity(len(node.args))
+                    op.check_arity(len(node_args))
                     attrs = op.bind_attrs(dict(given) if given else {})
             except GradserveError as err:
                 err.at(node=origin, op=op.name)
@@ -738,7 +740,7 @@ class _Resolver:
                                    sources.get(node.id) if sources else None, reads, writes))
         return steps, in_order
 
-    def _loop(self, node: NodeSpec, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
+    def _loop(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
         """A scan node's body, resolved in a scope of its own."""
         errors = self.errors
         body, results = node.body, node.results
@@ -751,11 +753,11 @@ class _Resolver:
                                   "deep", node=node.id, loc=(*loc, "body")))
             return None
         want = len(body.carry) + len(body.xs)
-        if len(node.args) != want:
+        if len(node.args or ()) != want:
             errors.add(ArityError(
                 f"takes {want} arguments (the initial values of {len(body.carry)} carries, "
                 f"then {len(body.xs)} sequences, as body.carry and body.xs list them), got "
-                f"{len(node.args)}", node=node.id, op="scan", loc=(*loc, "args")))
+                f"{len(node.args or ())}", node=node.id, op="scan", loc=(*loc, "args")))
             return None
         inner = _Scope(scope, (*loc, "body", "nodes"))
         reported = len(errors.items)

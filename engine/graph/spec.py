@@ -1,12 +1,53 @@
-"""The plain data types at the boundary between the service and the graph engine."""
+"""The plain data types at the boundary between the service and the graph engine.
+
+The compiler reads a graph through `GraphLike`: `GraphSpec` is the engine's own, and any
+object with the same fields will do (the service's validated wire models: it compiles
+what it validated, with no copy in between). A node may leave `args` and `attrs` out
+(None).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 Literal = bool | int | float
+
+
+class NodeLike(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def op(self) -> str | None: ...
+    @property
+    def args(self) -> Sequence[str | Literal] | None: ...
+    @property
+    def attrs(self) -> Mapping[str, Any] | None: ...
+    @property
+    def expr(self) -> str | None: ...
+    @property
+    def body(self) -> BodyLike | None: ...
+    @property
+    def results(self) -> Mapping[str, str] | None: ...
+
+
+class BodyLike(Protocol):
+    @property
+    def carry(self) -> Sequence[str]: ...
+    @property
+    def xs(self) -> Sequence[str]: ...
+    @property
+    def nodes(self) -> Sequence[NodeLike]: ...
+    @property
+    def next(self) -> Mapping[str, str]: ...
+
+
+class GraphLike(Protocol):
+    @property
+    def nodes(self) -> Sequence[NodeLike]: ...
+    @property
+    def outputs(self) -> Sequence[str]: ...
 
 
 @dataclass(frozen=True)

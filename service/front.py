@@ -1,13 +1,13 @@
-"""The compute path in the front process: admission, the body, and where it computes.
+"""The compute path in the front process: admission, the body, placement, and the answer.
 
-A request takes a compute slot and reserves its body's bytes in the in-flight memory
-before a byte of the body is read (its `Content-Length`, or each chunk as it arrives),
-then what parsing it will take. A tiny request (a small body whose program is cached, or
-small enough to compile at once, and cheap to run) computes right here on the event
-loop, where a process hop would cost more than the work. Every other request goes to a
-worker process (service/workers.py) with its deadline; the worker reserves the program's
-planned bytes in the same in-flight memory before running it. If the client hangs up
-while a worker computes, the worker is stopped.
+A request reserves its body's bytes in the in-flight memory before a byte of the body is
+read (its `Content-Length`, or each chunk as it arrives). Its body is then opened just
+enough to place it (service/placement.py): the fast lane computes it here, on the event
+loop, where a hop to another process would cost more than the work; every other request
+takes a compute slot and goes, as it was sent, to a worker process (service/pool.py) with
+its deadline, which parses and computes it in one pass and reserves its program's planned
+bytes in the same in-flight memory. If the client hangs up while a worker computes, the
+worker is stopped.
 
 A request that finds no free slot waits for one in a bounded queue (service/admission.py);
 one that finds no memory gets 503 at once with `Retry-After`, so that a client can back off
@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,46 +30,35 @@ from starlette.types import Message, Receive
 
 from gradserve.engine.errors import DeadlineExceeded, GradserveError
 from gradserve.service.admission import Admission
-from gradserve.service.compute import (
-    MODELS,
-    PLANS,
-    WARM_UP,
-    Compute,
-    Handoff,
-    Located,
-    Reply,
-    Stats,
-    warm_up,
-)
+from gradserve.service.compute import Compute, Misplaced, Stats, warm_up
+from gradserve.service.encode import Reply
 from gradserve.service.errors import ProblemError
+from gradserve.service.ledger import Ledger, overloaded
 from gradserve.service.metrics import Metrics
+from gradserve.service.placement import FAST_LANE, Facts, Lane, Placement
+from gradserve.service.pool import GradserveTimeout, Pool, Task, WorkerDied
+from gradserve.service.request import Envelope, open_envelope
 from gradserve.service.settings import Settings
-from gradserve.service.workers import (
+from gradserve.service.shm import (
     SHM_MIN_BYTES,
-    GradserveTimeout,
-    Pool,
-    Task,
-    WorkerDied,
+    Payload,
     create_segment,
     open_payload,
-    overloaded,
+    own_directory,
     pack,
     payload_head,
-    state_dir,
+    sweep_orphans,
     trim_memory,
     unlink,
 )
 
 log = logging.getLogger("gradserve")
 
-# What computes on the event loop: a small body, a graph that compiles at once, a run
-# that costs about a millisecond at most (cost units: engine.graph.ir.Program).
-INLINE_MAX_BODY_BYTES = 16 * 1024
-INLINE_MAX_COMPILE_NODES = 64
-INLINE_MAX_COST = 10_000_000
-# A body's graph is located (its bytes hashed, to choose the worker that holds it) up to
-# this size of JSON, on the event loop: ~2 ms at most.
-LOCATE_MAX_BYTES = 4 << 20
+# A body's JSON document is opened (split into members, its graph's bytes hashed: ~1 ms a
+# MB) on the event loop up to this size; a larger one is placed by its size alone.
+OPEN_MAX_BYTES = 4 << 20
+TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
+ANSWER_HEADER_ROOM = 64 << 10
 
 # Parsing a body takes memory beyond its bytes: per JSON value a Python object and a
 # list slot, per object its dict and model, and per graph node its compiled steps.
@@ -78,40 +67,45 @@ LOCATE_MAX_BYTES = 4 << 20
 PARSE_BYTES_PER_COMMA = 48
 PARSE_BYTES_PER_BRACKET = 64
 PARSE_BYTES_PER_OBJECT = 2048
-TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
-ANSWER_HEADER_ROOM = 64 << 10
 
 
-def parse_reservation(body: bytes, header_length: int | None = None) -> int:
+def parse_reservation(body: bytes | memoryview, header_length: int | None = None) -> int:
     """The bytes a body holds in flight while it is parsed, decoded and compiled (a binary
     body's tail is decoded into views on it: only its JSON header is parsed)."""
     if header_length is not None:
-        return len(body) + parse_reservation(body[:header_length])
-    return (2 * len(body) + PARSE_BYTES_PER_COMMA * body.count(b",")
-            + PARSE_BYTES_PER_BRACKET * body.count(b"[")
-            + PARSE_BYTES_PER_OBJECT * body.count(b"{"))
+        return len(body) + parse_reservation(bytes(body[:header_length]))
+    text = bytes(body)
+    return (2 * len(text) + PARSE_BYTES_PER_COMMA * text.count(b",")
+            + PARSE_BYTES_PER_BRACKET * text.count(b"[")
+            + PARSE_BYTES_PER_OBJECT * text.count(b"{"))
 
 
-class Runner:
+class Front:
+    """The front process's compute path: its own computations (the fast lane), the worker
+    pool, the shared in-flight memory and the admission queue."""
+
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        sweep_orphans()  # what servers killed before they could clean up left in /dev/shm
         # The program store: the directory named, or one of this server's own (removed
         # when it stops) in shared memory where the host has it. Every process of the
         # server (the workers too, through these settings) opens the same one.
         self._own_store: str | None = None
+        self._held = -1  # (the descriptor that holds it)
         if settings.program_store_dir is None and settings.program_store_bytes:
-            self._own_store = tempfile.mkdtemp(prefix="gradserve-programs-", dir=state_dir())
+            self._own_store, self._held = own_directory("programs")
             settings = settings.model_copy(update={"program_store_dir": self._own_store})
         self.settings = settings
         self.metrics = metrics
-        self.compute = Compute(settings)
+        self.compute = Compute(settings, role="front")
+        self.placement = Placement()
         # Writes to the store leave the event loop: they follow the answer.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gradserve-store")
         self.admission = Admission(settings, metrics)
         # One line of the ledger more than the compute slots (0 .. max_concurrency - 1): the
-        # front process's own, for the small requests it computes itself.
+        # front process's own, for the requests of its fast lane.
         self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
         self.front = settings.max_concurrency
-        self.ledger = self.pool.ledger
+        self.ledger: Ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
         metrics.track(metrics.reserved_bytes, self.ledger.total)
         metrics.track(
@@ -121,24 +115,16 @@ class Runner:
         if store is not None:
             metrics.track(metrics.store_bytes, store.total_bytes)
 
-    def warm_up(self, body: bytes = WARM_UP) -> None:
-        """One small request end to end in the front process, off the books."""
-        warm_up(self.settings, body)
-
     async def start(self) -> None:
         """Warm up this process and start the compute workers, warm, side by side."""
-        await asyncio.gather(asyncio.to_thread(self.warm_up), self.pool.start())
+        await asyncio.gather(asyncio.to_thread(warm_up, self.settings), self.pool.start())
 
     def close(self) -> None:
         self.pool.close()
         self._writer.shutdown(wait=True)
         if self._own_store is not None:
+            os.close(self._held)
             shutil.rmtree(self._own_store, ignore_errors=True)
-
-    def _flush(self) -> None:
-        """What this process's computations left for the store, written off the loop."""
-        if self.compute.programs.pending():
-            self._writer.submit(self.compute.programs.flush)
 
     async def housekeeping(self) -> None:
         """Retire idle workers and replace lost ones, now and then (runs for the life of
@@ -153,9 +139,9 @@ class Runner:
     async def serve(self, kind: str, receive: Receive, declared: int | None,
                     request_id: str, header_length: int | None = None,
                     tenant: str | None = None) -> Reply:
-        """The response body of one compute request ("forward", "backward" or a plan);
-        `header_length`: the body is binary, with a JSON header of that many bytes;
-        `tenant`: the API key's id (None with keys off)."""
+        """The response body of one compute request ("forward", "backward", "plan" or
+        "plan-dot"); `header_length`: the body is binary, with a JSON header of that many
+        bytes; `tenant`: the API key's id (None with keys off)."""
         deadline = time.monotonic() + self.settings.request_timeout_s
         # The body is held in flight from its first byte, on the bodies' line of the
         # ledger: an upload takes memory but no compute slot (a slow client holds none).
@@ -173,28 +159,23 @@ class Runner:
             if direct is not None:
                 assert declared is not None and header_length is not None
                 body: bytes = b""
-                reservation = declared + parse_reservation(payload_head(direct, header_length))
+                document = payload_head(direct, header_length)
+                reservation = declared + parse_reservation(document)
             else:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
-            handoff = None
-            if direct is None and len(body) <= INLINE_MAX_BODY_BYTES:
-                # The fast lane: a small request is prepared, and when it is cheap computed,
-                # right here, on the front process's own line of the ledger (one at a time:
-                # `_inline` runs on the event loop without a pause). It takes no compute
-                # slot, so it never waits in the queue behind requests that compute in
-                # workers; one that must go to a worker queues for a slot like them.
+                document = body if header_length is None else body[:header_length]
+            envelope, facts = self._facts(kind, body, document, declared or len(body),
+                                          header_length)
+            lane = self.placement.place(facts)
+            if lane.fast and direct is None:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
-                try:
-                    self._hold(self.front, reservation, refuse_at_limit=True)
-                    content = self._inline(kind, body, deadline, header_length, tenant)
-                finally:
-                    self.ledger.release(self.front)
-                if isinstance(content, Reply):
-                    return content
-                handoff = content  # prepared here, to run in a worker: no second parse
+                reply = self._fast(kind, body, envelope, header_length, reservation, deadline,
+                                   tenant)
+                if reply is not None:
+                    return reply
                 self._grow_bodies(reservation)  # (what it holds while it waits for a slot)
                 body_bytes = reservation
             slot = self.admission.take()
@@ -205,18 +186,15 @@ class Runner:
                 body_bytes = 0
                 self._hold(slot, reservation, refuse_at_limit=True)
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
-                located = Located(None, None if handoff is None else handoff.graph_id)
-                if handoff is None and kind not in PLANS:
-                    header = payload_head(direct, header_length) if direct is not None \
-                        and header_length is not None else body[:header_length]
-                    if len(header) <= LOCATE_MAX_BYTES:  # (a scan and a hash: ~1 ms a MB)
-                        located = self.compute.locate(header)
-                payload = direct or (b"" if handoff is not None else pack(body, name))
-                del body  # a large body is in shared memory now: this process keeps no copy
+                payload: Payload = direct or pack(body, name)
+                del body  # a large body is in shared memory now: no copy here
                 try:
-                    return await self._in_worker(kind, payload, name, slot, deadline, receive,
-                                                 request_id, header_length, tenant, handoff,
-                                                 located)
+                    return await self._in_worker(
+                        Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
+                             deadline=deadline, out_name=name + "o", request_id=request_id,
+                             header_length=header_length, tenant=tenant,
+                             raw_key=None if envelope is None else envelope.raw_key),
+                        lane, name, receive, deadline, request_id)
                 finally:
                     if large:
                         trim_memory()
@@ -229,6 +207,50 @@ class Runner:
         finally:
             if body_bytes:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
+
+    def _facts(self, kind: str, body: bytes, document: bytes, body_bytes: int,
+               header_length: int | None) -> tuple[Envelope | None, Facts]:
+        """The body's envelope (when its document is small enough to open here) and the
+        facts that place it."""
+        if len(document) > OPEN_MAX_BYTES:
+            return None, Facts(body_bytes, len(document), None, None)
+        envelope = open_envelope(body or document, header_length if body else None,
+                                 self.compute.programs)
+        graph_id, nodes = envelope.graph_id, None
+        graph = envelope.graph_bytes
+        if graph is not None and envelope.raw_key is not None:
+            graph_id = self.compute.programs.alias(envelope.raw_key)
+            nodes = bytes(graph).count(b'"id"')  # (and a body's: a bound, which is enough)
+        return envelope, Facts(body_bytes, len(document), graph_id, nodes)
+
+    def _fast(self, kind: str, body: bytes, envelope: Envelope | None,
+              header_length: int | None, reservation: int, deadline: float,
+              tenant: str | None) -> Reply | None:
+        """Compute a request here, on the front process's own line of the ledger (one at a
+        time: this runs on the event loop without a pause); None when its program turns
+        out too costly for the fast lane (it then goes to a worker)."""
+        stats = Stats()
+        try:
+            self._hold(self.front, reservation, refuse_at_limit=True)
+            held = self.ledger.held(self.front)
+
+            def reserve(nbytes: int) -> None:
+                self._hold(self.front, held + nbytes)
+
+            return self.compute.serve(kind, body, header_length, tenant, deadline, reserve,
+                                      stats, envelope=envelope, bounds=FAST_LANE)
+        except Misplaced:
+            return None
+        except ProblemError as err:  # (a graph sent by id that a worker may hold)
+            if err.slug == "graph-unknown":
+                return None
+            raise
+        finally:
+            self.ledger.release(self.front)
+            self.compute.report(stats)
+            self._observe(stats)
+            if self.compute.programs.pending():
+                self._writer.submit(self.compute.programs.flush)
 
     async def _read_into_segment(self, receive: Receive, size: int, name: str
                                  ) -> tuple[str, int] | None:
@@ -285,7 +307,7 @@ class Runner:
         """The whole body, and the bytes counted for it on the bodies' line: one without a
         `Content-Length` is counted as it arrives."""
         chunks: list[bytes] = []
-        received = counted = 0
+        counted = 0
         try:
             while True:
                 message = await receive()
@@ -293,7 +315,6 @@ class Runner:
                     chunk = message.get("body", b"")
                     if chunk:
                         chunks.append(chunk)
-                        received += len(chunk)
                         if declared is None:
                             self._grow_bodies(len(chunk))
                             counted += len(chunk)
@@ -307,51 +328,11 @@ class Runner:
             raise
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), counted
 
-    def _inline(self, kind: str, body: bytes, deadline: float, header_length: int | None,
-                tenant: str | None) -> Reply | Handoff | None:
-        """Compute a small request here when its program is known, or small enough to
-        compile at once, and cheap to run; else hand it, prepared, to a worker (None: a
-        plan that a worker must make)."""
-        if kind in PLANS:
-            try:
-                return self.compute.plan(body, dot=kind == "plan-dot",
-                                         max_nodes=INLINE_MAX_COMPILE_NODES, tenant=tenant)
-            finally:
-                self._flush()
-        stats = Stats()
-        try:
-            p = self.compute.prepare(body, MODELS[kind], stats, header_length, tenant)
-            if p.program is None:
-                graph = self.compute.known_graph(p)  # (None: by id; a worker may hold it)
-                if graph is None or len(graph.nodes) > INLINE_MAX_COMPILE_NODES:
-                    return self.compute.handoff(p)
-                self.compute.compile(p)
-            assert p.program is not None
-            if p.program.compute_cost > INLINE_MAX_COST:
-                self.compute.check_budgets(p)  # (a 422 is answered here)
-                return self.compute.handoff(p)
-            held = self.ledger.held(self.front)
-
-            def reserve(nbytes: int) -> None:
-                self._hold(self.front, held + nbytes)
-
-            return self.compute.execute(p, deadline, reserve, None)
-        finally:
-            self._count(stats)
-            self._flush()
-
-    async def _in_worker(self, kind: str, payload: Any, name: str, slot: int, deadline: float,
-                         receive: Receive, request_id: str, header_length: int | None,
-                         tenant: str | None, handoff: Handoff | None, located: Located
-                         ) -> Reply:
-        task = Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
-                    deadline=deadline, out_name=name + "o", request_id=request_id,
-                    header_length=header_length, tenant=tenant, handoff=handoff,
-                    affinity=located.graph_id, raw_key=located.raw_key)
-        del payload
+    async def _in_worker(self, task: Task, lane: Lane, name: str, receive: Receive,
+                         deadline: float, request_id: str) -> Reply:
         done = False
         try:
-            status, reply, stats = await _until_disconnect(self.pool.submit(task), receive)
+            outcome = await _until_disconnect(self.pool.submit(task, lane.affinity), receive)
             done = True
         except GradserveTimeout:
             self.metrics.rejected["timeout"].inc()
@@ -366,61 +347,26 @@ class Runner:
             if not done:
                 unlink(name)  # (the front process owns every segment's end)
         try:
-            if handoff is not None:
-                stats.program = None  # (the front process counted this request's lookup)
-            self._count(stats)
-            if status == "problem":
-                raise ProblemError.from_wire(reply)
-            content, binary_header, media_type = reply
-            if isinstance(content, bytes):
-                return Reply([content], binary_header, media_type=media_type)
+            self._observe(outcome.stats)
+            if outcome.problem is not None:
+                raise outcome.problem
+            assert outcome.body is not None
+            if isinstance(outcome.body, bytes):
+                return Reply([outcome.body], outcome.header_length,
+                             media_type=outcome.media_type)
             # Sent from the worker's segment (the body's own, or a new one) as it lies; it
             # goes once the reply is sent.
-            view, release = open_payload(content)
-            return Reply([view], binary_header, media_type=media_type, release=release)
+            view, release = open_payload(outcome.body)
+            return Reply([view], outcome.header_length, media_type=outcome.media_type,
+                         release=release)
         finally:
             unlink(name)
             unlink(name + "o")
 
-    def _count(self, stats: Stats) -> None:
-        """A computation's figures into the metrics (workers keep none of their own)."""
-        planned, measured = self.metrics.peak_children(stats.path)
-        if stats.planned_peak_bytes is not None:
-            planned.observe(stats.planned_peak_bytes)
-        if stats.peak_bytes is not None:
-            measured.observe(stats.peak_bytes)
-        if stats.rejected is not None:
-            self.metrics.rejected[stats.rejected].inc()
-        if stats.cache_evictions:
-            self.metrics.cache_evictions.inc(stats.cache_evictions)
-        if stats.graph_evictions:
-            self.metrics.graph_evictions.inc(stats.graph_evictions)
-        if stats.program is not None:
-            self.metrics.lookups[stats.program].inc()
-        if stats.compile_ms is not None:
-            self.metrics.compiles.inc()
-            self.metrics.compile_seconds.observe(stats.compile_ms / 1000)
-        if stats.load_ms is not None:
-            self.metrics.load_seconds.observe(stats.load_ms / 1000)
-        if not stats.pid:  # (a worker's own store figures and lowerings come in its stats)
-            stats.store_evictions, stats.store_damaged = self.compute.programs.changes()
-            stats.lowerings = self.compute.tier.ended()
-        if stats.tier is not None:
-            self.metrics.tier_runs.labels(stats.tier).inc()
-        for key, refused, compile_ms in stats.lowerings:
-            where = f"compute worker {stats.pid}" if stats.pid else "the front process"
-            if refused is None:
-                self.metrics.xla_lowerings.labels("xla").inc()
-                self.metrics.xla_compile_seconds.observe(compile_ms / 1000)
-                log.info("program %s runs in the native tier in %s from now on (XLA compiled "
-                         "it in %.0f ms)", key, where, compile_ms)
-            else:
-                self.metrics.xla_lowerings.labels("refused").inc()
-                log.info("program %s stays interpreted in %s: %s", key, where, refused)
-        if stats.store_evictions:
-            self.metrics.store_evictions.inc(stats.store_evictions)
-        if stats.store_damaged:
-            self.metrics.store_damaged.inc(stats.store_damaged)
+    def _observe(self, stats: Stats) -> None:
+        """A computation's figures: into the metrics, and the placement's facts."""
+        self.placement.learn(stats)
+        self.metrics.observe(stats)
         if stats.pid:
             self._worker_cache_bytes[stats.pid] = stats.cache_bytes
 

@@ -1,0 +1,104 @@
+"""Where a request computes, decided from cheap facts: the fast lane (the front process,
+on its event loop, where a hop to another process would cost more than the work) or a
+worker process.
+
+The facts are what the front process can know without parsing a body: its size, the
+length of its JSON document, its graph's id (sent, or found by the key of the graph's
+bytes as sent), and what the computations of that graph reported when they ended (their
+program's cost, steps and key, learned from every reply, the front's own and the
+workers'). A graph nobody has run yet is placed by what its body shows: a small document
+with few nodes (counted in the graph's bytes, not parsed) is compiled and run in the fast
+lane; anything else goes to a worker, which reports back. The front never compiles,
+loads or serialises a program in order to place a request.
+
+The decision is a guess that the process which runs the request checks: the fast lane
+runs a program only within its bounds (service/compute.py `Bounds`), and a request whose
+program turns out past them goes to a worker after all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradserve.service.compute import Bounds, Stats
+from gradserve.service.programs import Lru
+
+# A new graph runs in the fast lane when its document is this small, it has at most this
+# many nodes (compiled in ~1 ms at most), and its body is this small (its data, on which
+# its cost grows, unknown yet)...
+NEW_MAX_DOCUMENT_BYTES = 16 * 1024
+NEW_MAX_NODES = 64
+NEW_MAX_BODY_BYTES = 64 * 1024
+# ... a known one when its document is this small (parsed and decoded in ~1 ms at most; a
+# binary body's tail is viewed, not parsed), its body at most this large, and its program
+# within the fast lane's bounds.
+KNOWN_MAX_DOCUMENT_BYTES = 64 * 1024
+KNOWN_MAX_BODY_BYTES = 4 << 20
+# The fast lane's bounds: a run of about a millisecond at most (cost units, as
+# engine.graph.ir.Program's; each step costs the interpreter about a microsecond).
+FAST_LANE = Bounds(nodes=NEW_MAX_NODES, cost=10_000_000, steps=2_000)
+REMEMBERED = 8192  # graphs (by id) whose figures the front remembers
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the front process knows of a request before it is parsed."""
+
+    body_bytes: int
+    document_bytes: int  # its JSON document (a binary body's header)
+    graph_id: str | None  # sent, or the id of the graph's bytes seen before
+    nodes: int | None  # nodes its graph's bytes show (a graph sent in the body)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the last computation of a graph reported (of whichever kind: a /forward's
+    program costs less than the /backward's, and a guess too low is caught by the fast
+    lane's bounds)."""
+
+    program_key: str
+    cost: int
+    steps: int
+
+
+@dataclass(frozen=True)
+class Lane:
+    fast: bool  # in the front process
+    affinity: str | None = None  # the program key a worker may hold
+
+
+WORKER = Lane(fast=False)
+
+
+class Placement:
+    """The front process's placement: its facts about graphs, learned from replies."""
+
+    def __init__(self) -> None:
+        self._known = Lru(REMEMBERED)  # graph id -> Known
+
+    def known(self, graph_id: str) -> Known | None:
+        """What the last computation of a graph reported, if the front remembers it."""
+        return self._known.get(graph_id)  # type: ignore[no-any-return]
+
+    def place(self, facts: Facts) -> Lane:
+        known = None if facts.graph_id is None else self.known(facts.graph_id)
+        if known is not None:
+            fast = (facts.document_bytes <= KNOWN_MAX_DOCUMENT_BYTES
+                    and facts.body_bytes <= KNOWN_MAX_BODY_BYTES
+                    and known.cost <= FAST_LANE.cost and known.steps <= FAST_LANE.steps)
+            return Lane(fast, affinity=known.program_key)
+        if facts.document_bytes > NEW_MAX_DOCUMENT_BYTES:
+            return WORKER
+        if facts.nodes is not None:  # a graph in the body, new or unreported
+            return Lane(fast=facts.nodes <= NEW_MAX_NODES
+                        and facts.body_bytes <= NEW_MAX_BODY_BYTES)
+        # Sent by an id whose program nobody has reported on: it may be costly. Neither
+        # a graph nor an id (or not JSON at all): the parse says what is wrong, at once.
+        return WORKER if facts.graph_id is not None else Lane(fast=True)
+
+    def learn(self, stats: Stats) -> None:
+        """What a computation reported (a run, or a fast-lane request found misplaced)."""
+        if stats.graph_id is None or stats.program_key is None or stats.compute_cost is None \
+                or stats.steps is None:
+            return
+        self._known.put(stats.graph_id, Known(stats.program_key, stats.compute_cost, stats.steps))

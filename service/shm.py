@@ -1,0 +1,274 @@
+"""Memory between a server's processes, and memory given back.
+
+- Bodies and responses of a MiB or more cross between the front process and its workers
+  in POSIX shared memory segments (files in /dev/shm on Linux), not through a worker's
+  pipe. The front process names every segment (`gs<its pid>-<n>`) and removes it in the
+  end, so that none is left behind when a worker is killed.
+- A server's own directories (its ledger's, its program store when it has none named) are
+  made in shared memory too (`state_dir`), named with the front process's pid, and held:
+  the front process keeps a shared lock on an `owner` file in each, which the kernel
+  releases when it dies. A server killed before it could clean up leaves its segments and
+  directories behind; the next server to start sweeps them (`sweep_orphans`).
+- `trim_memory` gives the allocator's free memory back to the system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import logging
+import mmap
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+log = logging.getLogger("gradserve")
+
+SHM_MIN_BYTES = 1 << 20  # smaller payloads go through the worker's pipe
+SHM_DIR = "/dev/shm"  # where POSIX shared memory segments are files (Linux)
+OWNER = "owner"  # the file of a server's directory whose lock says the server is alive
+_SEGMENT = re.compile(r"^gs(\d+)-\d+o?$")  # a segment's name: the front process's pid
+_DIRECTORY = re.compile(r"^gradserve-(?:[a-z]+-)?(\d+)-")  # a server's own directory
+
+
+Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's name and size
+
+
+def pack(data: bytes | list[bytes | memoryview], name: str,
+         into: SharedMemory | None = None) -> Payload:
+    """`data` (bytes, or parts written one after another) for another process: in a
+    shared memory segment `name` when it is large (whoever made `name` is not who unlinks
+    it: see `unlink`), or in segment `into` if it fits there and no part lies in it."""
+    parts: list[bytes | memoryview] = [data] if isinstance(data, bytes) else data
+    size = sum(len(memoryview(p).cast("B")) for p in parts)
+    shm: SharedMemory | None = None
+    if into is not None and size >= SHM_MIN_BYTES and _fits(parts, size, into):
+        shm, name = into, into.name
+    elif size >= SHM_MIN_BYTES:
+        shm = create_segment(name, size)
+    if shm is None:  # the pipe still works
+        return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+    try:
+        buf = memoryview(shm.buf)  # type: ignore[arg-type]
+        at = 0
+        for part in parts:  # each straight into the segment: no joined copy
+            raw = memoryview(part).cast("B")
+            buf[at:at + len(raw)] = raw
+            at += len(raw)
+        del buf, raw
+    finally:
+        if shm is not into:
+            shm.close()
+    return (name, size)
+
+
+def _fits(parts: list[bytes | memoryview], size: int, segment: SharedMemory) -> bool:
+    """Whether `size` bytes fit in `segment` and no part views it (an output that is an
+    input would be overwritten as it is copied)."""
+    if size > segment.size:
+        return False
+    base = np.frombuffer(segment.buf, dtype=np.uint8)  # type: ignore[arg-type]
+    try:
+        start = base.ctypes.data
+        end = start + base.nbytes
+        for part in parts:
+            at = np.frombuffer(part, dtype=np.uint8)
+            if start < at.ctypes.data + at.nbytes and at.ctypes.data < end:
+                return False
+        return True
+    finally:
+        del base
+
+
+def create_segment(name: str, size: int) -> SharedMemory | None:
+    """A new shared memory segment of `size` bytes, or None if /dev/shm has no room for it
+    (the caller then passes bytes through the pool's pipe)."""
+    if not _shm_has_room(size):
+        return None
+    try:
+        shm = SharedMemory(name=name, create=True, size=max(size, 1))
+    except OSError:
+        return None
+    untrack(shm)
+    return shm
+
+
+def payload_head(payload: Payload, n: int) -> bytes:
+    """The first `n` bytes of a payload (a binary body's JSON header)."""
+    if isinstance(payload, bytes):
+        return payload[:n]
+    shm = SharedMemory(name=payload[0])
+    try:
+        return bytes(memoryview(shm.buf)[:n])  # type: ignore[arg-type]
+    finally:
+        untrack(shm)
+        shm.close()
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    """Whether /dev/shm has room for `nbytes` (twice over, for another segment at the same
+    time): a segment is created sparse, and writing past the room there kills the
+    process with SIGBUS (Docker gives 64 MiB by default: see --shm-size)."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize >= 2 * nbytes
+
+
+def unpack(payload: Payload, consume: bool = False) -> bytes:
+    """The bytes of a payload; `consume`: remove its segment once read (its memory goes
+    back at once; the front process's own `unlink` then finds nothing)."""
+    if isinstance(payload, bytes):
+        return payload
+    name, size = payload
+    shm = SharedMemory(name=name)
+    try:
+        return bytes(memoryview(shm.buf)[:size])  # type: ignore[arg-type]
+    finally:
+        shm.close()
+        if consume:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()  # (which also forgets it in the resource tracker)
+        else:
+            untrack(shm)
+
+
+def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], None]]:
+    """The bytes of a payload without copying them out of their segment: a read-only view
+    on it (the segment is unlinked at once; its memory goes back when the last view does,
+    which may be a server's write buffer), and a function that drops this process's own
+    hold on it."""
+    if isinstance(payload, bytes):
+        return payload, lambda: None
+    name, size = payload
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    view = memoryview(mapping)
+
+    def release() -> None:
+        with contextlib.suppress(BufferError):  # (a slice still being sent holds it)
+            view.release()
+
+    return view, release
+
+
+def unlink(name: str) -> None:
+    """Remove segment `name` if it exists (the front process owns every segment's end, so
+    that none is left behind when a worker is killed)."""
+    try:
+        shm = SharedMemory(name=name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()  # (which also forgets it in the resource tracker)
+
+
+def untrack(shm: SharedMemory) -> None:
+    # Python < 3.13 registers every segment it opens with the resource tracker, which
+    # would unlink segments still in use, or warn of "leaks", when a process exits.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def state_dir() -> str | None:
+    """Where a server keeps its own state (the ledger's file, its program store): shared
+    memory when the host has it (it is RAM, and writable in containers whose root is
+    read-only); else the temporary directory."""
+    return SHM_DIR if os.access(SHM_DIR, os.W_OK) else None
+
+
+def own_directory(kind: str) -> tuple[str, int]:
+    """A new directory of this server's own (`gradserve-<kind>-<pid>-...`, or
+    `gradserve-<pid>-...` for kind ""), and the descriptor that holds it: a shared lock
+    on its owner file, released by the kernel when this process dies. Keep the
+    descriptor open for the directory's life; close it, then remove the directory."""
+    prefix = "-".join(filter(None, ("gradserve", kind, str(os.getpid())))) + "-"
+    path = tempfile.mkdtemp(prefix=prefix, dir=state_dir())
+    fd = os.open(os.path.join(path, OWNER), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return path, fd
+
+
+def sweep_orphans() -> int:
+    """Remove what servers that died left in shared memory (and in the temporary
+    directory, where shared memory is not writable): their own directories, whose owner
+    file no process holds any more, and the segments named with a pid that no live
+    server's directory has. How many were removed. A directory without an owner file (of
+    another program, or of an older gradserve) is left alone, and a segment of a pid
+    that a live directory has too."""
+    removed = 0
+    live: set[str] = set()
+    for base in dict.fromkeys(filter(None, (state_dir(), tempfile.gettempdir()))):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            found = _DIRECTORY.match(name)
+            if found is None:
+                continue
+            owned = _owner_alive(os.path.join(base, name, OWNER))
+            if owned is None:
+                continue  # not ours to judge
+            if owned:
+                live.add(found[1])
+            else:
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+                removed += 1
+    try:
+        segments = os.listdir(SHM_DIR)
+    except OSError:
+        segments = []
+    for name in segments:
+        found = _SEGMENT.match(name)
+        if found is not None and found[1] not in live and found[1] != str(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+    if removed:
+        log.info("removed %d directories and shared memory segments of servers that died",
+                 removed)
+    return removed
+
+
+def _owner_alive(path: str) -> bool | None:
+    """Whether some process holds the owner file at `path` (None: there is none)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (which also lets go of the lock, when it was had)
+    return False
+
+
+def trim_memory() -> None:
+    """Give the allocator's free memory back to the system (glibc keeps freed arenas)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+_libc_name = ctypes.util.find_library("c")
+_libc = ctypes.CDLL(_libc_name) if _libc_name else None
+_malloc_trim = getattr(_libc, "malloc_trim", None)
