@@ -132,12 +132,12 @@ def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Ite
 
 @contextmanager
 def server_process(argv: list[str], port: int, env: dict[str, str] | None = None,
-                   ready: str = "/docs", start_s: float = 30.0
+                   ready: str = "/docs", start_s: float = 30.0, cwd: Path = ROOT
                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A server started from `argv`, once `ready` answers (200, or 404 where the server
-    has no such page) within `start_s`; terminated (killed if it lingers) afterwards."""
+    """A server started from `argv` in `cwd`, once `ready` answers (200, or 404 where the
+    server has no such page) within `start_s`; terminated (killed if it lingers) after."""
     proc = subprocess.Popen(
-        argv, cwd=ROOT, env={**os.environ, **(env or {})},
+        argv, cwd=cwd, env={**os.environ, **(env or {})},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"

@@ -46,7 +46,6 @@ from gradserve.service.shm import (
     open_payload,
     own_directory,
     pack,
-    payload_head,
     sweep_orphans,
     trim_memory,
     unlink,
@@ -154,12 +153,13 @@ class Front:
             direct = None
             if header_length is not None and declared and declared >= SHM_MIN_BYTES:
                 # A large binary body goes straight into shared memory as it arrives: this
-                # process never holds it, and the worker decodes views on it.
-                direct = await self._read_into_segment(receive, declared, name)
+                # process never holds it (but its JSON document), and the worker decodes
+                # views on it.
+                direct = await self._read_into_segment(receive, declared, name, header_length)
             if direct is not None:
-                assert declared is not None and header_length is not None
+                assert declared is not None
                 body: bytes = b""
-                document = payload_head(direct, header_length)
+                document, direct_payload = direct
                 reservation = declared + parse_reservation(document)
             else:
                 body, counted = await self._read_body(receive, declared)
@@ -186,7 +186,7 @@ class Front:
                 body_bytes = 0
                 self._hold(slot, reservation, refuse_at_limit=True)
                 large = len(body) >= TRIM_AFTER_BODY_BYTES
-                payload: Payload = direct or pack(body, name)
+                payload: Payload = direct_payload if direct is not None else pack(body, name)
                 del body  # a large body is in shared memory now: no copy here
                 try:
                     return await self._in_worker(
@@ -252,16 +252,17 @@ class Front:
             if self.compute.programs.pending():
                 self._writer.submit(self.compute.programs.flush)
 
-    async def _read_into_segment(self, receive: Receive, size: int, name: str
-                                 ) -> tuple[str, int] | None:
+    async def _read_into_segment(self, receive: Receive, size: int, name: str,
+                                 header_length: int) -> tuple[bytes, Payload] | None:
         """The body written into a new shared memory segment as it arrives (its
-        `Content-Length` is `size`), or None, having read nothing, if /dev/shm has no room."""
+        `Content-Length` is `size`): its first `header_length` bytes (its JSON document),
+        and the segment; or None, having read nothing, if /dev/shm has no room."""
         # (With room for an answer's JSON header, longer than the request's, so that the
         # worker can write an answer of the body's size back into the same segment.)
-        shm = create_segment(name, size + ANSWER_HEADER_ROOM)
-        if shm is None:
+        segment = create_segment(name, size + ANSWER_HEADER_ROOM)
+        if segment is None:
             return None
-        buf = memoryview(shm.buf)  # type: ignore[arg-type]
+        buf = segment.buf
         at = 0
         try:
             while True:
@@ -280,10 +281,11 @@ class Front:
             if at != size:
                 raise ProblemError("bad-request", f"the body ended after {at} of its "
                                    f"Content-Length's {size} bytes")
+            document = bytes(buf[:min(header_length, size)])
         finally:
-            buf.release()
-            shm.close()
-        return (name, size)
+            del buf
+            segment.close()
+        return document, (name, size)
 
     def _grow_bodies(self, nbytes: int) -> None:
         if not self.ledger.grow(self.ledger.bodies, nbytes):

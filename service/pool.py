@@ -41,7 +41,7 @@ from gradserve.service.ledger import Ledger
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
 from gradserve.service.shm import own_directory, unlink
-from gradserve.service.worker import Outcome, Report, Task, worker_main
+from gradserve.service.worker import EXIT, STORE, Outcome, Report, Task, worker_main
 
 log = logging.getLogger("gradserve.workers")
 
@@ -86,6 +86,7 @@ class _Worker:
         self.rss = self.warm_rss = 0  # now, and when it was warm
         self.idle_since = time.monotonic()
         self.successor: _Worker | None = None  # starting, to replace this one (RSS)
+        self.storing = False  # told to store what it holds: to be replaced once it has
         self.retired = False  # its successor is warm: it exits once free
         self.exiting = False  # told to exit, or killed: it takes no more tasks
         self._gone = False  # its end of the pipe closed: it has exited
@@ -134,7 +135,12 @@ class _Worker:
     def stop(self) -> None:
         """Exit once idle (it is)."""
         self.exiting = True
-        self._send(ForkingPickler.dumps(None))
+        self._send(ForkingPickler.dumps(EXIT))
+
+    def store(self) -> None:
+        """Write what it holds to the program store, before its next task."""
+        self.storing = True
+        self._send(ForkingPickler.dumps(STORE))
 
     def kill(self) -> None:
         """Stop it now, whatever it computes (any thread)."""
@@ -180,6 +186,7 @@ class Pool:
         self.tasks = 0  # tasks sent to workers
         self.waits = 0  # tasks that found no idle worker and waited for one
         self._exits = {reason: metrics.worker_exits.labels(reason) for reason in EXITS}
+        self._load_seconds = metrics.load_seconds
         metrics.track(metrics.compute_workers, lambda: len(self._workers))
 
     @property
@@ -321,11 +328,16 @@ class Pool:
 
     def on_report(self, worker: _Worker, report: Report) -> None:
         worker.rss = report.rss
-        if report.outcome is None and report.failure is None:  # ready
+        if report.kind == "ready":
+            for load_ms in report.loads_ms:  # (a worker keeps no metrics of its own)
+                self._load_seconds.observe(load_ms / 1000)
             worker.warm_rss = worker.rss
             worker.ready.set_result(True)
             self._succeed(worker)
             self._free(worker)
+            return
+        if report.kind == "stored":
+            self._replace(worker)
             return
         owed, worker.task = worker.task, None
         outcome = report.outcome
@@ -341,14 +353,19 @@ class Pool:
             owed.set_exception(RuntimeError(f"the compute worker failed:\n{report.failure}"))
         growth = worker.rss - worker.warm_rss
         if growth > self.settings.compute_worker_max_rss_growth_bytes and \
-                worker.successor is None and not worker.exiting and not self._closed:
+                not worker.storing and not worker.exiting and not self._closed:
             log.info("compute worker %s holds %d MiB, %d more than when it was warm: "
                      "replacing it", worker.pid, worker.rss >> 20, growth >> 20)
-            # Its successor takes over its programs (from the store) before it is ready, so
-            # that no request pays for the change.
+            worker.store()  # (then `_replace`, when it says it has)
+        self._free(worker)
+
+    def _replace(self, worker: _Worker) -> None:
+        """Start the successor of a worker that has stored what it holds: it loads its
+        programs from the store before it is ready (none is compiled twice on the host,
+        and no request pays for the change); the old one serves until then."""
+        if worker.successor is None and not worker.exiting and not self._closed:
             worker.successor = self._spawn(preload=tuple(reversed(worker.programs)))
             worker.successor.programs = worker.programs.copy()
-        self._free(worker)
 
     def _succeed(self, successor: _Worker) -> None:
         """A worker is warm: the worker it replaces exits, now if idle, else once free."""
@@ -368,8 +385,8 @@ class Pool:
         if not warm:
             worker.ready.set_result(False)
         for old in self._workers:  # its predecessor, if it had one, stays on
-            if old.successor is worker:
-                old.successor = None
+            if old.successor is worker:  # (it will be replaced again after its next task)
+                old.successor, old.storing = None, False
         reply, worker.task = worker.task, None
         if reply is not None and not reply.done():
             reply.set_exception(WorkerDied(exitcode))

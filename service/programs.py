@@ -204,16 +204,27 @@ class Programs:
                 "peak": program.planned_peak_bytes, "steps": len(program.steps)}
         self._defer(f"p-{key}", lambda: dump_program(program), meta)
 
-    def preload(self, keys: Sequence[str] | None, seconds: float) -> int:
+    def store_held(self) -> None:
+        """Write every program this process holds that the store lacks (those compiled
+        once, cheaply, and waiting for their second use), now: a worker that is being
+        replaced does, so that its successor loads them rather than compiling them again."""
+        for key, device in list(self._unstored.items()):
+            program = self.memory.get(key)
+            if program is not None:
+                self._store_program(key, program, device)
+        self._unstored.clear()
+        self.flush()
+
+    def preload(self, keys: Sequence[str] | None, seconds: float) -> tuple[float, ...]:
         """Load programs from the store into memory before this process takes work:
         `keys` (those of a worker it replaces, the most recent first), or None: the store's
-        most recently written or used. Within `seconds`, and the memory's bound; how many
-        were loaded."""
+        most recently written or used. Within `seconds`, and the memory's bound; the time
+        each load took, in ms."""
         if self.store is None:
-            return 0
+            return ()
         deadline = time.monotonic() + seconds
         names = [f"p-{k}" for k in keys] if keys is not None else self.store.recent("p", 256)
-        loaded = 0
+        loads: list[float] = []
         for name in names:
             if time.monotonic() > deadline or self.memory.bytes >= EVICT_BEFORE * \
                     self.memory.max_bytes:
@@ -222,8 +233,10 @@ class Programs:
             device = meta.get("device") if meta else None
             if isinstance(device, str):
                 with contextlib.suppress(GradserveError):  # (a device this host lacks)
-                    loaded += self.find(name[2:], device).source == "store"
-        return loaded
+                    found = self.find(name[2:], device)
+                    if found.source == "store":
+                        loads.append(found.load_ms)
+        return tuple(loads)
 
     # ------------------------------------------------------------------ writing
     def _defer(self, name: str, payload: Callable[[], bytes], meta: dict[str, Any] | None = None

@@ -25,8 +25,6 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
@@ -42,22 +40,51 @@ _DIRECTORY = re.compile(r"^gradserve-(?:[a-z]+-)?(\d+)-")  # a server's own dire
 Payload = bytes | tuple[str, int]  # the bytes, or a shared memory segment's name and size
 
 
+class Segment:
+    """A shared memory segment: a file in /dev/shm, mapped into this process. (Not
+    multiprocessing's SharedMemory, whose every open and close on Python < 3.13 is a
+    message to a resource-tracker process, and which would unlink segments still in use
+    when a process exits: here the front process owns every segment's end.)"""
+
+    def __init__(self, name: str, size: int | None = None) -> None:
+        """Segment `name`: a new one of `size` bytes (created sparse), or the one that
+        exists (size None)."""
+        create = size is not None
+        fd = os.open(os.path.join(SHM_DIR, name),
+                     os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if size is None:
+                size = os.fstat(fd).st_size
+            else:
+                os.ftruncate(fd, max(size, 1))
+            self._map = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+        self.name, self.size = name, size
+        self.buf = memoryview(self._map)
+
+    def close(self) -> None:
+        """Unmap it (BufferError while a view of it lives: it goes with the last one)."""
+        self.buf.release()
+        self._map.close()
+
+
 def pack(data: bytes | list[bytes | memoryview], name: str,
-         into: SharedMemory | None = None) -> Payload:
+         into: Segment | None = None) -> Payload:
     """`data` (bytes, or parts written one after another) for another process: in a
     shared memory segment `name` when it is large (whoever made `name` is not who unlinks
     it: see `unlink`), or in segment `into` if it fits there and no part lies in it."""
     parts: list[bytes | memoryview] = [data] if isinstance(data, bytes) else data
     size = sum(len(memoryview(p).cast("B")) for p in parts)
-    shm: SharedMemory | None = None
+    segment: Segment | None = None
     if into is not None and size >= SHM_MIN_BYTES and _fits(parts, size, into):
-        shm, name = into, into.name
+        segment, name = into, into.name
     elif size >= SHM_MIN_BYTES:
-        shm = create_segment(name, size)
-    if shm is None:  # the pipe still works
+        segment = create_segment(name, size)
+    if segment is None:  # the pipe still works
         return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
     try:
-        buf = memoryview(shm.buf)  # type: ignore[arg-type]
+        buf = segment.buf
         at = 0
         for part in parts:  # each straight into the segment: no joined copy
             raw = memoryview(part).cast("B")
@@ -65,17 +92,17 @@ def pack(data: bytes | list[bytes | memoryview], name: str,
             at += len(raw)
         del buf, raw
     finally:
-        if shm is not into:
-            shm.close()
+        if segment is not into:
+            segment.close()
     return (name, size)
 
 
-def _fits(parts: list[bytes | memoryview], size: int, segment: SharedMemory) -> bool:
+def _fits(parts: list[bytes | memoryview], size: int, segment: Segment) -> bool:
     """Whether `size` bytes fit in `segment` and no part views it (an output that is an
     input would be overwritten as it is copied)."""
     if size > segment.size:
         return False
-    base = np.frombuffer(segment.buf, dtype=np.uint8)  # type: ignore[arg-type]
+    base = np.frombuffer(segment.buf, dtype=np.uint8)
     try:
         start = base.ctypes.data
         end = start + base.nbytes
@@ -88,29 +115,15 @@ def _fits(parts: list[bytes | memoryview], size: int, segment: SharedMemory) -> 
         del base
 
 
-def create_segment(name: str, size: int) -> SharedMemory | None:
+def create_segment(name: str, size: int) -> Segment | None:
     """A new shared memory segment of `size` bytes, or None if /dev/shm has no room for it
     (the caller then passes bytes through the pool's pipe)."""
     if not _shm_has_room(size):
         return None
     try:
-        shm = SharedMemory(name=name, create=True, size=max(size, 1))
+        return Segment(name, size)
     except OSError:
         return None
-    untrack(shm)
-    return shm
-
-
-def payload_head(payload: Payload, n: int) -> bytes:
-    """The first `n` bytes of a payload (a binary body's JSON header)."""
-    if isinstance(payload, bytes):
-        return payload[:n]
-    shm = SharedMemory(name=payload[0])
-    try:
-        return bytes(memoryview(shm.buf)[:n])  # type: ignore[arg-type]
-    finally:
-        untrack(shm)
-        shm.close()
 
 
 def _shm_has_room(nbytes: int) -> bool:
@@ -130,16 +143,13 @@ def unpack(payload: Payload, consume: bool = False) -> bytes:
     if isinstance(payload, bytes):
         return payload
     name, size = payload
-    shm = SharedMemory(name=name)
+    segment = Segment(name)
     try:
-        return bytes(memoryview(shm.buf)[:size])  # type: ignore[arg-type]
+        return bytes(segment.buf[:size])
     finally:
-        shm.close()
+        segment.close()
         if consume:
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()  # (which also forgets it in the resource tracker)
-        else:
-            untrack(shm)
+            unlink(name)
 
 
 def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], None]]:
@@ -155,8 +165,7 @@ def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], Non
         mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+        unlink(name)
     view = memoryview(mapping)
 
     def release() -> None:
@@ -169,20 +178,8 @@ def open_payload(payload: Payload) -> tuple[bytes | memoryview, Callable[[], Non
 def unlink(name: str) -> None:
     """Remove segment `name` if it exists (the front process owns every segment's end, so
     that none is left behind when a worker is killed)."""
-    try:
-        shm = SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    shm.close()
     with contextlib.suppress(FileNotFoundError):
-        shm.unlink()  # (which also forgets it in the resource tracker)
-
-
-def untrack(shm: SharedMemory) -> None:
-    # Python < 3.13 registers every segment it opens with the resource tracker, which
-    # would unlink segments still in use, or warn of "leaks", when a process exits.
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        os.unlink(os.path.join(SHM_DIR, name))
 
 
 def state_dir() -> str | None:

@@ -19,14 +19,13 @@ import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
 
 from gradserve.engine.errors import GradserveError
 from gradserve.service.compute import Compute, Stats, warm_up
 from gradserve.service.errors import ProblemError, as_problem
 from gradserve.service.ledger import Ledger, overloaded
 from gradserve.service.settings import Settings
-from gradserve.service.shm import Payload, pack, trim_memory, unpack, untrack
+from gradserve.service.shm import Payload, Segment, pack, trim_memory, unpack
 from gradserve.service.tier import CPUS
 
 TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
@@ -68,15 +67,23 @@ class Outcome:
     problem: ProblemError | None = None
 
 
+# What the front process may send a worker besides a Task: to exit (once idle), or to
+# write what it holds to the program store now (it is about to be replaced).
+EXIT, STORE = None, "store"
+
+
 @dataclass(frozen=True)
 class Report:
-    """What a worker sends the front process: that it is ready (no outcome), a task's
-    outcome, or the traceback of a task that failed unexpectedly; and its RSS, by which the
-    pool recycles it."""
+    """What a worker sends the front process, with its RSS (by which the pool recycles
+    it): that it is ready ("ready"), a task's outcome ("outcome"), the traceback of a task
+    that failed unexpectedly ("failure"), or that it has written what it holds to the
+    store ("stored")."""
 
+    kind: str
     rss: int
     outcome: Outcome | None = None
     failure: str | None = None
+    loads_ms: tuple[float, ...] = ()  # ready: the programs it loaded first, and how long
 
 
 _compute: Compute | None = None
@@ -93,10 +100,11 @@ def worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: i
     runs (a program loaded or compiled is a hundred thousand new objects, which the
     collector would otherwise walk in the middle of the next request)."""
     compute = _start(settings_json, ledger_path, slots, limit)
+    loads: tuple[float, ...] = ()
     if preload != ():
-        compute.programs.preload(preload, PRELOAD_S)
+        loads = compute.programs.preload(preload, PRELOAD_S)
         gc.collect()  # (what the loads made is walked once here, not in a request)
-    report = Report(_rss())
+    report = Report("ready", _rss(), loads_ms=loads)
     tasks = 0
     try:
         while True:
@@ -108,14 +116,18 @@ def worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: i
                 gc.collect()  # a full collection, and what it frees goes back
                 trim_memory()
             task = conn.recv()
-            if task is None:
+            if task is EXIT:
                 return
+            if task == STORE:
+                compute.programs.store_held()
+                report = Report("stored", _rss())
+                continue
             tasks += 1
             gc.disable()
             try:
-                report = Report(_rss(), outcome=run_task(task))
+                report = Report("outcome", _rss(), outcome=run_task(task))
             except Exception:
-                report = Report(_rss(), failure=traceback.format_exc())
+                report = Report("failure", _rss(), failure=traceback.format_exc())
     except (EOFError, OSError):  # the front process is gone
         return
 
@@ -175,9 +187,8 @@ def run_task(task: Task) -> Outcome:
         body: bytes | memoryview = unpack(task.body, consume=True)
     else:  # a large binary body: its tensors view it where it lies
         name, size = task.body
-        segment = SharedMemory(name=name)
-        untrack(segment)
-        body = memoryview(segment.buf)[:size]  # type: ignore[arg-type]
+        segment = Segment(name)
+        body = segment.buf[:size]
     try:
         try:
             reply = compute.serve(task.kind, body, task.header_length, task.tenant,

@@ -61,7 +61,7 @@ async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch
     on_report = Pool.on_report
 
     def late(pool: Pool, worker: _Worker, report: Report) -> None:
-        if report.outcome is None and report.failure is None:  # ready
+        if report.kind == "ready":
             pool.loop.call_later(0.3, on_report, pool, worker, report)
         else:
             on_report(pool, worker, report)
@@ -130,7 +130,7 @@ async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_
     on_report, on_exit = Pool.on_report, Pool.on_exit
 
     def seen_report(pool: Pool, worker: _Worker, report: Report) -> None:
-        if report.outcome is None and report.failure is None:
+        if report.kind == "ready":
             events.append(("ready", worker.pid, None))
         else:
             report = dataclasses.replace(report, rss=report.rss + (1 << 30))

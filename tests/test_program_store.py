@@ -328,7 +328,9 @@ async def test_over_http_an_id_resolves_only_for_the_key_that_sent_the_graph(
 
 # ---------------------------------------------------------------- across worker processes
 
-BIG = 800  # inputs of this many values: a body over the 16 KiB that compute inline
+# Inputs of this many values: a JSON document past the 64 KiB the front process's fast lane
+# takes even for a graph known to be cheap (service/placement.py): a worker computes it.
+BIG = 4000
 
 
 async def _worker_request(c: Any, x: list[float]) -> dict[str, Any]:
@@ -441,3 +443,42 @@ async def test_a_server_on_a_persistent_store_starts_with_its_recent_programs(
         again = await _worker_request(c, x)  # (a restart: the worker preloaded it)
     assert again["meta"]["program"] == "process"
     assert again["gradients"] == first["gradients"]
+
+
+def _count(text: str, metric: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(metric) and not line.startswith("#"))
+
+
+async def test_a_program_is_compiled_once_on_the_host_across_recycles_and_a_restart(
+        store_dir: str) -> None:
+    """Two workers, each replaced after every task (an RSS limit of 0): the first compiles
+    the program; each replacement is told to store what it holds first, and its successor
+    loads it once before it is ready. A server restarted on the same store compiles it
+    nowhere. The front process compiles and looks up nothing: these are workers' requests
+    (the role label says who)."""
+    x = list(np.linspace(-1, 1, BIG))
+    async with serving(program_store_dir=store_dir, compute_workers=2, min_compute_workers=2,
+                       compute_worker_max_rss_growth_bytes=0) as (c, app):
+        docs = [await _worker_request(c, x) for _ in range(6)]
+        pool = app.state.front.pool
+        for _ in range(100):  # (the last replacement, warm)
+            if pool.warm == 2 and all(w.successor is None for w in pool._workers):
+                break
+            await asyncio.sleep(0.05)
+        text = (await c.get("/metrics")).text
+        starts = pool.starts
+    assert docs[0]["meta"]["program"] == "compiled"
+    assert "compiled" not in [d["meta"]["program"] for d in docs[1:]]
+    assert _count(text, 'gradserve_compiles_total{role="worker"}') == 1
+    assert _count(text, 'gradserve_compiles_total{role="front"}') == 0
+    assert _count(text, 'gradserve_program_lookups_total{role="front"') == 0
+    assert starts >= 3  # (2 at start, and replacements)
+    # Loaded at most once per worker: by preload, or at a first request.
+    assert 1 <= _count(text, "gradserve_program_load_seconds_count") <= starts
+    async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
+        again = await _worker_request(c, x)
+        text = (await c.get("/metrics")).text
+    assert again["meta"]["program"] in ("process", "store")  # (preloaded, or loaded)
+    assert again["gradients"] == docs[0]["gradients"]
+    assert _count(text, "gradserve_compiles_total") == 0
