@@ -50,10 +50,6 @@ def check_dtype(name: object) -> str:
     raise DTypeError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
 
 
-def is_float(dtype: str) -> bool:
-    return dtype in FLOATS
-
-
 def promote_types(a: str, b: str) -> str:
     """`torch.promote_types` for the dtypes gradserve supports."""
     if a == b:

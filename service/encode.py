@@ -17,7 +17,7 @@ from gradserve.wire.binary import padded
 from gradserve.wire.numbers import dumps
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Reply:
     """A response body: its parts in order (a binary body's JSON header, then each
     tensor's bytes, viewed where they lie), and that header's length (None: a JSON body)."""

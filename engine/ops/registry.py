@@ -28,7 +28,7 @@ from gradserve.engine.dtypes import (
     check_dtype,
     result_type,
 )
-from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, did_you_mean
+from gradserve.engine.errors import ArityError, AttributeError_, did_you_mean
 from gradserve.engine.shapes import numel
 
 Array = Any
@@ -316,8 +316,3 @@ def literal_meta(value: Scalar) -> Meta:
 def nbytes(meta: Meta) -> int:
     """The bytes of a value with this meta."""
     return numel(meta.shape) * ITEMSIZE[meta.dtype]
-
-
-def require_float(op: str, meta: Meta, what: str = "input") -> None:
-    if meta.dtype not in FLOATS:
-        raise DTypeError(f"{what} must be floating point, got {meta.dtype}", op=op)
