@@ -24,8 +24,8 @@ from gradserve.service.metrics import Metrics
 from gradserve.service.middleware import Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
 from gradserve.service.routes import catalog, explorer, health, operation_id
-from gradserve.service.routes.compute import OPERATIONS
 from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
+from gradserve.service.routes.compute import operations
 from gradserve.service.schemas import (
     BackwardRequest,
     BackwardResponse,
@@ -34,6 +34,7 @@ from gradserve.service.schemas import (
     PlanRequest,
     PlanResponse,
     Problem,
+    with_body_limit,
 )
 from gradserve.service.settings import Settings, get_settings
 
@@ -135,7 +136,8 @@ def _add_routes(app: FastAPI, router: APIRouter) -> None:
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document of its routes, plus the compute routes, which are plain ASGI
-    endpoints (service/routes/compute.py), with their models."""
+    endpoints (service/routes/compute.py), with their models, and with the bounds that are
+    this app's settings (the body limit)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
@@ -147,8 +149,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
              (Problem, "serialization")],
             ref_template="#/components/schemas/{model}",
         )
-        schema["paths"] = {**OPERATIONS, **schema["paths"]}
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        settings: Settings = app.state.settings
+        schema["paths"] = {**operations(settings.max_body_bytes), **schema["paths"]}
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            with_body_limit(defs["$defs"], settings.max_body_bytes))
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -3,6 +3,7 @@ hold and cost against the budgets, step by step; as JSON, or as Graphviz DOT."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from gradserve.engine.errors import MemoryBudgetError
@@ -36,7 +37,7 @@ def plan_reply(compute: Compute, request: Request, stats: Stats, *, dot: bool,
         plain = compute.compile(request, stats, keep=False, recompute=False)
         recompute["nodes_without"] = planned_steps(plain)
     compute_budget = compute.settings.compute_budget
-    return Reply([dumps({
+    return Reply([_dumps({
         "planned_peak_bytes": program.planned_peak_bytes,
         "memory_budget_bytes": request.budget,
         "compute_cost": program.compute_cost,
@@ -49,6 +50,16 @@ def plan_reply(compute: Compute, request: Request, stats: Stats, *, dot: bool,
         "recompute": recompute,
         "minimum_peak_bytes": minimum,
     })])
+
+
+def _dumps(plan: dict[str, Any]) -> bytes:
+    """orjson, or the standard library for figures past 64 bits (which orjson refuses: a
+    plan of specs may describe tensors no machine could hold, whose bytes are planned
+    all the same, and refused by the budgets)."""
+    try:
+        return dumps(plan)
+    except TypeError:
+        return json.dumps(plan, separators=(",", ":")).encode()
 
 
 def planned_steps(program: Program) -> list[dict[str, Any]]:

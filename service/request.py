@@ -183,15 +183,15 @@ class Parser:
             grad_specs: dict[str, TensorSpec] | None = None
             inputs: Decoded = {}
             grad_outputs: Decoded | None = None
+            try:
+                binary = tensor_bytes(data, envelope.tail, REQUEST_SECTIONS)
+            except FramingError as err:
+                raise framing_problem(err) from None
             if isinstance(req, PlanRequest):
-                specs = _specs_of("inputs", req.inputs, errors)
+                specs = _specs_of("inputs", req.inputs, errors, binary)
                 grad_specs = None if req.grad_outputs is None else \
-                    _specs_of("grad_outputs", req.grad_outputs, errors)
+                    _specs_of("grad_outputs", req.grad_outputs, errors, binary)
             else:
-                try:
-                    binary = tensor_bytes(data, envelope.tail, REQUEST_SECTIONS)
-                except FramingError as err:
-                    raise framing_problem(err) from None
                 inputs = _decode_all("inputs", req.inputs, errors, binary)
                 if isinstance(req, BackwardRequest) and req.grad_outputs is not None:
                     grad_outputs = _decode_all("grad_outputs", req.grad_outputs, errors, binary)
@@ -375,21 +375,21 @@ def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveEr
     return out
 
 
-def _specs_of(where: str, tensors: Mapping[str, Any], errors: list[GradserveError]
-              ) -> dict[str, TensorSpec]:
-    """A /plan request's tensors as specs: given as specs, or decoded from their data."""
+def _specs_of(where: str, tensors: Mapping[str, Any], errors: list[GradserveError],
+              binary: Mapping[tuple[str, str], memoryview]) -> dict[str, TensorSpec]:
+    """A /plan request's tensors as specs: given as specs, or decoded from their data (in
+    the JSON, or a binary body's tail)."""
     specs = {}
     for name, value in tensors.items():
         if isinstance(value, TensorSpecIn):
             try:
-                codec.check_shape((where, name, "shape"), value.shape,
-                                  np.dtype(value.dtype).itemsize)
+                codec.check_shape((where, name), value.shape, np.dtype(value.dtype).itemsize)
             except TensorDataError as err:
                 errors.append(err)
                 continue
             specs[name] = TensorSpec(tuple(value.shape), value.dtype, value.requires_grad)
         else:
-            specs.update(_specs(_decode_all(where, {name: value}, errors, {})))
+            specs.update(_specs(_decode_all(where, {name: value}, errors, binary)))
     return specs
 
 

@@ -36,6 +36,50 @@ class Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+# Bounds the server checks after the models (in the compiler and the codec), which the
+# models leave to it: the contract's shape takes any string there (tests/test_validator.py),
+# and each refusal keeps its own problem type. The document states them, so that it is no
+# looser than the server; validation stays where it is.
+#
+# Names the compiler refuses empty: a scan body's carry and xs names, its next's keys
+# (carries) and the scan's results' values (carries or body node ids). Output ids, input
+# names, args, next's values and results' keys may be empty: an input may be named "",
+# and they may name it (a result id is a new name).
+_NonEmpty = Annotated[str, WithJsonSchema({"type": "string", "minLength": 1})]
+# An expr the compiler refuses blank. Not blank: a character that `str.strip()` keeps,
+# Python's whitespace spelt out (`\s` means other sets in other regex flavours).
+_NOT_BLANK = r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+_NotBlank = Annotated[str, WithJsonSchema({"type": "string", "pattern": _NOT_BLANK})]
+# Base64 as the codec decodes it: strict (the standard alphabet, padded, nothing else).
+_BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_Base64 = Annotated[str, WithJsonSchema({"type": "string", "pattern": _BASE64})]
+# A declared shape as the codec takes it (`codec.check_shape`): NumPy's 64 dims at most,
+# and no dim of 2**63 or more, which no array's bytes can span.
+_Shape = Annotated[list[Annotated[int, Field(ge=0)]], WithJsonSchema({
+    "type": "array", "maxItems": 64,
+    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}})]
+
+# A count of a body's bytes: at most the server's body limit, a setting, so not the
+# models' own: `with_body_limit` puts it in the document (the framing refuses more).
+_BODY_LIMIT = "x-gradserve-body-limit"
+_BodyBytes = Annotated[int, Field(ge=0), WithJsonSchema(
+    {"type": "integer", "minimum": 0, _BODY_LIMIT: True})]
+
+
+def with_body_limit(schema: Any, max_body_bytes: int) -> Any:
+    """`schema` (generated from these models) with each count of a body's bytes bounded by
+    the body limit, `max_body_bytes`."""
+    if isinstance(schema, dict):
+        bounded = {k: with_body_limit(v, max_body_bytes) for k, v in schema.items()
+                   if k != _BODY_LIMIT}
+        if schema.get(_BODY_LIMIT):
+            bounded["maximum"] = max_body_bytes
+        return bounded
+    if isinstance(schema, list):
+        return [with_body_limit(v, max_body_bytes) for v in schema]
+    return schema
+
+
 def _rules(*rules: dict[str, Any]) -> ConfigDict:
     """A model's cross-field rules (what its validator, or the codec, checks) in the
     document, so that the document is no looser than the server. Inside an allOf:
@@ -67,12 +111,12 @@ class TensorIn(Wire):
     )
 
     data: TensorData | None = None
-    b64: str | None = None
-    binary_data_size: int | None = Field(
-        None, ge=0, description="in a binary body (Inference-Header-Content-Length): the "
-                                "tensor is the next this many bytes of the tail")
+    b64: _Base64 | None = None
+    binary_data_size: _BodyBytes | None = Field(
+        None, description="in a binary body (Inference-Header-Content-Length): the tensor "
+                          "is the next this many bytes of the tail")
     dtype: DType | None = None
-    shape: list[Annotated[int, Field(ge=0)]] | None = None
+    shape: _Shape | None = None
     requires_grad: bool = False
 
     @model_validator(mode="after")
@@ -123,9 +167,9 @@ class Node(Wire):
     op: str | None = None
     args: list[Arg] | None = None
     attrs: dict[str, Any] | None = None
-    expr: str | None = None
+    expr: _NotBlank | None = None
     body: Body | None = Field(None, description="scan only: the loop body")
-    results: dict[str, str] | None = Field(
+    results: dict[str, _NonEmpty] | None = Field(
         None, description="scan only: new id -> a carry name (its final value) or a body "
                           "node id (its value at every step, stacked on a new dim 0)")
 
@@ -146,10 +190,10 @@ class Body(Wire):
     """A scan's body: carries and per-step slices by name, nodes in their own scope, and
     each carry's next value."""
 
-    carry: list[str]
-    xs: list[str] = []
+    carry: list[_NonEmpty]
+    xs: list[_NonEmpty] = []
     nodes: list[Node] = []
-    next: dict[str, str]
+    next: dict[_NonEmpty, str]
 
 
 Node.model_rebuild()
@@ -210,7 +254,7 @@ class BackwardRequest(_ComputeRequest):
 class TensorSpecIn(Wire):
     """A tensor described without its data (POST /plan)."""
 
-    shape: list[Annotated[int, Field(ge=0)]]
+    shape: _Shape
     dtype: DType
     requires_grad: bool = False
 

@@ -478,7 +478,9 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
             Load(cluster.url, clients=2, call=_cell_call, reuse_graphs=False) as cells, \
             Load(cluster.url, clients=1, retries=0) as bare:
         load.wait_ok(200)
-        cells.wait_ok(10)
+        # (A cell takes ~0.25 s alone, and each replica lowers its program to XLA in the
+        # background meanwhile: on 2 shared cores, tens of seconds for the first 10.)
+        cells.wait_ok(10, timeout=180)
         # Kill it with a cell in flight if one is seen within 10 s (its planned bytes in
         # the replica's ledger: a seed's are a few dozen).
         t0 = time.monotonic()
@@ -496,7 +498,7 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
         # it (consistent hashing), and it serves them again.
         _until(f"{victim} serves again", lambda: cluster.served(victim) >= 20, timeout=30)
         load.wait_ok(100)
-        cells.wait_ok(5)
+        cells.wait_ok(5, timeout=180)
     stats1, front1 = cluster.stats(), cluster.stats("gradserve", "FRONTEND")
     retried = int(stats1["wretr"]) - int(stats0["wretr"])
     redispatched = int(stats1["wredis"]) - int(stats0["wredis"])

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from bench.bench_compiled import OBJECTIVES, objectives_data
@@ -207,3 +208,39 @@ async def test_dot_draws_forward_and_backward(client: httpx.AsyncClient) -> None
     for node in ("s add", "d sub", "z mul"):
         assert f'label="{node}\\n[] float32' in text
     assert "in0 -> s0" in text and text.count("->") >= 6
+
+
+# ---------------------------------------------------------------- found by schemathesis
+
+
+async def test_a_plan_whose_figures_pass_64_bits_is_answered(client: httpx.AsyncClient) -> None:
+    """A spec of 2**63 - 1 elements is a shape the codec takes (it spans no bytes it cannot
+    address as bool), and its plan's figures pass 64 bits: answered, not a 500."""
+    r = await client.post("/plan", json={
+        "graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
+        "inputs": {"x": {"shape": [2**63 - 1], "dtype": "bool"}}, "path": "no_grad"})
+    plan = strict_json(r)
+    assert plan["planned_peak_bytes"] > 2**63 and plan["admitted"] is False
+
+
+async def test_a_plan_takes_a_binary_body_and_checks_its_framing(
+        client: httpx.AsyncClient) -> None:
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    header = orjson.dumps({"graph": {"nodes": [{"id": "z", "expr": "sum(x * x)"}],
+                                     "outputs": ["z"]},
+                           "inputs": {"x": {"binary_data_size": x.nbytes, "dtype": "float32",
+                                            "shape": [2, 3], "requires_grad": True}}})
+    framed = {"Content-Type": "application/octet-stream",
+              "Inference-Header-Content-Length": str(len(header))}
+    r = await client.post("/plan", content=header + x.tobytes(), headers=framed)
+    assert strict_json(r)["nodes"][0]["shape"] == [2, 3]
+    r = await client.post("/plan", content=header + x.tobytes() + b"more", headers=framed)
+    assert_problem(r, 400, "malformed-body", "bytes after the last tensor")
+
+
+async def test_a_spec_refused_for_its_shape_names_its_input(client: httpx.AsyncClient) -> None:
+    r = await client.post("/plan", json={
+        "graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
+        "inputs": {"x": {"shape": [1] * 65, "dtype": "float32"}}})
+    p = assert_problem(r, 422, "tensor-data", "input 'x': shape has 65 dims")
+    assert p["errors"][0]["loc"] == ["inputs", "x", "shape"]

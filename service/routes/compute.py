@@ -5,8 +5,8 @@ body itself (the front process's compute path parses it once, where it runs, wit
 contract's statuses: service/front.py) and sends the answer's bytes as they lie. FastAPI's
 per-request machinery (a `Request`, exit stacks, dependency solving, a `Response`) would
 cost more than the seed example's compute. Errors still reach the app's handlers. Since
-FastAPI does not document a plain route, `OPERATIONS` describes the three for the OpenAPI
-document (service/app.py puts them in it).
+FastAPI does not document a plain route, `operations` describes the three for the OpenAPI
+document (service/app.py puts them in it, with the app's body limit).
 """
 
 from __future__ import annotations
@@ -132,22 +132,27 @@ def _check_content_type(value: str | None, binary: bool = False) -> None:
 
 # ------------------------------------------------------------------ the OpenAPI document
 
-PROBLEM_RESPONSES: dict[str, dict[str, Any]] = {
-    str(status): {"description": why, "content": {"application/problem+json": {
-        "schema": {"$ref": "#/components/schemas/Problem"}}}}
-    for status, why in {
-        400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or is "
-             "nested too deeply; or a binary body's sizes do not add up",
-        401: "An API key is required",
-        413: "The body is larger than the limit",
-        409: "graph_id names a graph this server does not hold (graph-unknown): send the "
-             "graph itself",
-        415: "The body is not JSON (or, with Inference-Header-Content-Length, octet-stream)",
-        422: "Invalid request, graph, tensor data, or memory plan over budget",
-        503: "The server is at its concurrency or in-flight memory limit (see Retry-After)",
-        504: "The request ran past its time limit",
-    }.items()
-}
+def problem_responses(max_body_bytes: int) -> dict[str, dict[str, Any]]:
+    """The compute routes' problem answers, by status (413 with the server's body limit)."""
+    return {
+        str(status): {"description": why, "content": {"application/problem+json": {
+            "schema": {"$ref": "#/components/schemas/Problem"}}}}
+        for status, why in {
+            400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or "
+                 "is nested too deeply; or a binary body's sizes do not add up",
+            401: "An API key is required",
+            413: f"The body is larger than the limit ({max_body_bytes} bytes)",
+            409: "graph_id names a graph this server does not hold (graph-unknown): send the "
+                 "graph itself",
+            415: "The body is not JSON (or, with Inference-Header-Content-Length, "
+                 "octet-stream)",
+            422: "Invalid request, graph, tensor data, or memory plan over budget",
+            503: "The server is at its concurrency or in-flight memory limit (see "
+                 "Retry-After)",
+            504: "The request ran past its time limit",
+        }.items()
+    }
+
 
 BINARY_BODY = (
     "A binary body (the Open Inference Protocol's binary tensor extension): the JSON request "
@@ -169,8 +174,8 @@ def _ref(model: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model}"}
 
 
-def _compute(kind: str, summary: str, request: str, response: str, *examples: str
-             ) -> dict[str, Any]:
+def _compute(kind: str, summary: str, request: str, response: str, examples: tuple[str, ...],
+             max_body_bytes: int) -> dict[str, Any]:
     return {
         "tags": ["compute"], "summary": summary, "operationId": kind,
         "responses": {"200": {
@@ -178,19 +183,24 @@ def _compute(kind: str, summary: str, request: str, response: str, *examples: st
                            "binary body",
             "content": {"application/json": {"schema": _ref(response)},
                         "application/octet-stream": {"schema": _BINARY_SCHEMA}}},
-            **PROBLEM_RESPONSES},
+            **problem_responses(max_body_bytes)},
         "parameters": [{
             "name": BINARY_HEADER, "in": "header", "required": False,
-            # ASCII digits (int64): anything else is a 400 malformed-body
-            "schema": {"type": "integer", "format": "int64", "minimum": 0},
+            # ASCII digits: anything else is a 400 malformed-body. At least 1: an empty
+            # JSON request is a 400 malformed-json. At most the body limit: the JSON request
+            # lies within the body, and a longer body is a 413 (a longer length, a 400
+            # malformed-body).
+            "schema": {"type": "integer", "format": "int64", "minimum": 1,
+                       "maximum": max_body_bytes},
             "description": "Present: the body is binary (application/octet-stream, or a "
                            "JSON type), and this is the length in bytes of the JSON request "
                            "at its start, which the raw bytes of its `binary_data_size` "
                            "tensors follow, in order, to the body's end. A value that is not "
                            "a count, a length past the body, or a tail of another size is a "
                            "400 malformed-body; a length that ends the JSON request "
-                           "elsewhere is a 400 malformed-json. Absent: the body is the JSON "
-                           "request alone (`binary_data_size` is then a 400 malformed-body)",
+                           "elsewhere (an empty one included) is a 400 malformed-json. "
+                           "Absent: the body is the JSON request alone (`binary_data_size` "
+                           "is then a 400 malformed-body)",
         }],
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": _ref(request), "examples": _examples(*examples)},
@@ -199,27 +209,32 @@ def _compute(kind: str, summary: str, request: str, response: str, *examples: st
     }
 
 
-# The three operations, as the OpenAPI document describes them (their schemas are the wire
-# models of service/schemas.py, which service/app.py registers).
-OPERATIONS: dict[str, dict[str, Any]] = {
-    "/forward": {"post": _compute(
-        "forward", "Evaluate a graph (no_grad: the inference-only path)", "ForwardRequest",
-        "ForwardResponse", "seed-no-grad")},
-    "/backward": {"post": _compute(
-        "backward", "Evaluate a graph and back-propagate: outputs and gradients",
-        "BackwardRequest", "BackwardResponse", "seed", "seed-expr", "mlp")},
-    "/plan": {"post": {
-        "tags": ["compute"],
-        "summary": "Plan a request without its data: memory, cost and admission, step by step",
-        "operationId": "plan",
-        "parameters": [{"name": "format", "in": "query", "required": False,
-                        "schema": {"type": "string", "enum": ["json", "dot"]}}],
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": _ref("PlanRequest"), "examples": _examples("seed", "seed-expr", "mlp")}}},
-        "responses": {"200": {
-            "description": "The plan; with ?format=dot, Graphviz DOT of the program",
-            "content": {"application/json": {"schema": _ref("PlanResponse")},
-                        "text/vnd.graphviz": {"schema": {"type": "string"}}}},
-            **PROBLEM_RESPONSES},
-    }},
-}
+def operations(max_body_bytes: int) -> dict[str, dict[str, Any]]:
+    """The three operations, as the OpenAPI document describes them on a server whose body
+    limit is `max_body_bytes` (the `max_body_bytes` setting). Their schemas are the wire
+    models of service/schemas.py, which service/app.py registers."""
+    return {
+        "/forward": {"post": _compute(
+            "forward", "Evaluate a graph (no_grad: the inference-only path)", "ForwardRequest",
+            "ForwardResponse", ("seed-no-grad",), max_body_bytes)},
+        "/backward": {"post": _compute(
+            "backward", "Evaluate a graph and back-propagate: outputs and gradients",
+            "BackwardRequest", "BackwardResponse", ("seed", "seed-expr", "mlp"),
+            max_body_bytes)},
+        "/plan": {"post": {
+            "tags": ["compute"],
+            "summary": "Plan a request without its data: memory, cost and admission, step by "
+                       "step",
+            "operationId": "plan",
+            "parameters": [{"name": "format", "in": "query", "required": False,
+                            "schema": {"type": "string", "enum": ["json", "dot"]}}],
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": _ref("PlanRequest"),
+                "examples": _examples("seed", "seed-expr", "mlp")}}},
+            "responses": {"200": {
+                "description": "The plan; with ?format=dot, Graphviz DOT of the program",
+                "content": {"application/json": {"schema": _ref("PlanResponse")},
+                            "text/vnd.graphviz": {"schema": {"type": "string"}}}},
+                **problem_responses(max_body_bytes)},
+        }},
+    }
