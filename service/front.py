@@ -346,8 +346,9 @@ class Front:
             log.error("request %s: %s", request_id, exc)
             raise ProblemError("internal", f"{exc}; the request was not completed") from None
         finally:
-            if not done:
-                unlink(name)  # (the front process owns every segment's end)
+            if not done:  # (the front process owns every segment's end)
+                unlink(name)
+                unlink(name + "o")
         try:
             self._observe(outcome.stats)
             if outcome.problem is not None:
@@ -362,8 +363,8 @@ class Front:
             return Reply([view], outcome.header_length, media_type=outcome.media_type,
                          release=release)
         finally:
-            unlink(name)
-            unlink(name + "o")
+            if not isinstance(task.body, bytes):  # (the worker's answer went elsewhere)
+                unlink(name)
 
     def _observe(self, stats: Stats) -> None:
         """A computation's figures: into the metrics, and the placement's facts."""
