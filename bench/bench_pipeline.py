@@ -3,15 +3,17 @@ defaults, this checkout side by side with another revision's (`--baseline PATH`:
 of it; build its compiled modules first, as pip does: `python setup.py build_ext --inplace`
 there), in one run.
 
-    python3 bench/bench_pipeline.py [--baseline PATH] [--rounds N]
+    python3 bench/bench_pipeline.py [--baseline PATH] [--rounds N] [--tier]
 
 Rows:
-- costly by id: a graph whose program is past the fast lane (a 2-layer MLP's gradient,
-  256x512 inputs: ~0.4 G cost units, a 1.6 MB binary body) sent in full, then 20 times by
-  `graph_id` (gradserve's Client, as a user calls it): what the front process compiled and
-  looked up (its metrics, by role), its CPU time per repeat, and the p50 of a repeat;
-- recycled: the same on 2 workers, each replaced after every task (an RSS limit of 0):
-  compiles on the host, and loads against worker starts;
+- costly by id: a graph whose program is past the fast lane (70 layers of a 256x256 tanh
+  layer, ~8 G cost units from a few KB of body) sent in full, then 20 times by `graph_id`
+  (gradserve's Client, as a user calls it): what the front process compiled and looked up
+  (its metrics, by role), its CPU time per repeat (less what it spends idle), and the p50
+  of a repeat;
+- recycled: a 2-layer MLP's gradient (256x512 inputs, a 1.6 MB binary body) 21 times on
+  2 workers, each replaced after every task (an RSS limit of 0): compiles on the host, and
+  loads against worker starts;
 - training step: a 2-layer tanh MLP (batch 256x32 -> 64 -> 10), 200 SGD steps through
   `Client.backward` with tracing, `graph_id` and binary bodies (a 53 KB body), the client
   updating the parameters; p50 step, and whether the steps after the first few hop to a
@@ -19,26 +21,32 @@ Rows:
 - seed warm, the 24-step cell warm and with a new constant each request, the 30,000-node
   chain repeated: p50 over HTTP (one keep-alive connection).
 
-Each server runs alone on the machine while it is measured; rounds alternate between them.
+The native tier is off on every server unless `--tier` is given: it lowers a hot program
+to XLA in the background of the serving processes, for seconds (the 30,000-node chain: for
+minutes), the same work on either revision, and every request pays for it meanwhile (a
+matter of the tier's own benchmark, bench/bench_xla.py). With `--tier`, each warm row is
+first sent until the tier has decided on its program (at most a minute).
+
+The servers run side by side, and each row alternates between them in short rounds (one
+server idle while the other is measured), so that the drift of a shared machine falls on
+both: the table gives each server's median, and the median of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
-import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -66,8 +74,10 @@ class Server:
         return httpx.get(self.base + "/metrics", timeout=30).text
 
     def cpu_s(self) -> float:
-        times = psutil.Process(self.pid).cpu_times()
-        return float(times.user + times.system)
+        """The front process's CPU time so far, all its threads (schedstat: nanoseconds,
+        where psutil's clock ticks are 10 ms)."""
+        with open(f"/proc/{self.pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
 
 
 @contextmanager
@@ -108,22 +118,30 @@ def mlp_graph() -> dict[str, Any]:
                       {"id": "loss", "expr": "sum((h @ w2 - y) ** 2)"}], "outputs": ["loss"]}
 
 
+def costly_graph() -> dict[str, Any]:
+    """70 layers of tanh(h @ a + x) on a 256x256 matrix the graph makes itself: ~8 G cost
+    units from a body of a few KB (its cost is the program's, not its data's)."""
+    nodes = [{"id": "a", "expr": "full(shape=[256, 256], value=0.01)"}]
+    nodes += [{"id": f"m{i}", "expr": f"tanh({f'm{i - 1}' if i else 'a'} @ a + x)"}
+              for i in range(70)]
+    return {"nodes": [*nodes, {"id": "loss", "expr": "sum(m69)"}], "outputs": ["loss"]}
+
+
 def costly_by_id(server: Server) -> dict[str, Any]:
-    rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((256, 512)).astype(np.float32),
-              "w1": (rng.standard_normal((512, 512)) / 23).astype(np.float32),
-              "w2": (rng.standard_normal((512, 10)) / 23).astype(np.float32),
-              "y": rng.standard_normal((256, 10)).astype(np.float32)}
     before = server.metrics()
     with Client(server.base) as gs:
-        first = gs.backward(mlp_graph(), inputs, requires_grad=["w1", "w2"])
-        cpu0, times = server.cpu_s(), []
+        first = gs.backward(costly_graph(), {"x": 0.5}, requires_grad=["x"])
+        idle0 = server.cpu_s()
+        time.sleep(2.0)  # (what the front process spends when idle: housekeeping, timers)
+        idle = (server.cpu_s() - idle0) / 2.0
+        cpu0, t00, times = server.cpu_s(), time.perf_counter(), []
         for _ in range(REPEATS):
             t0 = time.perf_counter()
-            r = gs.backward(mlp_graph(), inputs, requires_grad=["w1", "w2"])
+            r = gs.backward(costly_graph(), {"x": 0.5}, requires_grad=["x"])
             times.append(time.perf_counter() - t0)
-        cpu = (server.cpu_s() - cpu0) / REPEATS
-    assert np.allclose(r.gradients["w1"], first.gradients["w1"])
+        cpu = (server.cpu_s() - cpu0 - idle * (time.perf_counter() - t00)) / REPEATS
+    assert np.allclose(r.gradients["x"], first.gradients["x"], rtol=1e-4)  # (XLA may sum
+    # in another order, once it has lowered the program)
     after = server.metrics()
     out = {"cost": first.meta["compute_cost"], "p50_ms": p50(times), "front_cpu_ms": cpu * 1000}
     for metric in ("gradserve_compiles_total", "gradserve_program_lookups_total"):
@@ -196,42 +214,68 @@ def http_p50(server: Server, bodies: Callable[[], bytes], n: int) -> float:
     return p50(times)
 
 
-def warm_rows(server: Server, n: int) -> dict[str, float]:
+def settle(server: Server, body: bytes, limit_s: float = 60.0) -> str:
+    """Send `body` until the native tier has decided on its program (lowered, or left to
+    the interpreter for good): a user's steady state, not the minutes of a tier-up."""
+    deadline = time.monotonic() + limit_s
+    reason = "cold"
+    with RawClient(server.port) as client:
+        while reason in ("cold", "compiling") and time.monotonic() < deadline:
+            _, _, content = client.post("/backward", [body], JSON)
+            meta = orjson.loads(memoryview(content))["meta"]
+            reason = "xla" if meta["tier"] == "xla" else meta["tier_reason"]
+            time.sleep(0.05)
+    return reason
+
+
+WARM_ROWS = ("seed warm", "24-step cell warm", "24-step cell, a new constant each",
+             "30,000-node chain repeated")
+
+
+def warm_bodies() -> dict[str, tuple[Callable[[], bytes], int]]:
+    """Each warm row's bodies, and how many a round sends (of the 30,000-node chain, a
+    tenth: each is ~0.1 s)."""
     warm_cell, new_cells, _ = cell_bodies()
     chain = unrolled(10_000)
     chain_body = orjson.dumps({"graph": chain.graph, "inputs": {
         k: {"data": np.asarray(v).tolist(), "dtype": "float64", "requires_grad": True}
         for k, v in chain.inputs.items()}})
-    rows = {}
-    for name, make, count_ in (
-            ("seed warm", lambda: SEED, n),
-            ("24-step cell warm", lambda: warm_cell, n),
-            ("24-step cell, a new constant each", lambda: next(new_cells), n),
-            ("30,000-node chain repeated", lambda: chain_body, max(3, n // 10))):
-        http_p50(server, make, 2)  # (warm)
-        rows[name] = http_p50(server, make, count_)
-    return rows
+    return {"seed warm": (lambda: SEED, 10), "24-step cell warm": (lambda: warm_cell, 10),
+            "24-step cell, a new constant each": (lambda: next(new_cells), 10),
+            "30,000-node chain repeated": (lambda: chain_body, 2)}
 
 
 # ------------------------------------------------------------------ the table
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=60, help="a round's requests a row")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="rounds of the warm rows, alternating between the servers")
+    parser.add_argument("--tier", action="store_true",
+                        help="leave the native tier on (by default off on every server)")
     args = parser.parse_args()
+    if not args.tier:
+        os.environ["GRADSERVE_XLA"] = "off"  # (the servers inherit it)
     sources: dict[str, Path | None] = {"this": None}
     if args.baseline is not None:
         sources["baseline"] = args.baseline.resolve()
     results: dict[str, dict[str, list[Any]]] = {name: {} for name in sources}
-    for _ in range(args.rounds):
-        for name, source in sources.items():
-            with serving(name, source) as server:
-                for key, value in itertools.chain(
-                        warm_rows(server, args.requests).items(),
-                        (("costly", costly_by_id(server)),),
-                        (("training", training(server)),)):
-                    results[name].setdefault(key, []).append(value)
+    with ExitStack() as stack:
+        servers = {name: stack.enter_context(serving(name, source))
+                   for name, source in sources.items()}
+        bodies = warm_bodies()
+        for row, (make, count_) in bodies.items():
+            for server in servers.values():
+                if "new constant" not in row and args.tier:
+                    settle(server, make())
+                http_p50(server, make, 3)  # (warm)
+            for _ in range(args.rounds):  # (short rounds, alternating: drift hits both)
+                for name, server in servers.items():
+                    results[name].setdefault(row, []).append(http_p50(server, make, count_))
+        for _ in range(3):
+            for name, server in servers.items():
+                results[name].setdefault("costly", []).append(costly_by_id(server))
+                results[name].setdefault("training", []).append(training(server))
     recycling = {name: recycled(source) for name, source in sources.items()}
     _print(results, recycling, args)
 
@@ -247,25 +291,30 @@ def _median(values: list[Any]) -> Any:
 def _print(results: dict[str, dict[str, list[Any]]], recycling: dict[str, Any],
            args: argparse.Namespace) -> None:
     names = list(results)
-    print(f"# bench_pipeline: {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
-          f"medians of {args.rounds} rounds ({args.requests} requests a row a round)")
+    print(f"# bench_pipeline: {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; the warm "
+          f"rows in {args.rounds} short rounds alternating between the servers (each a p50), "
+          f"the others in 3; medians, and the median of the per-round ratios; native tier "
+          f"{'on' if args.tier else 'off'}")
     print("| row | " + " | ".join(names) + (" | ratio |" if len(names) > 1 else ""))
     print("|---" * (len(names) + 1 + (len(names) > 1)) + "|")
-    med = {n: {k: _median(v) for k, v in results[n].items()} for n in names}
 
-    def line(label: str, values: list[float], unit: str = "ms") -> None:
-        cells = [f"{v:.3f} {unit}" if v is not None else "-" for v in values]
-        ratio = (f" | {values[0] / values[1]:.2f}" if len(values) > 1 and values[1] else
-                 (" | -" if len(values) > 1 else ""))
+    def line(label: str, per_round: list[list[float]], unit: str = "ms") -> None:
+        cells = [f"{statistics.median(v):.3f} {unit}" for v in per_round]
+        ratio = ""
+        if len(per_round) > 1:
+            this, base = per_round[:2]
+            ratio = f" | {statistics.median(a / b for a, b in zip(this, base, strict=True)):.2f}"
         print(f"| {label} | " + " | ".join(cells) + ratio + " |")
 
-    for row in ("seed warm", "24-step cell warm", "24-step cell, a new constant each",
-                "30,000-node chain repeated"):
-        line(f"{row}, p50", [med[n][row] for n in names])
-    line("costly graph by id, p50 of a repeat", [med[n]["costly"]["p50_ms"] for n in names])
+    for row in WARM_ROWS:
+        line(f"{row}, p50", [results[n][row] for n in names])
+    line("costly graph by id, p50 of a repeat",
+         [[r["p50_ms"] for r in results[n]["costly"]] for n in names])
     line("costly graph by id, front CPU a repeat",
-         [med[n]["costly"]["front_cpu_ms"] for n in names])
-    line("training step, p50", [med[n]["training"]["p50_ms"] for n in names])
+         [[r["front_cpu_ms"] for r in results[n]["costly"]] for n in names])
+    line("training step, p50", [[r["p50_ms"] for r in results[n]["training"]] for n in names])
+    med = {n: {k: _median(v) for k, v in results[n].items() if k in ("costly", "training")}
+           for n in names}
     for n in names:
         c, t, r = med[n]["costly"], med[n]["training"], recycling[n]
         print(f"- {n}: costly graph ({c['cost']:.3g} cost units): the front process compiled "

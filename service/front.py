@@ -220,7 +220,8 @@ class Front:
         graph = envelope.graph_bytes
         if graph is not None and envelope.raw_key is not None:
             graph_id = self.compute.programs.alias(envelope.raw_key)
-            nodes = bytes(graph).count(b'"id"')  # (and a body's: a bound, which is enough)
+            if graph_id is None or self.placement.known(graph_id) is None:
+                nodes = bytes(graph).count(b'"id"')  # (a body's too: a bound, enough here)
         return envelope, Facts(body_bytes, len(document), graph_id, nodes)
 
     def _fast(self, kind: str, body: bytes, envelope: Envelope | None,
