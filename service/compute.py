@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Limits, Program, check_budgets, compile_graph, execute
+from gradserve.engine.graph.scan import executed_steps
 from gradserve.service.encode import Reply, encode_result, output_bytes
 from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
 from gradserve.service.settings import Settings
-from gradserve.service.tier import COLD, INTERPRETER, XLA, Tier
+from gradserve.service.tier import INTERPRETER, XLA, Tier
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
 PLAN, PLAN_DOT = "plan", "plan-dot"  # POST /plan, answered as JSON or as DOT
@@ -42,7 +43,7 @@ class Stats:
     graph_id: str | None = None
     program_key: str | None = None  # the program's, once this process holds it
     program: str | None = None  # where the program came from: "process", "store", "compiled"
-    compute_cost: int | None = None  # the program's static cost, and its steps
+    compute_cost: int | None = None  # the program's static cost, and the steps a run executes
     steps: int | None = None
     planned_peak_bytes: int | None = None
     peak_bytes: int | None = None
@@ -56,9 +57,11 @@ class Stats:
     pid: int = 0  # the worker that computed (0: the front process)
     store_evictions: int = 0  # by that process since it last reported
     store_damaged: int = 0
-    # That process's background lowerings that ended since it last reported: (program key,
-    # None when swapped in or why refused, XLA's compile time in ms).
-    lowerings: list[tuple[str, str | None, float]] = field(default_factory=list)
+    # That process's executables loaded since it last reported (program key, None, XLA's
+    # compile time in ms), and the tier's predictions against what it measured (what:
+    # "interpreted", "xla" or "compile"; predicted ms; measured ms).
+    loads: list[tuple[str, str | None, float]] = field(default_factory=list)
+    predictions: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 class Misplaced(Exception):
@@ -73,14 +76,15 @@ class Misplaced(Exception):
 @dataclass(frozen=True)
 class Bounds:
     """What the fast lane runs: a graph of at most `nodes` nodes compiled there, a program
-    of at most `cost` cost units and `steps` steps."""
+    of at most `cost` cost units and `steps` steps executed (a loop's body as often as it
+    iterates: the interpreter's overhead is ~1 us a step)."""
 
     nodes: int
     cost: int
     steps: int
 
     def admit(self, program: Program) -> bool:
-        return program.compute_cost <= self.cost and len(program.steps) <= self.steps
+        return program.compute_cost <= self.cost and executed_steps(program) <= self.steps
 
 
 class Compute:
@@ -92,7 +96,7 @@ class Compute:
         self.role = role
         self.programs = Programs(settings)
         self.parser = Parser(settings, self.programs)
-        self.tier = Tier(settings)
+        self.tier = Tier(settings, role, self.programs.store)
 
     def serve(self, kind: str, body: bytes | memoryview, header_length: int | None,
               tenant: str | None, deadline: float, reserve: Reserve, stats: Stats, *,
@@ -134,7 +138,7 @@ class Compute:
                 raise Misplaced(stats)
             program = self.compile(request, stats, keep=bounds is None)
         stats.program_key = request.program_key
-        stats.compute_cost, stats.steps = program.compute_cost, len(program.steps)
+        stats.compute_cost, stats.steps = program.compute_cost, executed_steps(program)
         stats.planned_peak_bytes = program.planned_peak_bytes
         if bounds is not None:
             if not bounds.admit(program):
@@ -193,7 +197,7 @@ class Compute:
         plan_ms = (time.perf_counter() - request.started) * 1000  # parse, find, compile
         reserve(program.planned_peak_bytes + output_bytes(program, request.encoding))
         key = request.program_key
-        lowered, tier = self.tier.choose(key)
+        lowered, tier = self.tier.choose(key, program, request.device, deadline)
         inputs, grad_outputs = request.inputs, request.grad_outputs
         try:
             result = None
@@ -209,8 +213,8 @@ class Compute:
                     grad_outputs=None if grad_outputs is None else
                     {n: backend.from_host(a) for n, (a, _) in grad_outputs.items()},
                     deadline=deadline)
-                if tier == COLD:
-                    tier = self.tier.interpreted(key, program, request.device,
+                if self.tier.off is None:
+                    tier = self.tier.interpreted(key, program,
                                                  (time.perf_counter() - started) * 1000)
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
@@ -226,7 +230,7 @@ class Compute:
     def report(self, stats: Stats) -> None:
         """What this process's store and tier did since it last reported, into `stats`."""
         stats.store_evictions, stats.store_damaged = self.programs.changes()
-        stats.lowerings = self.tier.ended()
+        stats.loads, stats.predictions = self.tier.ended()
 
 
 # The contract's seed example: warms a process's imports, first calls and memos.

@@ -34,6 +34,7 @@ from gradserve.service.compute import Compute, Misplaced, Stats, warm_up
 from gradserve.service.encode import Reply
 from gradserve.service.errors import ProblemError
 from gradserve.service.ledger import Ledger, overloaded
+from gradserve.service.lowering import Lowerer
 from gradserve.service.metrics import Metrics
 from gradserve.service.placement import FAST_LANE, Facts, Lane, Placement
 from gradserve.service.pool import GradserveTimeout, Pool, Task, WorkerDied
@@ -50,6 +51,7 @@ from gradserve.service.shm import (
     trim_memory,
     unlink,
 )
+from gradserve.service.tier import installed
 
 log = logging.getLogger("gradserve")
 
@@ -103,6 +105,12 @@ class Front:
         # One line of the ledger more than the compute slots (0 .. max_concurrency - 1): the
         # front process's own, for the requests of its fast lane.
         self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
+        # The host's lowering process (service/lowering.py): where the tier is on, jax is
+        # installed, and there is a program store for it to write the executables into.
+        self.lowerer = Lowerer(settings, lambda outcome: metrics.lowered(*outcome),
+                               self.pool.post) \
+            if settings.xla == "auto" and installed() and settings.program_store_dir \
+            and settings.program_store_bytes else None
         self.front = settings.max_concurrency
         self.ledger: Ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
@@ -115,10 +123,15 @@ class Front:
             metrics.track(metrics.store_bytes, store.total_bytes)
 
     async def start(self) -> None:
-        """Warm up this process and start the compute workers, warm, side by side."""
+        """Warm up this process and start the compute workers, warm, side by side (and the
+        lowering process, where the native tier is on)."""
         await asyncio.gather(asyncio.to_thread(warm_up, self.settings), self.pool.start())
+        if self.lowerer is not None:
+            await asyncio.to_thread(self.lowerer.start)
 
     def close(self) -> None:
+        if self.lowerer is not None:
+            self.lowerer.close()
         self.pool.close()
         self._writer.shutdown(wait=True)
         if self._own_store is not None:
@@ -131,6 +144,8 @@ class Front:
         while True:
             await asyncio.sleep(1.0)
             self.pool.housekeeping()
+            if self.lowerer is not None:
+                await asyncio.to_thread(self.lowerer.housekeeping)
             for pid in self._worker_cache_bytes.keys() - self.pool.pids():
                 del self._worker_cache_bytes[pid]
 

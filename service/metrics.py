@@ -39,6 +39,8 @@ log = logging.getLogger("gradserve")
 _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
 )
+# Measured over predicted: from a hundredth to a hundred times.
+_RATIO_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 0.8, 1.25, 2, 3.3, 10, 33, 100)
 # Tensor memory per request, 1 KiB to 16 GiB in powers of 4.
 _BYTES_BUCKETS = tuple(float(1024 * 4**i) for i in range(13))
 
@@ -209,9 +211,19 @@ class Metrics:
             ["tier"], registry=r,
         )
         self.xla_lowerings = Counter(
-            "gradserve_xla_lowerings", "hot programs the native tier lowered in the background "
-            "(every process's), by outcome: xla (swapped in) or refused",
+            "gradserve_xla_lowerings", "programs the lowering process lowered to XLA (once "
+            "per host), by outcome: xla (an executable in the store) or refused",
             ["outcome"], registry=r,
+        )
+        self.xla_loads = Counter(
+            "gradserve_xla_loads", "XLA executables loaded from the store by the processes "
+            "that run them", registry=r,
+        )
+        self.tier_predictions = Histogram(
+            "gradserve_tier_prediction_ratio", "the native tier's cost model: what was "
+            "measured over what was predicted, by what: interpreted (a program's first "
+            "interpreted run), xla (its fastest of its first lowered runs), compile",
+            ["what"], buckets=_RATIO_BUCKETS, registry=r,
         )
         self.xla_compile_seconds = Histogram(
             "gradserve_xla_compile_seconds", "time XLA took to compile a lowered program (an "
@@ -319,20 +331,31 @@ class Metrics:
             self.load_seconds.observe(stats.load_ms / 1000)
         if stats.tier is not None:
             self.tier_runs.labels(stats.tier).inc()
-        for key, refused, compile_ms in stats.lowerings:
-            where = f"compute worker {stats.pid}" if stats.pid else "the front process"
-            if refused is None:
-                self.xla_lowerings.labels("xla").inc()
-                self.xla_compile_seconds.observe(compile_ms / 1000)
-                log.info("program %s runs in the native tier in %s from now on (XLA compiled "
-                         "it in %.0f ms)", key, where, compile_ms)
-            else:
-                self.xla_lowerings.labels("refused").inc()
-                log.info("program %s stays interpreted in %s: %s", key, where, refused)
+        for key, _, _ in stats.loads:
+            self.xla_loads.inc()
+            log.info("program %s runs in the native tier in compute worker %s from now on",
+                     key, stats.pid)
+        for what, predicted, measured in stats.predictions:
+            if predicted > 0:
+                self.tier_predictions.labels(what).observe(measured / predicted)
         if stats.store_evictions:
             self.store_evictions.inc(stats.store_evictions)
         if stats.store_damaged:
             self.store_damaged.inc(stats.store_damaged)
+
+    def lowered(self, key: str, refused: str | None, compile_ms: float,
+                predicted_ms: float) -> None:
+        """What the lowering process did with a program."""
+        if refused is None:
+            self.xla_lowerings.labels("xla").inc()
+            self.xla_compile_seconds.observe(compile_ms / 1000)
+            if predicted_ms > 0:
+                self.tier_predictions.labels("compile").observe(compile_ms / predicted_ms)
+            log.info("program %s lowered to XLA in %.0f ms (predicted %.0f ms)", key,
+                     compile_ms, predicted_ms)
+        else:
+            self.xla_lowerings.labels("refused").inc()
+            log.info("program %s stays interpreted: %s", key, refused)
 
     def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """`gauge` shows what `read` returns: read at the scrape (one front process: nothing

@@ -39,6 +39,7 @@ import orjson
 from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import GraphLike, Program
+from gradserve.engine.graph.scan import executed_steps
 from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
 from gradserve.service.settings import Settings
 from gradserve.service.store import Store, entry_name, version_key
@@ -201,7 +202,7 @@ class Programs:
 
     def _store_program(self, key: str, program: Program, device: str) -> None:
         meta = {"device": device, "cost": program.compute_cost,
-                "peak": program.planned_peak_bytes, "steps": len(program.steps)}
+                "peak": program.planned_peak_bytes, "steps": executed_steps(program)}
         self._defer(f"p-{key}", lambda: dump_program(program), meta)
 
     def store_held(self) -> None:

@@ -345,10 +345,11 @@ class Meta(BaseModel):
         description="what ran the program: gradserve's interpreter, or its native tier "
                     "(the program lowered to XLA once hot)")
     tier_reason: str | None = Field(
-        description="null with the native tier; else why the interpreter ran it: `off` "
-                    "(GRADSERVE_XLA=off), `unavailable` (jax is not installed), `cold` (not "
-                    "hot yet), `compiling` (being lowered in the background), or why the "
-                    "tier refused the program (e.g. an op without a lowering)")
+        description="null with the native tier; else why the interpreter ran it: a word, "
+                    "or a word, a colon and the figures that decided: `off`, "
+                    "`unavailable`, `fast lane: ...`, `cold: ...`, `compiling: ...`, "
+                    "`small: ...`, `slower in XLA: ...`, or why the tier refused the "
+                    "program (e.g. an op without a lowering)")
     timings_ms: dict[str, float]
 
 

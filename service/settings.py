@@ -72,17 +72,13 @@ class Settings(BaseSettings):
     # replica that mounts it starts warm. 0 bytes: no store.
     program_store_dir: str | None = None
     program_store_bytes: int = Field(256 * MiB, ge=0)
-    # The native tier (service/tier.py): a hot program is lowered to XLA through JAX, in the
-    # background, and runs there from then on. "auto": where jax is importable; "off": never.
+    # The native tier (service/tier.py): a program is lowered to XLA through JAX, by the
+    # host's lowering process, when its predicted saving pays for the compile, and runs there
+    # from then on. "auto": where jax is importable; "off": never.
     xla: Literal["auto", "off"] = "auto"
-    # Hot at its 4th run in a process: a graph sent again and again (a loop, a benchmark)
-    # gets there within its first second, a define-by-run graph that changes each time never
-    # does, and a wrong guess costs one background compile, never a request's time.
-    xla_hot_hits: int = Field(4, ge=1)
-    # ... or at its first, when its planned cost is this much or more (cost units: 1e10 is
-    # ~0.1 s of this machine's BLAS, more of elementwise work): a run that costs as much as
-    # a compile, whose second run already pays for it.
-    xla_min_cost: float = Field(1e10, gt=0)
+    # The lowering process is stopped (and another started) past this RSS: XLA's compile of
+    # a large program can take gigabytes; the program then stays interpreted, and says why.
+    xla_lowering_memory_bytes: int = Field(4 * GiB, ge=64 * MiB)
     # Request shape limits (checked before compiling).
     max_inputs: int = Field(10_000, ge=1)
     max_id_chars: int = Field(256, ge=1)

@@ -8,7 +8,9 @@ One file per entry in one directory, named by its kind and a content hash:
   by id to another one;
 - `a-<raw key>`: the graph id of a graph's bytes as sent, so that a repeat is found by
   hashing those bytes, with no parse;
-- `t-<grant key>`: that an API key has sent a graph (ids resolve only for their sender).
+- `t-<grant key>`: that an API key has sent a graph (ids resolve only for their sender);
+- `x-<program key>`: a program's XLA executable (service/lowering.py), `r-<program key>`:
+  why it could not be lowered.
 
 Every key is hashed under the version key (`version_key`): gradserve's version, the engine's
 source, the op catalog and the array library. Another version never looks at this one's
@@ -57,7 +59,7 @@ log = logging.getLogger("gradserve.store")
 MAGIC = b"GSENTRY1"
 _HEADER_LENGTH = struct.Struct("<I")
 _PREFIX = len(MAGIC) + _HEADER_LENGTH.size
-KINDS = frozenset("pgat")  # program, graph, alias, tenant grant
+KINDS = frozenset("pgatxr")  # program, graph, alias, grant, executable, refusal
 TOUCH_EVERY_S = 10.0  # a hit refreshes its entry's mtime at most this often, per process
 RETRY_WRITES_AFTER_S = 60.0  # after a failed write, the store is read-only for this long
 STALE_TEMP_S = 600.0  # a temporary file this old belonged to a writer that died

@@ -1,44 +1,53 @@
-"""The native tier: a process's hot programs, lowered to XLA (engine/graph/xla.py) in a
-background thread and swapped in when ready, while the interpreter keeps answering.
+"""The native tier: programs lowered to XLA (engine/graph/xla.py), decided by their
+predicted benefit, lowered once per host by the lowering process (service/lowering.py),
+and loaded by every process that runs them from the program store.
 
-A program is hot at its `GRADSERVE_XLA_HOT_HITS`-th run in a process, or at its first
-when its planned compute cost is `GRADSERVE_XLA_MIN_COST` or more; but never while its
-fastest interpreted run took less than `MIN_RUN_MS` (the fastest, because a loaded machine
-slows any one run): such a run has under a tenth of a millisecond to gain, little beside
-a request's own ~1 ms over HTTP, for a compile (a core for 0.1-1 s) and an executable kept
-in memory; and a tiny program like the seed would get slower, XLA's own call (the inputs
-checked and copied in, the results out) costing ~14 µs. The run that makes it hot is
-still interpreted: it only queues the program. A lowered program is also timed: if its
-fastest of its first `TRIALS` runs is slower than its fastest interpreted one (one large
-BLAS call, which NumPy's BLAS does faster than XLA's CPU kernels), it goes back to the
-interpreter for good. One thread per process compiles the queue, one program at a time,
-and exits when it is empty; the queue is bounded (a program that finds it full is queued
-at a later run). A program the lowering refuses (an op without a lowering, XLA's memory
-over the plan) or that fails to compile is remembered with the reason and not tried again
-by this process.
+A program's benefit is predicted from cheap facts of it (`predict`): its interpreted time
+(the steps it executes, loop iterations included, at the interpreter's cost a step, plus
+its cost units at the interpreter's rate; replaced by the fastest run it has made), its
+time in XLA (one call, plus its cost units at XLA's rate), and XLA's compile time (from
+its size, scaled by what this host's lowerings have taken against what was predicted).
+Then, in a compute worker:
 
-XLA's executables go in the program store's directory (`xla/`, JAX's persistent
-compilation cache), so that another process of the host, or a restart on a persistent
-store, compiles a program it lowers again from the cache, not from scratch.
+- when one run saves more than the compile (a long loop over small values: a GradBench
+  descent), the program is lowered before it runs: the worker asks, waits, loads, runs;
+- when it saves something, it is lowered once its runs so far would have paid for the
+  compile (reuse seen is reuse to come), in the background: the interpreter answers
+  meanwhile;
+- when it saves nothing worth a compile (a tiny program, a large BLAS call XLA's kernels
+  do more slowly), never.
+
+`meta.tier_reason` says which, with the figures. A lowered program's first runs are timed:
+slower than its fastest interpreted run, it goes back to the interpreter for good.
+
+The lowering process does every lowering of the host (niced, one at a time), writes the
+executable into the program store (`x-` entries: XLA's own serialisation, no pickle) or
+the reason it could not (`r-` entries), and every process loads it from there: a program
+is lowered once per host, surviving recycled workers and restarts on a persistent store.
+The front process never loads XLA: its fast lane runs programs of a millisecond or less,
+interpreted (importing jax there would cost its event loop its memory and collector).
+Without a program store there is no lowering process, and no tier.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import logging
 import os
+import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gradserve.engine.errors import GradserveError
-from gradserve.engine.graph import Program, RunResult, xla
+from gradserve.engine.graph import Program, RunResult
+from gradserve.engine.graph.scan import SCAN, executed_steps
+from gradserve.service.lowering import LoweringQueue
 from gradserve.service.programs import Lru
 from gradserve.service.settings import Settings
 
@@ -47,44 +56,114 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradserve.tier")
 
-QUEUE = 8  # programs waiting to be compiled, per process
 LOWERED = 128  # lowered programs kept per process, the least recently used out
-REMEMBERED = 8192  # programs whose hits or refusals a process remembers
+REMEMBERED = 8192  # programs whose runs and decisions a process remembers
 CPUS = tuple(sorted(os.sched_getaffinity(0)))  # the cores the server may use (its cpuset)
-XLA_STORE = "xla"  # the subdirectory of the program store that holds XLA's executables
-
-# A program the interpreter ever ran faster than this is not lowered. Measured (2 cores,
-# in process): the seed, 0.011 ms interpreted, 0.014 lowered; a 79-step program, 0.049
-# and 0.016: faster, but by 0.03 ms a request.
-MIN_RUN_MS = 0.1
 TRIALS = 3  # runs of a lowered program timed against the interpreter's fastest
 
+# The cost model (measured on 2 cores here, 2026-12-02; fitted, then rounded up where a
+# wrong guess costs a compile): the interpreter runs a step in ~1.2 us and ~1.5e8 cost
+# units a ms (BLAS); XLA runs a program in one call of ~20 us, at ~1.1e8 units a ms (its
+# CPU kernels: NumPy's BLAS is faster on one large matmul), and compiles in ~150 ms plus
+# ~2 ms a step (a 941-step recurrent cell: 6 s; a 1,000-step chain: 1 s).
+INTERPRETER_STEP_MS = 1.2e-3
+INTERPRETER_UNITS_MS = 1.5e8
+XLA_CALL_MS = 0.02
+XLA_STEP_MS = 5e-5
+XLA_UNITS_MS = 1.1e8
+COMPILE_BASE_MS = 150.0
+COMPILE_STEP_MS = 2.0
+LOAD_MS = 50.0  # loading a stored executable
+JAX_IMPORT_MS = 900.0  # a process's first load imports jax (and starts XLA's client) first
+# A saving under this a run is not worth an executable kept in memory, whatever the reuse.
+MIN_SAVING_MS = 0.05
+# How long a worker waits for the lowering of a program that pays on its first run,
+# beyond the predicted compile (the lowering process may be busy with another).
+WAIT_EXTRA_S = 5.0
+
 INTERPRETER, XLA = "interpreter", "xla"
-# Why the interpreter answered (meta.tier_reason), besides a refusal's own reason.
-OFF, UNAVAILABLE, COLD, COMPILING, SMALL = "off", "unavailable", "cold", "compiling", "small"
+# Why the interpreter answered (meta.tier_reason), besides a refusal's own reason and the
+# decisions' texts (`reason`).
+OFF, UNAVAILABLE, NO_STORE, FAST_LANE = (
+    "off", "unavailable", "no program store: no lowering process",
+    "fast lane: interpreted (the front process does not load XLA)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a program is predicted to take: a run interpreted, a run in XLA, and XLA's
+    compile, in ms."""
+
+    interpreted_ms: float
+    xla_ms: float
+    compile_ms: float
+
+    @property
+    def saving_ms(self) -> float:
+        return self.interpreted_ms - self.xla_ms
+
+
+def compiled_steps(program: Program) -> int:
+    """The steps XLA compiles: a loop's body once."""
+    count = 0
+    for step in program.steps:
+        body = step.attrs.get("body") if step.op is SCAN else None
+        count += 1 + (compiled_steps(body.program) if body is not None
+                      and body.program is not None else 0)
+    return count
+
+
+def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
+    """The cost model (see the module's docstring)."""
+    executed = executed_steps(program)
+    cost = program.compute_cost
+    return Prediction(
+        interpreted_ms=executed * INTERPRETER_STEP_MS + cost / INTERPRETER_UNITS_MS,
+        xla_ms=XLA_CALL_MS + executed * XLA_STEP_MS + cost / XLA_UNITS_MS,
+        compile_ms=(COMPILE_BASE_MS + compiled_steps(program) * COMPILE_STEP_MS)
+        * compile_scale)
+
+
+@dataclass
+class _Seen:
+    """What this process knows of a program: its prediction, its interpreted runs (how
+    many, the fastest), and where its lowering stands."""
+
+    prediction: Prediction
+    device: str = "cpu"
+    runs: int = 0
+    fastest_ms: float = float("inf")
+    asked: float = 0.0  # time.monotonic() when its lowering was asked for (0: not)
+    looked: float = 0.0  # when the store was last looked at for its executable
+    loading: bool = False
 
 
 class Tier:
     """A process's native tier (see the module's docstring). Thread-safe."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, role: str, store: Any = None) -> None:
         self.settings = settings
-        self.off = OFF if settings.xla == "off" else None if _installed() else UNAVAILABLE
-        # program key -> (its runs so far, its fastest interpreted run in ms)
-        self._hits: Lru = Lru(REMEMBERED)
+        self.store = store  # (service.store.Store: where executables are, or None)
+        self.off: str | None = (
+            OFF if settings.xla == "off" else FAST_LANE if role == "front"
+            else UNAVAILABLE if not installed() else NO_STORE if store is None else None)
+        self.queue = None if self.off is not None else LoweringQueue(store)
+        self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
         self._lowered: Lru = Lru(LOWERED)  # program key -> Lowered
         self._trials: Lru = Lru(LOWERED)  # program key -> its lowered runs' times, in ms
-        self._queue: deque[tuple[str, Program, str]] = deque()
-        self._queued: set[str] = set()  # waiting or compiling
         self._lock = threading.Lock()
-        self._worker: threading.Thread | None = None
-        self._ended: list[tuple[str, str | None, float]] = []  # lowerings not yet reported
+        self._ended: list[tuple[str, str | None, float]] = []  # loads not yet reported
+        # (what, predicted ms, measured ms) not yet reported: the model against outcomes
+        self._outcomes: list[tuple[str, float, float]] = []
+        self._scale = 1.0  # this host's compile times against the model's, as seen
 
-    def choose(self, key: str) -> tuple[Lowered | None, str]:
+    # ------------------------------------------------------------------ a run
+    def choose(self, key: str, program: Program, device: str,
+               deadline: float) -> tuple[Lowered | None, str]:
         """One run of program `key`: its lowered program, or None and why the interpreter
-        answers this run (COLD: not known to be hot yet; the caller then says how long the
-        run took, `interpreted`)."""
+        answers this run. A program that pays on its first run is lowered first (this
+        waits for the lowering process, within `deadline`)."""
         if self.off is not None:
             return None, self.off
         lowered = self._lowered.get(key)
@@ -93,30 +172,57 @@ class Tier:
         refused = self._refused.get(key)
         if refused is not None:
             return None, refused
-        with self._lock:
-            return None, COMPILING if key in self._queued else COLD
+        seen = self._seen_of(key, program)
+        seen.device = device
+        if self._look(key, program, device, seen):
+            return self._lowered.get(key), XLA
+        p = seen.prediction
+        if seen.runs == 0 and not seen.asked and p.saving_ms > p.compile_ms + _load_ms():
+            lowered = self._lower_first(key, program, device, seen, deadline)
+            if lowered is not None:
+                return lowered, XLA
+            refused = self._refused.get(key)
+            if refused is not None:
+                return None, refused
+        return None, self.reason(seen)
 
-    def interpreted(self, key: str, program: Program, device: str, run_ms: float) -> str:
-        """A COLD run of program `key` took `run_ms` in the interpreter: count it, and queue
-        the program if that makes it hot. Returns why the interpreter answered it."""
-        costly = program.compute_cost >= self.settings.xla_min_cost
+    def interpreted(self, key: str, program: Program, run_ms: float) -> str:
+        """An interpreted run of `key` took `run_ms`: count it, ask for the program's
+        lowering when its runs so far would have paid for it, and say why the interpreter
+        answered."""
+        if self.off is not None:
+            return self.off
+        seen = self._seen_of(key, program)
         with self._lock:
-            if key in self._queued:
-                return COMPILING
-            hits, fastest = self._hits.get(key, (0, run_ms))
-            hits, fastest = hits + 1, min(fastest, run_ms)
-            self._hits.put(key, (hits, fastest))
-            if fastest < MIN_RUN_MS and not costly:
-                return SMALL
-            if (hits < self.settings.xla_hot_hits and not costly) or len(self._queue) >= QUEUE:
-                return COLD
-            self._queue.append((key, program, device))
-            self._queued.add(key)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._compile_all, daemon=True,
-                                                name="gradserve-xla")
-                self._worker.start()
-        return COMPILING
+            if seen.runs == 0:
+                self._outcomes.append(("interpreted", seen.prediction.interpreted_ms, run_ms))
+            seen.runs += 1
+            seen.fastest_ms = min(seen.fastest_ms, run_ms)
+        refused = self._refused.get(key)
+        if refused is not None:
+            return refused
+        saving = seen.fastest_ms - seen.prediction.xla_ms
+        if saving < MIN_SAVING_MS:
+            reason = (f"small: XLA would save {max(saving, 0.0):.3f} ms a run at most "
+                      f"(interpreted in {seen.fastest_ms:.3f} ms)")
+            self._refused.put(key, reason)
+            return reason
+        if not seen.asked and saving * seen.runs >= seen.prediction.compile_ms:
+            self._ask(key, program, seen, seen.device)
+        return self.reason(seen)
+
+    def reason(self, seen: _Seen) -> str:
+        """Why the interpreter answers a run of a program not lowered (yet)."""
+        p = seen.prediction
+        if seen.asked:
+            return f"compiling: predicted {p.compile_ms:.0f} ms, in the lowering process"
+        interpreted = seen.fastest_ms if seen.runs else p.interpreted_ms
+        saving = interpreted - p.xla_ms
+        if saving <= 0:
+            return f"cold: XLA predicted no faster ({p.xla_ms:.3f} ms a run)"
+        runs = int(p.compile_ms / saving) + 1
+        return (f"cold: XLA would save ~{saving:.3f} ms a run; lowered once it has run "
+                f"{runs} times (a ~{p.compile_ms:.0f} ms compile)")
 
     def run(self, key: str, lowered: Lowered, inputs: Mapping[str, np.ndarray],
             grad_outputs: Mapping[str, np.ndarray] | None) -> tuple[RunResult | None, str]:
@@ -137,6 +243,83 @@ class Tier:
             self._refused.put(key, reason)
             return None, reason
 
+    # ------------------------------------------------------------------ lowering
+    def _seen_of(self, key: str, program: Program) -> _Seen:
+        seen = self._seen.get(key)
+        if seen is None:
+            seen = _Seen(predict(program, self._scale))
+            self._seen.put(key, seen)
+        return seen
+
+    def _ask(self, key: str, program: Program, seen: _Seen, device: str) -> None:
+        """Ask the lowering process for `key` (its program written to the store first:
+        that is where the lowering process finds it)."""
+        assert self.queue is not None
+        seen.asked = time.monotonic()
+        if not self.queue.request(key, program, device, seen.prediction.compile_ms):
+            self._refused.put(key, "the program store cannot be written: no lowering")
+
+    def _look(self, key: str, program: Program, device: str, seen: _Seen) -> bool:
+        """Whether the program's executable is loaded now: looked for in the store (once
+        a second while it is asked for, once at first), and loaded; a refusal there is
+        remembered. (A load in the background would hold the GIL for its import: it is
+        done here, once per process and program.)"""
+        now = time.monotonic()
+        if seen.looked and (not seen.asked or now - seen.looked < 1.0):
+            return False
+        seen.looked = now
+        assert self.queue is not None
+        found = self.queue.result(key)
+        if found is None:
+            if seen.asked and now - seen.asked > 60 + 2 * seen.prediction.compile_ms / 1000:
+                self._refused.put(key, "compiling gave no answer in the time it could take "
+                                       "(the lowering process is gone, or its store full?)")
+            return False
+        return self._load(key, program, device, found)
+
+    def _load(self, key: str, program: Program, device: str,
+              found: tuple[bytes | None, dict[str, Any] | str]) -> bool:
+        from gradserve.engine.graph import xla
+
+        payload, meta = found
+        if payload is None or isinstance(meta, str):
+            self._refused.put(key, str(meta))
+            return False
+        if meta.get("device") != device:
+            return False
+        try:
+            lowered = xla.Lowered.load(program, payload, meta)
+        except xla.NotLowerable as exc:
+            self._refused.put(key, f"not loaded: {exc.reason}")
+            return False
+        _freeze_jax()
+        seen = self._seen.get(key)
+        if seen is not None and seen.asked:
+            self._outcomes.append(("compile", seen.prediction.compile_ms, lowered.compile_ms))
+        with self._lock:
+            self._ended.append((key, None, lowered.compile_ms))
+            if meta.get("predicted_ms"):
+                self._scale = _blend(self._scale, lowered.compile_ms / meta["predicted_ms"])
+        self._trials.put(key, [])
+        self._lowered.put(key, lowered)
+        return True
+
+    def _lower_first(self, key: str, program: Program, device: str, seen: _Seen,
+                     deadline: float) -> Lowered | None:
+        """A program that pays on its first run: asked for, and waited for (the predicted
+        compile and WAIT_EXTRA_S, within the request's deadline)."""
+        self._ask(key, program, seen, device)
+        until = min(deadline - 1.0, time.monotonic() + seen.prediction.compile_ms / 1000
+                    + WAIT_EXTRA_S)
+        assert self.queue is not None
+        while time.monotonic() < until and self._refused.get(key) is None:
+            found = self.queue.result(key)
+            if found is not None:
+                return self._lowered.get(key) if self._load(key, program, device, found) \
+                    else None
+            time.sleep(0.02)
+        return None
+
     def _timed(self, key: str, run_ms: float) -> None:
         """One of the first TRIALS runs of lowered program `key` took `run_ms`: after the
         last, the program goes back to the interpreter if it was faster there."""
@@ -146,7 +329,10 @@ class Tier:
         trials.append(run_ms)
         if len(trials) < TRIALS:
             return
-        interpreted = self._hits.get(key, (0, float("inf")))[1]
+        seen = self._seen.get(key)
+        if seen is not None:
+            self._outcomes.append(("xla", seen.prediction.xla_ms, min(trials)))
+        interpreted = seen.fastest_ms if seen is not None else float("inf")
         if min(trials) > interpreted:
             reason = (f"slower in XLA: {min(trials):.3f} ms against {interpreted:.3f} ms "
                       "interpreted")
@@ -154,64 +340,24 @@ class Tier:
             self._lowered.pop(key, None)
             self._refused.put(key, reason)
 
-    def _compile_all(self) -> None:
-        """The background thread: compile the queue, then exit. It may use every core
-        the server may (a worker narrows its threads to its share for each task: see
-        service/worker.py `share_cores`): XLA sizes its thread pool, once, by the
-        cores of the thread that first compiles."""
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, CPUS)
-        if not xla.available():  # (installed, and broken: no tier, and no queue)
-            with self._lock:
-                self.off, self._worker = UNAVAILABLE, None
-                self._queue.clear()
-                self._queued.clear()
-            return
-        _use_store(self.settings.program_store_dir if self.settings.program_store_bytes
-                   else None, self.settings.program_store_bytes)
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._worker = None
-                    return
-                key, program, device = self._queue.popleft()
-            try:
-                lowered = xla.lower(program, device)
-            except xla.NotLowerable as exc:
-                ended: tuple[str, str | None, float] = (key, exc.reason, 0.0)
-                self._refused.put(key, exc.reason)
-            except Exception as exc:  # (XLA's own errors: the program stays interpreted)
-                log.exception("program %s could not be lowered", key)
-                ended = (key, f"lowering failed: {type(exc).__name__}", 0.0)
-                self._refused.put(key, ended[1])
-            else:
-                self._trials.put(key, [])
-                self._lowered.put(key, lowered)
-                ended = (key, None, lowered.compile_ms)
-            with self._lock:
-                self._queued.discard(key)
-                self._ended.append(ended)
-                del self._ended[:-QUEUE * 8]  # (a process that never reports keeps the last)
-            del program
-            _freeze_jax()
-
-    def ended(self) -> list[tuple[str, str | None, float]]:
-        """The lowerings that ended since the last call (for the front process's metrics and
-        log: a worker has neither)."""
+    def ended(self) -> tuple[list[tuple[str, str | None, float]], list[tuple[str, float, float]]]:
+        """The executables loaded, and the model's predictions against what was measured,
+        since the last call (for the front process's metrics and log)."""
         with self._lock:
             ended, self._ended = self._ended, []
-        return ended
+            outcomes, self._outcomes = self._outcomes, []
+        return ended, outcomes
 
 
 _jax_frozen = False
 
 
 def _freeze_jax() -> None:
-    """After a process's first lowering, what jax brought (its modules, XLA's client, their
-    caches: ~80,000 objects) lives as long as the process: out of the cycle collector's
-    sight, as the process's own start-up is (service/app.py, service/worker.py). Else
-    every full collection walks it, ~18 ms (in the front process, on the event loop). Once:
-    what later lowerings make may be garbage in cycles, for the collector to free."""
+    """After a process first imports jax (to load its first executable), what jax brought
+    (its modules, XLA's client, their caches: ~80,000 objects) lives as long as the
+    process: out of the cycle collector's sight, as the process's own start-up is. Else
+    every full collection walks it, ~18 ms. Once: what later loads make may be garbage in
+    cycles, for the collector to free."""
     global _jax_frozen
     if not _jax_frozen:
         _jax_frozen = True
@@ -219,38 +365,22 @@ def _freeze_jax() -> None:
         gc.freeze()
 
 
-def _installed() -> bool:
-    """Whether jax is installed, without importing it (~1 s, and its memory: a process
-    imports it when a program first gets hot, in the background; `xla.available` then says
-    whether it imports)."""
+def _load_ms() -> float:
+    """What loading an executable costs this process now: jax's import too, the first
+    time."""
+    return LOAD_MS + (0.0 if "jax" in sys.modules else JAX_IMPORT_MS)
+
+
+def _blend(scale: float, ratio: float) -> float:
+    """The compile scale moved halfway (in log terms) towards what one lowering showed."""
+    ratio = min(max(ratio, 0.1), 20.0)
+    return float(np.sqrt(scale * ratio))
+
+
+def installed() -> bool:
+    """Whether jax is installed, without importing it (~1.5 s, and its memory: a process
+    imports it when it first loads an executable)."""
     try:
         return importlib.util.find_spec("jax") is not None
     except ImportError:  # (an import hook that refuses it)
         return False
-
-
-_store_lock = threading.Lock()
-_store_dir: str | None = None
-
-
-def _use_store(directory: str | None, max_bytes: int) -> None:
-    """Point JAX's persistent compilation cache at the store's `xla/`, bounded like the
-    store, least recently used out; every executable is kept, however quick its compile.
-    JAX's configuration is process-wide: a process's last store is the one used (one, but
-    for the test suite's many in-process servers)."""
-    global _store_dir
-    if directory is None:
-        return
-    path = os.path.join(directory, XLA_STORE)
-    with _store_lock:
-        if _store_dir == path:
-            return
-        import jax
-        from jax._src import compilation_cache
-
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_compilation_cache_max_size", max_bytes)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        compilation_cache.reset_cache()  # (it opens the directory at its first use)
-        _store_dir = path

@@ -304,3 +304,14 @@ def test_the_device_rows_run_on_the_cpu() -> None:
     rows = bx.device_rows("cpu", rounds=1, budget_s=0.0)
     assert [tier.split(" ")[0] for _, tier, _, _ in rows] == ["interpreter", "xla", "xla"]
     assert all(gs_ms > 0 and torch_ms > 0 for _, _, gs_ms, torch_ms in rows)
+
+
+def test_the_tier_benchmark_runs_small() -> None:
+    """bench/bench_tier.py's one-off row at a small size: both servers answer both
+    requests, and the server with the tier off says so."""
+    from bench import bench_tier as bt
+
+    rows = bt.one_off(2_000)
+    assert [len(rows[name]) for name in ("tier on", "tier off")] == [2, 2]
+    assert {meta["tier_reason"] for _, meta in rows["tier off"]} == {"off"}
+    assert all(ms > 0 for ms, _ in rows["tier on"] + rows["tier off"])

@@ -27,6 +27,7 @@ import pytest
 
 from gradserve.service.compute import Compute
 from gradserve.service.front import parse_reservation
+from gradserve.service.lowering import PROCESS_NAME
 from gradserve.service.placement import NEW_MAX_DOCUMENT_BYTES
 from gradserve.service.request import open_envelope
 from gradserve.service.settings import Settings
@@ -270,12 +271,16 @@ def test_a_client_that_hangs_up_stops_its_computation(server: Server) -> None:
 
 
 def _compute_workers(server: Server) -> set[int]:
-    """The server's compute workers: the children of its forkserver."""
+    """The server's compute workers: the children of its forkserver, but its lowering
+    process (service/lowering.py, named so)."""
     workers: set[int] = set()
     for child in psutil.Process(server.proc.pid).children():
         with contextlib.suppress(psutil.NoSuchProcess):
             if "forkserver" in " ".join(child.cmdline()):
-                workers |= {p.pid for p in child.children()}
+                for p in child.children():
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        if p.name() != PROCESS_NAME:
+                            workers.add(p.pid)
     return workers
 
 

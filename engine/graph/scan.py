@@ -39,6 +39,7 @@ engine.graph.executor).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +180,26 @@ SCAN = OpDef(
 # Where a carry's next value comes from, per carry: an array the outer program counts (a
 # slice of a sequence, or a closure), one the body makes, or the value of carry j (>= 0).
 OUTER, MADE = -1, -2
+
+
+_executed: weakref.WeakKeyDictionary[Program, int] = weakref.WeakKeyDictionary()
+
+
+def executed_steps(program: Program) -> int:
+    """The steps a run executes: a loop's body's as many times as it iterates (what the
+    interpreter's overhead a step multiplies; the fast lane's bound). Counted once a
+    program."""
+    count = _executed.get(program)
+    if count is None:
+        count = 0
+        for step in program.steps:
+            body = step.attrs.get("body") if step.op is SCAN else None
+            if body is not None and body.program is not None:
+                count += executed_steps(body.program) * max(body.length, 1)
+            else:
+                count += 1
+        _executed[program] = count
+    return count
 
 
 def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:

@@ -47,6 +47,7 @@ from gradserve.engine.graph.executor import given_of, wrong_input
 from gradserve.engine.graph.ir import RECOMPUTE, Program, Step
 from gradserve.engine.graph.scan import SCAN, Body
 from gradserve.engine.graph.spec import RunResult
+from gradserve.engine.ops.indexing import IndexRange
 from gradserve.engine.ops.registry import NOT_LOWERED, Meta
 from gradserve.engine.shapes import fmt
 
@@ -117,15 +118,17 @@ def available() -> bool:
     return True
 
 
-# A check deferred to the host: the function, the traced values it reads (stacked by the
-# loops they are computed in), and the step that deferred it (its node and op for errors).
-Deferred = tuple[Callable[..., None], list[Any], Step]
+# A check deferred to the host: the check (data: engine.ops.indexing.IndexRange), the
+# traced values it reads (stacked by the loops they are computed in), and the node and op
+# of the step that deferred it (for its error).
+Deferred = tuple[Callable[..., None], list[Any], str | None, str]
 _tracing = threading.local()  # .deferred: the current trace's list of Deferred, .step
 
 
 def _defer(check: Callable[..., None], *values: Any) -> None:
     """`xp.defer`: run `check(*values)` on the host after the run, on NumPy arrays."""
-    _tracing.deferred.append((check, list(values), _tracing.step))
+    step = _tracing.step
+    _tracing.deferred.append((check, list(values), step.origin, step.op.name))
 
 
 def _scatter_add(x: Any, dim: int, index: Any, src: Any) -> Any:
@@ -245,8 +248,8 @@ class _Tracer:
         (_, final), (stacks, checked) = jax.lax.scan(
             one_step, (start, init), [seq for _, seq in plain], length=length,
             reverse=reverse)
-        deferred.extend((check, values, at)
-                        for (check, _, at), values in zip(inner, checked, strict=True))
+        deferred.extend((check, values, origin, op)
+                        for (check, _, origin, op), values in zip(inner, checked, strict=True))
         stacked = iter(stacks)
         for k, slot in enumerate(step.outs):
             if k < nc:
@@ -292,11 +295,11 @@ class Lowered:
         results = [np.asarray(r) for r in results]
         elapsed = round((time.perf_counter() - t0) * 1000, 3)
         if checked:
-            for (check, _, step), values in zip(self._deferred, checked, strict=True):
+            for (check, _, origin, op), values in zip(self._deferred, checked, strict=True):
                 try:
                     check(*[np.asarray(v) for v in values])
                 except GradserveError as err:
-                    raise err.at(node=step.origin, op=step.op.name) from None
+                    raise err.at(node=origin, op=op) from None
         it = iter(results)
         outputs = {name: next(it) for name, _ in program.outputs}
         gradients = {name: next(it) for name, _ in program.gradients} \
@@ -306,6 +309,49 @@ class Lowered:
         return RunResult(outputs=outputs, gradients=gradients, peak_bytes=self.memory_bytes,
                          planned_peak_bytes=program.planned_peak_bytes, nodes=program.nodes,
                          timings_ms=timings)
+
+
+    def export(self) -> tuple[bytes, dict[str, Any]]:
+        """The executable as bytes (XLA's own serialisation), and what loading it needs
+        besides the program: data only (no pickle)."""
+        from jax.experimental import serialize_executable
+
+        payload, _, _ = serialize_executable.serialize(self._compiled)
+        checks = []
+        for check, values, origin, op in self._deferred:
+            if not isinstance(check, IndexRange):
+                raise NotLowerable(f"op {op!r}: its check on the host cannot be stored")
+            checks.append([check.size, check.dim, origin, op, len(values)])
+        return payload, {"device": self.device, "memory_bytes": self.memory_bytes,
+                         "compile_ms": round(self.compile_ms, 3), "checks": checks,
+                         "jax": _jax().__version__}
+
+    @classmethod
+    def load(cls, program: Program, payload: bytes, meta: dict[str, Any]) -> Lowered:
+        """An executable `export` made for `program`, loaded (no tracing, no compile: XLA
+        reads its own serialisation); NotLowerable when it cannot be."""
+        try:
+            jax = _jax()
+            from jax.experimental import serialize_executable
+
+            if meta.get("jax") != jax.__version__:
+                raise NotLowerable(f"an executable of jax {meta.get('jax')}, not "
+                                   f"{jax.__version__}")
+            checks: list[Deferred] = [(IndexRange(size, dim), [None] * n, origin, op)
+                                      for size, dim, origin, op, n in meta["checks"]]
+            results = len(program.outputs) + (len(program.gradients) if program.backward
+                                               else 0)
+            tree = jax.tree_util.tree_structure
+            in_tree = tree(((0,) * len(_given(program)), {}))
+            out_tree = tree(([0] * results, [[0] * len(c[1]) for c in checks]))
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return cls(program, str(meta["device"]), compiled, int(meta["memory_bytes"]),
+                       float(meta["compile_ms"]), checks)
+        except NotLowerable:
+            raise
+        except Exception as exc:  # (not an executable, or not this program's)
+            raise NotLowerable(f"the stored executable does not load "
+                               f"({type(exc).__name__}: {exc})") from None
 
 
 def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -32,8 +33,19 @@ def _defer_index_check(xp: Any, index: Any, size: int, dim: int) -> None:
     range check runs on the host after the run (inside a loop, on every iteration's least
     and greatest index at once; the dtype is the shape rule's)."""
     if numel(index.shape):
-        xp.defer(lambda low, high: _in_range(int(low.min()), int(high.max()), size, dim),
-                 xp.min(index), xp.max(index))
+        xp.defer(IndexRange(size, dim), xp.min(index), xp.max(index))
+
+
+@dataclass(frozen=True)
+class IndexRange:
+    """The range check of an index, on its least and greatest values: data, so that an
+    executable that defers it can be stored and loaded again (engine.graph.xla)."""
+
+    size: int
+    dim: int
+
+    def __call__(self, low: Any, high: Any) -> None:
+        _in_range(int(low.min()), int(high.max()), self.size, self.dim)
 
 
 def _in_range(low: int, high: int, size: int, dim: int) -> None:
