@@ -48,6 +48,7 @@ from gradserve.service.settings import Settings
 from gradserve.wire.binary import REQUEST_SECTIONS, FramingError, split, tensor_bytes
 from gradserve.wire.graph_id import canonical_graph, id_of_canonical
 
+DEFAULT_FLOAT = "float32"  # PyTorch's default floating dtype (torch.get_default_dtype())
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 W = TypeVar("W", bound=Wire)
 Body = ForwardRequest | BackwardRequest | PlanRequest
@@ -365,6 +366,11 @@ def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveEr
                     (where, name), data=value.data, b64=value.b64,
                     binary=binary.get((where, name)), dtype=value.dtype, shape=value.shape)
                 requires_grad = value.requires_grad
+                if requires_grad and value.dtype is None and array.dtype.kind == "i":
+                    # JSON numbers that require grad take the default floating dtype, even
+                    # written without a decimal point (as JavaScript and Go write 2.0).
+                    array = codec.decode_tensor(
+                        (where, name), data=value.data, dtype=DEFAULT_FLOAT, shape=value.shape)
             else:
                 array = codec.decode_tensor((where, name), data=value)
                 requires_grad = False

@@ -634,10 +634,43 @@ async def test_422_every_bad_input_reported(client: httpx.AsyncClient) -> None:
     assert [e["loc"] for e in p["errors"]] == [["inputs", "x", "data"], ["inputs", "y", "data"]]
 
 
-async def test_422_requires_grad_on_integers(client: httpx.AsyncClient) -> None:
-    body = {"graph": graph("x * 2"), "inputs": {"x": {"data": [1, 2], "requires_grad": True}}}
-    p = assert_problem(await client.post("/backward", json=body), 422, "invalid-request")
+@pytest.mark.parametrize("dtype", ["int64", "int32", "bool"])
+async def test_422_requires_grad_on_an_integer_or_bool_dtype(client: httpx.AsyncClient,
+                                                            dtype: str) -> None:
+    data = [True, False] if dtype == "bool" else [1, 2]
+    body = {"graph": graph("x * 2"),
+            "inputs": {"x": {"data": data, "dtype": dtype, "requires_grad": True}}}
+    p = assert_problem(await client.post("/backward", json=body), 422, "invalid-request",
+                       f"has dtype {dtype}: only floating point tensors can require "
+                       "gradients; give it a floating dtype")
     assert p["errors"][0]["loc"] == ["inputs", "x", "requires_grad"]
+
+
+async def test_json_integers_that_require_grad_take_the_default_float(
+        client: httpx.AsyncClient) -> None:
+    """The seed as JavaScript writes it (JSON.stringify(2.0) is "2"): float32, as if the
+    numbers had a decimal point; on /plan too. Booleans stay bool, and are refused."""
+    seed = {"graph": graph("(x + y) * (x - y)"),
+            "inputs": {"x": {"data": 2, "requires_grad": True},
+                       "y": {"data": 3, "requires_grad": True}}}
+    r = (await client.post("/backward", json=seed)).json()
+    assert r["outputs"]["z"] == {"dtype": "float32", "shape": [], "data": -5.0,
+                                 "requires_grad": True, "grad_fn": "MulBackward"}
+    assert r["gradients"] == {"x": {"dtype": "float32", "shape": [], "data": 4.0},
+                              "y": {"dtype": "float32", "shape": [], "data": -6.0}}
+    nested = {"graph": graph("sum(x * x)"),
+              "inputs": {"x": {"data": [[1, 2], [3, 4]], "requires_grad": True}}}
+    r = (await client.post("/backward", json=nested)).json()
+    assert r["gradients"]["x"] == {"dtype": "float32", "shape": [2, 2],
+                                   "data": [[2.0, 4.0], [6.0, 8.0]]}
+    plan = (await client.post("/plan", json=seed)).json()
+    assert {step["dtype"] for step in plan["nodes"]} == {"float32"}
+    unmarked = {"graph": graph("x * 2"), "inputs": {"x": {"data": [1, 2]}}}
+    r = (await client.post("/forward", json=unmarked)).json()
+    assert r["outputs"]["z"]["dtype"] == "int64"  # (no grad asked: int64, as torch.tensor)
+    bools = {"graph": graph("x * 2"), "inputs": {"x": {"data": [True], "requires_grad": True}}}
+    assert_problem(await client.post("/backward", json=bools), 422, "invalid-request",
+                   "has dtype bool")
 
 
 async def test_422_node_limit() -> None:

@@ -195,7 +195,8 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
         if tspec.requires_grad and tspec.dtype not in FLOATS:
             errors.add(GradserveError(
                 f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
-                "can require gradients", loc=("inputs", name, "requires_grad")))
+                "can require gradients; give it a floating dtype (\"dtype\": \"float32\" "
+                "or \"float64\")", loc=("inputs", name, "requires_grad")))
     graph = resolver.graph(spec.nodes, scope, ordered=False)
     named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
