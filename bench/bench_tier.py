@@ -12,7 +12,7 @@ Rows:
   the tier has lowered it (at most S seconds): the request at which it did, then its warm
   p50 on both servers;
 - the seed while a program tiers up: the seed's p50 over HTTP on one connection while a
-  second client sends the RNN (first seen) for S seconds, against the same on the server
+  second client sends the RNN (first seen) every 20 ms for S seconds, against the same on the server
   with the tier off (the lowering is in the lowering process, niced);
 - lowerings of one program on a host: two workers, each replaced after every task (an RSS
   growth limit of 0), then a restart on the same persistent store, the long loop sent to
@@ -122,7 +122,9 @@ def seed_while_tiering(seconds: float) -> dict[str, float]:
                 with httpx.Client() as c:
                     end = time.monotonic() + seconds
                     while not stop.is_set() and time.monotonic() < end:
-                        timed(c, target, rnn())
+                        started = time.monotonic()  # (one every 20 ms on either server:
+                        timed(c, target, rnn())     # the same load, lowered or not)
+                        time.sleep(max(0.0, 0.02 - (time.monotonic() - started)))
 
             thread = threading.Thread(target=load)
             thread.start()

@@ -80,6 +80,9 @@ MIN_SAVING_MS = 0.05
 # How long a worker waits for the lowering of a program that pays on its first run,
 # beyond the predicted compile (the lowering process may be busy with another).
 WAIT_EXTRA_S = 5.0
+# How often a process looks in the store for an executable it asked for (a missed file
+# open, ~10 us): a program run every few ms is lowered within a few runs of its compile.
+LOOK_EVERY_S = 0.1
 
 INTERPRETER, XLA = "interpreter", "xla"
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason and the
@@ -260,12 +263,12 @@ class Tier:
             self._refused.put(key, "the program store cannot be written: no lowering")
 
     def _look(self, key: str, program: Program, device: str, seen: _Seen) -> bool:
-        """Whether the program's executable is loaded now: looked for in the store (once
-        a second while it is asked for, once at first), and loaded; a refusal there is
+        """Whether the program's executable is loaded now: looked for in the store (every
+        LOOK_EVERY_S while it is asked for, once at first), and loaded; a refusal there is
         remembered. (A load in the background would hold the GIL for its import: it is
         done here, once per process and program.)"""
         now = time.monotonic()
-        if seen.looked and (not seen.asked or now - seen.looked < 1.0):
+        if seen.looked and (not seen.asked or now - seen.looked < LOOK_EVERY_S):
             return False
         seen.looked = now
         assert self.queue is not None
