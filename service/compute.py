@@ -57,10 +57,10 @@ class Stats:
     pid: int = 0  # the worker that computed (0: the front process)
     store_evictions: int = 0  # by that process since it last reported
     store_damaged: int = 0
-    # That process's executables loaded since it last reported (program key, None, XLA's
-    # compile time in ms), and the tier's predictions against what it measured (what:
-    # "interpreted", "xla" or "compile"; predicted ms; measured ms).
-    loads: list[tuple[str, str | None, float]] = field(default_factory=list)
+    # The programs whose XLA executables that process loaded since it last reported, and
+    # the tier's predictions against what it measured (what: "interpreted", "xla" or
+    # "compile"; predicted ms; measured ms).
+    loads: list[str] = field(default_factory=list)
     predictions: list[tuple[str, float, float]] = field(default_factory=list)
 
 

@@ -51,7 +51,7 @@ from gradserve.service.shm import (
     trim_memory,
     unlink,
 )
-from gradserve.service.tier import installed
+from gradserve.service.tier import off_reason
 
 log = logging.getLogger("gradserve")
 
@@ -107,10 +107,8 @@ class Front:
         self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
         # The host's lowering process (service/lowering.py): where the tier is on, jax is
         # installed, and there is a program store for it to write the executables into.
-        self.lowerer = Lowerer(settings, lambda outcome: metrics.lowered(*outcome),
-                               self.pool.post) \
-            if settings.xla == "auto" and installed() and settings.program_store_dir \
-            and settings.program_store_bytes else None
+        self.lowerer = None if off_reason(settings) is not None else \
+            Lowerer(settings, lambda outcome: metrics.lowered(*outcome), self.pool.post)
         self.front = settings.max_concurrency
         self.ledger: Ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes

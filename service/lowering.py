@@ -36,9 +36,8 @@ import orjson
 
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Program
-from gradserve.engine.graph.scan import executed_steps
 from gradserve.engine.graph.serial import CorruptProgram, Unstorable, dump_program, load_program
-from gradserve.service.programs import Programs
+from gradserve.service.programs import Programs, program_meta
 from gradserve.service.settings import Settings
 from gradserve.service.store import Store
 
@@ -70,9 +69,7 @@ class LoweringQueue:
                 payload = dump_program(program)
             except Unstorable:
                 return False
-            meta = {"device": device, "cost": program.compute_cost,
-                    "peak": program.planned_peak_bytes, "steps": executed_steps(program)}
-            if not self.store.put(f"p-{key}", payload, meta):
+            if not self.store.put(f"p-{key}", payload, program_meta(program, device)):
                 return False
         if self.result(key) is not None:
             return True  # (done already: by another process's request)

@@ -226,8 +226,8 @@ class Metrics:
             ["what"], buckets=_RATIO_BUCKETS, registry=r,
         )
         self.xla_compile_seconds = Histogram(
-            "gradserve_xla_compile_seconds", "time XLA took to compile a lowered program (an "
-            "executable loaded from the store's cache counts as its compile)",
+            "gradserve_xla_compile_seconds", "time XLA took to compile a program, in the host's "
+            "lowering process",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.load_seconds = Histogram(
@@ -331,7 +331,7 @@ class Metrics:
             self.load_seconds.observe(stats.load_ms / 1000)
         if stats.tier is not None:
             self.tier_runs.labels(stats.tier).inc()
-        for key, _, _ in stats.loads:
+        for key in stats.loads:
             self.xla_loads.inc()
             log.info("program %s runs in the native tier in compute worker %s from now on",
                      key, stats.pid)

@@ -65,6 +65,12 @@ class Found:
     load_ms: float = 0.0
 
 
+def program_meta(program: Program, device: str) -> dict[str, Any]:
+    """What a stored program's entry records beside it: read without loading it."""
+    return {"device": device, "cost": program.compute_cost,
+            "peak": program.planned_peak_bytes, "steps": executed_steps(program)}
+
+
 class Programs:
     """A process's programs and graphs, over the host's store (none: memory only)."""
 
@@ -201,9 +207,7 @@ class Programs:
         return evicted
 
     def _store_program(self, key: str, program: Program, device: str) -> None:
-        meta = {"device": device, "cost": program.compute_cost,
-                "peak": program.planned_peak_bytes, "steps": executed_steps(program)}
-        self._defer(f"p-{key}", lambda: dump_program(program), meta)
+        self._defer(f"p-{key}", lambda: dump_program(program), program_meta(program, device))
 
     def store_held(self) -> None:
         """Write every program this process holds that the store lacks (those compiled

@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from gradserve.engine import collector
+from gradserve.engine.dtypes import DEFAULT_FLOAT
 from gradserve.engine.errors import (
     GradserveError,
     GraphError,
@@ -48,7 +49,6 @@ from gradserve.service.settings import Settings
 from gradserve.wire.binary import REQUEST_SECTIONS, FramingError, split, tensor_bytes
 from gradserve.wire.graph_id import canonical_graph, id_of_canonical
 
-DEFAULT_FLOAT = "float32"  # PyTorch's default floating dtype (torch.get_default_dtype())
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 W = TypeVar("W", bound=Wire)
 Body = ForwardRequest | BackwardRequest | PlanRequest

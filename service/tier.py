@@ -46,13 +46,14 @@ import numpy as np
 
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Program, RunResult
-from gradserve.engine.graph.scan import SCAN, executed_steps
+from gradserve.engine.graph.scan import compiled_steps, executed_steps
 from gradserve.service.lowering import LoweringQueue
 from gradserve.service.programs import Lru
 from gradserve.service.settings import Settings
 
 if TYPE_CHECKING:
     from gradserve.engine.graph.xla import Lowered
+    from gradserve.service.store import Store
 
 log = logging.getLogger("gradserve.tier")
 
@@ -106,16 +107,6 @@ class Prediction:
         return self.interpreted_ms - self.xla_ms
 
 
-def compiled_steps(program: Program) -> int:
-    """The steps XLA compiles: a loop's body once."""
-    count = 0
-    for step in program.steps:
-        body = step.attrs.get("body") if step.op is SCAN else None
-        count += 1 + (compiled_steps(body.program) if body is not None
-                      and body.program is not None else 0)
-    return count
-
-
 def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
     """The cost model (see the module's docstring)."""
     executed = executed_steps(program)
@@ -138,25 +129,22 @@ class _Seen:
     fastest_ms: float = float("inf")
     asked: float = 0.0  # time.monotonic() when its lowering was asked for (0: not)
     looked: float = 0.0  # when the store was last looked at for its executable
-    loading: bool = False
 
 
 class Tier:
     """A process's native tier (see the module's docstring). Thread-safe."""
 
-    def __init__(self, settings: Settings, role: str, store: Any = None) -> None:
+    def __init__(self, settings: Settings, role: str, store: Store | None = None) -> None:
         self.settings = settings
-        self.store = store  # (service.store.Store: where executables are, or None)
-        self.off: str | None = (
-            OFF if settings.xla == "off" else FAST_LANE if role == "front"
-            else UNAVAILABLE if not installed() else NO_STORE if store is None else None)
-        self.queue = None if self.off is not None else LoweringQueue(store)
+        self.off: str | None = FAST_LANE if role == "front" and settings.xla != "off" \
+            else off_reason(settings)
+        self.queue = None if self.off is not None or store is None else LoweringQueue(store)
         self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
         self._lowered: Lru = Lru(LOWERED)  # program key -> Lowered
         self._trials: Lru = Lru(LOWERED)  # program key -> its lowered runs' times, in ms
         self._lock = threading.Lock()
-        self._ended: list[tuple[str, str | None, float]] = []  # loads not yet reported
+        self._ended: list[str] = []  # programs whose executables were loaded, not yet reported
         # (what, predicted ms, measured ms) not yet reported: the model against outcomes
         self._outcomes: list[tuple[str, float, float]] = []
         self._scale = 1.0  # this host's compile times against the model's, as seen
@@ -300,7 +288,7 @@ class Tier:
         if seen is not None and seen.asked:
             self._outcomes.append(("compile", seen.prediction.compile_ms, lowered.compile_ms))
         with self._lock:
-            self._ended.append((key, None, lowered.compile_ms))
+            self._ended.append(key)
             if meta.get("predicted_ms"):
                 self._scale = _blend(self._scale, lowered.compile_ms / meta["predicted_ms"])
         self._trials.put(key, [])
@@ -343,7 +331,7 @@ class Tier:
             self._lowered.pop(key, None)
             self._refused.put(key, reason)
 
-    def ended(self) -> tuple[list[tuple[str, str | None, float]], list[tuple[str, float, float]]]:
+    def ended(self) -> tuple[list[str], list[tuple[str, float, float]]]:
         """The executables loaded, and the model's predictions against what was measured,
         since the last call (for the front process's metrics and log)."""
         with self._lock:
@@ -378,6 +366,17 @@ def _blend(scale: float, ratio: float) -> float:
     """The compile scale moved halfway (in log terms) towards what one lowering showed."""
     ratio = min(max(ratio, 0.1), 20.0)
     return float(np.sqrt(scale * ratio))
+
+
+def off_reason(settings: Settings) -> str | None:
+    """Why a server with these settings has no tier (no lowering process), or None."""
+    if settings.xla == "off":
+        return OFF
+    if not installed():
+        return UNAVAILABLE
+    if settings.program_store_dir is None or not settings.program_store_bytes:
+        return NO_STORE
+    return None
 
 
 def installed() -> bool:

@@ -202,6 +202,16 @@ def executed_steps(program: Program) -> int:
     return count
 
 
+def compiled_steps(program: Program) -> int:
+    """The steps XLA compiles: a loop's body once."""
+    count = 0
+    for step in program.steps:
+        body = step.attrs.get("body") if step.op is SCAN else None
+        count += 1 + (compiled_steps(body.program) if body is not None
+                      and body.program is not None else 0)
+    return count
+
+
 def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:
     """Per carry, where its next value comes from (OUTER, MADE or a carry number), and the
     slot whose array it is (through steps that return their input, as detach does)."""

@@ -310,7 +310,6 @@ class Lowered:
                          planned_peak_bytes=program.planned_peak_bytes, nodes=program.nodes,
                          timings_ms=timings)
 
-
     def export(self) -> tuple[bytes, dict[str, Any]]:
         """The executable as bytes (XLA's own serialisation), and what loading it needs
         besides the program: data only (no pickle)."""
