@@ -334,8 +334,10 @@ def part_cell(report: Report, rounds: int, requests: int) -> None:
         shutil.rmtree(apps, ignore_errors=True)
     ratio = cell["cold/torch"][0]
     report.add("cell", "FastAPI + PyTorch script, p50", f"{cell['torch'][0]:.2f} ms")
-    report.add("cell", "gradserve, a new constant each request (compiles), p50",
+    report.add("cell", "gradserve, a new constant each request (lifted), p50",
                f"{cell['cold'][0]:.2f} ms ({ratio:.2f}x the script)", "<= 0.5x", ratio <= 0.5)
+    report.add("cell", "gradserve, a new node id each request (compiled), p50",
+               f"{cell['compiled'][0]:.2f} ms ({cell['compiled/torch'][0]:.2f}x the script)")
     report.add("cell", "gradserve, the same graph each request, p50",
                f"{cell['warm'][0]:.2f} ms ({cell['warm/torch'][0]:.2f}x the script)")
 

@@ -270,7 +270,9 @@ def _lists(arrays: dict[str, np.ndarray]) -> dict[str, list]:
 
 def cell_bodies() -> tuple[bytes, Iterable[bytes], bytes]:
     """(gradserve warm body, gradserve cold bodies: a new graph each, PyTorch app body);
-    the same float32 data in all of them, as JSON lists."""
+    the same float32 data in all of them, as JSON lists. A cold body's new graph differs
+    in one float literal, so that the service lifts it into the program of the last
+    (engine.graph.lifting); `renamed_cell_bodies` are new graphs it compiles."""
     data = recurrent_data(CELL_STEPS)
     lists = _lists(data)
     inputs = {f"x{t}": {"data": lists["xs"][t], "requires_grad": True}
@@ -284,6 +286,17 @@ def cell_bodies() -> tuple[bytes, Iterable[bytes], bytes]:
     # service has not seen; the math stays that of the warm graph to float32 precision.
     cold = (gradserve(1.0 + k * 2.0**-20) for k in itertools.count(1))
     return gradserve(1.0), cold, orjson.dumps(lists)
+
+
+def renamed_cell_bodies() -> Iterable[bytes]:
+    """The cell as a new graph each request that no program of another can serve: its loss
+    node named anew (an id is part of a graph's shape), so that each is compiled."""
+    warm = orjson.loads(cell_bodies()[0])
+    for k in itertools.count(1):
+        nodes = warm["graph"]["nodes"]
+        nodes[-1]["id"] = f"loss_{k}"
+        warm["graph"]["outputs"] = [f"loss_{k}"]
+        yield orjson.dumps(warm)
 
 
 def check_cell(gs_base: str, torch_base: str, gs_body: bytes, torch_body: bytes) -> None:
@@ -314,15 +327,19 @@ def cell_rounds(rounds: int, gs_port: int, torch_port: int, total: int
     """Per endpoint, the medians over rounds of (p50, p99, req/s); and the medians of the
     per-round p50 ratios against FastAPI + PyTorch."""
     warm, cold, torch_body = cell_bodies()
-    samples: dict[str, list[tuple[float, float, float]]] = {"torch": [], "warm": [], "cold": []}
+    renamed = renamed_cell_bodies()
+    samples: dict[str, list[tuple[float, float, float]]] = {
+        "torch": [], "warm": [], "cold": [], "compiled": []}
     for _ in range(rounds):
         samples["torch"].append(measure(torch_port, "/cell", torch_body, total, 1, warmup=20))
         samples["warm"].append(measure(gs_port, "/backward", warm, total, 1, warmup=20))
         samples["cold"].append(measure(gs_port, "/backward", iter(cold), total, 1, warmup=20))
+        samples["compiled"].append(measure(gs_port, "/backward", iter(renamed), total, 1,
+                                           warmup=20))
     out: dict[str, tuple[float, ...]] = {
         k: tuple(statistics.median(col) for col in zip(*v, strict=True))
         for k, v in samples.items()}
-    for k in ("warm", "cold"):
+    for k in ("warm", "cold", "compiled"):
         out[k + "/torch"] = (statistics.median(
             s[0] / t[0] for s, t in zip(samples[k], samples["torch"], strict=True)),)
     return out
@@ -947,7 +964,8 @@ def print_cell(cell: dict[str, tuple[float, ...]], rounds: int, requests: int) -
     print("-" * 112)
     for key, label in (("torch", "FastAPI + PyTorch eager, POST /cell"),
                        ("warm", "gradserve POST /backward, warm"),
-                       ("cold", "gradserve POST /backward, cold (new graph)")):
+                       ("cold", "gradserve POST /backward, new constant (lifted)"),
+                       ("compiled", "gradserve POST /backward, new id (compiled)")):
         p50, p99, rps = cell[key]
         ratio = "" if key == "torch" else f"{cell[key + '/torch'][0]:.2f}x" + (
             "" if cell[key + "/torch"][0] <= 0.5 else "  MISS")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gradserve.engine.backends import get_backend
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Limits, Program, check_budgets, compile_graph, execute
+from gradserve.engine.graph.lifting import Templates
 from gradserve.engine.graph.scan import executed_steps
 from gradserve.service.encode import Reply, encode_result, output_bytes
 from gradserve.service.plan_view import plan_reply
@@ -42,7 +43,8 @@ class Stats:
     path: str = "grad"  # "grad" or "no_grad"
     graph_id: str | None = None
     program_key: str | None = None  # the program's, once this process holds it
-    program: str | None = None  # where the program came from: "process", "store", "compiled"
+    # Where the program came from: "process", "store", "lifted" or "compiled".
+    program: str | None = None
     compute_cost: int | None = None  # the program's static cost, and the steps a run executes
     steps: int | None = None
     planned_peak_bytes: int | None = None
@@ -95,6 +97,8 @@ class Compute:
         self.settings = settings
         self.role = role
         self.programs = Programs(settings)
+        # Graphs that differ only in float literals: a quarter of the program cache's bytes.
+        self.templates = Templates(max_bytes=settings.program_cache_bytes // 4)
         self.parser = Parser(settings, self.programs)
         self.tier = Tier(settings, role, self.programs.store)
 
@@ -160,11 +164,13 @@ class Compute:
                 self.parser.graph_of(request), inputs,
                 limits=self.limits(request.budget if shaped else None, None, recompute=shaped),
                 no_grad=request.no_grad, backward=request.backward, grad_outputs=grad_outputs,
-                device=request.device)
+                device=request.device, templates=self.templates)
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         stats.compile_ms = (time.perf_counter() - started) * 1000
+        if program.lifted:
+            stats.program = "lifted"
         if keep:
             self.keep(request, program, stats)
         return program

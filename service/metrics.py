@@ -193,12 +193,13 @@ class Metrics:
         self.program_lookups = Counter(
             "gradserve_program_lookups",
             "programs looked up by computations, by where they were found: process (its "
-            "memory), store (loaded from the host's program store) or compiled (a miss); and "
-            "by the role of the process that looked: front or worker",
+            "memory), store (loaded from the host's program store), lifted (a miss that took "
+            "the program of a graph differing only in float literals) or compiled (a miss); "
+            "and by the role of the process that looked: front or worker",
             ["source", "role"], registry=r,
         )
         self.lookups = {(source, role): self.program_lookups.labels(source, role)
-                        for source in ("process", "store", "compiled")
+                        for source in ("process", "store", "lifted", "compiled")
                         for role in ROLES}
         self.compiled = {role: self.compiles.labels(role) for role in ROLES}
         self.compile_seconds = Histogram(
@@ -324,7 +325,7 @@ class Metrics:
             self.graph_evictions.inc(stats.graph_evictions)
         if stats.program is not None:
             self.lookups[(stats.program, stats.role)].inc()
-        if stats.compile_ms is not None:
+        if stats.compile_ms is not None and stats.program == "compiled":
             self.compiled[stats.role].inc()
             self.compile_seconds.observe(stats.compile_ms / 1000)
         if stats.load_ms is not None:

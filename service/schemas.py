@@ -336,9 +336,10 @@ class Meta(BaseModel):
     peak_bytes: int
     planned_peak_bytes: int
     compute_cost: int = Field(description="the program's static cost, in cost units")
-    program: Literal["process", "store", "compiled"] = Field(
+    program: Literal["process", "store", "lifted", "compiled"] = Field(
         description="where the program came from: this process's memory, the host's program "
-                    "store, or compiled for this request")
+                    "store, the program of a graph that differs from this one only in float "
+                    "literals (with this graph's put in), or compiled for this request")
     recompute: Recomputation | None = Field(
         description="null: nothing is recomputed; the peak figures above are with it")
     tier: Literal["interpreter", "xla"] = Field(

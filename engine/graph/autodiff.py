@@ -245,8 +245,10 @@ _ADD = OPS["add"]
 class _Template(NamedTuple):
     """The steps one VJP emitted, with each argument as an index into the values a replay
     has: the ones it was given (the upstream gradient, the step's slots, its result), then
-    the slots it makes (the k-th step makes the k-th), then its number literals; and each
-    active argument's gradient so."""
+    the slots it makes (the k-th step makes the k-th), then the number literals it made,
+    then the step's own arguments (a literal of the step that the VJP passes on is the
+    replayed step's own: constant lifting, engine.graph.lifting, finds a literal's uses by
+    its value object); and each active argument's gradient so."""
 
     steps: tuple[tuple[OpDef, tuple[int, ...], dict[str, Any], str, Facts | None], ...]
     metas: tuple[Meta, ...]  # of the new slots
@@ -288,7 +290,7 @@ def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[in
     slot = base = len(metas)
     metas.extend(template.metas)
     values = [g, *(args if facts.slots_only else step.slots), step.out,  # (what it was given)
-              *range(base, len(metas)), *template.literals]
+              *range(base, len(metas)), *template.literals, *args]
     value = values.__getitem__
     steps, known, origin = b.steps, b.facts, b.origin
     for op, refs, attrs, kind, facts in template.steps:
@@ -306,9 +308,14 @@ def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
     given (it would not replay elsewhere)."""
     made = len(b.metas) - first_slot
     literals: list[Lit] = []
+    own = {id(a.value): i for i, a in enumerate(args) if type(a) is Lit}
+    mine = 1 << 30  # (a reference to the step's own argument, until the literals are counted)
 
     def code(a: Any) -> int:
         if type(a) is Lit:
+            i = own.get(id(a.value))
+            if i is not None:
+                return mine + i
             literals.append(a)
             return len(given) + made + len(literals) - 1
         if a >= first_slot:
@@ -319,11 +326,14 @@ def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
     if [s.out for s in emitted] != list(range(first_slot, len(b.metas))):
         return None  # (a slot made without a step, or a step out of order: not replayable)
     try:
-        steps = tuple((s.op, tuple([code(a) for a in s.args]), s.attrs, s.kind, b.facts.get(s))
-                      for s in emitted)
+        coded = [(s.op, [code(a) for a in s.args], s.attrs, s.kind, b.facts.get(s))
+                 for s in emitted]
         codes = tuple((args.index(slot), code(g.slot)) for slot, g in grads)
     except ValueError:
         return None
+    first_own = len(given) + made + len(literals)
+    steps = tuple((op, tuple([c - mine + first_own if c >= mine else c for c in refs]), attrs,
+                   kind, facts) for op, refs, attrs, kind, facts in coded)
     return _Template(steps, tuple(b.metas[first_slot:]), tuple(literals), codes)
 
 

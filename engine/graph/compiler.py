@@ -36,7 +36,9 @@ from gradserve.engine.graph.builder import Builder, Sym, derived
 from gradserve.engine.graph.checkpoint import checkpoint_loops
 from gradserve.engine.graph.executor import bind
 from gradserve.engine.graph.expr import Span, expand_expr, piece_of
+from gradserve.engine.graph.facts import literal_key
 from gradserve.engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
+from gradserve.engine.graph.lifting import GraphLiteral, Templates
 from gradserve.engine.graph.plan import plan
 from gradserve.engine.graph.remat import rematerialize
 from gradserve.engine.graph.scan import SCAN, Body, emit_scan
@@ -173,16 +175,20 @@ def compile_graph(
     backward: bool = False,
     grad_outputs: Mapping[str, TensorSpec] | None = None,
     device: str = "cpu",
+    templates: Templates | None = None,
 ) -> Program:
     """Validate, differentiate, plan and bind `spec` for `device`; raises ValidationErrors,
-    MemoryBudgetError or ComputeBudgetError."""
+    MemoryBudgetError or ComputeBudgetError. `templates`: the programs of graphs compiled
+    before, one of which this graph may take with its own float literals put in
+    (engine.graph.lifting; the program says `lifted`)."""
     with collector.paused():  # (engine.collector: a compile's objects all live to its end)
-        return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device)
+        return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device,
+                        templates)
 
 
 def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits | None,
              no_grad: bool, backward: bool, grad_outputs: Mapping[str, TensorSpec] | None,
-             device: str) -> Program:
+             device: str, templates: Templates | None) -> Program:
     started = time.perf_counter()
     limits = limits or Limits()
     errors = _Errors(limits.max_errors)
@@ -200,6 +206,13 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     graph = resolver.graph(spec.nodes, scope, ordered=False)
     named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
+    lifting = None if templates is None else _shape(
+        graph, named_outputs, inputs, grad_outputs, no_grad, backward, device, limits)
+    if lifting is not None:
+        lifted = templates.instantiate(*lifting)  # type: ignore[union-attr]
+        if lifted is not None:
+            lifted.plan_ms = (time.perf_counter() - started) * 1000
+            return lifted
 
     b = Builder()
     slots: dict[int, int] = {}  # by key
@@ -246,7 +259,39 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     check_budgets(program, limits, no_grad)
     program.run = bind(program, device, facts=b.facts)
     program.plan_ms = (time.perf_counter() - started) * 1000
+    if lifting is not None:
+        templates.learn(*lifting, program)  # type: ignore[union-attr]
     return program
+
+
+def _shape(graph: list[_Node], outputs: list[tuple[str, int]],
+           inputs: Mapping[str, TensorSpec], grad_outputs: Mapping[str, TensorSpec] | None,
+           no_grad: bool, backward: bool, device: str, limits: Limits
+           ) -> tuple[tuple[Any, ...], list[GraphLiteral]] | None:
+    """A resolved graph's shape for constant lifting (engine.graph.lifting): all that
+    decides its program but the values of its float literals, and those literals in
+    order. None for a graph with loops (a body is a program of its own)."""
+    literals: list[GraphLiteral] = []
+    nodes: list[tuple[Any, ...]] = []
+    for node in graph:
+        if node.loop is not None:
+            return None
+        op = node.op
+        args: list[Any] = []
+        for a in node.args:
+            if type(a) is int:
+                args.append(a)
+            elif type(a.value) is float:  # type: ignore[union-attr]
+                literals.append(GraphLiteral(a, op if type(op) is OpDef else None))  # type: ignore[arg-type]
+                args.append(float)
+            else:
+                args.append(literal_key(a.value))  # type: ignore[union-attr]
+        nodes.append((node.id, node.origin, node.index, node.key, op.name, tuple(args),
+                      repr(node.attrs)))
+    specs = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in inputs.items())
+    given = tuple((n, tuple(t.shape), t.dtype) for n, t in (grad_outputs or {}).items())
+    return (tuple(nodes), tuple(outputs), specs, given, no_grad, backward, device,
+            limits), literals
 
 
 def _grad_fns(b: Builder, requires_grad: list[bool]) -> list[str | None]:

@@ -75,6 +75,20 @@ def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None
     return Bound(backend, runs[:split], runs[split:], given_of(program))
 
 
+def rebind(program: Program, bound: Bound, changed: Sequence[int]) -> Bound:
+    """`bound`, the run of a program with `program`'s plan and steps but for the literals
+    of the steps at `changed`, with those steps bound again (their literals are in their
+    kernels: engine.graph.lifting)."""
+    runs = bound.forward + bound.backward
+    split = len(bound.forward)
+    backend = bound.backend
+    has_ufuncs = backend.ufuncs is not None
+    for i in changed:
+        runs[i] = _run(program.steps[i], program, backend, program.ufunc[i] and has_ufuncs,
+                       program.reuse[i], program.frees[i])
+    return Bound(backend, runs[:split], runs[split:], bound.given)
+
+
 def given_of(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
     """What a program's run is given (`Bound.given`)."""
     metas = program.metas

@@ -95,6 +95,7 @@ class Program:
     # The planned peak before any recomputation (engine.graph.remat); without it, the peak.
     peak_without_recompute: int = 0
     plan_ms: float = 0.0
+    lifted: bool = False  # another program's, with new float literals (engine.graph.lifting)
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 
     @property

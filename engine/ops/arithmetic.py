@@ -151,7 +151,7 @@ register(
     binary("pow", "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
            _pow, (_pow_input_grad, _pow_exponent_grad), views_input=True,
            save=("input", "exponent", "result"), args=("input", "exponent"), infer=_pow_infer,
-           lower=_pow_lowering),
+           lower=_pow_lowering, lifts_literals=False),
     binary("maximum", "Elementwise max; ties give half the gradient to each side.",
            lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
            (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),

@@ -104,6 +104,7 @@ def binary(
     ufunc: str | None = None,
     views_input: bool = False,
     lower: Any = None,
+    lifts_literals: bool = True,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -120,4 +121,5 @@ def binary(
         ufunc=ufunc,
         views_input=views_input,
         lower=lower,
+        lifts_literals=lifts_literals,
     )

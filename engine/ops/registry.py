@@ -162,6 +162,10 @@ class OpDef:
     # namespace, where the forward cannot trace (a check that reads the data) or XLA
     # computes otherwise than PyTorch; NOT_LOWERED keeps its programs on the interpreter.
     lower: Callable[..., Array] | None = None
+    # Its rule and VJPs use a number literal argument only as itself, never its value
+    # (`pow`'s VJP computes b - 1): a graph that differs in it may take the program of one
+    # that does not, with the new value put in (engine.graph.lifting).
+    lifts_literals: bool = True
 
     # Derived once at registration.
     grad_fn_name: str = field(init=False)
