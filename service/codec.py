@@ -187,21 +187,22 @@ def _kind(value: bool | int | float) -> str:
 
 def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
     # numpy finds the nesting (and a ragged list) in C; one C-level pass over the leaves'
-    # types then says what they are, so a boolean mixed with numbers is never coerced.
+    # types then says what they are, so a boolean mixed with numbers is never coerced. A
+    # flat list is its own leaves (a list inside it is a leaf of type list: ragged).
+    shape: tuple[int, ...]
     if data and not isinstance(data[0], list):
-        nested = np.empty(len(data), dtype=object)
-        nested[:] = data
+        leaves, shape = data, (len(data),)
     else:
         try:
             nested = np.array(data, dtype=object)
         except ValueError as exc:
             raise _error(loc, "data", f"ragged or malformed nested list: {exc}") from None
-    leaves = nested.ravel().tolist()
+        leaves, shape = nested.ravel().tolist(), nested.shape
     types = set(map(type, leaves))
     if not types <= {float, int, bool, str}:
         bad = sorted(t.__name__ for t in types - {float, int, bool, str})
         what = "a ragged nested list" if "list" in bad else f"values of type {', '.join(bad)}"
-        if "list" in bad and nested.ndim == MAX_DIMS:
+        if "list" in bad and len(shape) == MAX_DIMS:
             what = f"lists nested deeper than the {MAX_DIMS} dims a tensor can have"
         raise _error(loc, "data", f"tensor data must be numbers, got {what}")
     if str in types:
@@ -219,7 +220,7 @@ def _from_list(loc: Loc, data: list[Any], dtype: str | None) -> np.ndarray:
         raise _error(loc, "data", "an integer is out of the int64 range") from None
     if flat.dtype == object:
         raise _error(loc, "data", "an integer is out of the int64 range")
-    return _convert(loc, flat.reshape(nested.shape), kind, dtype)
+    return _convert(loc, flat.reshape(shape), kind, dtype)
 
 
 def _replace_nonfinite(loc: Loc, leaves: list[Any]) -> list[Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 
 pytest.importorskip("torch")
@@ -315,3 +316,30 @@ def test_the_tier_benchmark_runs_small() -> None:
     assert [len(rows[name]) for name in ("tier on", "tier off")] == [2, 2]
     assert {meta["tier_reason"] for _, meta in rows["tier off"]} == {"off"}
     assert all(ms > 0 for ms, _ in rows["tier on"] + rows["tier off"])
+
+
+def test_the_large_tensor_benchmark_agrees_with_torch() -> None:
+    """bench_large's graphs are the script's math: gradserve's answer to each body it
+    sends (JSON and binary) holds the script's value and gradient."""
+    from bench import bench_large
+    from gradserve.service.compute import Compute, Stats
+    from gradserve.service.settings import Settings
+    from gradserve.wire.binary import split
+
+    compute = Compute(Settings(xla="off", program_store_dir=None))
+    for case in bench_large.cases(n=50, rows=8, cols=3):
+        for binary in (False, True):
+            body, headers = bench_large.gradserve_body(case, binary)
+            length = dict(headers).get("Inference-Header-Content-Length")
+            reply = compute.serve("backward", body, None if length is None else int(length),
+                                  None, 1e18, lambda _: None, Stats())
+            content = b"".join(bytes(p) for p in reply.parts)
+            if binary:
+                head, tail = split(content, reply.header_length or 0)
+                assert orjson.loads(bytes(head))["outputs"]["loss"]["binary_data_size"] == 8
+                value, grad = bench_large.torch_gradient(case)
+                got = np.frombuffer(bytes(tail), np.float64)  # the loss, then the gradient
+                np.testing.assert_allclose(got[0], value, rtol=1e-12)
+                np.testing.assert_allclose(got[1:], grad, rtol=1e-10, atol=1e-12)
+            else:
+                bench_large.check(memoryview(content), case)
