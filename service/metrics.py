@@ -325,7 +325,7 @@ class Metrics:
             self.graph_evictions.inc(stats.graph_evictions)
         if stats.program is not None:
             self.lookups[(stats.program, stats.role)].inc()
-        if stats.compile_ms is not None and stats.program == "compiled":
+        if stats.compile_ms is not None and stats.program != "lifted":
             self.compiled[stats.role].inc()
             self.compile_seconds.observe(stats.compile_ms / 1000)
         if stats.load_ms is not None:

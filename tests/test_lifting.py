@@ -326,6 +326,10 @@ async def test_over_http_a_new_literal_is_lifted_and_answers_as_its_own_compile(
     bodies = [_body(_cell(3, one, 0.5), data) for one in (1.25, 1.5, 1.75)]
     async with serving() as (c, _):
         answers = [(await c.post("/backward", json=body)).json() for body in bodies]
+        metrics = (await c.get("/metrics")).text
+    # (all three in the front process's fast lane: one compile, two lifted lookups)
+    assert 'gradserve_compiles_total{role="front"} 1.0' in metrics
+    assert 'gradserve_program_lookups_total{role="front",source="lifted"} 2.0' in metrics
     async with serving() as (c, _):
         own = (await c.post("/backward", json=bodies[2])).json()
     assert [a["meta"]["program"] for a in answers] == ["compiled", "lifted", "lifted"]
