@@ -25,7 +25,7 @@ from gradserve.service.middleware import Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
 from gradserve.service.routes import catalog, explorer, health, operation_id
 from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
-from gradserve.service.routes.compute import operations
+from gradserve.service.routes.compute import ComputeDoor, operations
 from gradserve.service.schemas import (
     BackwardRequest,
     BackwardResponse,
@@ -111,12 +111,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.front = Front(settings, metrics)
     app.state.ready = False
     install_handlers(app)
-    app.router.routes[:0] = COMPUTE_ROUTES  # (matched first: they are the hot ones)
+    app.router.routes.extend(COMPUTE_ROUTES)  # (for the 405 of a method other than POST)
     _add_routes(app, catalog.router)
     _add_routes(app, health.router)
     _add_routes(app, explorer.router)
-    app.add_middleware(
-        Gateway,
+    # Every HTTP request goes through the Gateway first (request id, key, body limit,
+    # metrics, access log), and a compute POST then straight to its endpoint: FastAPI's
+    # own stack serves the rest (service/routes/compute.py says why).
+    fastapi_stack = app.build_middleware_stack
+    app.build_middleware_stack = lambda: Gateway(  # type: ignore[method-assign]
+        ComputeDoor(fastapi_stack()),
         metrics=metrics,
         max_body_bytes=settings.max_body_bytes,
         api_keys=[k.get_secret_value() for k in settings.api_keys],

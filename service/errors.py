@@ -276,6 +276,13 @@ def schema_problem(errors: list[dict[str, Any]]) -> ProblemError:
     return ProblemError("invalid-request", f"{where}: {first['msg']}{more}", errors=errors)
 
 
+def error_response(exc: ProblemError | GradserveError, request_id: str | None) -> Response:
+    """The problem+json answer to a service or an engine error."""
+    if isinstance(exc, ProblemError):
+        return _service_problem_response(exc, request_id)
+    return engine_error_response(exc, request_id)
+
+
 def _service_problem_response(exc: ProblemError, request_id: str | None) -> Response:
     fields: dict[str, Any] = dict(exc.extra)
     if exc.errors is not None:
@@ -289,13 +296,9 @@ def _service_problem_response(exc: ProblemError, request_id: str | None) -> Resp
 def install_handlers(app: FastAPI) -> None:
     from fastapi.exceptions import RequestValidationError
 
-    async def on_problem(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ProblemError)
-        return _service_problem_response(exc, request_id_of(request))
-
-    async def on_engine(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, GradserveError)
-        return engine_error_response(exc, request_id_of(request))
+    async def on_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProblemError | GradserveError)
+        return error_response(exc, request_id_of(request))
 
     async def on_http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -318,7 +321,7 @@ def install_handlers(app: FastAPI) -> None:
             schema_problem(pydantic_errors(exc)), request_id_of(request)
         )
 
-    app.add_exception_handler(ProblemError, on_problem)
-    app.add_exception_handler(GradserveError, on_engine)
+    app.add_exception_handler(ProblemError, on_error)
+    app.add_exception_handler(GradserveError, on_error)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(RequestValidationError, on_validation)

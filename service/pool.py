@@ -233,13 +233,15 @@ class Pool:
         try:
             await worker.send(task)
             remaining = task.deadline - time.monotonic()
-            if remaining > 0:
-                await asyncio.wait({reply}, timeout=remaining)
-            if reply.done():
-                return reply.result()
-            raise GradserveTimeout(task.deadline)
+            if remaining <= 0:
+                raise GradserveTimeout(task.deadline)
+            timer = self.loop.call_later(remaining, _time_out, reply, task.deadline)
+            try:
+                return await reply
+            finally:
+                timer.cancel()
         finally:
-            if not reply.done():  # timed out, or the caller was cancelled: stop it
+            if worker.task is reply:  # unanswered (timed out, or the caller was cancelled)
                 worker.task = None
                 reply.cancel()
                 self._kill(worker)
@@ -443,3 +445,6 @@ class WorkerDied(Exception):
         self.exitcode = exitcode
 
 
+def _time_out(reply: asyncio.Future[Outcome], deadline: float) -> None:
+    if not reply.done():
+        reply.set_exception(GradserveTimeout(deadline))

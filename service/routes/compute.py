@@ -1,10 +1,12 @@
 """POST /forward, POST /backward and POST /plan.
 
-Each is a plain ASGI endpoint on a Starlette route (`ComputeEndpoint`): it reads the raw
-body itself (the front process's compute path parses it once, where it runs, with the
-contract's statuses: service/front.py) and sends the answer's bytes as they lie. FastAPI's
-per-request machinery (a `Request`, exit stacks, dependency solving, a `Response`) would
-cost more than the seed example's compute. Errors still reach the app's handlers. Since
+Each is a plain ASGI endpoint (`ComputeEndpoint`): it reads the raw body itself (the front
+process's compute path parses it once, where it runs, with the contract's statuses:
+service/front.py) and sends the answer's bytes as they lie. A POST reaches it through
+`ComputeDoor`, just inside the Gateway, not through FastAPI's middleware stack and router:
+their seven layers (each wrapping `send`) cost more per request than the seed example's
+compute, and a repeat sent to a worker spends nothing else in this process. Other methods
+on these paths go on to the router, which holds the same routes, for its 405. Since
 FastAPI does not document a plain route, `operations` describes the three for the OpenAPI
 document (service/app.py puts them in it, with the app's body limit).
 """
@@ -16,9 +18,10 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.routing import Match, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gradserve.service.errors import ProblemError
+from gradserve.engine.errors import GradserveError
+from gradserve.service.errors import ProblemError, error_response
 from gradserve.service.front import Front
 from gradserve.service.middleware import TENANT
 from gradserve.service.request import framing_problem
@@ -85,6 +88,30 @@ class ComputeRoute(Route):
 
 ROUTES = [ComputeRoute(f"/{kind}", ComputeEndpoint(kind), methods=["POST"], name=kind)
           for kind in ("forward", "backward", "plan")]
+
+
+class ComputeDoor:
+    """POST /forward, /backward and /plan straight to their endpoints, their errors
+    answered as the app's handlers answer them; everything else to `app` (the rest of the
+    FastAPI app's stack)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.routes = {route.path: route for route in ROUTES}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope["path"]) \
+            if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        scope["route"] = route  # (what the metrics and the access log name it by)
+        try:
+            await route.app(scope, receive, send)
+        except (ProblemError, GradserveError) as exc:
+            # (Raised before the answer starts: after it, only the socket can fail.)
+            response = error_response(exc, scope.get("state", {}).get("request_id"))
+            await response(scope, receive, send)
 
 
 def _kind(kind: str, query: bytes) -> str:
