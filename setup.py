@@ -39,31 +39,52 @@ def native_modules() -> list[Any]:
     record.unlink(missing_ok=True)
     if os.environ.get("GRADSERVE_NO_MYPYC", "") not in ("", "0"):
         return []
-    missing = [what for what, there in (
-        ("a C compiler", shutil.which(os.environ.get("CC", "cc"))),
-        ("the Python headers", (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()),
-    ) if not there]
+    missing = [
+        what
+        for what, there in (
+            ("a C compiler", shutil.which(os.environ.get("CC", "cc"))),
+            ("the Python headers", (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()),
+        )
+        if not there
+    ]
     if missing:
-        print(f"gradserve: {' and '.join(missing)} not found: the graph compiler is not "
-              "compiled (pure Python, about a fifth slower)", file=sys.stderr)
+        print(
+            f"gradserve: {' and '.join(missing)} not found: the graph compiler is not "
+            "compiled (pure Python, about a fifth slower)",
+            file=sys.stderr,
+        )
         return []
     from mypyc.build import mypycify
 
     # Through gradserve/engine (a link to engine/): mypyc names a module by its path, and
     # these are gradserve.engine.graph.*.
     paths = [f"gradserve/engine/graph/{name}.py" for name in ENGINE_NATIVE]
-    record.write_text(json.dumps({
-        name: hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
-        for name, path in zip(ENGINE_NATIVE, paths, strict=True)}, indent=1) + "\n")
+    record.write_text(
+        json.dumps(
+            {
+                name: hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
+                for name, path in zip(ENGINE_NATIVE, paths, strict=True)
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     # Without the project's mypy configuration (its pydantic plugin is not in the build's
     # environment), and without the dependencies' types: mypyc reads this code's own. The
     # modules they import are read silently: what mypy says of them (under mypy 2.x, the
     # client's use of an orjson newer than the build machine's own) must not fail a build.
-    return mypycify(["--config-file", os.devnull, "--ignore-missing-imports",
-                     "--follow-imports=silent", *paths],
-                    opt_level="3",
-                    # their shared library, inside the package: one top-level name installed
-                    group_name="gradserve.engine.graph.compiled")
+    return mypycify(
+        [
+            "--config-file",
+            os.devnull,
+            "--ignore-missing-imports",
+            "--follow-imports=silent",
+            *paths,
+        ],
+        opt_level="3",
+        # their shared library, inside the package: one top-level name installed
+        group_name="gradserve.engine.graph.compiled",
+    )
 
 
 setup(ext_modules=native_modules())

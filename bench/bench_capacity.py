@@ -86,24 +86,37 @@ REPLICA_ENV = {
     "GRADSERVE_MAX_CONCURRENCY": str(CONCURRENCY_PER_WORKER),
 }
 
-SEED = orjson.dumps({
-    "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-    "inputs": {"x": {"data": 2.0, "requires_grad": True},
-               "y": {"data": 3.0, "requires_grad": True}},
-})
+SEED = orjson.dumps(
+    {
+        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+        "inputs": {
+            "x": {"data": 2.0, "requires_grad": True},
+            "y": {"data": 3.0, "requires_grad": True},
+        },
+    }
+)
 BUDGET_ELEMENTS = 64 * 2**20  # float32: 256 MiB a tensor
-BUDGET = orjson.dumps({
-    "graph": {"nodes": [
-        {"id": "a", "expr": f"full(shape=[{BUDGET_ELEMENTS}], value=0.001)"},
-        {"id": "b", "expr": "exp(a) * a"},
-        {"id": "out", "expr": "sum(b)"}], "outputs": ["out"]},
-    "inputs": {}, "no_grad": True,
-})
+BUDGET = orjson.dumps(
+    {
+        "graph": {
+            "nodes": [
+                {"id": "a", "expr": f"full(shape=[{BUDGET_ELEMENTS}], value=0.001)"},
+                {"id": "b", "expr": "exp(a) * a"},
+                {"id": "out", "expr": "sum(b)"},
+            ],
+            "outputs": ["out"],
+        },
+        "inputs": {},
+        "no_grad": True,
+    }
+)
 
 
 def _request(path: str, body: bytes) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 # ------------------------------------------------------------------------------ load
@@ -126,8 +139,14 @@ class Measured:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-async def _connection(port: int, request: bytes, stop_at: float, max_count: int,
-                      latencies: list[float], statuses: Counter[str]) -> None:
+async def _connection(
+    port: int,
+    request: bytes,
+    stop_at: float,
+    max_count: int,
+    latencies: list[float],
+    statuses: Counter[str],
+) -> None:
     reader = writer = None
     done = 0
     try:
@@ -170,8 +189,15 @@ async def _connection(port: int, request: bytes, stop_at: float, max_count: int,
             writer.close()
 
 
-def load(port: int, body: bytes, connections: int, seconds: float, max_requests: int,
-         trees: list[int] | None = None, proxy: list[int] | None = None) -> Measured:
+def load(
+    port: int,
+    body: bytes,
+    connections: int,
+    seconds: float,
+    max_requests: int,
+    trees: list[int] | None = None,
+    proxy: list[int] | None = None,
+) -> Measured:
     """`connections` keep-alive connections sending POST /forward or /backward for
     `seconds` at most and `max_requests` in all at most, after a warm-up; the peak RSS
     of the process trees rooted at `trees` meanwhile, and the CPU time of those trees,
@@ -184,9 +210,14 @@ def load(port: int, body: bytes, connections: int, seconds: float, max_requests:
         statuses: Counter[str] = Counter()
         stop_at = time.monotonic() + duration
         t0 = time.perf_counter()
-        await asyncio.gather(*(
-            _connection(port, request, stop_at, max(count // connections, 1), latencies,
-                        statuses) for _ in range(connections)))
+        await asyncio.gather(
+            *(
+                _connection(
+                    port, request, stop_at, max(count // connections, 1), latencies, statuses
+                )
+                for _ in range(connections)
+            )
+        )
         return latencies, statuses, time.perf_counter() - t0
 
     asyncio.run(run(WARMUP_S, max_requests))
@@ -200,16 +231,19 @@ def load(port: int, body: bytes, connections: int, seconds: float, max_requests:
         sampler.stop()
     cpu1 = (servers.cpu_seconds(), proxies.cpu_seconds(), time.process_time())
     n = max(len(latencies), 1)
-    server_ms, proxy_ms, client_ms = ((b - a) * 1000 / n for a, b in zip(cpu0, cpu1,
-                                                                          strict=True))
+    server_ms, proxy_ms, client_ms = ((b - a) * 1000 / n for a, b in zip(cpu0, cpu1, strict=True))
     ms = np.array(latencies) * 1000
     return Measured(
-        requests=len(latencies), seconds=elapsed,
+        requests=len(latencies),
+        seconds=elapsed,
         p50_ms=float(np.percentile(ms, 50)) if len(ms) else float("nan"),
         p99_ms=float(np.percentile(ms, 99)) if len(ms) else float("nan"),
-        statuses=dict(statuses), peak_rss=max(sampler.peak(t0) or 0, servers.rss()),
-        server_cpu_ms=server_ms, proxy_cpu_ms=proxy_ms if proxy else float("nan"),
-        client_cpu_ms=client_ms)
+        statuses=dict(statuses),
+        peak_rss=max(sampler.peak(t0) or 0, servers.rss()),
+        server_cpu_ms=server_ms,
+        proxy_cpu_ms=proxy_ms if proxy else float("nan"),
+        client_cpu_ms=client_ms,
+    )
 
 
 # ---------------------------------------------------------------------------- memory
@@ -232,41 +266,70 @@ def tree_memory(pid: int) -> tuple[int, int]:
 @contextmanager
 def replica(port: int, workers: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {**REPLICA_ENV, "GRADSERVE_PORT": str(port), "GRADSERVE_WORKERS": str(workers)}
-    with server_process([sys.executable, "-m", "gradserve.service.cli", "serve"], port, env,
-                        ready="/readyz", start_s=60) as (_, proc):
+    with server_process(
+        [sys.executable, "-m", "gradserve.service.cli", "serve"],
+        port,
+        env,
+        ready="/readyz",
+        start_s=60,
+    ) as (_, proc):
         yield proc
 
 
 def build_haproxy(base_image: str) -> str:
-    subprocess.run(["docker", "build", "-q", "--network", "host", "--build-arg",
-                    f"BASE_IMAGE={base_image}", "-t", HAPROXY_TAG,
-                    str(ROOT / "docker" / "haproxy")], check=True, timeout=900,
-                   capture_output=True)
+    subprocess.run(
+        [
+            "docker",
+            "build",
+            "-q",
+            "--network",
+            "host",
+            "--build-arg",
+            f"BASE_IMAGE={base_image}",
+            "-t",
+            HAPROXY_TAG,
+            str(ROOT / "docker" / "haproxy"),
+        ],
+        check=True,
+        timeout=900,
+        capture_output=True,
+    )
     return HAPROXY_TAG
 
 
 @contextmanager
-def haproxy(image: str, port: int, stats_port: int, replica_ports: list[int],
-            server_maxconn: int) -> Iterator[str]:
+def haproxy(
+    image: str, port: int, stats_port: int, replica_ports: list[int], server_maxconn: int
+) -> Iterator[str]:
     """HAProxy from its image, in front of the replicas listening on `replica_ports`;
     the config's three servers that have no replica point at free ports (DOWN)."""
     spare = [free_port() for _ in range(3 - len(replica_ports))]
     ports = [*replica_ports, *spare]
     name = f"gradserve-bench-haproxy-{uuid.uuid4().hex[:8]}"
-    env = {"GRADSERVE_LB_PORT": port, "GRADSERVE_LB_STATS_PORT": stats_port,
-           "GRADSERVE_LB_SERVER_MAXCONN": server_maxconn,
-           **{f"GRADSERVE_LB_API{i}_PORT": p for i, p in enumerate(ports, 1)}}
+    env = {
+        "GRADSERVE_LB_PORT": port,
+        "GRADSERVE_LB_STATS_PORT": stats_port,
+        "GRADSERVE_LB_SERVER_MAXCONN": server_maxconn,
+        **{f"GRADSERVE_LB_API{i}_PORT": p for i, p in enumerate(ports, 1)},
+    }
     args = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
-    subprocess.run(["docker", "run", "-d", "--rm", "--network", "host", "--name", name,
-                    *args, image], check=True, timeout=60, capture_output=True)
+    subprocess.run(
+        ["docker", "run", "-d", "--rm", "--network", "host", "--name", name, *args, image],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
     try:
         want = {f"api-{i}": "UP" if i <= len(replica_ports) else "DOWN" for i in range(1, 4)}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with suppress(httpx.HTTPError):
                 rows = httpx.get(f"http://{HOST}:{stats_port}/stats;csv", timeout=2).text
-                status = {r.split(",")[1]: r.split(",")[17] for r in rows.splitlines()
-                          if r.startswith("replicas,api-")}
+                status = {
+                    r.split(",")[1]: r.split(",")[17]
+                    for r in rows.splitlines()
+                    if r.startswith("replicas,api-")
+                }
                 if status == want:
                     break
             time.sleep(0.2)
@@ -279,14 +342,23 @@ def haproxy(image: str, port: int, stats_port: int, replica_ports: list[int],
 
 def container_pid(name: str) -> int:
     """The container's first process, as this host sees it (its tree is HAProxy's)."""
-    out = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", name],
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        ["docker", "inspect", "-f", "{{.State.Pid}}", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return int(out.stdout.strip())
 
 
 def container_memory(name: str) -> str:
-    out = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}", name],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return out.stdout.strip().split(" / ")[0]
 
 
@@ -306,8 +378,9 @@ def phase_replica(workers: int, seconds: float, rounds: int) -> dict[str, Any]:
         out["idle_rss"], out["idle_pss"] = tree_memory(proc.pid)
         per = min(seconds, (PHASE_LIMIT_S - 30) / (2 * rounds + 1))
         for name, body, cap in (("seed", SEED, 20_000), ("cell", warm_cell, 5_000)):
-            out[name] = _best([load(port, body, conns, per, cap, [proc.pid])
-                               for _ in range(rounds)])
+            out[name] = _best(
+                [load(port, body, conns, per, cap, [proc.pid]) for _ in range(rounds)]
+            )
         # At its budget: each request plans 512 MiB; 2 GiB in flight admits four.
         out["budget"] = load(port, BUDGET, CONCURRENCY_PER_WORKER, per, 200, [proc.pid])
         out["budget_planned"] = _planned(port)
@@ -316,8 +389,12 @@ def phase_replica(workers: int, seconds: float, rounds: int) -> dict[str, Any]:
 
 
 def _planned(port: int) -> int:
-    r = httpx.post(f"http://{HOST}:{port}/forward", content=BUDGET, timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        f"http://{HOST}:{port}/forward",
+        content=BUDGET,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     return int(r.json()["meta"]["planned_peak_bytes"]) if r.status_code == 200 else -1
 
 
@@ -332,14 +409,17 @@ def phase_lb(image: str, replicas: int, seconds: float, rounds: int) -> dict[str
     warm_cell, _, _ = cell_bodies()
     t_phase = time.monotonic()
     out: dict[str, Any] = {"replicas": replicas, "connections": LB_CONNECTIONS}
-    with _all(ports) as procs, haproxy(image, lb_port, stats_port, ports,
-                                       CONCURRENCY_PER_WORKER) as name:
+    with (
+        _all(ports) as procs,
+        haproxy(image, lb_port, stats_port, ports, CONCURRENCY_PER_WORKER) as name,
+    ):
         pids, proxy = [p.pid for p in procs], [container_pid(name)]
         load(lb_port, warm_cell, LB_CONNECTIONS, 2.0, 400)  # every replica compiles it
         per = min(seconds, (PHASE_LIMIT_S - 30) / (2 * rounds))
         for wl, body, cap in (("seed", SEED, 20_000), ("cell", warm_cell, 5_000)):
-            out[wl] = _best([load(lb_port, body, LB_CONNECTIONS, per, cap, pids, proxy)
-                             for _ in range(rounds)])
+            out[wl] = _best(
+                [load(lb_port, body, LB_CONNECTIONS, per, cap, pids, proxy) for _ in range(rounds)]
+            )
         out["haproxy_mem"] = container_memory(name)
     out["seconds"] = time.monotonic() - t_phase
     return out
@@ -370,54 +450,72 @@ def _others(m: Measured) -> str:
 
 
 def report(results: dict[str, Any]) -> None:
-    print(f"\ncapacity: loopback, {os.cpu_count()} CPUs (shared by the load generator, "
-          f"one asyncio process, and every server), {stack()}; replicas as in "
-          "docker-compose.yml's lb profile (2 GiB in flight, 4 at once, 1 GiB budgets); "
-          f"the median round by throughput of {results['rounds']}, each at most "
-          f"{results['seconds']:.0f} s")
-    print("\n| setup | workload | conns | req/s | p50 ms | p99 ms | not 200 | peak RSS MiB | "
-          "CPU ms/req: replicas, HAProxy, client |")
+    print(
+        f"\ncapacity: loopback, {os.cpu_count()} CPUs (shared by the load generator, "
+        f"one asyncio process, and every server), {stack()}; replicas as in "
+        "docker-compose.yml's lb profile (2 GiB in flight, 4 at once, 1 GiB budgets); "
+        f"the median round by throughput of {results['rounds']}, each at most "
+        f"{results['seconds']:.0f} s"
+    )
+    print(
+        "\n| setup | workload | conns | req/s | p50 ms | p99 ms | not 200 | peak RSS MiB | "
+        "CPU ms/req: replicas, HAProxy, client |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for ph in results.get("replica", []):
         for wl in ("seed", "cell", "budget"):
             m: Measured = ph[wl]
             conns = ph["connections"] if wl != "budget" else CONCURRENCY_PER_WORKER
-            print(f"| 1 replica, {ph['workers']} worker(s), direct | {wl} | {conns} | "
-                  f"{m.rps:,.1f} | {m.p50_ms:.2f} | {m.p99_ms:.2f} | {_others(m)} | "
-                  f"{_mib(m.peak_rss)} | {_cpu(m)} |")
+            print(
+                f"| 1 replica, {ph['workers']} worker(s), direct | {wl} | {conns} | "
+                f"{m.rps:,.1f} | {m.p50_ms:.2f} | {m.p99_ms:.2f} | {_others(m)} | "
+                f"{_mib(m.peak_rss)} | {_cpu(m)} |"
+            )
     for ph in results.get("lb", []):
         for wl in ("seed", "cell"):
             m = ph[wl]
-            print(f"| {ph['replicas']} replica(s) behind HAProxy | {wl} | {ph['connections']} "
-                  f"| {m.rps:,.1f} | {m.p50_ms:.2f} | {m.p99_ms:.2f} | {_others(m)} | "
-                  f"{_mib(m.peak_rss)} | {_cpu(m)} |")
+            print(
+                f"| {ph['replicas']} replica(s) behind HAProxy | {wl} | {ph['connections']} "
+                f"| {m.rps:,.1f} | {m.p50_ms:.2f} | {m.p99_ms:.2f} | {_others(m)} | "
+                f"{_mib(m.peak_rss)} | {_cpu(m)} |"
+            )
     if results.get("replica"):
-        print("\n| replica | idle RSS MiB (summed), compute pool up | idle PSS MiB | peak RSS "
-              "MiB, seed (computed in the front process; the pool keeps its minimum) / cell / at "
-              "budget | budget request planned MiB |")
+        print(
+            "\n| replica | idle RSS MiB (summed), compute pool up | idle PSS MiB | peak RSS "
+            "MiB, seed (computed in the front process; the pool keeps its minimum) / cell / at "
+            "budget | budget request planned MiB |"
+        )
         print("| --- | --- | --- | --- | --- |")
         for ph in results["replica"]:
-            print(f"| {ph['workers']} worker(s) | {_mib(ph['idle_rss'])} | "
-                  f"{_mib(ph['idle_pss'])} | {_mib(ph['seed'].peak_rss)} / "
-                  f"{_mib(ph['cell'].peak_rss)} / {_mib(ph['budget'].peak_rss)} | "
-                  f"{_mib(ph['budget_planned'])} |")
+            print(
+                f"| {ph['workers']} worker(s) | {_mib(ph['idle_rss'])} | "
+                f"{_mib(ph['idle_pss'])} | {_mib(ph['seed'].peak_rss)} / "
+                f"{_mib(ph['cell'].peak_rss)} / {_mib(ph['budget'].peak_rss)} | "
+                f"{_mib(ph['budget_planned'])} |"
+            )
     lbs = {ph["replicas"]: ph for ph in results.get("lb", [])}
     if 1 in lbs and 3 in lbs:
         for wl in ("seed", "cell"):
-            print(f"3 replicas / 1 behind HAProxy, {wl}: "
-                  f"{lbs[3][wl].rps / lbs[1][wl].rps:.2f}x requests/s")
+            print(
+                f"3 replicas / 1 behind HAProxy, {wl}: "
+                f"{lbs[3][wl].rps / lbs[1][wl].rps:.2f}x requests/s"
+            )
     direct = next((ph for ph in results.get("replica", []) if ph["workers"] == 1), None)
     for wl in ("seed", "cell"):
         line = [f"{wl}, per core:"]
         if direct:
-            line.append(f"replicas ~{1000 / direct[wl].server_cpu_ms:,.0f} req/s (1 replica, "
-                        "1 worker, direct)")
+            line.append(
+                f"replicas ~{1000 / direct[wl].server_cpu_ms:,.0f} req/s (1 replica, "
+                "1 worker, direct)"
+            )
         if 3 in lbs:
             line.append(f"HAProxy ~{1000 / lbs[3][wl].proxy_cpu_ms:,.0f} req/s")
         print(" ".join(line))
     if 1 in lbs and 3 in lbs:
-        print("HAProxy's memory: " + ", ".join(
-            f"{n} replica(s): {ph['haproxy_mem']}" for n, ph in sorted(lbs.items())))
+        print(
+            "HAProxy's memory: "
+            + ", ".join(f"{n} replica(s): {ph['haproxy_mem']}" for n, ph in sorted(lbs.items()))
+        )
     for key in ("replica", "lb"):
         for ph in results.get(key, []):
             assert ph["seconds"] <= PHASE_LIMIT_S, (key, ph["seconds"])
@@ -425,14 +523,22 @@ def report(results: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0,
-                        help="at most this long a measurement (each phase stays under 2 min)")
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=10.0,
+        help="at most this long a measurement (each phase stays under 2 min)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--phases", default="replica,lb")
-    parser.add_argument("--haproxy-image", default="",
-                        help="an image built from docker/haproxy (default: build one)")
-    parser.add_argument("--base-image",
-                        default=os.environ.get("GRADSERVE_TEST_BASE_IMAGE", "python:3.11-slim"))
+    parser.add_argument(
+        "--haproxy-image",
+        default="",
+        help="an image built from docker/haproxy (default: build one)",
+    )
+    parser.add_argument(
+        "--base-image", default=os.environ.get("GRADSERVE_TEST_BASE_IMAGE", "python:3.11-slim")
+    )
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     phases = set(args.phases.split(","))

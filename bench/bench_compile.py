@@ -69,10 +69,18 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
 
 
 def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
-    specs = {k: eg.TensorSpec(np.asarray(a).shape, np.asarray(a).dtype.name, k in w.wrt)
-             for k, a in w.inputs.items()}
-    inputs = {k: {"data": np.asarray(a).tolist(), "dtype": np.asarray(a).dtype.name,
-                  "requires_grad": k in w.wrt} for k, a in w.inputs.items()}
+    specs = {
+        k: eg.TensorSpec(np.asarray(a).shape, np.asarray(a).dtype.name, k in w.wrt)
+        for k, a in w.inputs.items()
+    }
+    inputs = {
+        k: {
+            "data": np.asarray(a).tolist(),
+            "dtype": np.asarray(a).dtype.name,
+            "requires_grad": k in w.wrt,
+        }
+        for k, a in w.inputs.items()
+    }
     salt = 0
 
     def body() -> bytes:  # the same computation as a new graph (its output renamed)
@@ -80,8 +88,10 @@ def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
         salt += 1
         nodes, (output,) = w.graph["nodes"], w.graph["outputs"]
         renamed = f"{output}_{salt}"
-        graph = {"nodes": [n if n["id"] != output else {**n, "id": renamed} for n in nodes],
-                 "outputs": [renamed]}
+        graph = {
+            "nodes": [n if n["id"] != output else {**n, "id": renamed} for n in nodes],
+            "outputs": [renamed],
+        }
         return orjson.dumps({"graph": graph, "inputs": inputs})
 
     def spec() -> Graph:
@@ -121,13 +131,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     args = parser.parse_args()
-    print(f"compiler: {'compiled (mypyc)' if getattr(eg, 'NATIVE', False) else 'Python'}; "
-          f"µs a node, medians of {args.rounds} rounds")
+    print(
+        f"compiler: {'compiled (mypyc)' if getattr(eg, 'NATIVE', False) else 'Python'}; "
+        f"µs a node, medians of {args.rounds} rounds"
+    )
     for name in args.workloads.split(","):
         w = WORKLOADS[name]()
         figures = measure(w, args.rounds)
-        print(f"{name} ({len(w.graph['nodes'])} nodes): "
-              + "  ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
+        print(
+            f"{name} ({len(w.graph['nodes'])} nodes): "
+            + "  ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

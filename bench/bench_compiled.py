@@ -93,18 +93,27 @@ class Gradserve:
         eg = self._graph
         spec = eg.GraphSpec(
             nodes=[
-                eg.NodeSpec(id=n["id"], op=n.get("op"), args=n.get("args", ()),
-                            attrs=n.get("attrs", {}), expr=n.get("expr"))
+                eg.NodeSpec(
+                    id=n["id"],
+                    op=n.get("op"),
+                    args=n.get("args", ()),
+                    attrs=n.get("attrs", {}),
+                    expr=n.get("expr"),
+                )
                 for n in graph["nodes"]
             ],
             outputs=graph["outputs"],
         )
         wanted = frozenset(() if no_grad else requires_grad)
         specs = {k: eg.TensorSpec(a.shape, a.dtype.name, k in wanted) for k, a in inputs.items()}
-        go_specs = None if grad_outputs is None else {
-            k: eg.TensorSpec(a.shape, a.dtype.name) for k, a in grad_outputs.items()}
-        return eg.compile_graph(spec, specs, no_grad=no_grad, backward=not no_grad,
-                                grad_outputs=go_specs)
+        go_specs = (
+            None
+            if grad_outputs is None
+            else {k: eg.TensorSpec(a.shape, a.dtype.name) for k, a in grad_outputs.items()}
+        )
+        return eg.compile_graph(
+            spec, specs, no_grad=no_grad, backward=not no_grad, grad_outputs=go_specs
+        )
 
     def run(
         self, program: Any, inputs: Arrays, grad_outputs: Arrays | None = None
@@ -113,8 +122,12 @@ class Gradserve:
         r = self._graph.execute(program, inputs, grad_outputs=grad_outputs)
         outputs = {k: np.asarray(a) for k, a in r.outputs.items()}
         gradients = {k: np.asarray(a) for k, a in (r.gradients or {}).items()}
-        meta = {"nodes": r.nodes, "peak_bytes": r.peak_bytes,
-                "planned_peak_bytes": r.planned_peak_bytes, "timings_ms": r.timings_ms}
+        meta = {
+            "nodes": r.nodes,
+            "peak_bytes": r.peak_bytes,
+            "planned_peak_bytes": r.planned_peak_bytes,
+            "timings_ms": r.timings_ms,
+        }
         return outputs, gradients, meta
 
     def run_graph(
@@ -126,11 +139,14 @@ class Gradserve:
         no_grad: bool = False,
     ) -> tuple[Arrays, Arrays, dict[str, Any]]:
         """Compile only on a cache miss, keyed as the service keys programs."""
-        key = (self._graph_key(graph),
-               tuple((k, a.shape, a.dtype.str, k in requires_grad) for k, a in inputs.items()),
-               None if grad_outputs is None else tuple(
-                   (k, a.shape, a.dtype.str) for k, a in grad_outputs.items()),
-               no_grad)
+        key = (
+            self._graph_key(graph),
+            tuple((k, a.shape, a.dtype.str, k in requires_grad) for k, a in inputs.items()),
+            None
+            if grad_outputs is None
+            else tuple((k, a.shape, a.dtype.str) for k, a in grad_outputs.items()),
+            no_grad,
+        )
         program = self._cache.get(key)
         if program is None:
             program = self.compile(graph, inputs, requires_grad, grad_outputs, no_grad)
@@ -220,11 +236,16 @@ def recurrent_graph(steps: int, one: float = 1.0) -> Graph:
     nodes, h = [], "h0"
     for t in range(steps):
         nodes += [
-            op(f"xw{t}", "matmul", f"x{t}", "w"), op(f"hu{t}", "matmul", h, "u"),
-            op(f"s{t}", "add", f"xw{t}", f"hu{t}"), op(f"a{t}", "add", f"s{t}", "b"),
-            op(f"a1_{t}", "add", f"a{t}", one), op(f"f{t}", "sigmoid", f"a1_{t}"),
-            op(f"fh{t}", "mul", f"f{t}", h), op(f"g{t}", "sigmoid", f"a{t}"),
-            op(f"c{t}", "tanh", f"a{t}"), op(f"gc{t}", "mul", f"g{t}", f"c{t}"),
+            op(f"xw{t}", "matmul", f"x{t}", "w"),
+            op(f"hu{t}", "matmul", h, "u"),
+            op(f"s{t}", "add", f"xw{t}", f"hu{t}"),
+            op(f"a{t}", "add", f"s{t}", "b"),
+            op(f"a1_{t}", "add", f"a{t}", one),
+            op(f"f{t}", "sigmoid", f"a1_{t}"),
+            op(f"fh{t}", "mul", f"f{t}", h),
+            op(f"g{t}", "sigmoid", f"a{t}"),
+            op(f"c{t}", "tanh", f"a{t}"),
+            op(f"gc{t}", "mul", f"g{t}", f"c{t}"),
             op(f"h{t + 1}", "add", f"fh{t}", f"gc{t}"),
         ]
         h = f"h{t + 1}"
@@ -269,8 +290,11 @@ def recurrent_numpy(d: Arrays) -> tuple[np.ndarray, Arrays]:
         dh = dh * f + da @ u.T
     flat = das.reshape(-1, width)
     return loss, {
-        "w": xs.reshape(-1, width).T @ flat, "u": hs.reshape(-1, width).T @ flat,
-        "b": flat.sum(0), "h0": dh, "xs": das @ w.T,
+        "w": xs.reshape(-1, width).T @ flat,
+        "u": hs.reshape(-1, width).T @ flat,
+        "b": flat.sum(0),
+        "h0": dh,
+        "xs": das @ w.T,
     }
 
 
@@ -285,7 +309,8 @@ def recurrent_torch(t: dict[str, Any]) -> Any:
 def recurrent_inputs(d: Arrays) -> Arrays:
     """gradserve's inputs: each step its own input x_t (a view of xs)."""
     return {f"x{t}": d["xs"][t] for t in range(len(d["xs"]))} | {
-        k: d[k] for k in ("w", "u", "b", "h0")}
+        k: d[k] for k in ("w", "u", "b", "h0")
+    }
 
 
 def recurrent_cell(steps: int = 24, batch: int = 4, width: int = 16) -> Workload:
@@ -294,13 +319,20 @@ def recurrent_cell(steps: int = 24, batch: int = 4, width: int = 16) -> Workload
 
     def gradients(g: Arrays) -> Arrays:
         return {k: g[k] for k in ("w", "u", "b", "h0")} | {
-            "xs": np.stack([g[f"x{t}"] for t in range(steps)])}
+            "xs": np.stack([g[f"x{t}"] for t in range(steps)])
+        }
 
     return Workload(
-        f"recurrent cell {steps} steps, {batch}x{width} f32", recurrent_graph(steps),
-        recurrent_inputs(d), wrt, "loss", numpy=recurrent_numpy,
+        f"recurrent cell {steps} steps, {batch}x{width} f32",
+        recurrent_graph(steps),
+        recurrent_inputs(d),
+        wrt,
+        "loss",
+        numpy=recurrent_numpy,
         torch=torch_impl(recurrent_torch, ["xs", "w", "u", "b", "h0"]) if torch else None,
-        baseline_inputs=d, gs_gradients=gradients)
+        baseline_inputs=d,
+        gs_gradients=gradients,
+    )
 
 
 # ---------------------------------------------------------------- 2a. GradBench gmm
@@ -308,7 +340,8 @@ def recurrent_cell(steps: int = 24, batch: int = 4, width: int = 16) -> Workload
 
 def _multigammaln(a: float, p: int) -> float:
     return p * (p - 1) / 4 * math.log(math.pi) + sum(
-        math.lgamma(a + (1 - j) / 2) for j in range(1, p + 1))
+        math.lgamma(a + (1 - j) / 2) for j in range(1, p + 1)
+    )
 
 
 def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
@@ -323,29 +356,43 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
     tri = np.zeros((d, d), np.int64)
     tri[rows, cols] = d + np.arange(nl)  # where L[i, j] lives in icf (0: not in L)
     inputs = {
-        "alphas": rng.standard_normal(k), "means": rng.random((k, d)),
-        "icf": rng.standard_normal((k, d + nl)) * 0.5, "x": rng.random((n, d)),
-        "tri_idx": tri.ravel(), "tri_mask": (tri > 0).astype(np.float64).ravel(),
+        "alphas": rng.standard_normal(k),
+        "means": rng.random((k, d)),
+        "icf": rng.standard_normal((k, d + nl)) * 0.5,
+        "x": rng.random((n, d)),
+        "tri_idx": tri.ravel(),
+        "tri_mask": (tri > 0).astype(np.float64).ravel(),
     }
     gamma, m = 1.0, 0
     nw = d + m + 1
-    const = (-n * d * 0.5 * math.log(2 * math.pi)
-             + k * (nw * d * math.log(gamma / math.sqrt(2)) - _multigammaln(0.5 * nw, d)))
+    const = -n * d * 0.5 * math.log(2 * math.pi) + k * (
+        nw * d * math.log(gamma / math.sqrt(2)) - _multigammaln(0.5 * nw, d)
+    )
     half_g2 = 0.5 * gamma * gamma
-    graph = {"nodes": [
-        ex("q", f"slice(icf, dim=1, start=0, stop={d})"),
-        ex("l", f"slice(icf, dim=1, start={d})"),
-        ex("Q", "exp(q)"),
-        ex("sum_qs", "sum(q, dim=1)"),
-        ex("L", f"reshape(index_select(icf, tri_idx, dim=1) * tri_mask, shape=[{k}, {d}, {d}])"),
-        ex("xc", "unsqueeze(x, dim=1) - means"),
-        ex("Lx", 'Q * xc + einsum("kij,nkj->nki", L, xc)'),
-        ex("inner", "alphas + sum_qs - 0.5 * sum(Lx * Lx, dim=2)"),
-        ex("prior", f"-sum({half_g2!r} * (sum(Q * Q, dim=1) + sum(l * l, dim=1))"
-                    f" - {m} * sum_qs)"),
-        ex("loss", f"{const!r} + sum(logsumexp(inner, dim=1)) - {n} * logsumexp(alphas, dim=0)"
-                   " + prior"),
-    ], "outputs": ["loss"]}
+    graph = {
+        "nodes": [
+            ex("q", f"slice(icf, dim=1, start=0, stop={d})"),
+            ex("l", f"slice(icf, dim=1, start={d})"),
+            ex("Q", "exp(q)"),
+            ex("sum_qs", "sum(q, dim=1)"),
+            ex(
+                "L", f"reshape(index_select(icf, tri_idx, dim=1) * tri_mask, shape=[{k}, {d}, {d}])"
+            ),
+            ex("xc", "unsqueeze(x, dim=1) - means"),
+            ex("Lx", 'Q * xc + einsum("kij,nkj->nki", L, xc)'),
+            ex("inner", "alphas + sum_qs - 0.5 * sum(Lx * Lx, dim=2)"),
+            ex(
+                "prior",
+                f"-sum({half_g2!r} * (sum(Q * Q, dim=1) + sum(l * l, dim=1)) - {m} * sum_qs)",
+            ),
+            ex(
+                "loss",
+                f"{const!r} + sum(logsumexp(inner, dim=1)) - {n} * logsumexp(alphas, dim=0)"
+                " + prior",
+            ),
+        ],
+        "outputs": ["loss"],
+    }
 
     def numpy_gmm(a: Arrays) -> tuple[np.ndarray, Arrays]:
         alphas, means, icf, x = a["alphas"], a["means"], a["icf"], a["x"]
@@ -362,8 +409,13 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         am = alphas.max()
         ea = np.exp(alphas - am)
         sa = ea.sum()
-        value = (const + np.sum(np.log(se) + mx) - n * (np.log(sa) + am)
-                 - half_g2 * (np.sum(Q * Q) + np.sum(lo * lo)) + m * q.sum())
+        value = (
+            const
+            + np.sum(np.log(se) + mx)
+            - n * (np.log(sa) + am)
+            - half_g2 * (np.sum(Q * Q) + np.sum(lo * lo))
+            + m * q.sum()
+        )
         P = e / se  # d value / d inner
         dsum_qs = P.sum(0)
         dLx = -P[:, :, None] * Lx
@@ -373,8 +425,11 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         dicf = np.empty_like(icf)
         dicf[:, :d] = dQ * Q + (dsum_qs + m)[:, None]
         dicf[:, d:] = dL[:, rows, cols] - 2 * half_g2 * lo
-        return np.asarray(value), {"alphas": dsum_qs - n * ea / sa, "means": -dxc.sum(0),
-                                   "icf": dicf}
+        return np.asarray(value), {
+            "alphas": dsum_qs - n * ea / sa,
+            "means": -dxc.sum(0),
+            "icf": dicf,
+        }
 
     def torch_gmm(t: dict[str, Any]) -> Any:  # GradBench's PyTorch gmm_objective, vectorised
         alphas, means, icf, x = t["alphas"], t["means"], t["icf"], t["x"]
@@ -385,14 +440,21 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Workload:
         xc = x[:, None, :] - means
         Lx = Q * xc + torch.einsum("kij,nkj->nki", L, xc)
         inner = alphas + sum_qs - 0.5 * torch.sum(Lx**2, 2)
-        prior = -torch.sum(half_g2 * (torch.sum(Q**2, 1) + torch.sum(icf[:, d:] ** 2, 1))
-                           - m * sum_qs)
-        return (const + torch.sum(torch.logsumexp(inner, 1))
-                - n * torch.logsumexp(alphas, 0) + prior)
+        prior = -torch.sum(
+            half_g2 * (torch.sum(Q**2, 1) + torch.sum(icf[:, d:] ** 2, 1)) - m * sum_qs
+        )
+        return const + torch.sum(torch.logsumexp(inner, 1)) - n * torch.logsumexp(alphas, 0) + prior
 
     wrt = ["alphas", "means", "icf"]
-    return Workload(f"gmm d={d} k={k} n={n} f64", graph, inputs, wrt, "loss",
-                    numpy=numpy_gmm, torch=torch_impl(torch_gmm, wrt) if torch else None)
+    return Workload(
+        f"gmm d={d} k={k} n={n} f64",
+        graph,
+        inputs,
+        wrt,
+        "loss",
+        numpy=numpy_gmm,
+        torch=torch_impl(torch_gmm, wrt) if torch else None,
+    )
 
 
 # ---------------------------------------------------------------- 2b. GradBench lstm
@@ -413,8 +475,9 @@ def lstm(layers: int = 2, hidden: int = 14, seq: int = 10) -> Workload:
     }
 
     def row(name: str, r: int, width: int) -> dict[str, Any]:
-        return ex(f"{name}{r}", f"reshape(slice({name}, dim=0, start={r}, stop={r + 1}), "
-                                f"shape=[{width}])")
+        return ex(
+            f"{name}{r}", f"reshape(slice({name}, dim=0, start={r}, stop={r + 1}), shape=[{width}])"
+        )
 
     nodes = [row("main_params", r, 4 * b) for r in range(2 * layers)]
     nodes += [row("extra_params", r, b) for r in range(3)]
@@ -432,15 +495,19 @@ def lstm(layers: int = 2, hidden: int = 14, seq: int = 10) -> Workload:
                 ex(g, f"cat({x}, {h}, {x}, {h}) * main_params{2 * i} + main_params{2 * i + 1}"),
                 ex(s, f"sigmoid(slice({g}, dim=0, start=0, stop={3 * b}))"),
                 ex(ch, f"tanh(slice({g}, dim=0, start={3 * b}))"),
-                ex(f"c{i}_{t}", f"{cl} * slice({s}, dim=0, start=0, stop={b})"
-                                f" + slice({s}, dim=0, start={b}, stop={2 * b}) * {ch}"),
-                ex(f"h{i}_{t}", f"slice({s}, dim=0, start={2 * b}, stop={3 * b})"
-                                f" * tanh(c{i}_{t})"),
+                ex(
+                    f"c{i}_{t}",
+                    f"{cl} * slice({s}, dim=0, start=0, stop={b})"
+                    f" + slice({s}, dim=0, start={b}, stop={2 * b}) * {ch}",
+                ),
+                ex(f"h{i}_{t}", f"slice({s}, dim=0, start={2 * b}, stop={3 * b}) * tanh(c{i}_{t})"),
             ]
             hs[i], cs[i], x = f"h{i}_{t}", f"c{i}_{t}", f"h{i}_{t}"
-        nodes += [ex(f"yp{t}", f"{x} * extra_params1 + extra_params2"),
-                  ex(f"yn{t}", f"yp{t} - log(sum(exp(yp{t})) + 2)"),
-                  ex(f"tot{t}", f"{total}sum(sequence{t + 1} * yn{t})")]
+        nodes += [
+            ex(f"yp{t}", f"{x} * extra_params1 + extra_params2"),
+            ex(f"yn{t}", f"yp{t} - log(sum(exp(yp{t})) + 2)"),
+            ex(f"tot{t}", f"{total}sum(sequence{t + 1} * yn{t})"),
+        ]
         total = f"tot{t} + "
     nodes.append(ex("loss", f"-tot{c - 2} / {(c - 1) * b}"))
     graph = {"nodes": nodes, "outputs": ["loss"]}
@@ -457,11 +524,11 @@ def lstm(layers: int = 2, hidden: int = 14, seq: int = 10) -> Workload:
             for i in range(layers):
                 cat = np.concatenate((x, h[i], x, h[i]))
                 g = cat * M[2 * i] + M[2 * i + 1]
-                s, ch = _sigmoid(g[:3 * b]), np.tanh(g[3 * b:])
-                cn = cl[i] * s[:b] + s[b:2 * b] * ch
+                s, ch = _sigmoid(g[: 3 * b]), np.tanh(g[3 * b :])
+                cn = cl[i] * s[:b] + s[b : 2 * b] * ch
                 th = np.tanh(cn)
                 cells.append((cat, cl[i], s, ch, th))
-                cl[i], h[i] = cn, s[2 * b:] * th
+                cl[i], h[i] = cn, s[2 * b :] * th
                 x = h[i]
             yp = x * E[1] + E[2]
             ey = np.exp(yp)
@@ -482,14 +549,14 @@ def lstm(layers: int = 2, hidden: int = 14, seq: int = 10) -> Workload:
             for i in reversed(range(layers)):
                 cat, cprev, s, ch, th = cells[i]
                 dhn = dx + dh[i]
-                dcn = dhn * s[2 * b:] * (1 - th * th) + dc[i]
+                dcn = dhn * s[2 * b :] * (1 - th * th) + dc[i]
                 ds = np.concatenate((dcn * cprev, dcn * ch, dhn * th))
-                dg = np.concatenate((ds * s * (1 - s), dcn * s[b:2 * b] * (1 - ch * ch)))
+                dg = np.concatenate((ds * s * (1 - s), dcn * s[b : 2 * b] * (1 - ch * ch)))
                 dM[2 * i] += dg * cat
                 dM[2 * i + 1] += dg
                 dcat = dg * M[2 * i]
-                dx = dcat[:b] + dcat[2 * b:3 * b]
-                dh[i] = dcat[b:2 * b] + dcat[3 * b:]
+                dx = dcat[:b] + dcat[2 * b : 3 * b]
+                dh[i] = dcat[b : 2 * b] + dcat[3 * b :]
                 dc[i] = dcn * s[:b]
             dE[0] += dx * sq[t]
         return np.asarray(-total / count), {"main_params": dM, "extra_params": dE}
@@ -503,17 +570,24 @@ def lstm(layers: int = 2, hidden: int = 14, seq: int = 10) -> Workload:
             x = sq[t] * E[0]
             for i in range(layers):
                 g = torch.cat((x, h[i], x, h[i])) * M[2 * i] + M[2 * i + 1]
-                s, ch = torch.sigmoid(g[:3 * b]), torch.tanh(g[3 * b:])
-                cl[i] = cl[i] * s[:b] + s[b:2 * b] * ch
-                h[i] = s[2 * b:] * torch.tanh(cl[i])
+                s, ch = torch.sigmoid(g[: 3 * b]), torch.tanh(g[3 * b :])
+                cl[i] = cl[i] * s[:b] + s[b : 2 * b] * ch
+                h[i] = s[2 * b :] * torch.tanh(cl[i])
                 x = h[i]
             yp = x * E[1] + E[2]
             total = total + torch.sum(sq[t + 1] * (yp - torch.log(torch.sum(torch.exp(yp)) + 2)))
         return -total / ((c - 1) * b)
 
     wrt = ["main_params", "extra_params"]
-    return Workload(f"lstm l={layers} b={hidden} c={seq} f64", graph, inputs, wrt, "loss",
-                    numpy=numpy_lstm, torch=torch_impl(torch_lstm, wrt) if torch else None)
+    return Workload(
+        f"lstm l={layers} b={hidden} c={seq} f64",
+        graph,
+        inputs,
+        wrt,
+        "loss",
+        numpy=numpy_lstm,
+        torch=torch_impl(torch_lstm, wrt) if torch else None,
+    )
 
 
 # ---------------------------------------------------------------- 2c. GradBench ba
@@ -540,7 +614,9 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
     cams[:, 7:9] = rng.normal(0, 0.01, (n_cams, 2))
     cams[:, 9:11] = rng.normal(0, [0.05, 0.005], (n_cams, 2))
     inputs = {
-        "cams": cams, "X": rng.normal(0, 1, (n_points, 3)), "w": rng.uniform(0.5, 1.5, p),
+        "cams": cams,
+        "X": rng.normal(0, 1, (n_points, 3)),
+        "w": rng.uniform(0.5, 1.5, p),
         "feats": rng.normal(0, 0.1, (p, 2)),
         "cam_idx": np.arange(p, dtype=np.int64) % n_cams,  # GradBench cycles both
         "pt_idx": np.arange(p, dtype=np.int64) % n_points,
@@ -549,24 +625,33 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
     def sl(x: str, a: int, b: int) -> str:
         return f"slice({x}, dim=1, start={a}, stop={b})"
 
-    graph = {"nodes": [
-        ex("cam", "index_select(cams, cam_idx, dim=0)"),
-        ex("pt", "index_select(X, pt_idx, dim=0)"),
-        ex("rot", sl("cam", 0, 3)),
-        ex("Xc", f"pt - {sl('cam', 3, 6)}"),
-        ex("theta", "sqrt(sum(rot * rot, dim=1, keepdim=True))"),
-        ex("cost", "cos(theta)"),
-        ex("axis", "rot / theta"),
-        ex("Xcam", "Xc * cost + cross(axis, Xc, dim=1) * sin(theta)"
-                   " + axis * (sum(axis * Xc, dim=1, keepdim=True) * (1 - cost))"),
-        ex("proj", f"{sl('Xcam', 0, 2)} / {sl('Xcam', 2, 3)}"),
-        ex("rsq", "sum(proj * proj, dim=1, keepdim=True)"),
-        ex("distort", f"1 + {sl('cam', 9, 10)} * rsq + {sl('cam', 10, 11)} * rsq * rsq"),
-        ex("err", f"unsqueeze(w, dim=1) * (proj * distort * {sl('cam', 6, 7)}"
-                  f" + {sl('cam', 7, 9)} - feats)"),
-        ex("werr", "1 - w * w"),
-        ex("loss", "sum(err * err) + sum(werr * werr)"),
-    ], "outputs": ["loss"]}
+    graph = {
+        "nodes": [
+            ex("cam", "index_select(cams, cam_idx, dim=0)"),
+            ex("pt", "index_select(X, pt_idx, dim=0)"),
+            ex("rot", sl("cam", 0, 3)),
+            ex("Xc", f"pt - {sl('cam', 3, 6)}"),
+            ex("theta", "sqrt(sum(rot * rot, dim=1, keepdim=True))"),
+            ex("cost", "cos(theta)"),
+            ex("axis", "rot / theta"),
+            ex(
+                "Xcam",
+                "Xc * cost + cross(axis, Xc, dim=1) * sin(theta)"
+                " + axis * (sum(axis * Xc, dim=1, keepdim=True) * (1 - cost))",
+            ),
+            ex("proj", f"{sl('Xcam', 0, 2)} / {sl('Xcam', 2, 3)}"),
+            ex("rsq", "sum(proj * proj, dim=1, keepdim=True)"),
+            ex("distort", f"1 + {sl('cam', 9, 10)} * rsq + {sl('cam', 10, 11)} * rsq * rsq"),
+            ex(
+                "err",
+                f"unsqueeze(w, dim=1) * (proj * distort * {sl('cam', 6, 7)}"
+                f" + {sl('cam', 7, 9)} - feats)",
+            ),
+            ex("werr", "1 - w * w"),
+            ex("loss", "sum(err * err) + sum(werr * werr)"),
+        ],
+        "outputs": ["loss"],
+    }
 
     def numpy_ba(a: Arrays) -> tuple[np.ndarray, Arrays]:
         ci, pi, w = a["cam_idx"], a["pt_idx"], a["w"]
@@ -627,8 +712,11 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
         theta = torch.sqrt(torch.sum(rot**2, 1, keepdim=True))
         cost = torch.cos(theta)
         ax = rot / theta
-        Xcam = (Xc * cost + torch.linalg.cross(ax, Xc, dim=1) * torch.sin(theta)
-                + ax * (torch.sum(ax * Xc, 1, keepdim=True) * (1 - cost)))
+        Xcam = (
+            Xc * cost
+            + torch.linalg.cross(ax, Xc, dim=1) * torch.sin(theta)
+            + ax * (torch.sum(ax * Xc, 1, keepdim=True) * (1 - cost))
+        )
         proj = Xcam[:, 0:2] / Xcam[:, 2:3]
         rsq = torch.sum(proj**2, 1, keepdim=True)
         dist = 1 + cam[:, 9:10] * rsq + cam[:, 10:11] * rsq * rsq
@@ -636,8 +724,15 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
         return torch.sum(err**2) + torch.sum((1 - w**2) ** 2)
 
     wrt = ["cams", "X", "w"]
-    return Workload(f"ba {n_cams} cams {n_points} pts {p} obs f64", graph, inputs, wrt,
-                    "loss", numpy=numpy_ba, torch=torch_impl(torch_ba, wrt) if torch else None)
+    return Workload(
+        f"ba {n_cams} cams {n_points} pts {p} obs f64",
+        graph,
+        inputs,
+        wrt,
+        "loss",
+        numpy=numpy_ba,
+        torch=torch_impl(torch_ba, wrt) if torch else None,
+    )
 
 
 # ---------------------------------------------------------------- 3. tests/test_objectives.py
@@ -649,14 +744,22 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
 def objectives_data() -> Arrays:
     rng = np.random.default_rng(42)  # the same draws, in the same order, as the tests' _data
     return {
-        "X": rng.standard_normal((16, 5)), "w": rng.standard_normal(5) * 0.3,
-        "b": rng.standard_normal(()), "y": np.where(rng.standard_normal(16) > 0, 1.0, -1.0),
-        "W1": rng.standard_normal((5, 8)) * 0.4, "b1": rng.standard_normal(8) * 0.1,
-        "W2": rng.standard_normal((8, 3)) * 0.4, "onehot": np.eye(3)[rng.integers(0, 3, 16)],
-        "labels": rng.integers(0, 3, (16, 1)), "Q": rng.standard_normal((2, 4, 6)),
-        "K": rng.standard_normal((2, 4, 6)), "V": rng.standard_normal((2, 4, 6)),
-        "gamma": rng.uniform(0.5, 1.5, 5), "beta": rng.standard_normal(5) * 0.1,
-        "A": rng.standard_normal((4, 4)) + 4 * np.eye(4), "t": rng.standard_normal(4),
+        "X": rng.standard_normal((16, 5)),
+        "w": rng.standard_normal(5) * 0.3,
+        "b": rng.standard_normal(()),
+        "y": np.where(rng.standard_normal(16) > 0, 1.0, -1.0),
+        "W1": rng.standard_normal((5, 8)) * 0.4,
+        "b1": rng.standard_normal(8) * 0.1,
+        "W2": rng.standard_normal((8, 3)) * 0.4,
+        "onehot": np.eye(3)[rng.integers(0, 3, 16)],
+        "labels": rng.integers(0, 3, (16, 1)),
+        "Q": rng.standard_normal((2, 4, 6)),
+        "K": rng.standard_normal((2, 4, 6)),
+        "V": rng.standard_normal((2, 4, 6)),
+        "gamma": rng.uniform(0.5, 1.5, 5),
+        "beta": rng.standard_normal(5) * 0.1,
+        "A": rng.standard_normal((4, 4)) + 4 * np.eye(4),
+        "t": rng.standard_normal(4),
     }
 
 
@@ -664,26 +767,44 @@ def _objectives_torch() -> dict[str, Callable[[dict[str, Any]], Any]]:
     F = torch.nn.functional
     return {
         "least-squares": lambda d: torch.mean((d["X"] @ d["w"] + d["b"] - d["y"]) ** 2),
-        "logistic-regression-l2": lambda d: torch.mean(
-            F.softplus(-d["y"] * (d["X"] @ d["w"] + d["b"]))) + 0.01 * torch.sum(d["w"] * d["w"]),
+        "logistic-regression-l2": lambda d: (
+            torch.mean(F.softplus(-d["y"] * (d["X"] @ d["w"] + d["b"])))
+            + 0.01 * torch.sum(d["w"] * d["w"])
+        ),
         "mlp-cross-entropy": lambda d: F.cross_entropy(
-            torch.relu(d["X"] @ d["W1"] + d["b1"]) @ d["W2"], d["onehot"].argmax(dim=1)),
-        "nll-by-gather": lambda d: -torch.mean(torch.gather(
-            torch.log_softmax(torch.tanh(d["X"] @ d["W1"]) @ d["W2"], dim=-1), 1, d["labels"])),
-        "attention": lambda d: torch.sum((torch.softmax(
-            d["Q"] @ d["K"].transpose(-2, -1) / 2.449489742783178, dim=-1) @ d["V"]) ** 2),
+            torch.relu(d["X"] @ d["W1"] + d["b1"]) @ d["W2"], d["onehot"].argmax(dim=1)
+        ),
+        "nll-by-gather": lambda d: (
+            -torch.mean(
+                torch.gather(
+                    torch.log_softmax(torch.tanh(d["X"] @ d["W1"]) @ d["W2"], dim=-1),
+                    1,
+                    d["labels"],
+                )
+            )
+        ),
+        "attention": lambda d: torch.sum(
+            (torch.softmax(d["Q"] @ d["K"].transpose(-2, -1) / 2.449489742783178, dim=-1) @ d["V"])
+            ** 2
+        ),
         "layer-norm": lambda d: torch.sum(
-            F.layer_norm(d["X"], (5,), d["gamma"], d["beta"], eps=1e-5) ** 3),
+            F.layer_norm(d["X"], (5,), d["gamma"], d["beta"], eps=1e-5) ** 3
+        ),
         "logsumexp-softmax-margin": lambda d: torch.mean(
-            torch.logsumexp(d["X"] @ d["W1"], dim=1) - torch.amax(d["X"] @ d["W1"], dim=1)),
-        "linear-system": lambda d: torch.sum(torch.linalg.solve(d["A"], d["t"]) ** 2)
-        + torch.log(torch.abs(torch.linalg.det(d["A"])))
-        + torch.sum(torch.inverse(d["A"]) * d["A"]),
-        "huber-with-where-and-clamp": lambda d: F.huber_loss(
-            d["X"] @ d["w"] - 0.5, torch.zeros(16, dtype=torch.float64))
-        + torch.sum(torch.clamp(d["w"], -0.2, 0.2) ** 2),
-        "einsum-bilinear": lambda d: torch.sum(
-            torch.einsum("bi,ij,bj->b", d["X"], d["W1"] @ d["W1"].T, d["X"]) ** 2) / 100.0,
+            torch.logsumexp(d["X"] @ d["W1"], dim=1) - torch.amax(d["X"] @ d["W1"], dim=1)
+        ),
+        "linear-system": lambda d: (
+            torch.sum(torch.linalg.solve(d["A"], d["t"]) ** 2)
+            + torch.log(torch.abs(torch.linalg.det(d["A"])))
+            + torch.sum(torch.inverse(d["A"]) * d["A"])
+        ),
+        "huber-with-where-and-clamp": lambda d: (
+            F.huber_loss(d["X"] @ d["w"] - 0.5, torch.zeros(16, dtype=torch.float64))
+            + torch.sum(torch.clamp(d["w"], -0.2, 0.2) ** 2)
+        ),
+        "einsum-bilinear": lambda d: (
+            torch.sum(torch.einsum("bi,ij,bj->b", d["X"], d["W1"] @ d["W1"].T, d["X"]) ** 2) / 100.0
+        ),
     }
 
 
@@ -691,38 +812,82 @@ def _objectives_torch() -> dict[str, Callable[[dict[str, Any]], Any]]:
 OBJECTIVES: dict[str, tuple[list[dict[str, Any]], str, list[str]]] = {
     "least-squares": ([ex("loss", "mean((X @ w + b - y) ** 2)")], "loss", ["w", "b"]),
     "logistic-regression-l2": (
-        [ex("margin", "-y * (X @ w + b)"),
-         ex("loss", "mean(softplus(margin)) + 0.01 * sum(w * w)")], "loss", ["w", "b"]),
+        [
+            ex("margin", "-y * (X @ w + b)"),
+            ex("loss", "mean(softplus(margin)) + 0.01 * sum(w * w)"),
+        ],
+        "loss",
+        ["w", "b"],
+    ),
     "mlp-cross-entropy": (
-        [ex("h", "relu(X @ W1 + b1)"), ex("logits", "h @ W2"),
-         ex("loss", "-mean(sum(onehot * log_softmax(logits, dim=1), dim=1))")],
-        "loss", ["W1", "b1", "W2"]),
+        [
+            ex("h", "relu(X @ W1 + b1)"),
+            ex("logits", "h @ W2"),
+            ex("loss", "-mean(sum(onehot * log_softmax(logits, dim=1), dim=1))"),
+        ],
+        "loss",
+        ["W1", "b1", "W2"],
+    ),
     "nll-by-gather": (
-        [ex("logp", "log_softmax(tanh(X @ W1) @ W2, dim=-1)"),
-         op("picked", "gather", "logp", "labels", dim=1), ex("loss", "-mean(picked)")],
-        "loss", ["W1", "W2"]),
+        [
+            ex("logp", "log_softmax(tanh(X @ W1) @ W2, dim=-1)"),
+            op("picked", "gather", "logp", "labels", dim=1),
+            ex("loss", "-mean(picked)"),
+        ],
+        "loss",
+        ["W1", "W2"],
+    ),
     "attention": (
-        [ex("scores", "Q @ transpose(K, dim0=-2, dim1=-1) / 2.449489742783178"),
-         ex("out", "softmax(scores, dim=-1) @ V"), ex("loss", "sum(out * out)")],
-        "loss", ["Q", "K", "V"]),
+        [
+            ex("scores", "Q @ transpose(K, dim0=-2, dim1=-1) / 2.449489742783178"),
+            ex("out", "softmax(scores, dim=-1) @ V"),
+            ex("loss", "sum(out * out)"),
+        ],
+        "loss",
+        ["Q", "K", "V"],
+    ),
     "layer-norm": (
-        [ex("mu", "mean(X, dim=-1, keepdim=True)"),
-         ex("var", "var(X, dim=-1, keepdim=True, correction=0)"),
-         ex("n", "(X - mu) / sqrt(var + 1e-5) * gamma + beta"), ex("loss", "sum(n ** 3)")],
-        "loss", ["X", "gamma", "beta"]),
+        [
+            ex("mu", "mean(X, dim=-1, keepdim=True)"),
+            ex("var", "var(X, dim=-1, keepdim=True, correction=0)"),
+            ex("n", "(X - mu) / sqrt(var + 1e-5) * gamma + beta"),
+            ex("loss", "sum(n ** 3)"),
+        ],
+        "loss",
+        ["X", "gamma", "beta"],
+    ),
     "logsumexp-softmax-margin": (
         [ex("s", "X @ W1"), ex("loss", "mean(logsumexp(s, dim=1) - max(s, dim=1))")],
-        "loss", ["W1"]),
+        "loss",
+        ["W1"],
+    ),
     "linear-system": (
-        [ex("x", "solve(A, t)"),
-         ex("loss", "sum(x * x) + log(abs(det(A))) + sum(inv(A) * A)")], "loss", ["A", "t"]),
+        [ex("x", "solve(A, t)"), ex("loss", "sum(x * x) + log(abs(det(A))) + sum(inv(A) * A)")],
+        "loss",
+        ["A", "t"],
+    ),
     "huber-with-where-and-clamp": (
-        [ex("r", "X @ w - 0.5"),
-         ex("loss", "mean(where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5))"
-                    " + sum(clamp(w, min=-0.2, max=0.2) ** 2)")], "loss", ["w"]),
+        [
+            ex("r", "X @ w - 0.5"),
+            ex(
+                "loss",
+                "mean(where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5))"
+                " + sum(clamp(w, min=-0.2, max=0.2) ** 2)",
+            ),
+        ],
+        "loss",
+        ["w"],
+    ),
     "einsum-bilinear": (
-        [ex("loss", 'sum(einsum("bi,ij,bj->b", X, W1 @ transpose(W1, dim0=0, '
-                    'dim1=1), X) ** 2) / 100.0')], "loss", ["W1"]),
+        [
+            ex(
+                "loss",
+                'sum(einsum("bi,ij,bj->b", X, W1 @ transpose(W1, dim0=0, dim1=1), X) ** 2) / 100.0',
+            )
+        ],
+        "loss",
+        ["W1"],
+    ),
 }
 
 
@@ -733,9 +898,16 @@ def objectives() -> list[Workload]:
     for name, (nodes, output, wrt) in OBJECTIVES.items():
         words = input_names(nodes)
         inputs = {k: v for k, v in data.items() if k in words}  # what a client would send
-        out.append(Workload(
-            f"objective {name}", {"nodes": nodes, "outputs": [output]}, inputs, wrt, output,
-            torch=torch_impl(refs[name], wrt) if torch else None))
+        out.append(
+            Workload(
+                f"objective {name}",
+                {"nodes": nodes, "outputs": [output]},
+                inputs,
+                wrt,
+                output,
+                torch=torch_impl(refs[name], wrt) if torch else None,
+            )
+        )
     return out
 
 
@@ -746,8 +918,9 @@ def scalar_chain(n: int = 1000) -> Workload:
     nodes, prev = [], "x"
     for i in range(n // 2):
         nodes.append(op(f"m{i}", "mul", prev, 1.0001))
-        nodes.append(op(f"n{i}", "add", f"m{i}", 0.5) if i % 2
-                     else op(f"n{i}", "sub", f"m{i}", 0.25))
+        nodes.append(
+            op(f"n{i}", "add", f"m{i}", 0.5) if i % 2 else op(f"n{i}", "sub", f"m{i}", 0.25)
+        )
         prev = f"n{i}"
 
     def torch_chain(t: dict[str, Any]) -> Any:
@@ -757,23 +930,50 @@ def scalar_chain(n: int = 1000) -> Workload:
             y = y + 0.5 if i % 2 else y - 0.25
         return y
 
-    return Workload(f"scalar chain {n} ops 0-d f32", {"nodes": nodes, "outputs": [prev]},
-                    {"x": np.array(0.5, np.float32)}, ["x"], prev,
-                    torch=torch_impl(torch_chain, ["x"]) if torch else None,
-                    per=n, unit="µs/op")
+    return Workload(
+        f"scalar chain {n} ops 0-d f32",
+        {"nodes": nodes, "outputs": [prev]},
+        {"x": np.array(0.5, np.float32)},
+        ["x"],
+        prev,
+        torch=torch_impl(torch_chain, ["x"]) if torch else None,
+        per=n,
+        unit="µs/op",
+    )
 
 
 # ---------------------------------------------------------------- 5, 6. elementwise chains
 
 CHAIN16: list[tuple[str, float | None]] = [
-    ("sin", None), ("mul", 0.5), ("tanh", None), ("exp", None), ("add", 1.0), ("log", None),
-    ("reciprocal", None), ("square", None), ("cos", None), ("mul", 2.0), ("exp", None),
-    ("sqrt", None), ("sub", 1.0), ("tanh", None), ("sin", None), ("mul", 3.0),
+    ("sin", None),
+    ("mul", 0.5),
+    ("tanh", None),
+    ("exp", None),
+    ("add", 1.0),
+    ("log", None),
+    ("reciprocal", None),
+    ("square", None),
+    ("cos", None),
+    ("mul", 2.0),
+    ("exp", None),
+    ("sqrt", None),
+    ("sub", 1.0),
+    ("tanh", None),
+    ("sin", None),
+    ("mul", 3.0),
 ]
 _NP_OPS: dict[str, Callable[..., np.ndarray]] = {
-    "sin": np.sin, "tanh": np.tanh, "exp": np.exp, "log": np.log, "cos": np.cos,
-    "sqrt": np.sqrt, "reciprocal": np.reciprocal, "square": np.square,
-    "mul": np.multiply, "add": np.add, "sub": np.subtract,
+    "sin": np.sin,
+    "tanh": np.tanh,
+    "exp": np.exp,
+    "log": np.log,
+    "cos": np.cos,
+    "sqrt": np.sqrt,
+    "reciprocal": np.reciprocal,
+    "square": np.square,
+    "mul": np.multiply,
+    "add": np.add,
+    "sub": np.subtract,
 }
 
 
@@ -838,12 +1038,26 @@ def elementwise_chain(size: int, grad: bool) -> Workload:
     graph = chain_graph(CHAIN16)
     name = f"16-op chain {_count(size)} f64 ({x.nbytes / 2**20:.3g} MB)"
     if not grad:
-        return Workload(f"{name}, no_grad", graph,
-                        {"x": x}, [], "e15", numpy=numpy_chain16_forward, no_grad=True)
+        return Workload(
+            f"{name}, no_grad",
+            graph,
+            {"x": x},
+            [],
+            "e15",
+            numpy=numpy_chain16_forward,
+            no_grad=True,
+        )
     gout = np.ones(size)
-    return Workload(f"{name}, fwd+bwd", graph,
-                    {"x": x}, ["x"], "e15", numpy=numpy_chain16,
-                    baseline_inputs={"x": x, "gout": gout}, grad_outputs={"e15": gout})
+    return Workload(
+        f"{name}, fwd+bwd",
+        graph,
+        {"x": x},
+        ["x"],
+        "e15",
+        numpy=numpy_chain16,
+        baseline_inputs={"x": x, "gout": gout},
+        grad_outputs={"e15": gout},
+    )
 
 
 def peak_chain(size: int) -> Workload:
@@ -855,9 +1069,15 @@ def peak_chain(size: int) -> Workload:
             h = _NP_OPS[name](h) if k is None else _NP_OPS[name](h, k)
         return h, {}
 
-    return Workload(f"32-op chain {_count(size)} f64, no_grad peak", chain_graph(ops),
-                    {"x": np.random.default_rng(6).uniform(-1, 1, size)}, [], "e31",
-                    numpy=numpy_forward, no_grad=True)
+    return Workload(
+        f"32-op chain {_count(size)} f64, no_grad peak",
+        chain_graph(ops),
+        {"x": np.random.default_rng(6).uniform(-1, 1, size)},
+        [],
+        "e31",
+        numpy=numpy_forward,
+        no_grad=True,
+    )
 
 
 # ---------------------------------------------------------------- 7. 30k-node unrolled graph
@@ -867,13 +1087,19 @@ def unrolled(steps: int = 10_000, width: int = 8) -> Workload:
     """h = tanh(h * w + x), unrolled: 3 op nodes a step, and a sum."""
     nodes, h = [], "h0"
     for t in range(steps):
-        nodes += [op(f"p{t}", "mul", h, "w"), op(f"q{t}", "add", f"p{t}", "x"),
-                  op(f"h{t + 1}", "tanh", f"q{t}")]
+        nodes += [
+            op(f"p{t}", "mul", h, "w"),
+            op(f"q{t}", "add", f"p{t}", "x"),
+            op(f"h{t + 1}", "tanh", f"q{t}"),
+        ]
         h = f"h{t + 1}"
     nodes.append(op("loss", "sum", h))
     rng = np.random.default_rng(7)
-    inputs = {"h0": rng.uniform(-1, 1, width), "w": rng.uniform(0.5, 1.0, width),
-              "x": rng.uniform(-0.5, 0.5, width)}
+    inputs = {
+        "h0": rng.uniform(-1, 1, width),
+        "w": rng.uniform(0.5, 1.0, width),
+        "x": rng.uniform(-0.5, 0.5, width),
+    }
 
     def torch_unrolled(t: dict[str, Any]) -> Any:
         h = t["h0"]
@@ -882,24 +1108,40 @@ def unrolled(steps: int = 10_000, width: int = 8) -> Workload:
         return torch.sum(h)
 
     wrt = ["h0", "w", "x"]
-    return Workload(f"unrolled recurrence {steps} steps, width {width} f64", {"nodes": nodes,
-                    "outputs": ["loss"]}, inputs, wrt, "loss",
-                    torch=torch_impl(torch_unrolled, wrt) if torch else None)
+    return Workload(
+        f"unrolled recurrence {steps} steps, width {width} f64",
+        {"nodes": nodes, "outputs": ["loss"]},
+        inputs,
+        wrt,
+        "loss",
+        torch=torch_impl(torch_unrolled, wrt) if torch else None,
+    )
 
 
 def small_workloads() -> list[Workload]:
     """Every workload at a size for the smoke test (correctness only)."""
-    return [recurrent_cell(), recurrent_cell(3, 2, 5), gmm(3, 4, 20), gmm(2, 5, 50),
-            lstm(2, 5, 4), ba(3, 8, 12), *objectives(), scalar_chain(20),
-            elementwise_chain(1000, grad=False), elementwise_chain(1000, grad=True),
-            peak_chain(1000), unrolled(30, 4)]
+    return [
+        recurrent_cell(),
+        recurrent_cell(3, 2, 5),
+        gmm(3, 4, 20),
+        gmm(2, 5, 50),
+        lstm(2, 5, 4),
+        ba(3, 8, 12),
+        *objectives(),
+        scalar_chain(20),
+        elementwise_chain(1000, grad=False),
+        elementwise_chain(1000, grad=True),
+        peak_chain(1000),
+        unrolled(30, 4),
+    ]
 
 
 # ================================================================ correctness
 
 
-def run_gradserve(w: Workload, gs: Gradserve, compiled: Any = None
-                  ) -> tuple[np.ndarray, Arrays, dict[str, Any]]:
+def run_gradserve(
+    w: Workload, gs: Gradserve, compiled: Any = None
+) -> tuple[np.ndarray, Arrays, dict[str, Any]]:
     if compiled is None:
         compiled = gs.compile(w.graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
     outputs, grads, meta = gs.run(compiled, w.inputs, w.grad_outputs)
@@ -926,8 +1168,9 @@ def check(w: Workload, gs: Gradserve) -> dict[str, Any]:
             continue
         _close(v, ref_value, rtol, f"{w.name}: value, {name} vs {ref_name}")
         if set(g) != set(ref_grads):
-            raise AssertionError(f"{w.name}: {name} has gradients {sorted(g)}, {ref_name} "
-                                 f"{sorted(ref_grads)}")
+            raise AssertionError(
+                f"{w.name}: {name} has gradients {sorted(g)}, {ref_name} {sorted(ref_grads)}"
+            )
         for k in ref_grads:
             _close(g[k], ref_grads[k], rtol, f"{w.name}: gradient {k!r}, {name} vs {ref_name}")
     return meta
@@ -952,12 +1195,12 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def measure(fns: dict[str, Callable[[], object]], rounds: int, budget_s: float
-            ) -> dict[str, list[float]]:
+def measure(
+    fns: dict[str, Callable[[], object]], rounds: int, budget_s: float
+) -> dict[str, list[float]]:
     """Per contender, one median per round; each round runs every contender in turn.
     Callers warm the contenders up first (the correctness check does)."""
-    repeats = {k: max(1, min(2000, int(budget_s / max(_timed(fn), 1e-9))))
-               for k, fn in fns.items()}
+    repeats = {k: max(1, min(2000, int(budget_s / max(_timed(fn), 1e-9)))) for k, fn in fns.items()}
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         gc.collect()
@@ -990,8 +1233,14 @@ def _salt_input(w: Workload) -> str:
     return next(k for k, a in w.inputs.items() if a.dtype.kind == "f")
 
 
-def bench_workload(w: Workload, gs: Gradserve, rounds: int, budget_s: float,
-                   np_target: float = 1.5, torch_target: float | None = 0.35) -> Row:
+def bench_workload(
+    w: Workload,
+    gs: Gradserve,
+    rounds: int,
+    budget_s: float,
+    np_target: float = 1.5,
+    torch_target: float | None = 0.35,
+) -> Row:
     meta = check(w, gs)
     nodes = meta["nodes"]
     first = _salt_input(w)
@@ -1000,14 +1249,14 @@ def bench_workload(w: Workload, gs: Gradserve, rounds: int, budget_s: float,
 
     def cold() -> None:
         g = salted(w.graph, next(salt), first)
-        gs.run(gs.compile(g, w.inputs, w.wrt, w.grad_outputs, w.no_grad), w.inputs,
-               w.grad_outputs)
+        gs.run(gs.compile(g, w.inputs, w.wrt, w.grad_outputs, w.no_grad), w.inputs, w.grad_outputs)
 
     fns: dict[str, Callable[[], object]] = {
         "warm": lambda: gs.run(compiled, w.inputs, w.grad_outputs),
         "cold": cold,
-        "compile": lambda: gs.compile(salted(w.graph, next(salt), first), w.inputs, w.wrt,
-                                      w.grad_outputs, w.no_grad),
+        "compile": lambda: gs.compile(
+            salted(w.graph, next(salt), first), w.inputs, w.wrt, w.grad_outputs, w.no_grad
+        ),
     }
     if w.numpy is not None:
         fns["numpy"] = functools.partial(w.numpy, w.base_inputs)
@@ -1016,11 +1265,20 @@ def bench_workload(w: Workload, gs: Gradserve, rounds: int, budget_s: float,
     s = measure(fns, rounds, budget_s)
     scale = (1e6 if w.unit.startswith("µs") else 1e3) / w.per
     med = {k: statistics.median(v) * scale for k, v in s.items()}
-    row = Row(w.name + (f" [{nodes} nodes]" if nodes > 1 else ""), w.unit, med["warm"],
-              med["cold"], med["compile"] / scale / nodes * 1e6, med.get("numpy"),
-              med.get("torch"))
-    row.ratios = {"warm/numpy": _ratio(s, "warm", "numpy"),
-                  "warm/torch": _ratio(s, "warm", "torch"), "cold/warm": _ratio(s, "cold", "warm")}
+    row = Row(
+        w.name + (f" [{nodes} nodes]" if nodes > 1 else ""),
+        w.unit,
+        med["warm"],
+        med["cold"],
+        med["compile"] / scale / nodes * 1e6,
+        med.get("numpy"),
+        med.get("torch"),
+    )
+    row.ratios = {
+        "warm/numpy": _ratio(s, "warm", "numpy"),
+        "warm/torch": _ratio(s, "warm", "torch"),
+        "cold/warm": _ratio(s, "cold", "warm"),
+    }
     targets = {"warm/numpy": np_target, "warm/torch": torch_target, "cold/warm": 2.0}
     for k, limit in targets.items():
         value = row.ratios[k]
@@ -1035,8 +1293,11 @@ def bench_peak(w: Workload, gs: Gradserve) -> Row:
     meta = check(w, gs)
     tensor = w.inputs["x"].nbytes
     peak, planned = meta["peak_bytes"] / tensor, meta["planned_peak_bytes"] / tensor
-    row = Row(w.name + f" [{meta['nodes']} nodes]", "tensors",
-              other=f"peak {peak:.2f} tensors (planned {planned:.2f})")
+    row = Row(
+        w.name + f" [{meta['nodes']} nodes]",
+        "tensors",
+        other=f"peak {peak:.2f} tensors (planned {planned:.2f})",
+    )
     if peak > 3:
         row.misses.append("peak>3")
     return row
@@ -1051,17 +1312,26 @@ def bench_unrolled(w: Workload, gs: Gradserve, rounds: int) -> Row:
     compiled = gs.compile(w.graph, w.inputs, w.wrt)
     salt = itertools.count(1)
     gs.run_graph(w.graph, w.inputs, w.wrt)  # the repeated runs follow this first one
-    s = measure({
-        "first": lambda: gs.run_graph(salted(w.graph, next(salt), first), w.inputs, w.wrt),
-        "repeat": lambda: gs.run_graph(w.graph, w.inputs, w.wrt),
-        "exec": lambda: gs.run(compiled, w.inputs),
-        "compile": lambda: gs.compile(salted(w.graph, next(salt), first), w.inputs, w.wrt),
-    }, min(rounds, 3), budget_s=0.0)
+    s = measure(
+        {
+            "first": lambda: gs.run_graph(salted(w.graph, next(salt), first), w.inputs, w.wrt),
+            "repeat": lambda: gs.run_graph(w.graph, w.inputs, w.wrt),
+            "exec": lambda: gs.run(compiled, w.inputs),
+            "compile": lambda: gs.compile(salted(w.graph, next(salt), first), w.inputs, w.wrt),
+        },
+        min(rounds, 3),
+        budget_s=0.0,
+    )
     med = {k: statistics.median(v) * 1e3 for k, v in s.items()}
     repeat = _ratio(s, "repeat", "exec")
-    row = Row(w.name + f" [{meta['nodes']} nodes]", "ms", med["exec"], med["first"],
-              med["compile"] / 1e3 / meta["nodes"] * 1e6,
-              other=f"repeat {med['repeat']:.0f} ms = {repeat:.2f}x exec")
+    row = Row(
+        w.name + f" [{meta['nodes']} nodes]",
+        "ms",
+        med["exec"],
+        med["first"],
+        med["compile"] / 1e3 / meta["nodes"] * 1e6,
+        other=f"repeat {med['repeat']:.0f} ms = {repeat:.2f}x exec",
+    )
     row.ratios = {"cold/warm": _ratio(s, "first", "exec")}
     if repeat is not None and repeat > 1.1:
         row.misses.append("repeat/exec>1.1")
@@ -1074,10 +1344,12 @@ def bench_unrolled(w: Workload, gs: Gradserve, rounds: int) -> Row:
 
 # ================================================================ the table
 
-TARGETS = ("targets: warm fwd+bwd <= 1.5x hand-written NumPy and <= 0.35x PyTorch eager; "
-           "cold <= 2x warm; compile <= 10 µs/node;\n         scalar chain <= 0.3x PyTorch "
-           "per op; 16-op 8M chain <= 1.0x NumPy (no_grad and grad); 32-op no_grad peak <= 3 "
-           "tensors;\n         30k-node repeated run <= 1.1x its forward+backward alone")
+TARGETS = (
+    "targets: warm fwd+bwd <= 1.5x hand-written NumPy and <= 0.35x PyTorch eager; "
+    "cold <= 2x warm; compile <= 10 µs/node;\n         scalar chain <= 0.3x PyTorch "
+    "per op; 16-op 8M chain <= 1.0x NumPy (no_grad and grad); 32-op no_grad peak <= 3 "
+    "tensors;\n         30k-node repeated run <= 1.1x its forward+backward alone"
+)
 
 
 def _fmt(v: float | None, spec: str = ".3g") -> str:
@@ -1085,20 +1357,49 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
 
 
 def print_table(rows: list[Row], header: str) -> None:
-    cols = ["workload", "unit", "gs warm", "gs cold", "compile µs/node", "NumPy", "PyTorch",
-            "warm/NumPy", "warm/PyTorch", "cold/warm", "misses", "other"]
-    body = [[r.name, r.unit, _fmt(r.warm), _fmt(r.cold), _fmt(r.compile_us, ".2f"),
-             _fmt(r.numpy), _fmt(r.torch), _fmt(r.ratios.get("warm/numpy"), ".2f"),
-             _fmt(r.ratios.get("warm/torch"), ".2f"), _fmt(r.ratios.get("cold/warm"), ".2f"),
-             ", ".join(r.misses) or "ok", r.other] for r in rows]
+    cols = [
+        "workload",
+        "unit",
+        "gs warm",
+        "gs cold",
+        "compile µs/node",
+        "NumPy",
+        "PyTorch",
+        "warm/NumPy",
+        "warm/PyTorch",
+        "cold/warm",
+        "misses",
+        "other",
+    ]
+    body = [
+        [
+            r.name,
+            r.unit,
+            _fmt(r.warm),
+            _fmt(r.cold),
+            _fmt(r.compile_us, ".2f"),
+            _fmt(r.numpy),
+            _fmt(r.torch),
+            _fmt(r.ratios.get("warm/numpy"), ".2f"),
+            _fmt(r.ratios.get("warm/torch"), ".2f"),
+            _fmt(r.ratios.get("cold/warm"), ".2f"),
+            ", ".join(r.misses) or "ok",
+            r.other,
+        ]
+        for r in rows
+    ]
     widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
     print(header)
     print(TARGETS)
     print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(cols)).rstrip())
     print("-|-".join("-" * wd for wd in widths))
     for b in body:
-        print(" | ".join(v.ljust(widths[i]) if i in (0, 1, 10, 11) else v.rjust(widths[i])
-                         for i, v in enumerate(b)).rstrip())
+        print(
+            " | ".join(
+                v.ljust(widths[i]) if i in (0, 1, 10, 11) else v.rjust(widths[i])
+                for i, v in enumerate(b)
+            ).rstrip()
+        )
     missed = sum(bool(r.misses) for r in rows)
     print(f"{len(rows) - missed} of {len(rows)} rows meet every target")
 
@@ -1121,12 +1422,13 @@ def main() -> None:
 
     plan: list[tuple[Workload, Callable[[Workload], Row]]] = []
 
-    def standard(np_target: float = 1.5, torch_target: float | None = 0.35
-                 ) -> Callable[[Workload], Row]:
+    def standard(
+        np_target: float = 1.5, torch_target: float | None = 0.35
+    ) -> Callable[[Workload], Row]:
         return lambda w: bench_workload(w, gs, rounds, budget, np_target, torch_target)
 
     plan.append((recurrent_cell(), standard()))
-    for size in ([(2, 5, 100), (5, 10, 200)] if quick else [(2, 5, 1000), (10, 25, 1000)]):
+    for size in [(2, 5, 100), (5, 10, 200)] if quick else [(2, 5, 1000), (10, 25, 1000)]:
         plan.append((gmm(*size), standard()))
     plan.append((lstm(2, 14, 4 if quick else 10), standard()))
     plan.append((ba(*((8, 32, 64) if quick else (16, 256, 512))), standard()))
@@ -1149,11 +1451,14 @@ def main() -> None:
             t = time.perf_counter()
             rows.append(fn(w))
             print(f"  {w.name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-    print_table(rows, f"\ngradserve in-process vs hand-written NumPy and PyTorch "
-                      f"{torch.__version__} eager (CPU, {args.torch_threads} thread); medians of "
-                      f"{rounds} interleaved rounds; {platform.python_version()}, "
-                      f"NumPy {np.__version__}; {time.perf_counter() - started:.0f} s"
-                      f"{'; --quick sizes' if quick else ''}")
+    print_table(
+        rows,
+        f"\ngradserve in-process vs hand-written NumPy and PyTorch "
+        f"{torch.__version__} eager (CPU, {args.torch_threads} thread); medians of "
+        f"{rounds} interleaved rounds; {platform.python_version()}, "
+        f"NumPy {np.__version__}; {time.perf_counter() - started:.0f} s"
+        f"{'; --quick sizes' if quick else ''}",
+    )
 
 
 if __name__ == "__main__":

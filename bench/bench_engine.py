@@ -125,27 +125,53 @@ def main() -> None:
     rows = []
     if torch is not None:
         torch.set_num_threads(1)
-        t = interleaved({"engine": lambda: scalar_chain(engine),
-                         "torch": lambda: scalar_chain(torch)}, repeats=5)
-        rows.append(("scalar chain, 1,000 ops, fwd+bwd (us/op)", t["engine"] / CHAIN * 1e6,
-                     t["torch"] / CHAIN * 1e6, "PyTorch eager", 0.5))
-        t = interleaved({"engine": lambda: seed_graph(engine),
-                         "torch": lambda: seed_graph(torch)}, repeats=200)
-        rows.append(("seed graph, 3 ops, fwd+bwd (us/op)", t["engine"] / 3 * 1e6,
-                     t["torch"] / 3 * 1e6, "PyTorch eager", 0.5))
+        t = interleaved(
+            {"engine": lambda: scalar_chain(engine), "torch": lambda: scalar_chain(torch)},
+            repeats=5,
+        )
+        rows.append(
+            (
+                "scalar chain, 1,000 ops, fwd+bwd (us/op)",
+                t["engine"] / CHAIN * 1e6,
+                t["torch"] / CHAIN * 1e6,
+                "PyTorch eager",
+                0.5,
+            )
+        )
+        t = interleaved(
+            {"engine": lambda: seed_graph(engine), "torch": lambda: seed_graph(torch)}, repeats=200
+        )
+        rows.append(
+            (
+                "seed graph, 3 ops, fwd+bwd (us/op)",
+                t["engine"] / 3 * 1e6,
+                t["torch"] / 3 * 1e6,
+                "PyTorch eager",
+                0.5,
+            )
+        )
     x = np.random.default_rng(0).uniform(-1, 1, N)
     np.testing.assert_allclose(engine_chain(x), numpy_chain(x), rtol=1e-9)
-    t = interleaved({"engine": lambda: engine_chain(x), "numpy": lambda: numpy_chain(x)},
-                    repeats=3)
-    rows.append(("16 elementwise ops, 1M float64, fwd+bwd (ms)", t["engine"] * 1e3,
-                 t["numpy"] * 1e3, "hand-written NumPy", 1.10))
+    t = interleaved({"engine": lambda: engine_chain(x), "numpy": lambda: numpy_chain(x)}, repeats=3)
+    rows.append(
+        (
+            "16 elementwise ops, 1M float64, fwd+bwd (ms)",
+            t["engine"] * 1e3,
+            t["numpy"] * 1e3,
+            "hand-written NumPy",
+            1.10,
+        )
+    )
 
-    print(f"{'benchmark':48s} {'gradserve':>10s} {'baseline':>10s} {'ratio':>7s} "
-          f"{'target':>7s}  baseline")
+    print(
+        f"{'benchmark':48s} {'gradserve':>10s} {'baseline':>10s} {'ratio':>7s} "
+        f"{'target':>7s}  baseline"
+    )
     for name, ours, base, label, target in rows:
         ratio = ours / base
-        print(f"{name:48s} {ours:10.2f} {base:10.2f} {ratio:7.2f} {'<=' + str(target):>7s}  "
-              f"{label}")
+        print(
+            f"{name:48s} {ours:10.2f} {base:10.2f} {ratio:7.2f} {'<=' + str(target):>7s}  {label}"
+        )
 
 
 if __name__ == "__main__":

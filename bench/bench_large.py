@@ -105,10 +105,16 @@ def cases(n: int = 100_000, rows: int = 1024, cols: int = 128) -> list[Case]:
     rng = np.random.default_rng(0)
     return [
         (f"lse, n = {n:,}", {"x": rng.standard_normal(n)}, "logsumexp(x, dim=0)", "x"),
-        (f"least squares, {rows} x {cols}", {"t": rng.standard_normal(cols) * 0.1,
-                                             "X": rng.standard_normal((rows, cols)),
-                                             "Y": rng.standard_normal(rows)},
-         "0.5 * sum((Y - X @ t) ** 2)", "t"),
+        (
+            f"least squares, {rows} x {cols}",
+            {
+                "t": rng.standard_normal(cols) * 0.1,
+                "X": rng.standard_normal((rows, cols)),
+                "Y": rng.standard_normal(rows),
+            },
+            "0.5 * sum((Y - X @ t) ** 2)",
+            "t",
+        ),
     ]
 
 
@@ -118,8 +124,11 @@ def torch_gradient(case: Case) -> tuple[float, np.ndarray]:
 
     arrays = [torch.tensor(a, dtype=torch.float64) for a in case[1].values()]
     arrays[0].requires_grad_(True)
-    value = torch.logsumexp(arrays[0], 0) if case[3] == "x" else \
-        0.5 * torch.sum((arrays[2] - arrays[1] @ arrays[0]) ** 2)
+    value = (
+        torch.logsumexp(arrays[0], 0)
+        if case[3] == "x"
+        else 0.5 * torch.sum((arrays[2] - arrays[1] @ arrays[0]) ** 2)
+    )
     value.backward()
     return value.item(), arrays[0].grad.numpy()  # type: ignore[union-attr]
 
@@ -128,16 +137,27 @@ def gradserve_body(case: Case, binary: bool) -> tuple[bytes, list[tuple[str, str
     _, arrays, expr, wrt = case
     graph = {"nodes": [{"id": "loss", "expr": expr}], "outputs": ["loss"]}
     if not binary:
-        inputs = {k: {"data": v.tolist(), "dtype": "float64", "requires_grad": k == wrt}
-                  for k, v in arrays.items()}
-        return orjson.dumps({"graph": graph, "inputs": inputs}), \
-            [("Content-Type", "application/json")]
-    inputs = {k: {"dtype": "float64", "shape": list(v.shape), "binary_data_size": v.nbytes,
-                  "requires_grad": k == wrt} for k, v in arrays.items()}
+        inputs = {
+            k: {"data": v.tolist(), "dtype": "float64", "requires_grad": k == wrt}
+            for k, v in arrays.items()
+        }
+        return orjson.dumps({"graph": graph, "inputs": inputs}), [
+            ("Content-Type", "application/json")
+        ]
+    inputs = {
+        k: {
+            "dtype": "float64",
+            "shape": list(v.shape),
+            "binary_data_size": v.nbytes,
+            "requires_grad": k == wrt,
+        }
+        for k, v in arrays.items()
+    }
     head = orjson.dumps({"graph": graph, "inputs": inputs, "encoding": "binary"})
     return head + b"".join(v.tobytes() for v in arrays.values()), [
         ("Content-Type", "application/octet-stream"),
-        ("Inference-Header-Content-Length", str(len(head)))]
+        ("Inference-Header-Content-Length", str(len(head))),
+    ]
 
 
 def script_body(case: Case, binary: bool) -> tuple[bytes, list[tuple[str, str]]]:
@@ -146,7 +166,9 @@ def script_body(case: Case, binary: bool) -> tuple[bytes, list[tuple[str, str]]]
         return orjson.dumps([a.tolist() for a in arrays]), [("Content-Type", "application/json")]
     head = orjson.dumps({"shapes": [list(a.shape) for a in arrays]})
     return head + b"".join(a.tobytes() for a in arrays), [
-        ("Content-Type", "application/octet-stream"), ("x-head", str(len(head)))]
+        ("Content-Type", "application/octet-stream"),
+        ("x-head", str(len(head))),
+    ]
 
 
 def check(content: memoryview, case: Case) -> None:
@@ -154,12 +176,10 @@ def check(content: memoryview, case: Case) -> None:
     doc = orjson.loads(content)
     value, grad = torch_gradient(case)
     np.testing.assert_allclose(doc["outputs"]["loss"]["data"], value, rtol=1e-12)
-    np.testing.assert_allclose(doc["gradients"][case[3]]["data"], grad, rtol=1e-10,
-                               atol=1e-12)
+    np.testing.assert_allclose(doc["gradients"][case[3]]["data"], grad, rtol=1e-10, atol=1e-12)
 
 
-def p50(client: RawClient, path: str, body: bytes, headers: list[tuple[str, str]],
-        n: int) -> float:
+def p50(client: RawClient, path: str, body: bytes, headers: list[tuple[str, str]], n: int) -> float:
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -175,12 +195,27 @@ def over_http(rounds: int, requests: int) -> list[tuple[str, str, float, float, 
     apps = Path(tempfile.mkdtemp(prefix="bench-large-torch-"))
     (apps / "torch_app.py").write_text(TORCH_APP)
     torch_port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "torch_app:app", "--port", str(torch_port),
-            "--log-level", "warning", "--no-access-log", "--app-dir", str(apps)]
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "torch_app:app",
+        "--port",
+        str(torch_port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--app-dir",
+        str(apps),
+    ]
     rows = []
     try:
-        with gradserve() as (port, _), server_process(argv, torch_port), \
-                RawClient(port) as gs, RawClient(torch_port) as pt:
+        with (
+            gradserve() as (port, _),
+            server_process(argv, torch_port),
+            RawClient(port) as gs,
+            RawClient(torch_port) as pt,
+        ):
             for case in cases():
                 slug = "lse" if case[0].startswith("lse") else "llsq"
                 for binary in (False, True):
@@ -195,10 +230,15 @@ def over_http(rounds: int, requests: int) -> list[tuple[str, str, float, float, 
                     for _ in range(rounds):
                         ours.append(p50(gs, "/backward", body, headers, requests))
                         theirs.append(p50(pt, spath, sbody, sheaders, requests))
-                    rows.append((case[0], "binary" if binary else "JSON",
-                                 statistics.median(ours), statistics.median(theirs),
-                                 statistics.median(o / t for o, t in zip(ours, theirs,
-                                                                        strict=True))))
+                    rows.append(
+                        (
+                            case[0],
+                            "binary" if binary else "JSON",
+                            statistics.median(ours),
+                            statistics.median(theirs),
+                            statistics.median(o / t for o, t in zip(ours, theirs, strict=True)),
+                        )
+                    )
     finally:
         shutil.rmtree(apps, ignore_errors=True)
     return rows
@@ -220,8 +260,7 @@ def in_process(case: Case, rounds: int) -> dict[str, float]:
     compute = Compute(Settings(xla="off", program_store_dir=None))
 
     def serve() -> None:
-        compute.serve("backward", body, None, None, time.monotonic() + 60, lambda _: None,
-                      Stats())
+        compute.serve("backward", body, None, None, time.monotonic() + 60, lambda _: None, Stats())
 
     doc = loads(body)
 
@@ -230,16 +269,21 @@ def in_process(case: Case, rounds: int) -> dict[str, float]:
             decode_tensor(("inputs", k), data=t["data"], dtype=t["dtype"])
 
     sbody, _ = script_body(case, binary=False)
-    fn = (lambda x: torch.logsumexp(x, 0)) if case[3] == "x" else \
-        (lambda t, x, y: 0.5 * torch.sum((y - x @ t) ** 2))
+    fn = (
+        (lambda x: torch.logsumexp(x, 0))
+        if case[3] == "x"
+        else (lambda t, x, y: 0.5 * torch.sum((y - x @ t) ** 2))
+    )
 
     def script() -> None:
         arrays = [torch.tensor(a, dtype=torch.float64) for a in orjson.loads(sbody)]
         arrays[0].requires_grad_(True)
         value = fn(*arrays)
         value.backward()
-        orjson.dumps({"value": value.item(), "gradient": arrays[0].grad.numpy()},
-                     option=orjson.OPT_SERIALIZE_NUMPY)
+        orjson.dumps(
+            {"value": value.item(), "gradient": arrays[0].grad.numpy()},
+            option=orjson.OPT_SERIALIZE_NUMPY,
+        )
 
     stages: dict[str, Callable[[], object]] = {
         "gradserve: whole request": serve,

@@ -55,10 +55,15 @@ from bench.bench_compiled import unrolled  # noqa: E402
 from bench.bench_service import RawClient, cell_bodies, free_port, server_process  # noqa: E402
 from gradserve import Client, F  # noqa: E402
 
-SEED = orjson.dumps({
-    "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-    "inputs": {"x": {"data": 2.0, "requires_grad": True},
-               "y": {"data": 3.0, "requires_grad": True}}})
+SEED = orjson.dumps(
+    {
+        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+        "inputs": {
+            "x": {"data": 2.0, "requires_grad": True},
+            "y": {"data": 3.0, "requires_grad": True},
+        },
+    }
+)
 JSON = [("Content-Type", "application/json")]
 REPEATS = 20
 
@@ -84,9 +89,14 @@ class Server:
 def serving(name: str, source: Path | None, **env: str) -> Iterator[Server]:
     port = free_port()
     extra = {"PYTHONPATH": str(source)} if source is not None else {}
-    with server_process([sys.executable, "-m", "gradserve.service.cli", "serve", "--port",
-                         str(port)], port, env={**extra, **env}, ready="/readyz",
-                        start_s=60, cwd=source or ROOT) as (base, proc):
+    with server_process(
+        [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
+        port,
+        env={**extra, **env},
+        ready="/readyz",
+        start_s=60,
+        cwd=source or ROOT,
+    ) as (base, proc):
         yield Server(name, base, port, proc)
 
 
@@ -101,8 +111,11 @@ def count(text: str, prefix: str) -> float:
 
 def role(text: str, metric: str, who: str) -> float | None:
     """A counter of `who` ("front" or "worker"): None where the server has no role label."""
-    lines = [line for line in text.splitlines() if line.startswith(metric + "{")
-             or line.startswith(metric + " ")]
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith(metric + "{") or line.startswith(metric + " ")
+    ]
     if not any("role=" in line for line in lines):
         return None
     return count("\n".join(line for line in lines if f'role="{who}"' in line), metric)
@@ -114,16 +127,22 @@ def p50(times: list[float]) -> float:
 
 # ------------------------------------------------------------------ the rows
 def mlp_graph() -> dict[str, Any]:
-    return {"nodes": [{"id": "h", "expr": "tanh(x @ w1)"},
-                      {"id": "loss", "expr": "sum((h @ w2 - y) ** 2)"}], "outputs": ["loss"]}
+    return {
+        "nodes": [
+            {"id": "h", "expr": "tanh(x @ w1)"},
+            {"id": "loss", "expr": "sum((h @ w2 - y) ** 2)"},
+        ],
+        "outputs": ["loss"],
+    }
 
 
 def costly_graph() -> dict[str, Any]:
     """70 layers of tanh(h @ a + x) on a 256x256 matrix the graph makes itself: ~8 G cost
     units from a body of a few KB (its cost is the program's, not its data's)."""
     nodes = [{"id": "a", "expr": "full(shape=[256, 256], value=0.01)"}]
-    nodes += [{"id": f"m{i}", "expr": f"tanh({f'm{i - 1}' if i else 'a'} @ a + x)"}
-              for i in range(70)]
+    nodes += [
+        {"id": f"m{i}", "expr": f"tanh({f'm{i - 1}' if i else 'a'} @ a + x)"} for i in range(70)
+    ]
     return {"nodes": [*nodes, {"id": "loss", "expr": "sum(m69)"}], "outputs": ["loss"]}
 
 
@@ -152,30 +171,42 @@ def costly_by_id(server: Server) -> dict[str, Any]:
 
 def recycled(source: Path | None) -> dict[str, Any]:
     rng = np.random.default_rng(1)
-    inputs = {"x": rng.standard_normal((256, 512)).astype(np.float32),
-              "w1": (rng.standard_normal((512, 512)) / 23).astype(np.float32),
-              "w2": (rng.standard_normal((512, 10)) / 23).astype(np.float32),
-              "y": rng.standard_normal((256, 10)).astype(np.float32)}
-    with serving("recycled", source, GRADSERVE_COMPUTE_WORKERS="2",
-                 GRADSERVE_MIN_COMPUTE_WORKERS="2",
-                 GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES="0") as server, \
-            Client(server.base) as gs:
+    inputs = {
+        "x": rng.standard_normal((256, 512)).astype(np.float32),
+        "w1": (rng.standard_normal((512, 512)) / 23).astype(np.float32),
+        "w2": (rng.standard_normal((512, 10)) / 23).astype(np.float32),
+        "y": rng.standard_normal((256, 10)).astype(np.float32),
+    }
+    with (
+        serving(
+            "recycled",
+            source,
+            GRADSERVE_COMPUTE_WORKERS="2",
+            GRADSERVE_MIN_COMPUTE_WORKERS="2",
+            GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES="0",
+        ) as server,
+        Client(server.base) as gs,
+    ):
         for _ in range(REPEATS + 1):
             gs.backward(mlp_graph(), inputs, requires_grad=["w1", "w2"])
         time.sleep(1.0)  # (the last replacements warm)
         text = server.metrics()
-    return {"compiles": count(text, "gradserve_compiles_total"),
-            "loads": count(text, "gradserve_program_load_seconds_count"),
-            "worker_starts": 2 + count(text, 'gradserve_compute_worker_exits_total{reason="rss"'),
-            "front_compiles": role(text, "gradserve_compiles_total", "front")}
+    return {
+        "compiles": count(text, "gradserve_compiles_total"),
+        "loads": count(text, "gradserve_program_load_seconds_count"),
+        "worker_starts": 2 + count(text, 'gradserve_compute_worker_exits_total{reason="rss"'),
+        "front_compiles": role(text, "gradserve_compiles_total", "front"),
+    }
 
 
 def training(server: Server, steps: int = 200) -> dict[str, Any]:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((256, 32)).astype(np.float32)
     y = rng.standard_normal((256, 10)).astype(np.float32)
-    params = {"w1": (rng.standard_normal((32, 64)) / 6).astype(np.float32),
-              "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32)}
+    params = {
+        "w1": (rng.standard_normal((32, 64)) / 6).astype(np.float32),
+        "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32),
+    }
 
     def loss(x: Any, y: Any, w1: Any, w2: Any) -> Any:
         return {"loss": ((F.tanh(x @ w1) @ w2 - y) ** 2).mean()}
@@ -195,10 +226,14 @@ def training(server: Server, steps: int = 200) -> dict[str, Any]:
     text = server.metrics()
     hops = role(text, "gradserve_program_lookups_total", "worker")
     warm_hops = role(warm_metrics, "gradserve_program_lookups_total", "worker")
-    return {"p50_ms": p50(times[10:]), "first_ms": times[0] * 1000,
-            "loss": (losses[0], losses[-1]),
-            "worker_lookups_after_warm": None if hops is None or warm_hops is None
-            else hops - warm_hops}
+    return {
+        "p50_ms": p50(times[10:]),
+        "first_ms": times[0] * 1000,
+        "loss": (losses[0], losses[-1]),
+        "worker_lookups_after_warm": None
+        if hops is None or warm_hops is None
+        else hops - warm_hops,
+    }
 
 
 def http_p50(server: Server, bodies: Callable[[], bytes], n: int) -> float:
@@ -228,8 +263,12 @@ def settle(server: Server, body: bytes, limit_s: float = 60.0) -> str:
     return reason
 
 
-WARM_ROWS = ("seed warm", "24-step cell warm", "24-step cell, a new constant each",
-             "30,000-node chain repeated")
+WARM_ROWS = (
+    "seed warm",
+    "24-step cell warm",
+    "24-step cell, a new constant each",
+    "30,000-node chain repeated",
+)
 
 
 def warm_bodies() -> dict[str, tuple[Callable[[], bytes], int]]:
@@ -237,22 +276,38 @@ def warm_bodies() -> dict[str, tuple[Callable[[], bytes], int]]:
     tenth: each is ~0.1 s)."""
     warm_cell, new_cells, _ = cell_bodies()
     chain = unrolled(10_000)
-    chain_body = orjson.dumps({"graph": chain.graph, "inputs": {
-        k: {"data": np.asarray(v).tolist(), "dtype": "float64", "requires_grad": True}
-        for k, v in chain.inputs.items()}})
-    return {"seed warm": (lambda: SEED, 10), "24-step cell warm": (lambda: warm_cell, 10),
-            "24-step cell, a new constant each": (lambda: next(new_cells), 10),
-            "30,000-node chain repeated": (lambda: chain_body, 2)}
+    chain_body = orjson.dumps(
+        {
+            "graph": chain.graph,
+            "inputs": {
+                k: {"data": np.asarray(v).tolist(), "dtype": "float64", "requires_grad": True}
+                for k, v in chain.inputs.items()
+            },
+        }
+    )
+    return {
+        "seed warm": (lambda: SEED, 10),
+        "24-step cell warm": (lambda: warm_cell, 10),
+        "24-step cell, a new constant each": (lambda: next(new_cells), 10),
+        "30,000-node chain repeated": (lambda: chain_body, 2),
+    }
 
 
 # ------------------------------------------------------------------ the table
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision")
-    parser.add_argument("--rounds", type=int, default=15,
-                        help="rounds of the warm rows, alternating between the servers")
-    parser.add_argument("--tier", action="store_true",
-                        help="leave the native tier on (by default off on every server)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=15,
+        help="rounds of the warm rows, alternating between the servers",
+    )
+    parser.add_argument(
+        "--tier",
+        action="store_true",
+        help="leave the native tier on (by default off on every server)",
+    )
     args = parser.parse_args()
     if not args.tier:
         os.environ["GRADSERVE_XLA"] = "off"  # (the servers inherit it)
@@ -261,8 +316,9 @@ def main() -> None:
         sources["baseline"] = args.baseline.resolve()
     results: dict[str, dict[str, list[Any]]] = {name: {} for name in sources}
     with ExitStack() as stack:
-        servers = {name: stack.enter_context(serving(name, source))
-                   for name, source in sources.items()}
+        servers = {
+            name: stack.enter_context(serving(name, source)) for name, source in sources.items()
+        }
         bodies = warm_bodies()
         for row, (make, count_) in bodies.items():
             for server in servers.values():
@@ -288,13 +344,16 @@ def _median(values: list[Any]) -> Any:
     return values[-1]
 
 
-def _print(results: dict[str, dict[str, list[Any]]], recycling: dict[str, Any],
-           args: argparse.Namespace) -> None:
+def _print(
+    results: dict[str, dict[str, list[Any]]], recycling: dict[str, Any], args: argparse.Namespace
+) -> None:
     names = list(results)
-    print(f"# bench_pipeline: {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; the warm "
-          f"rows in {args.rounds} short rounds alternating between the servers (each a p50), "
-          f"the others in 3; medians, and the median of the per-round ratios; native tier "
-          f"{'on' if args.tier else 'off'}")
+    print(
+        f"# bench_pipeline: {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; the warm "
+        f"rows in {args.rounds} short rounds alternating between the servers (each a p50), "
+        f"the others in 3; medians, and the median of the per-round ratios; native tier "
+        f"{'on' if args.tier else 'off'}"
+    )
     print("| row | " + " | ".join(names) + (" | ratio |" if len(names) > 1 else ""))
     print("|---" * (len(names) + 1 + (len(names) > 1)) + "|")
 
@@ -308,25 +367,37 @@ def _print(results: dict[str, dict[str, list[Any]]], recycling: dict[str, Any],
 
     for row in WARM_ROWS:
         line(f"{row}, p50", [results[n][row] for n in names])
-    line("costly graph by id, p50 of a repeat",
-         [[r["p50_ms"] for r in results[n]["costly"]] for n in names])
-    line("costly graph by id, front CPU a repeat",
-         [[r["front_cpu_ms"] for r in results[n]["costly"]] for n in names])
+    line(
+        "costly graph by id, p50 of a repeat",
+        [[r["p50_ms"] for r in results[n]["costly"]] for n in names],
+    )
+    line(
+        "costly graph by id, front CPU a repeat",
+        [[r["front_cpu_ms"] for r in results[n]["costly"]] for n in names],
+    )
     line("training step, p50", [[r["p50_ms"] for r in results[n]["training"]] for n in names])
-    med = {n: {k: _median(v) for k, v in results[n].items() if k in ("costly", "training")}
-           for n in names}
+    med = {
+        n: {k: _median(v) for k, v in results[n].items() if k in ("costly", "training")}
+        for n in names
+    }
     for n in names:
         c, t, r = med[n]["costly"], med[n]["training"], recycling[n]
-        print(f"- {n}: costly graph ({c['cost']:.3g} cost units): the front process compiled "
-              f"{c['gradserve_compiles_total']} and looked up "
-              f"{c['gradserve_program_lookups_total']} programs in {REPEATS} repeats by id "
-              "(None: no role label on that revision)")
-        print(f"- {n}: training: first step {t['first_ms']:.1f} ms, loss {t['loss'][0]:.4f} -> "
-              f"{t['loss'][1]:.4f}; a worker looked programs up "
-              f"{t['worker_lookups_after_warm']} times after step 10")
-        print(f"- {n}: 2 workers replaced after every task: {r['compiles']:.0f} compiles on "
-              f"the host ({r['front_compiles']} in the front), {r['loads']:.0f} loads for "
-              f"{r['worker_starts']:.0f} worker starts")
+        print(
+            f"- {n}: costly graph ({c['cost']:.3g} cost units): the front process compiled "
+            f"{c['gradserve_compiles_total']} and looked up "
+            f"{c['gradserve_program_lookups_total']} programs in {REPEATS} repeats by id "
+            "(None: no role label on that revision)"
+        )
+        print(
+            f"- {n}: training: first step {t['first_ms']:.1f} ms, loss {t['loss'][0]:.4f} -> "
+            f"{t['loss'][1]:.4f}; a worker looked programs up "
+            f"{t['worker_lookups_after_warm']} times after step 10"
+        )
+        print(
+            f"- {n}: 2 workers replaced after every task: {r['compiles']:.0f} compiles on "
+            f"the host ({r['front_compiles']} in the front), {r['loads']:.0f} loads for "
+            f"{r['worker_starts']:.0f} worker starts"
+        )
 
 
 if __name__ == "__main__":

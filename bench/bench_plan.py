@@ -36,16 +36,30 @@ def spec(*shape: int) -> dict[str, object]:
 def workloads(salt: int) -> dict[str, dict[str, object]]:
     return {
         "sum((a + b) * (a - b)), a and b of 10^6": {
-            "graph": {"nodes": [{"id": "z", "expr": f"sum((a + b) * (a - b)) + {salt}"}],
-                      "outputs": ["z"]},
-            "inputs": {"a": spec(N), "b": spec(N)}, "path": "backward"},
+            "graph": {
+                "nodes": [{"id": "z", "expr": f"sum((a + b) * (a - b)) + {salt}"}],
+                "outputs": ["z"],
+            },
+            "inputs": {"a": spec(N), "b": spec(N)},
+            "path": "backward",
+        },
         "MLP 1000x1000 (10^6 weights), batch 1000": {
-            "graph": {"nodes": [{"id": "h", "expr": "relu(x @ w1)"},
-                                {"id": "y", "expr": "h @ w2"},
-                                {"id": "loss", "expr": f"mean((y - t) ** 2) + {salt}"}],
-                      "outputs": ["loss"]},
-            "inputs": {"x": spec(1000, 1000), "w1": spec(1000, 1000), "w2": spec(1000, 1000),
-                       "t": spec(1000, 1000)}, "path": "backward"},
+            "graph": {
+                "nodes": [
+                    {"id": "h", "expr": "relu(x @ w1)"},
+                    {"id": "y", "expr": "h @ w2"},
+                    {"id": "loss", "expr": f"mean((y - t) ** 2) + {salt}"},
+                ],
+                "outputs": ["loss"],
+            },
+            "inputs": {
+                "x": spec(1000, 1000),
+                "w1": spec(1000, 1000),
+                "w2": spec(1000, 1000),
+                "t": spec(1000, 1000),
+            },
+            "path": "backward",
+        },
     }
 
 
@@ -56,8 +70,10 @@ def main() -> None:
     port = free_port()
     env = {"GRADSERVE_PORT": str(port), "GRADSERVE_LOG_LEVEL": "warning"}
     argv = [sys.executable, "-m", "gradserve.service.cli", "serve"]
-    with server_process(argv, port, env, ready="/readyz") as (base, server), \
-            httpx.Client(base_url=base, timeout=60) as client:
+    with (
+        server_process(argv, port, env, ready="/readyz") as (base, server),
+        httpx.Client(base_url=base, timeout=60) as client,
+    ):
         tree = TreeMonitor(server.pid)
         for body in workloads(0).values():  # warm: imports, the worker pool
             client.post("/plan", json=body).raise_for_status()
@@ -74,15 +90,26 @@ def main() -> None:
             after = tree.rss()
             plan = r.json()
             times.sort()
-            rows.append((name, statistics.median(times), times[int(0.9 * len(times))],
-                         plan["planned_peak_bytes"], (after - before) / 2**20))
-    print(f"POST /plan, specs only, a new graph each request, {args.requests} requests; "
-          "target: median < 50 ms")
+            rows.append(
+                (
+                    name,
+                    statistics.median(times),
+                    times[int(0.9 * len(times))],
+                    plan["planned_peak_bytes"],
+                    (after - before) / 2**20,
+                )
+            )
+    print(
+        f"POST /plan, specs only, a new graph each request, {args.requests} requests; "
+        "target: median < 50 ms"
+    )
     print("workload | median ms | p90 ms | planned peak MB | server RSS growth MiB | target")
     print("---|---|---|---|---|---")
     for name, median, p90, peak, growth in rows:
-        print(f"{name} | {median:.1f} | {p90:.1f} | {peak / 1e6:.0f} | {growth:+.1f} | "
-              f"{'met' if median < 50 else 'MISSED'}")
+        print(
+            f"{name} | {median:.1f} | {p90:.1f} | {peak / 1e6:.0f} | {growth:+.1f} | "
+            f"{'met' if median < 50 else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

@@ -83,18 +83,28 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def add(self, part: str, figure: str, value: str, target: str = "",
-            passed: bool | None = None) -> None:
+    def add(
+        self, part: str, figure: str, value: str, target: str = "", passed: bool | None = None
+    ) -> None:
         self.rows.append(Row(part, figure, value, target, passed))
 
     def print(self, header: str) -> None:
         print(header)
         cols = ["part", "figure", "value", "target", "result"]
-        cells = [[r.part, r.figure, r.value, r.target,
-                  "-" if r.passed is None else ("PASS" if r.passed else "MISS")]
-                 for r in self.rows]
+        cells = [
+            [
+                r.part,
+                r.figure,
+                r.value,
+                r.target,
+                "-" if r.passed is None else ("PASS" if r.passed else "MISS"),
+            ]
+            for r in self.rows
+        ]
         widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-        line = lambda cs: "| " + " | ".join(c.ljust(w) for c, w in zip(cs, widths, strict=True)) + " |"  # noqa: E501
+        line = lambda cs: (
+            "| " + " | ".join(c.ljust(w) for c, w in zip(cs, widths, strict=True)) + " |"
+        )
         print(line(cols))
         print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
         for row in cells:
@@ -110,8 +120,16 @@ class Report:
 def gradserve(env: dict[str, str] | None = None) -> Iterator[tuple[int, psutil.Process]]:
     """`gradserve serve` with its defaults (and `env`), ready; its port and process."""
     port = free_port()
-    argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port),
-            "--log-level", "warning"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gradserve.service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     with server_process(argv, port, env, ready="/readyz", start_s=120) as (_, proc):
         yield port, psutil.Process(proc.pid)
 
@@ -120,14 +138,19 @@ def chain_bodies(steps: int) -> tuple[bytes, Callable[[str], bytes], float]:
     """The unrolled chain of `steps` steps (3 nodes a step): its body in full, a body by
     id, and its loss, to check every answer."""
     w = unrolled(steps)
-    inputs = {k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
-              for k, v in w.inputs.items()}
+    inputs = {
+        k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
+        for k, v in w.inputs.items()
+    }
     h = w.inputs["h0"]
     for _ in range(steps):
         h = np.tanh(h * w.inputs["w"] + w.inputs["x"])
     full = orjson.dumps({"graph": w.graph, "inputs": inputs})
-    return full, lambda graph_id: orjson.dumps({"graph_id": graph_id, "inputs": inputs}), \
-        float(h.sum())
+    return (
+        full,
+        lambda graph_id: orjson.dumps({"graph_id": graph_id, "inputs": inputs}),
+        float(h.sum()),
+    )
 
 
 @dataclass
@@ -193,8 +216,11 @@ def part_repeats(report: Report, rounds: int) -> None:
         full, by_id, loss = chain_bodies(steps)
         with gradserve() as (port, _), RawClient(port) as c:
             first = post(c, full, loss)
-            report.add("repeats", f"{name}: first request (compiles)",
-                       f"{first.ms:.0f} ms (plan {first.plan:.0f}, run {first.run:.0f})")
+            report.add(
+                "repeats",
+                f"{name}: first request (compiles)",
+                f"{first.ms:.0f} ms (plan {first.plan:.0f}, run {first.run:.0f})",
+            )
             answers = two_clients(port, full, loss, rounds)
             graph_id = first.meta["graph_id"]
             ids = two_clients(port, by_id(graph_id), loss, rounds)
@@ -204,13 +230,17 @@ def part_repeats(report: Report, rounds: int) -> None:
             for source in sources:
                 picked = [a for a in group if a.meta["program"] == source]
                 ratio = _med([a.plan / a.run for a in picked])
-                report.add("repeats", f"{name} {label}, program from {source} "
-                           f"({len(picked)} requests)",
-                           f"plan {_med([a.plan for a in picked]):.1f} ms, run "
-                           f"{_med([a.run for a in picked]):.1f} ms: {ratio:.3f}x",
-                           f"plan <= {target}x run", ratio <= target)
-        report.notes.append(f"{name}: {len(full) / 1e6:.2f} MB in full; fwd+bwd median "
-                            f"{_med(runs):.1f} ms")
+                report.add(
+                    "repeats",
+                    f"{name} {label}, program from {source} ({len(picked)} requests)",
+                    f"plan {_med([a.plan for a in picked]):.1f} ms, run "
+                    f"{_med([a.run for a in picked]):.1f} ms: {ratio:.3f}x",
+                    f"plan <= {target}x run",
+                    ratio <= target,
+                )
+        report.notes.append(
+            f"{name}: {len(full) / 1e6:.2f} MB in full; fwd+bwd median {_med(runs):.1f} ms"
+        )
 
 
 # ---------------------------------------------------------------- 2. cold starts
@@ -238,15 +268,23 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
         fresh(port)
         warm = _med([fresh(port).ms for _ in range(n)])
         paused = _med([fresh(port, 1.5).ms for _ in range(n)])
-        report.add("cold", "3,000-node chain, warm round trip (back to back / after a 1.5 s "
-                   "pause)", f"{warm:.1f} ms / {paused:.1f} ms")
+        report.add(
+            "cold",
+            "3,000-node chain, warm round trip (back to back / after a 1.5 s pause)",
+            f"{warm:.1f} ms / {paused:.1f} ms",
+        )
         time.sleep(idle_seconds)
         idle = fresh(port)
 
     def row(figure: str, after: Answer) -> None:
-        report.add("cold", figure, f"{after.ms:.1f} ms: {after.ms / warm:.2f}x warm, "
-                   f"{after.ms / paused:.2f}x paused (program from {after.meta['program']})",
-                   "<= 1.2x warm", after.ms <= 1.2 * warm)
+        report.add(
+            "cold",
+            figure,
+            f"{after.ms:.1f} ms: {after.ms / warm:.2f}x warm, "
+            f"{after.ms / paused:.2f}x paused (program from {after.meta['program']})",
+            "<= 1.2x warm",
+            after.ms <= 1.2 * warm,
+        )
 
     row(f"first request after {idle_seconds:.0f} s idle", idle)
     # Every task recycles its worker (no RSS growth allowed): the replacement starts first,
@@ -277,16 +315,21 @@ def part_compile(report: Report, rounds: int) -> None:
     from gradserve.engine.graph.serial import dump_program, load_program
     from gradserve.service.schemas import Graph
 
-    workloads = [("3,000-node chain", unrolled(1_000), 10.0),
-                 ("30,000-node chain", unrolled(10_000), 10.0),
-                 ("recurrent cell", recurrent_cell(), 5.0)]
+    workloads = [
+        ("3,000-node chain", unrolled(1_000), 10.0),
+        ("30,000-node chain", unrolled(10_000), 10.0),
+        ("recurrent cell", recurrent_cell(), 5.0),
+    ]
     # Memos warm from other graphs (as a server's are): compile a salted copy first.
     for _, w, _ in workloads:
-        salted = {"nodes": [*w.graph["nodes"], {"id": "salt", "op": "mul",
-                                                "args": [next(iter(w.inputs)), 3.25]}],
-                  "outputs": w.graph["outputs"]}
-        compile_graph(Graph.model_validate(salted), _specs(w, TensorSpec),
-                      backward=True)
+        salted = {
+            "nodes": [
+                *w.graph["nodes"],
+                {"id": "salt", "op": "mul", "args": [next(iter(w.inputs)), 3.25]},
+            ],
+            "outputs": w.graph["outputs"],
+        }
+        compile_graph(Graph.model_validate(salted), _specs(w, TensorSpec), backward=True)
     for name, w, target in workloads:
         spec = Graph.model_validate(w.graph)
         specs = _specs(w, TensorSpec)
@@ -302,18 +345,28 @@ def part_compile(report: Report, rounds: int) -> None:
             load_program(data, "cpu")
             load_ms.append((time.perf_counter() - t0) * 1000)
         per_node = _med(compile_ms) * 1000 / nodes
-        report.add("compile", f"{name} ({nodes} nodes, {len(program.steps)} steps)",
-                   f"{per_node:.1f} µs/node ({_med(compile_ms):.1f} ms)",
-                   f"<= {target:.0f} µs/node", per_node <= target)
+        report.add(
+            "compile",
+            f"{name} ({nodes} nodes, {len(program.steps)} steps)",
+            f"{per_node:.1f} µs/node ({_med(compile_ms):.1f} ms)",
+            f"<= {target:.0f} µs/node",
+            per_node <= target,
+        )
         ratio = _med(compile_ms) / _med(load_ms)
-        report.add("compile", f"{name}: load from the store",
-                   f"{_med(load_ms):.2f} ms ({ratio:.0f}x faster than compiling)",
-                   ">= 10x", ratio >= 10)
+        report.add(
+            "compile",
+            f"{name}: load from the store",
+            f"{_med(load_ms):.2f} ms ({ratio:.0f}x faster than compiling)",
+            ">= 10x",
+            ratio >= 10,
+        )
 
 
 def _specs(w: Any, spec: Any) -> dict[str, Any]:
-    return {k: spec(np.asarray(v).shape, str(np.asarray(v).dtype), k in w.wrt)
-            for k, v in w.inputs.items()}
+    return {
+        k: spec(np.asarray(v).shape, str(np.asarray(v).dtype), k in w.wrt)
+        for k, v in w.inputs.items()
+    }
 
 
 # ---------------------------------------------------------------- 4. the cell
@@ -323,8 +376,19 @@ def part_cell(report: Report, rounds: int, requests: int) -> None:
     apps = Path(tempfile.mkdtemp(prefix="bench-programs-torch-"))
     (apps / "torch_app.py").write_text(TORCH_APP)
     torch_port = free_port()
-    torch_argv = [sys.executable, "-m", "uvicorn", "torch_app:app", "--port", str(torch_port),
-                  "--log-level", "warning", "--no-access-log", "--app-dir", str(apps)]
+    torch_argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "torch_app:app",
+        "--port",
+        str(torch_port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--app-dir",
+        str(apps),
+    ]
     try:
         with gradserve() as (port, _), server_process(torch_argv, torch_port) as (tb, _):
             warm, _, torch_body = cell_bodies()
@@ -334,12 +398,23 @@ def part_cell(report: Report, rounds: int, requests: int) -> None:
         shutil.rmtree(apps, ignore_errors=True)
     ratio = cell["cold/torch"][0]
     report.add("cell", "FastAPI + PyTorch script, p50", f"{cell['torch'][0]:.2f} ms")
-    report.add("cell", "gradserve, a new constant each request (lifted), p50",
-               f"{cell['cold'][0]:.2f} ms ({ratio:.2f}x the script)", "<= 0.5x", ratio <= 0.5)
-    report.add("cell", "gradserve, a new node id each request (compiled), p50",
-               f"{cell['compiled'][0]:.2f} ms ({cell['compiled/torch'][0]:.2f}x the script)")
-    report.add("cell", "gradserve, the same graph each request, p50",
-               f"{cell['warm'][0]:.2f} ms ({cell['warm/torch'][0]:.2f}x the script)")
+    report.add(
+        "cell",
+        "gradserve, a new constant each request (lifted), p50",
+        f"{cell['cold'][0]:.2f} ms ({ratio:.2f}x the script)",
+        "<= 0.5x",
+        ratio <= 0.5,
+    )
+    report.add(
+        "cell",
+        "gradserve, a new node id each request (compiled), p50",
+        f"{cell['compiled'][0]:.2f} ms ({cell['compiled/torch'][0]:.2f}x the script)",
+    )
+    report.add(
+        "cell",
+        "gradserve, the same graph each request, p50",
+        f"{cell['warm'][0]:.2f} ms ({cell['warm/torch'][0]:.2f}x the script)",
+    )
 
 
 # ---------------------------------------------------------------- 5. soak
@@ -358,8 +433,13 @@ def part_soak(report: Report, soak_seconds: float) -> None:
             report.add("soak", title, "did not run", "", False)
             continue
         for check in phase["checks"]:
-            report.add("soak", f"{title}: {check['figure']}", check["value"], check["target"],
-                       check["passed"])
+            report.add(
+                "soak",
+                f"{title}: {check['figure']}",
+                check["value"],
+                check["target"],
+                check["passed"],
+            )
         if phase.get("error"):
             report.add("soak", f"{title}: error", phase["error"], "", False)
 
@@ -396,9 +476,11 @@ def main(argv: list[str] | None = None) -> int:
             PARTS[part](report, args)
         except Exception as exc:  # a part that fails is reported, and the others still run
             report.add(part, "ERROR", f"{type(exc).__name__}: {str(exc)[:160]}", "", False)
-    report.print(f"gradserve programs bench, {started}, {os.cpu_count()} CPUs, "
-                 f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
-                 f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}")
+    report.print(
+        f"gradserve programs bench, {started}, {os.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
+        f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}"
+    )
     return 0
 
 

@@ -64,23 +64,39 @@ def chain_numpy(x: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
 
 def rnn_spec(steps: int) -> GraphSpec:
     """The issue's loop: h = 0.95 h + 0.05 tanh(x + 1.1 h), x read by every step."""
-    body = BodySpec(carry=["h"], xs=[], nodes=[
-        NodeSpec("h2", expr="0.95 * h + 0.05 * tanh(x + 1.1 * h)")], next={"h": "h2"})
-    return GraphSpec([NodeSpec("loop", "scan", ["h0"], {"length": steps}, body=body,
-                               results={"hT": "h"}),
-                      NodeSpec("loss", "sum", ["hT"])], ["loss"])
+    body = BodySpec(
+        carry=["h"],
+        xs=[],
+        nodes=[NodeSpec("h2", expr="0.95 * h + 0.05 * tanh(x + 1.1 * h)")],
+        next={"h": "h2"},
+    )
+    return GraphSpec(
+        [
+            NodeSpec("loop", "scan", ["h0"], {"length": steps}, body=body, results={"hT": "h"}),
+            NodeSpec("loss", "sum", ["hT"]),
+        ],
+        ["loss"],
+    )
 
 
-def compile_for(spec: GraphSpec, inputs: dict[str, TensorSpec], budget: int | None
-                ) -> tuple[Any, float]:
+def compile_for(
+    spec: GraphSpec, inputs: dict[str, TensorSpec], budget: int | None
+) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    program = compile_graph(spec, inputs, backward=True, limits=Limits(
-        memory_budget_bytes=budget, recompute=budget is not None, max_nodes=1_000_000))
+    program = compile_graph(
+        spec,
+        inputs,
+        backward=True,
+        limits=Limits(
+            memory_budget_bytes=budget, recompute=budget is not None, max_nodes=1_000_000
+        ),
+    )
     return program, (time.perf_counter() - t0) * 1000
 
 
-def timed_runs(programs: dict[str, Any], arrays: dict[str, np.ndarray], rounds: int
-               ) -> dict[str, list[float]]:
+def timed_runs(
+    programs: dict[str, Any], arrays: dict[str, np.ndarray], rounds: int
+) -> dict[str, list[float]]:
     """Each program's run, interleaved (the machine drifts between rounds)."""
     out: dict[str, list[float]] = {k: [] for k in programs}
     for _ in range(rounds):
@@ -99,15 +115,27 @@ def part_chain(report: Report, steps: int, time_steps: int, rounds: int) -> None
     budget = plain.planned_peak_bytes // 10
     rec, ms = compile_for(chain_spec(steps), inputs, budget)
     r = execute(rec, {"h0": x})
-    report.add("chain", f"{steps} steps on 10^6 float64: planned peak without / with "
-               "recomputation (budget a tenth)",
-               f"{plain.planned_peak_bytes / 2**20:.0f} MiB / {rec.planned_peak_bytes / 2**20:.0f}"
-               f" MiB (budget {budget / 2**20:.0f} MiB)", "within the budget",
-               rec.planned_peak_bytes <= budget)
-    report.add("chain", "planned == measured peak", f"{rec.planned_peak_bytes} == "
-               f"{r.peak_bytes}", "exact", rec.planned_peak_bytes == r.peak_bytes)
-    report.add("chain", "added cost; compile", f"{rec.recompute_cost / plain.compute_cost:.2f}x "
-               f"the plain program's cost; {ms:.0f} ms")
+    report.add(
+        "chain",
+        f"{steps} steps on 10^6 float64: planned peak without / with "
+        "recomputation (budget a tenth)",
+        f"{plain.planned_peak_bytes / 2**20:.0f} MiB / {rec.planned_peak_bytes / 2**20:.0f}"
+        f" MiB (budget {budget / 2**20:.0f} MiB)",
+        "within the budget",
+        rec.planned_peak_bytes <= budget,
+    )
+    report.add(
+        "chain",
+        "planned == measured peak",
+        f"{rec.planned_peak_bytes} == {r.peak_bytes}",
+        "exact",
+        rec.planned_peak_bytes == r.peak_bytes,
+    )
+    report.add(
+        "chain",
+        "added cost; compile",
+        f"{rec.recompute_cost / plain.compute_cost:.2f}x the plain program's cost; {ms:.0f} ms",
+    )
     del plain, r
     # The time ratio, at a length whose plain program this machine can hold.
     spec = chain_spec(time_steps)
@@ -115,10 +143,14 @@ def part_chain(report: Report, steps: int, time_steps: int, rounds: int) -> None
     rec, _ = compile_for(spec, inputs, plain.planned_peak_bytes // 10)
     times = timed_runs({"plain": plain, "recompute": rec}, {"h0": x}, rounds)
     ratio = statistics.median(times["recompute"]) / statistics.median(times["plain"])
-    report.add("chain", f"{time_steps} steps, fwd+bwd: with recomputation against without",
-               f"{statistics.median(times['recompute']):.0f} ms / "
-               f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x", "<= 1.5x",
-               ratio <= 1.5)
+    report.add(
+        "chain",
+        f"{time_steps} steps, fwd+bwd: with recomputation against without",
+        f"{statistics.median(times['recompute']):.0f} ms / "
+        f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x",
+        "<= 1.5x",
+        ratio <= 1.5,
+    )
 
 
 def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 4096) -> None:
@@ -131,46 +163,72 @@ def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 409
     rec, ms = compile_for(rnn_spec(steps), inputs, budget)
     times = timed_runs({"plain": plain, "recompute": rec}, arrays, rounds)
     ratio = statistics.median(times["recompute"]) / statistics.median(times["plain"])
-    report.add("scan", f"{steps}-step scan RNN, width {width}: planned peak without / with "
-               f"checkpointing (stacked residuals {residuals / budget:.0f}x the budget)",
-               f"{plain.planned_peak_bytes / 2**20:.0f} MiB / "
-               f"{rec.planned_peak_bytes / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB)",
-               "within the budget", rec.planned_peak_bytes <= budget)
-    report.add("scan", "fwd+bwd with checkpointing against the plain loop",
-               f"{statistics.median(times['recompute']):.0f} ms / "
-               f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x (compile {ms:.0f} ms)",
-               "<= 2x", ratio <= 2.0)
+    report.add(
+        "scan",
+        f"{steps}-step scan RNN, width {width}: planned peak without / with "
+        f"checkpointing (stacked residuals {residuals / budget:.0f}x the budget)",
+        f"{plain.planned_peak_bytes / 2**20:.0f} MiB / "
+        f"{rec.planned_peak_bytes / 2**20:.0f} MiB (budget {budget / 2**20:.0f} MiB)",
+        "within the budget",
+        rec.planned_peak_bytes <= budget,
+    )
+    report.add(
+        "scan",
+        "fwd+bwd with checkpointing against the plain loop",
+        f"{statistics.median(times['recompute']):.0f} ms / "
+        f"{statistics.median(times['plain']):.0f} ms: {ratio:.2f}x (compile {ms:.0f} ms)",
+        "<= 2x",
+        ratio <= 2.0,
+    )
 
 
 def part_http(report: Report, steps: int = 600) -> None:
     from gradserve.client.http import Client
 
     x = np.linspace(-1.0, 1.0, N)
-    graph = {"nodes": [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"}
-                       for i in range(1, steps + 1)]
-             + [{"id": "loss", "op": "sum", "args": [f"h{steps}"]}], "outputs": ["loss"]}
-    env = {"GRADSERVE_MEMORY_BUDGET_BYTES": str(8 << 30),
-           "GRADSERVE_INFLIGHT_MEMORY_BYTES": str(12 << 30)}
+    graph = {
+        "nodes": [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"} for i in range(1, steps + 1)]
+        + [{"id": "loss", "op": "sum", "args": [f"h{steps}"]}],
+        "outputs": ["loss"],
+    }
+    env = {
+        "GRADSERVE_MEMORY_BUDGET_BYTES": str(8 << 30),
+        "GRADSERVE_INFLIGHT_MEMORY_BYTES": str(12 << 30),
+    }
     with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
-        body = {"graph": graph, "inputs": {"h0": {"shape": [N], "dtype": "float64",
-                                                  "requires_grad": True}}}
+        body = {
+            "graph": graph,
+            "inputs": {"h0": {"shape": [N], "dtype": "float64", "requires_grad": True}},
+        }
         import httpx
 
         plan = httpx.post(f"http://127.0.0.1:{port}/plan", json=body, timeout=600).json()
         budget = plan["planned_peak_bytes"] // 10
-        plan = httpx.post(f"http://127.0.0.1:{port}/plan",
-                          json={**body, "memory_budget_bytes": budget}, timeout=600).json()
+        plan = httpx.post(
+            f"http://127.0.0.1:{port}/plan",
+            json={**body, "memory_budget_bytes": budget},
+            timeout=600,
+        ).json()
         t0 = time.perf_counter()
         r = gs.backward(graph, {"h0": x}, requires_grad=["h0"], memory_budget_bytes=budget)
         ms = (time.perf_counter() - t0) * 1000
     _, g = chain_numpy(x, steps)
     ok = np.allclose(r.gradients["h0"], g, rtol=1e-12)
-    report.add("http", f"{steps}-step chain over HTTP, budget a tenth: /plan admitted; "
-               "planned / measured peak", f"{plan['admitted']}; {r.meta['planned_peak_bytes']}"
-               f" / {r.meta['peak_bytes']} (budget {budget})", "admitted, within",
-               plan["admitted"] and r.meta["peak_bytes"] <= budget)
-    report.add("http", "its round trip; gradients against NumPy",
-               f"{ms:.0f} ms; {'equal (rtol 1e-12)' if ok else 'DIFFERENT'}", "", ok)
+    report.add(
+        "http",
+        f"{steps}-step chain over HTTP, budget a tenth: /plan admitted; planned / measured peak",
+        f"{plan['admitted']}; {r.meta['planned_peak_bytes']}"
+        f" / {r.meta['peak_bytes']} (budget {budget})",
+        "admitted, within",
+        plan["admitted"] and r.meta["peak_bytes"] <= budget,
+    )
+    report.add(
+        "http",
+        "its round trip; gradients against NumPy",
+        f"{ms:.0f} ms; {'equal (rtol 1e-12)' if ok else 'DIFFERENT'}",
+        "",
+        ok,
+    )
 
 
 def ode_graph(n: int, s: int) -> dict[str, Any]:
@@ -184,16 +242,31 @@ def ode_graph(n: int, s: int) -> dict[str, Any]:
         roll = f"cat(slice({v}, dim=0, start={n - 1}), slice({v}, dim=0, stop={n - 1}))"
         return {"id": name, "expr": f"x * (m + (1.0 - m) * {roll})"}
 
-    body = [f("k1", "y"), {"id": "a2", "expr": f"y + {h / 2!r} * k1"}, f("k2", "a2"),
-            {"id": "a3", "expr": f"y + {h / 2!r} * k2"}, f("k3", "a3"),
-            {"id": "a4", "expr": f"y + {h!r} * k3"}, f("k4", "a4"),
-            {"id": "y2", "expr": f"y + {h / 6!r} * (k1 + ((2.0 * k2) + (2.0 * k3) + k4))"}]
-    return {"nodes": [
-        {"id": "y0", "op": "zeros", "attrs": {"shape": [n], "dtype": "float64"}},
-        {"id": "loop", "op": "scan", "args": ["y0"], "attrs": {"length": s},
-         "body": {"carry": ["y"], "xs": [], "nodes": body, "next": {"y": "y2"}},
-         "results": {"yT": "y"}},
-        {"id": "out", "expr": f"sum(slice(yT, dim=0, start={n - 1}))"}], "outputs": ["out"]}
+    body = [
+        f("k1", "y"),
+        {"id": "a2", "expr": f"y + {h / 2!r} * k1"},
+        f("k2", "a2"),
+        {"id": "a3", "expr": f"y + {h / 2!r} * k2"},
+        f("k3", "a3"),
+        {"id": "a4", "expr": f"y + {h!r} * k3"},
+        f("k4", "a4"),
+        {"id": "y2", "expr": f"y + {h / 6!r} * (k1 + ((2.0 * k2) + (2.0 * k3) + k4))"},
+    ]
+    return {
+        "nodes": [
+            {"id": "y0", "op": "zeros", "attrs": {"shape": [n], "dtype": "float64"}},
+            {
+                "id": "loop",
+                "op": "scan",
+                "args": ["y0"],
+                "attrs": {"length": s},
+                "body": {"carry": ["y"], "xs": [], "nodes": body, "next": {"y": "y2"}},
+                "results": {"yT": "y"},
+            },
+            {"id": "out", "expr": f"sum(slice(yT, dim=0, start={n - 1}))"},
+        ],
+        "outputs": ["out"],
+    }
 
 
 def ode_torch(x: np.ndarray, s: int) -> tuple[float, np.ndarray]:
@@ -232,25 +305,36 @@ def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
     env = {"GRADSERVE_MAX_NODES": "200000"}
     with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
         plain = gs.backward(ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"])
-        r = gs.backward(ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"],
-                        memory_budget_bytes=budget)
+        r = gs.backward(
+            ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"], memory_budget_bytes=budget
+        )
         want, grad = ode_torch(x, s)
         ok = np.allclose(r.gradients["x"], grad, rtol=1e-10, atol=1e-14) and np.isclose(
-            float(r.outputs["out"]), want, rtol=1e-12)
-        report.add("gradbench", f"ode n={n} s={s}: planned peak without / within 256 MiB",
-                   f"{plain.meta['planned_peak_bytes'] / 2**20:.0f} MiB / "
-                   f"{r.meta['peak_bytes'] / 2**20:.0f} MiB; gradient against PyTorch "
-                   f"{'equal (rtol 1e-10)' if ok else 'DIFFERENT'}", "validates",
-                   ok and r.meta["peak_bytes"] <= budget)
+            float(r.outputs["out"]), want, rtol=1e-12
+        )
+        report.add(
+            "gradbench",
+            f"ode n={n} s={s}: planned peak without / within 256 MiB",
+            f"{plain.meta['planned_peak_bytes'] / 2**20:.0f} MiB / "
+            f"{r.meta['peak_bytes'] / 2**20:.0f} MiB; gradient against PyTorch "
+            f"{'equal (rtol 1e-10)' if ok else 'DIFFERENT'}",
+            "validates",
+            ok and r.meta["peak_bytes"] <= budget,
+        )
         w = lstm(2, 14, 1024)
         r = gs.backward(w.graph, w.inputs, requires_grad=w.wrt, memory_budget_bytes=budget)
         loss, grads = w.numpy(w.inputs)  # type: ignore[misc]
         ok = np.isclose(float(r.outputs["loss"]), float(loss), rtol=1e-10) and all(
-            np.allclose(r.gradients[k], g, rtol=1e-8, atol=1e-12) for k, g in grads.items())
-        report.add("gradbench", "lstm l=2 c=1024 (hidden 14) within 256 MiB",
-                   f"peak {r.meta['peak_bytes'] / 2**20:.1f} MiB; loss and gradients "
-                   f"against NumPy {'equal' if ok else 'DIFFERENT'}", "validates",
-                   ok and r.meta["peak_bytes"] <= budget)
+            np.allclose(r.gradients[k], g, rtol=1e-8, atol=1e-12) for k, g in grads.items()
+        )
+        report.add(
+            "gradbench",
+            "lstm l=2 c=1024 (hidden 14) within 256 MiB",
+            f"peak {r.meta['peak_bytes'] / 2**20:.1f} MiB; loss and gradients "
+            f"against NumPy {'equal' if ok else 'DIFFERENT'}",
+            "validates",
+            ok and r.meta["peak_bytes"] <= budget,
+        )
 
 
 PARTS: dict[str, Callable[[Report, argparse.Namespace], None]] = {
@@ -276,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
             PARTS[part](report, args)
         except Exception as exc:
             report.add(part, "ERROR", f"{type(exc).__name__}: {str(exc)[:160]}", "", False)
-    report.print(f"gradserve recomputation bench, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
-                 f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}")
+    report.print(
+        f"gradserve recomputation bench, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
+        f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}"
+    )
     return 0
 
 

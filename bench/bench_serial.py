@@ -51,21 +51,37 @@ def workloads(quick: bool) -> dict[str, Callable[[float], Any]]:
     """Per workload, a compile of a new graph (its salt: an unused node's constant)."""
     gs = bc.Gradserve()
     out: dict[str, Callable[[float], Any]] = {}
-    for w in ([bc.unrolled(100), bc.recurrent_cell()] if quick
-              else [bc.unrolled(1000), bc.unrolled(10_000), bc.recurrent_cell()]):
+    for w in (
+        [bc.unrolled(100), bc.recurrent_cell()]
+        if quick
+        else [bc.unrolled(1000), bc.unrolled(10_000), bc.recurrent_cell()]
+    ):
+
         def compile_(salt: float, w: bc.Workload = w) -> Any:
-            graph = {**w.graph, "nodes": [*w.graph["nodes"],
-                                          bc.op("salt", "mul", bc._salt_input(w), salt)]}
+            graph = {
+                **w.graph,
+                "nodes": [*w.graph["nodes"], bc.op("salt", "mul", bc._salt_input(w), salt)],
+            }
             return gs.compile(graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
+
         out[w.name] = compile_
     d = bt.rnn_data(64)
     out["RNN 64 steps as one scan, fwd+bwd"] = lambda salt: bt.compile_json(
-        bt.rnn_scan(salt), d, ["w", "u", "b", "h0"], backward=True)
+        bt.rnn_scan(salt), d, ["w", "u", "b", "h0"], backward=True
+    )
     scalars = {"x": np.float64(2.0), "y": np.float64(3.0)}
     out["seed (x + y) * (x - y), fwd+bwd"] = lambda salt: bt.compile_json(
-        {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"},
-                   {"id": "salt", "expr": f"x * {salt}"}], "outputs": ["z"]},
-        scalars, ["x", "y"], backward=True)
+        {
+            "nodes": [
+                {"id": "z", "expr": "(x + y) * (x - y)"},
+                {"id": "salt", "expr": f"x * {salt}"},
+            ],
+            "outputs": ["z"],
+        },
+        scalars,
+        ["x", "y"],
+        backward=True,
+    )
     return out
 
 
@@ -99,31 +115,60 @@ def main() -> None:
         program = compile_(next(salt))
         data = dump_program(program)
         load_program(data)  # (the memo of kernels warm, as in a worker that runs programs)
-        samples = bc.measure({
-            "compile": lambda compile_=compile_: compile_(next(salt)),
-            "dump": lambda program=program: dump_program(program),
-            "load": lambda data=data: load_program(data),
-            "cold": lambda data=data: load_cold(data),
-            "crc32": lambda data=data: zlib.crc32(data),
-            "blake2b": lambda data=data: hashlib.blake2b(data, digest_size=16).digest(),
-        }, rounds, budget_s=0.2)
+        samples = bc.measure(
+            {
+                "compile": lambda compile_=compile_: compile_(next(salt)),
+                "dump": lambda program=program: dump_program(program),
+                "load": lambda data=data: load_program(data),
+                "cold": lambda data=data: load_cold(data),
+                "crc32": lambda data=data: zlib.crc32(data),
+                "blake2b": lambda data=data: hashlib.blake2b(data, digest_size=16).digest(),
+            },
+            rounds,
+            budget_s=0.2,
+        )
         ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
         steps = len(program.steps)
-        rows.append([name, f"{steps:,}", f"{len(data):,}", f"{ms['compile']:.2f}",
-                     f"{ms['dump']:.2f}", f"{ms['load']:.3f}", f"{ms['cold']:.3f}",
-                     f"{ms['load'] * 1e6 / steps:.0f}",
-                     f"{bc._ratio(samples, 'compile', 'load'):.1f}x",
-                     f"{first_collection(data, rounds) * 1e3:.3f}",
-                     f"{ms['crc32']:.3f}", f"{ms['blake2b']:.3f}"])
-    cols = ["workload", "steps", "bytes", "compile ms", "dump ms", "load ms", "cold ms",
-            "load ns/step", "compile/load", "GC pass ms", "CRC-32 ms", "BLAKE2b ms"]
+        rows.append(
+            [
+                name,
+                f"{steps:,}",
+                f"{len(data):,}",
+                f"{ms['compile']:.2f}",
+                f"{ms['dump']:.2f}",
+                f"{ms['load']:.3f}",
+                f"{ms['cold']:.3f}",
+                f"{ms['load'] * 1e6 / steps:.0f}",
+                f"{bc._ratio(samples, 'compile', 'load'):.1f}x",
+                f"{first_collection(data, rounds) * 1e3:.3f}",
+                f"{ms['crc32']:.3f}",
+                f"{ms['blake2b']:.3f}",
+            ]
+        )
+    cols = [
+        "workload",
+        "steps",
+        "bytes",
+        "compile ms",
+        "dump ms",
+        "load ms",
+        "cold ms",
+        "load ns/step",
+        "compile/load",
+        "GC pass ms",
+        "CRC-32 ms",
+        "BLAKE2b ms",
+    ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print(f"Python {sys.version.split()[0]}; target: compile/load >= 10x")
     print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(cols)).rstrip())
     print("-|-".join("-" * w for w in widths))
     for r in rows:
-        print(" | ".join(v.ljust(widths[i]) if i == 0 else v.rjust(widths[i])
-                         for i, v in enumerate(r)).rstrip())
+        print(
+            " | ".join(
+                v.ljust(widths[i]) if i == 0 else v.rjust(widths[i]) for i, v in enumerate(r)
+            ).rstrip()
+        )
 
 
 if __name__ == "__main__":

@@ -67,11 +67,15 @@ from bench.bench_compiled import (  # noqa: E402
     unrolled,
 )
 
-SEED = orjson.dumps({
-    "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-    "inputs": {"x": {"data": 2.0, "requires_grad": True},
-               "y": {"data": 3.0, "requires_grad": True}},
-})
+SEED = orjson.dumps(
+    {
+        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+        "inputs": {
+            "x": {"data": 2.0, "requires_grad": True},
+            "y": {"data": 3.0, "requires_grad": True},
+        },
+    }
+)
 FLOOR_APP = """
 from fastapi import FastAPI
 app = FastAPI()
@@ -131,14 +135,22 @@ def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Ite
 
 
 @contextmanager
-def server_process(argv: list[str], port: int, env: dict[str, str] | None = None,
-                   ready: str = "/docs", start_s: float = 30.0, cwd: Path = ROOT
-                   ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def server_process(
+    argv: list[str],
+    port: int,
+    env: dict[str, str] | None = None,
+    ready: str = "/docs",
+    start_s: float = 30.0,
+    cwd: Path = ROOT,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A server started from `argv` in `cwd`, once `ready` answers (200, or 404 where the
     server has no such page) within `start_s`; terminated (killed if it lingers) after."""
     proc = subprocess.Popen(
-        argv, cwd=cwd, env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        argv,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -160,8 +172,9 @@ def server_process(argv: list[str], port: int, env: dict[str, str] | None = None
             proc.wait(timeout=10)
 
 
-async def _connection(port: int, requests: Iterator[bytes], count: int, stop_at: float,
-                      latencies: list[float]) -> None:
+async def _connection(
+    port: int, requests: Iterator[bytes], count: int, stop_at: float, latencies: list[float]
+) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         for _ in range(count):
@@ -191,8 +204,9 @@ def _request(path: str, body: bytes) -> bytes:
     ).encode() + body
 
 
-async def _load(port: int, path: str, body: bytes | Iterator[bytes], total: int,
-                concurrency: int) -> tuple[list[float], float]:
+async def _load(
+    port: int, path: str, body: bytes | Iterator[bytes], total: int, concurrency: int
+) -> tuple[list[float], float]:
     """`body`: one body for every request, or an iterator with a body per request."""
     if isinstance(body, bytes):
         requests: Iterator[bytes] = itertools.repeat(_request(path, body))
@@ -201,23 +215,32 @@ async def _load(port: int, path: str, body: bytes | Iterator[bytes], total: int,
     latencies: list[float] = []
     stop_at = time.monotonic() + MAX_SECONDS_PER_RUN
     t0 = time.perf_counter()
-    await asyncio.gather(*(
-        _connection(port, requests, total // concurrency, stop_at, latencies)
-        for _ in range(concurrency)
-    ))
+    await asyncio.gather(
+        *(
+            _connection(port, requests, total // concurrency, stop_at, latencies)
+            for _ in range(concurrency)
+        )
+    )
     return latencies, time.perf_counter() - t0
 
 
-def measure(port: int, path: str, body: bytes | Iterator[bytes], total: int, concurrency: int,
-            warmup: int = 200) -> tuple[float, float, float]:
+def measure(
+    port: int,
+    path: str,
+    body: bytes | Iterator[bytes],
+    total: int,
+    concurrency: int,
+    warmup: int = 200,
+) -> tuple[float, float, float]:
     asyncio.run(_load(port, path, body, min(total, warmup), concurrency))
     latencies, seconds = asyncio.run(_load(port, path, body, total, concurrency))
     ms = np.array(latencies) * 1000
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), len(ms) / seconds
 
 
-def paired(rounds: int, floor_port: int, gs_port: int, total: int, concurrency: int
-           ) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+def paired(
+    rounds: int, floor_port: int, gs_port: int, total: int, concurrency: int
+) -> tuple[tuple[float, ...], tuple[float, ...], float]:
     """(floor medians, seed medians, median of the per-round p50 ratios)."""
     floors, seeds = [], []
     for _ in range(rounds):
@@ -247,8 +270,9 @@ def big_tensor(base: str, rounds: int) -> dict[str, float]:
 
     times: dict[str, float] = {}
     for name, threshold, encoding in [("base64", 0, "base64"), ("json", 1 << 62, "json")]:
-        with Client(base, base64_threshold=threshold, encoding=encoding, timeout=120,
-                    retries=0) as c:
+        with Client(
+            base, base64_threshold=threshold, encoding=encoding, timeout=120, retries=0
+        ) as c:
             samples = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
@@ -275,8 +299,7 @@ def cell_bodies() -> tuple[bytes, Iterable[bytes], bytes]:
     (engine.graph.lifting); `renamed_cell_bodies` are new graphs it compiles."""
     data = recurrent_data(CELL_STEPS)
     lists = _lists(data)
-    inputs = {f"x{t}": {"data": lists["xs"][t], "requires_grad": True}
-              for t in range(CELL_STEPS)}
+    inputs = {f"x{t}": {"data": lists["xs"][t], "requires_grad": True} for t in range(CELL_STEPS)}
     inputs |= {k: {"data": lists[k], "requires_grad": True} for k in ("w", "u", "b", "h0")}
 
     def gradserve(one: float) -> bytes:
@@ -302,46 +325,66 @@ def renamed_cell_bodies() -> Iterable[bytes]:
 def check_cell(gs_base: str, torch_base: str, gs_body: bytes, torch_body: bytes) -> None:
     """Both endpoints agree with bench_compiled's hand-written NumPy cell, or raise."""
     loss, grads = recurrent_numpy(recurrent_data(CELL_STEPS))
-    r = httpx.post(gs_base + "/backward", content=gs_body, timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        gs_base + "/backward",
+        content=gs_body,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     r.raise_for_status()
     gs = orjson.loads(r.content)
     gs_grads = {k: np.array(gs["gradients"][k]["data"]) for k in ("w", "u", "b", "h0")}
     gs_grads["xs"] = np.stack([gs["gradients"][f"x{t}"]["data"] for t in range(CELL_STEPS)])
-    r = httpx.post(torch_base + "/cell", content=torch_body, timeout=60,
-                   headers={"Content-Type": "application/json"})
+    r = httpx.post(
+        torch_base + "/cell",
+        content=torch_body,
+        timeout=60,
+        headers={"Content-Type": "application/json"},
+    )
     r.raise_for_status()
     pt = orjson.loads(r.content)
     pt_grads = {k: np.array(v) for k, v in pt["gradients"].items()}
-    for name, value, got in (("gradserve", gs["outputs"]["loss"]["data"], gs_grads),
-                             ("FastAPI+PyTorch", pt["loss"], pt_grads)):
+    for name, value, got in (
+        ("gradserve", gs["outputs"]["loss"]["data"], gs_grads),
+        ("FastAPI+PyTorch", pt["loss"], pt_grads),
+    ):
         np.testing.assert_allclose(value, loss, rtol=1e-4, err_msg=f"{name}: loss")
         assert set(got) == set(grads), (name, sorted(got))
         for k, g in grads.items():
-            np.testing.assert_allclose(got[k], g, rtol=1e-4, atol=1e-4 * np.abs(g).max(),
-                                       err_msg=f"{name}: gradient {k}")
+            np.testing.assert_allclose(
+                got[k], g, rtol=1e-4, atol=1e-4 * np.abs(g).max(), err_msg=f"{name}: gradient {k}"
+            )
 
 
-def cell_rounds(rounds: int, gs_port: int, torch_port: int, total: int
-                ) -> dict[str, tuple[float, ...]]:
+def cell_rounds(
+    rounds: int, gs_port: int, torch_port: int, total: int
+) -> dict[str, tuple[float, ...]]:
     """Per endpoint, the medians over rounds of (p50, p99, req/s); and the medians of the
     per-round p50 ratios against FastAPI + PyTorch."""
     warm, cold, torch_body = cell_bodies()
     renamed = renamed_cell_bodies()
     samples: dict[str, list[tuple[float, float, float]]] = {
-        "torch": [], "warm": [], "cold": [], "compiled": []}
+        "torch": [],
+        "warm": [],
+        "cold": [],
+        "compiled": [],
+    }
     for _ in range(rounds):
         samples["torch"].append(measure(torch_port, "/cell", torch_body, total, 1, warmup=20))
         samples["warm"].append(measure(gs_port, "/backward", warm, total, 1, warmup=20))
         samples["cold"].append(measure(gs_port, "/backward", iter(cold), total, 1, warmup=20))
-        samples["compiled"].append(measure(gs_port, "/backward", iter(renamed), total, 1,
-                                           warmup=20))
+        samples["compiled"].append(
+            measure(gs_port, "/backward", iter(renamed), total, 1, warmup=20)
+        )
     out: dict[str, tuple[float, ...]] = {
-        k: tuple(statistics.median(col) for col in zip(*v, strict=True))
-        for k, v in samples.items()}
+        k: tuple(statistics.median(col) for col in zip(*v, strict=True)) for k, v in samples.items()
+    }
     for k in ("warm", "cold", "compiled"):
-        out[k + "/torch"] = (statistics.median(
-            s[0] / t[0] for s, t in zip(samples[k], samples["torch"], strict=True)),)
+        out[k + "/torch"] = (
+            statistics.median(
+                s[0] / t[0] for s, t in zip(samples[k], samples["torch"], strict=True)
+            ),
+        )
     return out
 
 
@@ -417,13 +460,16 @@ class RawClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def post(self, path: str, parts: Parts, headers: Sequence[tuple[str, str]] = ()
-             ) -> Response:
+    def post(self, path: str, parts: Parts, headers: Sequence[tuple[str, str]] = ()) -> Response:
         views = [memoryview(p).cast("B") for p in parts]
         length = sum(v.nbytes for v in views)
         head = "".join(
-            [f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n",
-             *(f"{k}: {v}\r\n" for k, v in headers), "\r\n"]).encode()
+            [
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n",
+                *(f"{k}: {v}\r\n" for k, v in headers),
+                "\r\n",
+            ]
+        ).encode()
         self.sock.sendall(head)
         for view in views:
             self.sock.sendall(view)
@@ -445,7 +491,7 @@ class RawClient:
             raise RuntimeError(f"no Content-Length in the response ({lines[0]})")
         body = np.empty(int(fields["content-length"]), np.uint8)
         view = memoryview(body)
-        view[:len(rest)] = rest
+        view[: len(rest)] = rest
         at = len(rest)
         while at < len(body):
             n = self.sock.recv_into(view[at:])
@@ -455,8 +501,7 @@ class RawClient:
         return status, fields, body
 
 
-def encode_tensor_request(x: np.ndarray, encoding: str
-                          ) -> tuple[Parts, list[tuple[str, str]]]:
+def encode_tensor_request(x: np.ndarray, encoding: str) -> tuple[Parts, list[tuple[str, str]]]:
     """The POST /forward body of `y = x * 2 + 1` (no_grad), and its headers: binary (a
     JSON header, then x's bytes as they lie), base64, or JSON lists (orjson's numpy
     serializer, the fastest way to write them)."""
@@ -467,13 +512,15 @@ def encode_tensor_request(x: np.ndarray, encoding: str
         header = orjson.dumps(request)
         return [header, memoryview(np.ascontiguousarray(x, "<f4")).cast("B")], [
             ("Content-Type", "application/octet-stream"),
-            ("Inference-Header-Content-Length", str(len(header)))]
+            ("Inference-Header-Content-Length", str(len(header))),
+        ]
     if encoding == "base64":
         request["inputs"] = {"x": {**spec, "b64": pybase64.b64encode(x).decode("ascii")}}
         return [orjson.dumps(request)], [("Content-Type", "application/json")]
     request["inputs"] = {"x": {**spec, "data": x}}
     return [orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)], [
-        ("Content-Type", "application/json")]
+        ("Content-Type", "application/json")
+    ]
 
 
 def decode_tensor_response(response: Response, section: str, name: str) -> np.ndarray:
@@ -488,7 +535,8 @@ def decode_tensor_response(response: Response, section: str, name: str) -> np.nd
         if "b64" in tensor:
             raw = pybase64.b64decode(tensor["b64"], validate=True)
             return np.frombuffer(raw, "<" + np.dtype(tensor["dtype"]).str[1:]).reshape(
-                tensor["shape"])
+                tensor["shape"]
+            )
         return np.array(tensor["data"], dtype=tensor["dtype"])
     n = int(header_length)
     doc = orjson.loads(memoryview(body)[:n])
@@ -503,20 +551,28 @@ def decode_tensor_response(response: Response, section: str, name: str) -> np.nd
             if (where, key) == (section, name):
                 dtype = np.dtype(tensor["dtype"]).newbyteorder("<")
                 return np.frombuffer(body, dtype, size // dtype.itemsize, offset).reshape(
-                    tensor["shape"])
+                    tensor["shape"]
+                )
             offset += size
     raise KeyError((section, name))
 
 
-def round_trip(client: RawClient, path: str, x: np.ndarray, encoding: str,
-               section: str = "outputs", name: str = "y") -> np.ndarray:
+def round_trip(
+    client: RawClient,
+    path: str,
+    x: np.ndarray,
+    encoding: str,
+    section: str = "outputs",
+    name: str = "y",
+) -> np.ndarray:
     """What is timed: encode, POST, decode."""
     parts, headers = encode_tensor_request(x, encoding)
     return decode_tensor_response(client.post(path, parts, headers), section, name)
 
 
-def wire_tensor(gs_port: int, echo_port: int, rounds: int,
-                shape: tuple[int, ...] = WIRE_SHAPE) -> dict[str, Any]:
+def wire_tensor(
+    gs_port: int, echo_port: int, rounds: int, shape: tuple[int, ...] = WIRE_SHAPE
+) -> dict[str, Any]:
     """Per contender the median over rounds of its per-round median ms, and the medians of
     the per-round ratios; the request and response sizes."""
     x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
@@ -536,7 +592,7 @@ def wire_tensor(gs_port: int, echo_port: int, rounds: int,
             del got
         samples: dict[str, list[float]] = {k: [] for k in contenders}
         for r in range(rounds):
-            order = list(contenders)[r % 4:] + list(contenders)[:r % 4]
+            order = list(contenders)[r % 4 :] + list(contenders)[: r % 4]
             times: dict[str, list[float]] = {k: [] for k in contenders}
             for rep in range(FAST_REPS):
                 for key in order:
@@ -552,20 +608,27 @@ def wire_tensor(gs_port: int, echo_port: int, rounds: int,
     def ratio(a: str, b: str) -> float:
         return statistics.median(p / q for p, q in zip(samples[a], samples[b], strict=True))
 
-    return {"ms": {k: statistics.median(v) for k, v in samples.items()},
-            "json/binary": ratio("json", "binary"), "base64/binary": ratio("base64", "binary"),
-            "binary/floor": ratio("binary", "floor"), "sent": sizes,
-            "elements": int(x.size), "payload": int(x.nbytes)}
+    return {
+        "ms": {k: statistics.median(v) for k, v in samples.items()},
+        "json/binary": ratio("json", "binary"),
+        "base64/binary": ratio("base64", "binary"),
+        "binary/floor": ratio("binary", "floor"),
+        "sent": sizes,
+        "elements": int(x.size),
+        "payload": int(x.nbytes),
+    }
 
 
 def _chain_inputs(width: int) -> dict[str, Any]:
     data = unrolled(1, width).inputs  # (the inputs do not depend on the steps)
-    return {k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
-            for k, v in data.items()}
+    return {
+        k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True} for k, v in data.items()
+    }
 
 
-def wire_graph(gs_port: int, rounds: int, steps: int = CHAIN_STEPS, width: int = CHAIN_WIDTH
-               ) -> dict[str, Any]:
+def wire_graph(
+    gs_port: int, rounds: int, steps: int = CHAIN_STEPS, width: int = CHAIN_WIDTH
+) -> dict[str, Any]:
     """POST /backward of an unrolled recurrence (3 nodes a step), the graph sent in full
     against by its graph_id, once a first full request has registered it."""
     w = unrolled(steps, width)
@@ -622,12 +685,19 @@ def wire_graph(gs_port: int, rounds: int, steps: int = CHAIN_STEPS, width: int =
                     times[key].append(time.perf_counter() - t0)
             for key, values in times.items():
                 samples[key].append(statistics.median(values) * 1000)
-    return {"ms": {k: statistics.median(v) for k, v in samples.items()},
-            "saved_ms": statistics.median(
-                f - i for f, i in zip(samples["full"], samples["id"], strict=True)),
-            "first_ms": first_ms, "sent": sent, "nodes": first["meta"]["nodes"],
-            "graph_nodes": len(w.graph["nodes"]), "width": width, "probe": (len(tiny), probe),
-            "registrations": registrations}
+    return {
+        "ms": {k: statistics.median(v) for k, v in samples.items()},
+        "saved_ms": statistics.median(
+            f - i for f, i in zip(samples["full"], samples["id"], strict=True)
+        ),
+        "first_ms": first_ms,
+        "sent": sent,
+        "nodes": first["meta"]["nodes"],
+        "graph_nodes": len(w.graph["nodes"]),
+        "width": width,
+        "probe": (len(tiny), probe),
+        "registrations": registrations,
+    }
 
 
 def _peak_rss(pid: int) -> int:
@@ -728,19 +798,19 @@ class TreeSampler(threading.Thread):
         self.samples.append(self.sample())
 
 
-def wire_rss(port: int, pid: int, rounds: int, elements: int = RSS_ELEMENTS
-             ) -> dict[str, Any]:
+def wire_rss(port: int, pid: int, rounds: int, elements: int = RSS_ELEMENTS) -> dict[str, Any]:
     """Per round: the tree's RSS before a binary request of `elements` float32 (`x * 2 +
     1`, answer binary), and sampled during it; medians over rounds."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(elements, dtype=np.float32)
     want = x * np.float32(2) + np.float32(1)
-    small = x[:1 << 16]  # 256 KB: computed by the worker (this starts the pool)
+    small = x[: 1 << 16]  # 256 KB: computed by the worker (this starts the pool)
     rows = []
     with RawClient(port, timeout=300) as client:
         for r in range(rounds):
-            np.testing.assert_array_equal(round_trip(client, "/forward", small, "binary"),
-                                          want[:1 << 16])
+            np.testing.assert_array_equal(
+                round_trip(client, "/forward", small, "binary"), want[: 1 << 16]
+            )
             time.sleep(0.5)
             sampler = TreeSampler(pid)
             before = [sampler.sample() for _ in range(5)]
@@ -761,40 +831,75 @@ def wire_rss(port: int, pid: int, rounds: int, elements: int = RSS_ELEMENTS
             total = [sum(f) + sum(k) for _, f, k, _ in s]
             at = int(np.argmax(total))
             gaps = np.diff([t for t, *_ in s])
-            rows.append({
-                "pss_before": statistics.median(sampler.pss[:5]),
-                "pss_peak": max(sampler.pss[5:]),
-                "before": statistics.median(sum(f) + sum(k) for _, f, k, _ in before),
-                "before_front": statistics.median(sum(f) for _, f, _, _ in before),
-                "peak": total[at],
-                "peak_front": sum(s[at][1]), "peak_kids": sum(s[at][2]),
-                "peak_anon": s[at][1][0] + s[at][2][0], "peak_shmem": s[at][1][2] + s[at][2][2],
-                "max_front": max(sum(f) for _, f, _, _ in s),
-                "max_kids": max(sum(k) for _, _, k, _ in s),
-                "max_segments": max(m for *_, m in s),
-                "ms": seconds * 1000, "samples": len(s), "max_gap_ms": float(gaps.max()) * 1000,
-                # Each process's own peak, summed: at least the tree's peak (those of the
-                # processes need not coincide); None where VmHWM could not be reset.
-                "hwm_sum": sum(hwm) if reset else None, "hwm_front": hwm[0] if reset else None,
-            })
-    out = {k: None if any(row[k] is None for row in rows)
-           else statistics.median(row[k] for row in rows) for k in rows[0]}
+            rows.append(
+                {
+                    "pss_before": statistics.median(sampler.pss[:5]),
+                    "pss_peak": max(sampler.pss[5:]),
+                    "before": statistics.median(sum(f) + sum(k) for _, f, k, _ in before),
+                    "before_front": statistics.median(sum(f) for _, f, _, _ in before),
+                    "peak": total[at],
+                    "peak_front": sum(s[at][1]),
+                    "peak_kids": sum(s[at][2]),
+                    "peak_anon": s[at][1][0] + s[at][2][0],
+                    "peak_shmem": s[at][1][2] + s[at][2][2],
+                    "max_front": max(sum(f) for _, f, _, _ in s),
+                    "max_kids": max(sum(k) for _, _, k, _ in s),
+                    "max_segments": max(m for *_, m in s),
+                    "ms": seconds * 1000,
+                    "samples": len(s),
+                    "max_gap_ms": float(gaps.max()) * 1000,
+                    # Each process's own peak, summed: at least the tree's peak (those of the
+                    # processes need not coincide); None where VmHWM could not be reset.
+                    "hwm_sum": sum(hwm) if reset else None,
+                    "hwm_front": hwm[0] if reset else None,
+                }
+            )
+    out = {
+        k: None
+        if any(row[k] is None for row in rows)
+        else statistics.median(row[k] for row in rows)
+        for k in rows[0]
+    }
     out["payload"] = int(x.nbytes)
     return out
 
 
-def wire(rounds: int, shape: tuple[int, ...] = WIRE_SHAPE, steps: int = CHAIN_STEPS,
-         width: int = CHAIN_WIDTH, rss_elements: int = RSS_ELEMENTS) -> dict[str, Any]:
+def wire(
+    rounds: int,
+    shape: tuple[int, ...] = WIRE_SHAPE,
+    steps: int = CHAIN_STEPS,
+    width: int = CHAIN_WIDTH,
+    rss_elements: int = RSS_ELEMENTS,
+) -> dict[str, Any]:
     """The wire part, with its own servers: the figures of `print_wire`."""
     app_dir = Path(tempfile.mkdtemp(prefix="gradserve-echo-"))
     (app_dir / "echo_app.py").write_text(ECHO_APP)
     gs_port, echo_port, rss_port = free_port(), free_port(), free_port()
-    echo_argv = [sys.executable, "-m", "uvicorn", "echo_app:app", "--port", str(echo_port),
-                 "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
+    echo_argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "echo_app:app",
+        "--port",
+        str(echo_port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--app-dir",
+        str(app_dir),
+    ]
 
     def gs_argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port),
-                "--log-level", "warning"]
+        return [
+            sys.executable,
+            "-m",
+            "gradserve.service.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
 
     out: dict[str, Any] = {"env": WIRE_ENV}
     with server(gs_argv(gs_port), gs_port, WIRE_ENV):
@@ -807,21 +912,25 @@ def wire(rounds: int, shape: tuple[int, ...] = WIRE_SHAPE, steps: int = CHAIN_ST
     return out
 
 
-WIRE_TARGETS = ("targets: 4M float32 round trip, binary >= 20x faster than JSON lists and "
-                ">= 1.5x faster than base64, <= 1.3x the echo floor;\n         256 MiB binary "
-                "request: peak RSS of the server's process tree <= 2.5x the payload (256 "
-                "MiB)")
+WIRE_TARGETS = (
+    "targets: 4M float32 round trip, binary >= 20x faster than JSON lists and "
+    ">= 1.5x faster than base64, <= 1.3x the echo floor;\n         256 MiB binary "
+    "request: peak RSS of the server's process tree <= 2.5x the payload (256 "
+    "MiB)"
+)
 
 
 def print_wire(w: dict[str, Any], rounds: int) -> None:
     t, g, m = w["tensor"], w["graph"], w["rss"]
     mb, mib = 1e6, 2**20
     env = " ".join(f"{k}={v}" for k, v in w["env"].items())
-    print(f"\nthe wire: POST /forward `y = x * 2 + 1` (expr), no_grad, {t['elements']:,} "
-          f"float32 in {t['payload'] / mb:.0f} MB; one raw keep-alive HTTP/1.1 client (a "
-          f"blocking socket, the same code for every encoding), timed from encode to a NumPy "
-          f"array; loopback, {os.cpu_count()} CPUs, {stack()}; median of {rounds} rounds, "
-          f"contenders interleaved ({FAST_REPS} requests a round each, JSON lists 1)")
+    print(
+        f"\nthe wire: POST /forward `y = x * 2 + 1` (expr), no_grad, {t['elements']:,} "
+        f"float32 in {t['payload'] / mb:.0f} MB; one raw keep-alive HTTP/1.1 client (a "
+        f"blocking socket, the same code for every encoding), timed from encode to a NumPy "
+        f"array; loopback, {os.cpu_count()} CPUs, {stack()}; median of {rounds} rounds, "
+        f"contenders interleaved ({FAST_REPS} requests a round each, JSON lists 1)"
+    )
     print(f"servers: {env}")
     print(WIRE_TARGETS)
 
@@ -831,78 +940,128 @@ def print_wire(w: dict[str, Any], rounds: int) -> None:
     ms = t["ms"]
     n = f"{t['elements']:,}"
     rows = [
-        (f"{n} f32 round trip: binary vs JSON lists, ms", f"{ms['binary']:.1f}",
-         f"{ms['json']:.0f} (JSON lists)", f"{t['json/binary']:.1f}x faster", ">= 20x",
-         met(t["json/binary"] >= 20)),
-        (f"{n} f32 round trip: binary vs base64, ms", f"{ms['binary']:.1f}",
-         f"{ms['base64']:.1f} (base64)", f"{t['base64/binary']:.2f}x faster", ">= 1.5x",
-         met(t["base64/binary"] >= 1.5)),
-        (f"{n} f32 round trip: binary vs echo floor, ms", f"{ms['binary']:.1f}",
-         f"{ms['floor']:.1f} (ASGI echo)", f"{t['binary/floor']:.2f}x", "<= 1.3x",
-         met(t["binary/floor"] <= 1.3)),
-        (f"{g['graph_nodes']:,}-node graph: by graph_id vs full, ms", f"{g['ms']['id']:.1f}",
-         f"{g['ms']['full']:.1f} (full graph)",
-         f"-{g['saved_ms']:.1f} ms, -{(g['sent']['full'] - g['sent']['id']) / mb:.2f} MB", "-",
-         "-"),
-        (f"{m['payload'] / mib:.0f} MiB binary request: peak RSS of the tree, MiB",
-         f"{m['peak'] / mib:.0f}", f"{m['payload'] / mib:.0f} (payload)",
-         f"{m['peak'] / m['payload']:.2f}x", "<= 2.5x", met(m["peak"] / m["payload"] <= 2.5)),
-        (f"{m['payload'] / mib:.0f} MiB binary request: peak PSS of the tree, MiB",
-         f"{m['pss_peak'] / mib:.0f}", f"{m['payload'] / mib:.0f} (payload)",
-         f"{m['pss_peak'] / m['payload']:.2f}x", "<= 2.5x",
-         met(m["pss_peak"] / m["payload"] <= 2.5)),
+        (
+            f"{n} f32 round trip: binary vs JSON lists, ms",
+            f"{ms['binary']:.1f}",
+            f"{ms['json']:.0f} (JSON lists)",
+            f"{t['json/binary']:.1f}x faster",
+            ">= 20x",
+            met(t["json/binary"] >= 20),
+        ),
+        (
+            f"{n} f32 round trip: binary vs base64, ms",
+            f"{ms['binary']:.1f}",
+            f"{ms['base64']:.1f} (base64)",
+            f"{t['base64/binary']:.2f}x faster",
+            ">= 1.5x",
+            met(t["base64/binary"] >= 1.5),
+        ),
+        (
+            f"{n} f32 round trip: binary vs echo floor, ms",
+            f"{ms['binary']:.1f}",
+            f"{ms['floor']:.1f} (ASGI echo)",
+            f"{t['binary/floor']:.2f}x",
+            "<= 1.3x",
+            met(t["binary/floor"] <= 1.3),
+        ),
+        (
+            f"{g['graph_nodes']:,}-node graph: by graph_id vs full, ms",
+            f"{g['ms']['id']:.1f}",
+            f"{g['ms']['full']:.1f} (full graph)",
+            f"-{g['saved_ms']:.1f} ms, -{(g['sent']['full'] - g['sent']['id']) / mb:.2f} MB",
+            "-",
+            "-",
+        ),
+        (
+            f"{m['payload'] / mib:.0f} MiB binary request: peak RSS of the tree, MiB",
+            f"{m['peak'] / mib:.0f}",
+            f"{m['payload'] / mib:.0f} (payload)",
+            f"{m['peak'] / m['payload']:.2f}x",
+            "<= 2.5x",
+            met(m["peak"] / m["payload"] <= 2.5),
+        ),
+        (
+            f"{m['payload'] / mib:.0f} MiB binary request: peak PSS of the tree, MiB",
+            f"{m['pss_peak'] / mib:.0f}",
+            f"{m['payload'] / mib:.0f} (payload)",
+            f"{m['pss_peak'] / m['payload']:.2f}x",
+            "<= 2.5x",
+            met(m["pss_peak"] / m["payload"] <= 2.5),
+        ),
     ]
     head = ("measurement", "gradserve", "baseline", "ratio", "target", "met")
     widths = [max(len(str(row[k])) for row in (head, *rows)) for k in range(6)]
     print(" | ".join(f"{h:<{w_}}" for h, w_ in zip(head, widths, strict=True)))
     print("-+-".join("-" * w_ for w_ in widths))
     for row in rows:
-        print(" | ".join(f"{c:<{w_}}" if k == 0 else f"{c:>{w_}}"
-                         for k, (c, w_) in enumerate(zip(row, widths, strict=True))))
+        print(
+            " | ".join(
+                f"{c:<{w_}}" if k == 0 else f"{c:>{w_}}"
+                for k, (c, w_) in enumerate(zip(row, widths, strict=True))
+            )
+        )
     sent = t["sent"]
-    print(f"- {n} float32, bytes sent a request: binary {sent['binary'] / mb:.2f} MB, base64 "
-          f"{sent['base64'] / mb:.2f} MB, JSON lists {sent['json'] / mb:.2f} MB, echo "
-          f"{sent['floor'] / mb:.2f} MB (and as much back); ms: floor {ms['floor']:.1f}, "
-          f"binary {ms['binary']:.1f}, base64 {ms['base64']:.1f}, JSON lists {ms['json']:.0f}")
-    print(f"- graph: POST /backward of bench_compiled's unrolled recurrence "
-          f"({g['graph_nodes']:,} op nodes), gradients of its 3 inputs of width "
-          f"{g['width']} float64, sent as JSON lists; one compute worker, so the id is held "
-          f"by the process that answers; "
-          f"first full request (compile) {g['first_ms']:.0f} ms; then {CHAIN_REPS} requests "
-          f"each way a round; bytes sent {g['sent']['full']:,} full vs {g['sent']['id']:,} "
-          f"by id; re-registrations {g['registrations']}")
+    print(
+        f"- {n} float32, bytes sent a request: binary {sent['binary'] / mb:.2f} MB, base64 "
+        f"{sent['base64'] / mb:.2f} MB, JSON lists {sent['json'] / mb:.2f} MB, echo "
+        f"{sent['floor'] / mb:.2f} MB (and as much back); ms: floor {ms['floor']:.1f}, "
+        f"binary {ms['binary']:.1f}, base64 {ms['base64']:.1f}, JSON lists {ms['json']:.0f}"
+    )
+    print(
+        f"- graph: POST /backward of bench_compiled's unrolled recurrence "
+        f"({g['graph_nodes']:,} op nodes), gradients of its 3 inputs of width "
+        f"{g['width']} float64, sent as JSON lists; one compute worker, so the id is held "
+        f"by the process that answers; "
+        f"first full request (compile) {g['first_ms']:.0f} ms; then {CHAIN_REPS} requests "
+        f"each way a round; bytes sent {g['sent']['full']:,} full vs {g['sent']['id']:,} "
+        f"by id; re-registrations {g['registrations']}"
+    )
     size, status = g["probe"]
-    print(f"- graph_id in a body of {size:,} bytes (<= {INLINE_MAX_BODY // 1024} KiB), the "
-          f"graph sent to a worker before, got {status}"
-          + (" graph-unknown although the worker holds the graph" if status == 409 else ""))
-    hwm = ("could not be reset" if m["hwm_sum"] is None else
-           f"{m['hwm_sum'] / mib:.0f} MiB ({m['hwm_sum'] / m['payload']:.2f}x; front "
-           f"{m['hwm_front'] / mib:.0f})")
-    print(f"- RSS of the tree (the front and all its descendants: the forkserver, the worker, "
-          f"the resource tracker), sampled every {RSS_INTERVAL_S * 1000:.0f} ms: before the "
-          f"request {m['before'] / mib:.0f} MiB (front {m['before_front'] / mib:.0f}); at the "
-          f"peak front {m['peak_front'] / mib:.0f} + the others {m['peak_kids'] / mib:.0f} MiB "
-          f"(anonymous {m['peak_anon'] / mib:.0f}, shared memory {m['peak_shmem'] / mib:.0f});"
-          f" the peak less the RSS before {(m['peak'] - m['before']) / m['payload']:.2f}x the "
-          f"payload; the front's own peak {m['max_front'] / mib:.0f} MiB, the others' "
-          f"{m['max_kids'] / mib:.0f}; /dev/shm segments at most "
-          f"{m['max_segments'] / mib:.0f} MiB (in RSS too while mapped); the processes' own "
-          f"peaks (VmHWM) summed {hwm}; request {m['ms']:.0f} ms, {m['samples']:.0f} "
-          f"samples, largest gap {m['max_gap_ms']:.1f} ms")
-    print(f"- PSS of the tree (each page shared by several processes, as the libraries, the "
-          f"forkserver's copy-on-write heap and a segment mapped by two, counted once, "
-          f"divided among them; the RSS sum counts it in each): before the request "
-          f"{m['pss_before'] / mib:.0f} MiB, at its peak {m['pss_peak'] / mib:.0f} MiB")
+    print(
+        f"- graph_id in a body of {size:,} bytes (<= {INLINE_MAX_BODY // 1024} KiB), the "
+        f"graph sent to a worker before, got {status}"
+        + (" graph-unknown although the worker holds the graph" if status == 409 else "")
+    )
+    hwm = (
+        "could not be reset"
+        if m["hwm_sum"] is None
+        else f"{m['hwm_sum'] / mib:.0f} MiB ({m['hwm_sum'] / m['payload']:.2f}x; front "
+        f"{m['hwm_front'] / mib:.0f})"
+    )
+    print(
+        f"- RSS of the tree (the front and all its descendants: the forkserver, the worker, "
+        f"the resource tracker), sampled every {RSS_INTERVAL_S * 1000:.0f} ms: before the "
+        f"request {m['before'] / mib:.0f} MiB (front {m['before_front'] / mib:.0f}); at the "
+        f"peak front {m['peak_front'] / mib:.0f} + the others {m['peak_kids'] / mib:.0f} MiB "
+        f"(anonymous {m['peak_anon'] / mib:.0f}, shared memory {m['peak_shmem'] / mib:.0f});"
+        f" the peak less the RSS before {(m['peak'] - m['before']) / m['payload']:.2f}x the "
+        f"payload; the front's own peak {m['max_front'] / mib:.0f} MiB, the others' "
+        f"{m['max_kids'] / mib:.0f}; /dev/shm segments at most "
+        f"{m['max_segments'] / mib:.0f} MiB (in RSS too while mapped); the processes' own "
+        f"peaks (VmHWM) summed {hwm}; request {m['ms']:.0f} ms, {m['samples']:.0f} "
+        f"samples, largest gap {m['max_gap_ms']:.1f} ms"
+    )
+    print(
+        f"- PSS of the tree (each page shared by several processes, as the libraries, the "
+        f"forkserver's copy-on-write heap and a segment mapped by two, counted once, "
+        f"divided among them; the RSS sum counts it in each): before the request "
+        f"{m['pss_before'] / mib:.0f} MiB, at its peak {m['pss_peak'] / mib:.0f} MiB"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--cell-requests", type=int, default=200,
-                        help="requests per measurement of the recurrent cell")
-    parser.add_argument("--parts", default="seed,tensor,cell,wire",
-                        help="comma-separated: seed, tensor, cell, wire")
+    parser.add_argument(
+        "--cell-requests",
+        type=int,
+        default=200,
+        help="requests per measurement of the recurrent cell",
+    )
+    parser.add_argument(
+        "--parts", default="seed,tensor,cell,wire", help="comma-separated: seed, tensor, cell, wire"
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"seed", "tensor", "cell", "wire"}
@@ -913,12 +1072,32 @@ def main() -> None:
     (floor_dir / "floor_app.py").write_text(FLOOR_APP)
     (floor_dir / "torch_app.py").write_text(TORCH_APP)
     gs_port, floor_port, torch_port = free_port(), free_port(), free_port()
-    gs_argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(gs_port),
-               "--log-level", "warning"]
+    gs_argv = [
+        sys.executable,
+        "-m",
+        "gradserve.service.cli",
+        "serve",
+        "--port",
+        str(gs_port),
+        "--log-level",
+        "warning",
+    ]
     floor_argv, torch_argv = (
-        [sys.executable, "-m", "uvicorn", f"{app}:app", "--port", str(port), "--log-level",
-         "warning", "--no-access-log", "--app-dir", str(floor_dir)]
-        for app, port in (("floor_app", floor_port), ("torch_app", torch_port)))
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            f"{app}:app",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+            "--app-dir",
+            str(floor_dir),
+        ]
+        for app, port in (("floor_app", floor_port), ("torch_app", torch_port))
+    )
 
     rows = []
     tensor: dict[str, float] = {}
@@ -930,8 +1109,9 @@ def main() -> None:
             if "seed" in parts:
                 with server(floor_argv, floor_port):
                     for conc in (1, 16):
-                        rows.append((conc, *paired(args.rounds, floor_port, gs_port,
-                                                   args.requests, conc)))
+                        rows.append(
+                            (conc, *paired(args.rounds, floor_port, gs_port, args.requests, conc))
+                        )
             if "tensor" in parts:
                 tensor = big_tensor(base, args.rounds)
             if "cell" in parts:
@@ -944,11 +1124,15 @@ def main() -> None:
     if rows:
         print_seed(rows, args.rounds, args.requests)
     if tensor:
-        print(f"\n4M float32 through POST /forward (x * 2, no_grad), client end to end, median "
-              f"of {args.rounds}")
+        print(
+            f"\n4M float32 through POST /forward (x * 2, no_grad), client end to end, median "
+            f"of {args.rounds}"
+        )
         print(f"  base64: {tensor['base64']:8.1f} ms")
-        print(f"  json:   {tensor['json']:8.1f} ms   ({tensor['json'] / tensor['base64']:.1f}x "
-              "slower)")
+        print(
+            f"  json:   {tensor['json']:8.1f} ms   ({tensor['json'] / tensor['base64']:.1f}x "
+            "slower)"
+        )
     if cell:
         print_cell(cell, args.rounds, args.cell_requests)
     if wired:
@@ -956,33 +1140,49 @@ def main() -> None:
 
 
 def print_cell(cell: dict[str, tuple[float, ...]], rounds: int, requests: int) -> None:
-    print(f"\nrecurrent cell ({CELL_STEPS} steps, batch 4, width 16, float32, forward + "
-          f"backward, every gradient), concurrency 1, JSON lists both ways; median of {rounds} "
-          f"rounds of {requests} requests; loopback; {stack()}")
-    print(f"{'endpoint':<42} | {'p50 ms':>7} | {'p99 ms':>7} | {'req/s':>6} | "
-          f"{'p50 vs FastAPI+PyTorch (target <= 0.5)':>39}")
+    print(
+        f"\nrecurrent cell ({CELL_STEPS} steps, batch 4, width 16, float32, forward + "
+        f"backward, every gradient), concurrency 1, JSON lists both ways; median of {rounds} "
+        f"rounds of {requests} requests; loopback; {stack()}"
+    )
+    print(
+        f"{'endpoint':<42} | {'p50 ms':>7} | {'p99 ms':>7} | {'req/s':>6} | "
+        f"{'p50 vs FastAPI+PyTorch (target <= 0.5)':>39}"
+    )
     print("-" * 112)
-    for key, label in (("torch", "FastAPI + PyTorch eager, POST /cell"),
-                       ("warm", "gradserve POST /backward, warm"),
-                       ("cold", "gradserve POST /backward, new constant (lifted)"),
-                       ("compiled", "gradserve POST /backward, new id (compiled)")):
+    for key, label in (
+        ("torch", "FastAPI + PyTorch eager, POST /cell"),
+        ("warm", "gradserve POST /backward, warm"),
+        ("cold", "gradserve POST /backward, new constant (lifted)"),
+        ("compiled", "gradserve POST /backward, new id (compiled)"),
+    ):
         p50, p99, rps = cell[key]
-        ratio = "" if key == "torch" else f"{cell[key + '/torch'][0]:.2f}x" + (
-            "" if cell[key + "/torch"][0] <= 0.5 else "  MISS")
+        ratio = (
+            ""
+            if key == "torch"
+            else f"{cell[key + '/torch'][0]:.2f}x"
+            + ("" if cell[key + "/torch"][0] <= 0.5 else "  MISS")
+        )
         print(f"{label:<42} | {p50:7.2f} | {p99:7.2f} | {rps:6.0f} | {ratio:>39}")
 
 
 def print_seed(rows: list, rounds: int, requests: int) -> None:
-    print(f"\nseed example (POST /backward) vs trivial FastAPI endpoint; median of "
-          f"{rounds} rounds of {requests} requests; loopback, {os.cpu_count()} CPUs;"
-          f" GRADSERVE_MAX_CONCURRENCY=16; {stack()}")
-    print(f"{'conc':>4} | {'endpoint':<10} | {'p50 ms':>7} | {'p99 ms':>7} | {'req/s':>8} |"
-          f" {'p50 vs floor':>12}")
+    print(
+        f"\nseed example (POST /backward) vs trivial FastAPI endpoint; median of "
+        f"{rounds} rounds of {requests} requests; loopback, {os.cpu_count()} CPUs;"
+        f" GRADSERVE_MAX_CONCURRENCY=16; {stack()}"
+    )
+    print(
+        f"{'conc':>4} | {'endpoint':<10} | {'p50 ms':>7} | {'p99 ms':>7} | {'req/s':>8} |"
+        f" {'p50 vs floor':>12}"
+    )
     print("-" * 66)
     for conc, floor, seed, ratio in rows:
         print(f"{conc:>4} | {'floor':<10} | {floor[0]:7.3f} | {floor[1]:7.3f} | {floor[2]:8.0f} |")
-        print(f"{conc:>4} | {'seed':<10} | {seed[0]:7.3f} | {seed[1]:7.3f} | {seed[2]:8.0f} |"
-              f" {ratio:11.2f}x")
+        print(
+            f"{conc:>4} | {'seed':<10} | {seed[0]:7.3f} | {seed[1]:7.3f} | {seed[2]:8.0f} |"
+            f" {ratio:11.2f}x"
+        )
 
 
 if __name__ == "__main__":

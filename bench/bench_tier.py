@@ -45,28 +45,69 @@ JSON = {"Content-Type": "application/json"}
 
 
 def long_loop(steps: int) -> bytes:
-    body = {"carry": ["h"], "next": {"h": "h2"},
-            "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(1.1 * h + a)"}]}
-    return orjson.dumps({
-        "graph": {"nodes": [{"id": "rnn", "op": "scan", "args": ["h0"], "body": body,
-                             "results": {"h_end": "h"}, "attrs": {"length": steps}},
-                            {"id": "loss", "expr": "sum(h_end * h_end)"}], "outputs": ["loss"]},
-        "inputs": {"h0": {"data": [0.1, 0.2, 0.3, 0.4], "dtype": "float64",
-                          "requires_grad": True},
-                   "a": {"data": 0.3, "dtype": "float64", "requires_grad": True}}})
+    body = {
+        "carry": ["h"],
+        "next": {"h": "h2"},
+        "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(1.1 * h + a)"}],
+    }
+    return orjson.dumps(
+        {
+            "graph": {
+                "nodes": [
+                    {
+                        "id": "rnn",
+                        "op": "scan",
+                        "args": ["h0"],
+                        "body": body,
+                        "results": {"h_end": "h"},
+                        "attrs": {"length": steps},
+                    },
+                    {"id": "loss", "expr": "sum(h_end * h_end)"},
+                ],
+                "outputs": ["loss"],
+            },
+            "inputs": {
+                "h0": {"data": [0.1, 0.2, 0.3, 0.4], "dtype": "float64", "requires_grad": True},
+                "a": {"data": 0.3, "dtype": "float64", "requires_grad": True},
+            },
+        }
+    )
 
 
 def rnn(steps: int = 1000) -> bytes:
     rng = np.random.default_rng(0)
-    body = {"carry": ["h"], "xs": ["x"], "next": {"h": "h2"},
-            "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}]}
-    return orjson.dumps({
-        "graph": {"nodes": [{"id": "rnn", "op": "scan", "args": ["h0", "xs"], "body": body,
-                             "results": {"h_end": "h"}},
-                            {"id": "loss", "expr": "sum(h_end * h_end)"}], "outputs": ["loss"]},
-        "inputs": {"h0": {"data": rng.normal(size=4), "dtype": "float64", "requires_grad": True},
-                   "xs": {"data": rng.normal(size=(steps, 4)), "dtype": "float64",
-                          "requires_grad": True}}}, option=orjson.OPT_SERIALIZE_NUMPY)
+    body = {
+        "carry": ["h"],
+        "xs": ["x"],
+        "next": {"h": "h2"},
+        "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
+    }
+    return orjson.dumps(
+        {
+            "graph": {
+                "nodes": [
+                    {
+                        "id": "rnn",
+                        "op": "scan",
+                        "args": ["h0", "xs"],
+                        "body": body,
+                        "results": {"h_end": "h"},
+                    },
+                    {"id": "loss", "expr": "sum(h_end * h_end)"},
+                ],
+                "outputs": ["loss"],
+            },
+            "inputs": {
+                "h0": {"data": rng.normal(size=4), "dtype": "float64", "requires_grad": True},
+                "xs": {
+                    "data": rng.normal(size=(steps, 4)),
+                    "dtype": "float64",
+                    "requires_grad": True,
+                },
+            },
+        },
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
 
 
 def timed(client: httpx.Client, server: Server, body: bytes) -> tuple[float, dict[str, Any]]:
@@ -80,8 +121,10 @@ def timed(client: httpx.Client, server: Server, body: bytes) -> tuple[float, dic
 @contextmanager
 def pair(**env: str) -> Iterator[tuple[Server, Server]]:
     big = {"GRADSERVE_MAX_BODY_BYTES": str(1 << 22), **env}
-    with serving("tier on", None, **big) as on, \
-            serving("tier off", None, GRADSERVE_XLA="off", **big) as off:
+    with (
+        serving("tier on", None, **big) as on,
+        serving("tier off", None, GRADSERVE_XLA="off", **big) as off,
+    ):
         yield on, off
 
 
@@ -123,7 +166,7 @@ def seed_while_tiering(seconds: float) -> dict[str, float]:
                     end = time.monotonic() + seconds
                     while not stop.is_set() and time.monotonic() < end:
                         started = time.monotonic()  # (one every 20 ms on either server:
-                        timed(c, target, rnn())     # the same load, lowered or not)
+                        timed(c, target, rnn())  # the same load, lowered or not)
                         time.sleep(max(0.0, 0.02 - (time.monotonic() - started)))
 
             thread = threading.Thread(target=load)
@@ -144,10 +187,13 @@ def seed_while_tiering(seconds: float) -> dict[str, float]:
 def lowerings_on_a_host(steps: int) -> list[float]:
     store = tempfile.mkdtemp(prefix="gradserve-bench-store-")
     counts = []
-    env = {"GRADSERVE_PROGRAM_STORE_DIR": store, "GRADSERVE_COMPUTE_WORKERS": "2",
-           "GRADSERVE_MIN_COMPUTE_WORKERS": "2",
-           "GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES": "0",
-           "GRADSERVE_MAX_BODY_BYTES": str(1 << 22)}
+    env = {
+        "GRADSERVE_PROGRAM_STORE_DIR": store,
+        "GRADSERVE_COMPUTE_WORKERS": "2",
+        "GRADSERVE_MIN_COMPUTE_WORKERS": "2",
+        "GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES": "0",
+        "GRADSERVE_MAX_BODY_BYTES": str(1 << 22),
+    }
     for _ in range(2):  # (a restart on the same store)
         with serving("tier on", None, **env) as server, httpx.Client() as client:
             for _ in range(4):
@@ -167,19 +213,29 @@ def main() -> None:
     rows = one_off(args.steps)
     for k in range(2):
         (a, ma), (b, _) = rows["tier on"][k], rows["tier off"][k]
-        print(f"| one-off long loop, request {k + 1} (ms; tier on: {ma['tier']}) "
-              f"| {a:.1f} | {b:.1f} | {a / b:.3f} |")
+        print(
+            f"| one-off long loop, request {k + 1} (ms; tier on: {ma['tier']}) "
+            f"| {a:.1f} | {b:.1f} | {a / b:.3f} |"
+        )
     r = reuse(args.seconds)
-    print(f"| RNN 1,000 steps warm p50 (ms; lowered at request {r['lowered at request']}) "
-          f"| {r['tier on']:.2f} | {r['tier off']:.2f} | {r['tier on'] / r['tier off']:.3f} |")
+    print(
+        f"| RNN 1,000 steps warm p50 (ms; lowered at request {r['lowered at request']}) "
+        f"| {r['tier on']:.2f} | {r['tier off']:.2f} | {r['tier on'] / r['tier off']:.3f} |"
+    )
     s = seed_while_tiering(args.seconds)
-    print(f"| seed p50 while the RNN tiers up (ms) | {s['tier on']:.2f} | {s['tier off']:.2f} "
-          f"| {s['tier on'] / s['tier off']:.3f} |")
-    print(f"| seed p99 meanwhile (ms) | {s['tier on p99']:.2f} | {s['tier off p99']:.2f} "
-          f"| {s['tier on p99'] / s['tier off p99']:.3f} |")
+    print(
+        f"| seed p50 while the RNN tiers up (ms) | {s['tier on']:.2f} | {s['tier off']:.2f} "
+        f"| {s['tier on'] / s['tier off']:.3f} |"
+    )
+    print(
+        f"| seed p99 meanwhile (ms) | {s['tier on p99']:.2f} | {s['tier off p99']:.2f} "
+        f"| {s['tier on p99'] / s['tier off p99']:.3f} |"
+    )
     counts = lowerings_on_a_host(args.steps)
-    print(f"| lowerings of one program: 2 recycled workers, then a restart on the store "
-          f"| {counts[0]:.0f}, then {counts[1]:.0f} | - | - |")
+    print(
+        f"| lowerings of one program: 2 recycled workers, then a restart on the store "
+        f"| {counts[0]:.0f}, then {counts[1]:.0f} | - | - |"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,7 @@ Arrays = dict[str, np.ndarray]
 CELL = "tanh({x} @ w + {h} @ u + b)"
 
 
-def compile_json(graph: dict[str, Any], inputs: Arrays, wrt: list[str], *,
-                 backward: bool) -> Any:
+def compile_json(graph: dict[str, Any], inputs: Arrays, wrt: list[str], *, backward: bool) -> Any:
     """The service's path from a JSON graph: the wire model, the engine's spec, compile."""
     spec = Graph.model_validate(graph)
     specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
@@ -71,21 +70,35 @@ def run(program: Any, inputs: Arrays) -> Any:
 def rnn_data(steps: int, batch: int = 4, width: int = 16) -> Arrays:
     rng = np.random.default_rng(0)
     f = np.float32
-    return {"xs": rng.standard_normal((steps, batch, width)).astype(f),
-            "w": (rng.standard_normal((width, width)) * 0.3).astype(f),
-            "u": (rng.standard_normal((width, width)) * 0.3).astype(f),
-            "b": (rng.standard_normal(width) * 0.1).astype(f),
-            "h0": rng.standard_normal((batch, width)).astype(f)}
+    return {
+        "xs": rng.standard_normal((steps, batch, width)).astype(f),
+        "w": (rng.standard_normal((width, width)) * 0.3).astype(f),
+        "u": (rng.standard_normal((width, width)) * 0.3).astype(f),
+        "b": (rng.standard_normal(width) * 0.1).astype(f),
+        "h0": rng.standard_normal((batch, width)).astype(f),
+    }
 
 
 def rnn_scan(salt: float = 0.0) -> dict[str, Any]:
-    return {"nodes": [
-        {"id": "rnn", "op": "scan", "args": ["h0", "xs"],
-         "body": {"carry": ["h"], "xs": ["x"],
-                  "nodes": [{"id": "h2", "expr": CELL.format(x="x", h="h")}],
-                  "next": {"h": "h2"}},
-         "results": {"h_last": "h"}, "attrs": {"length": None}},
-        ex("loss", f"sum(h_last * h_last) + {salt}")], "outputs": ["loss"]}
+    return {
+        "nodes": [
+            {
+                "id": "rnn",
+                "op": "scan",
+                "args": ["h0", "xs"],
+                "body": {
+                    "carry": ["h"],
+                    "xs": ["x"],
+                    "nodes": [{"id": "h2", "expr": CELL.format(x="x", h="h")}],
+                    "next": {"h": "h2"},
+                },
+                "results": {"h_last": "h"},
+                "attrs": {"length": None},
+            },
+            ex("loss", f"sum(h_last * h_last) + {salt}"),
+        ],
+        "outputs": ["loss"],
+    }
 
 
 def rnn_unrolled(steps: int, salt: float = 0.0) -> dict[str, Any]:
@@ -98,8 +111,10 @@ def rnn_unrolled(steps: int, salt: float = 0.0) -> dict[str, Any]:
 
 
 def unrolled_inputs(d: Arrays) -> Arrays:
-    return {**{f"x{t}": x for t, x in enumerate(d["xs"])},
-            **{k: v for k, v in d.items() if k != "xs"}}
+    return {
+        **{f"x{t}": x for t, x in enumerate(d["xs"])},
+        **{k: v for k, v in d.items() if k != "xs"},
+    }
 
 
 def rnn_torch(d: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -124,10 +139,12 @@ def check_rnn(steps: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
     ours, theirs = run(scan, d), run(unrolled, flat)
     reference = dict(zip(wrt, rnn_torch(t), strict=True))
     for k in wrt:
-        np.testing.assert_allclose(ours.gradients[k], theirs.gradients[k], rtol=2e-4, atol=1e-5,
-                                   err_msg=k)
-        np.testing.assert_allclose(ours.gradients[k], reference[k].numpy(), rtol=2e-4,
-                                   atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(
+            ours.gradients[k], theirs.gradients[k], rtol=2e-4, atol=1e-5, err_msg=k
+        )
+        np.testing.assert_allclose(
+            ours.gradients[k], reference[k].numpy(), rtol=2e-4, atol=1e-5, err_msg=k
+        )
     return scan, unrolled, t
 
 
@@ -137,24 +154,48 @@ def bench_rnn(steps: int, rounds: int) -> list[list[str]]:
     flat = unrolled_inputs(d)
     scan, unrolled, t = check_rnn(steps)  # the three agree before anything is timed
     salt = iter(range(1, 1 << 30))
-    compiles = measure({
-        "scan": lambda: compile_json(rnn_scan(next(salt)), d, wrt, backward=True),
-        "unrolled": lambda: compile_json(rnn_unrolled(steps, next(salt)), flat, wrt,
-                                         backward=True)}, min(rounds, 3), budget_s=0.0)
-    runs = measure({"scan": lambda: run(scan, d), "unrolled": lambda: run(unrolled, flat),
-                    "torch": lambda: rnn_torch(t)}, rounds, budget_s=0.3)
+    compiles = measure(
+        {
+            "scan": lambda: compile_json(rnn_scan(next(salt)), d, wrt, backward=True),
+            "unrolled": lambda: compile_json(
+                rnn_unrolled(steps, next(salt)), flat, wrt, backward=True
+            ),
+        },
+        min(rounds, 3),
+        budget_s=0.0,
+    )
+    runs = measure(
+        {
+            "scan": lambda: run(scan, d),
+            "unrolled": lambda: run(unrolled, flat),
+            "torch": lambda: rnn_torch(t),
+        },
+        rounds,
+        budget_s=0.3,
+    )
     compile_speedup = _ratio(compiles, "unrolled", "scan")
     run_ratio = _ratio(runs, "scan", "unrolled")
     ms = {k: statistics.median(v) * 1e3 for k, v in runs.items()}
     cms = {k: statistics.median(v) * 1e3 for k, v in compiles.items()}
     return [
-        [f"RNN {steps} steps: compile", "ms", f"{cms['scan']:.2f}", f"{cms['unrolled']:.0f}",
-         "-", f"unrolled/scan {compile_speedup:.0f}x",
-         "ok" if (compile_speedup or 0) >= 50 else "unrolled/scan<50x"],
-        [f"RNN {steps} steps: fwd+bwd", "ms", f"{ms['scan']:.2f}", f"{ms['unrolled']:.2f}",
-         f"{ms['torch']:.2f}", f"scan/unrolled {run_ratio:.2f}x, "
-         f"scan/torch {_ratio(runs, 'scan', 'torch'):.2f}x",
-         "ok" if (run_ratio or 9) <= 1.3 else "scan/unrolled>1.3x"],
+        [
+            f"RNN {steps} steps: compile",
+            "ms",
+            f"{cms['scan']:.2f}",
+            f"{cms['unrolled']:.0f}",
+            "-",
+            f"unrolled/scan {compile_speedup:.0f}x",
+            "ok" if (compile_speedup or 0) >= 50 else "unrolled/scan<50x",
+        ],
+        [
+            f"RNN {steps} steps: fwd+bwd",
+            "ms",
+            f"{ms['scan']:.2f}",
+            f"{ms['unrolled']:.2f}",
+            f"{ms['torch']:.2f}",
+            f"scan/unrolled {run_ratio:.2f}x, scan/torch {_ratio(runs, 'scan', 'torch'):.2f}x",
+            "ok" if (run_ratio or 9) <= 1.3 else "scan/unrolled>1.3x",
+        ],
     ]
 
 
@@ -163,8 +204,7 @@ def hvp_graph(nodes: list[dict[str, Any]], output: str, wrt: list[str]) -> dict[
     grads = [ex(f"g_{w}", f"grad({output}, {w})") for w in wrt]
     dot = " + ".join(f"sum(g_{w} * v_{w})" for w in wrt)
     hvs = [ex(f"hv_{w}", f"grad(dot, {w})") for w in wrt]
-    return {"nodes": [*nodes, *grads, ex("dot", dot), *hvs],
-            "outputs": [f"hv_{w}" for w in wrt]}
+    return {"nodes": [*nodes, *grads, ex("dot", dot), *hvs], "outputs": [f"hv_{w}" for w in wrt]}
 
 
 def check_hvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
@@ -188,8 +228,9 @@ def check_hvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
     ours = run(program, inputs).outputs
     for w, hv in zip(wrt, double_backward(), strict=True):
         expected = np.zeros_like(data[w]) if hv is None else hv.numpy()
-        np.testing.assert_allclose(ours[f"hv_{w}"], expected, rtol=1e-8, atol=1e-10,
-                                   err_msg=f"{name} {w}")
+        np.testing.assert_allclose(
+            ours[f"hv_{w}"], expected, rtol=1e-8, atol=1e-10, err_msg=f"{name} {w}"
+        )
     return program, inputs, double_backward
 
 
@@ -197,13 +238,24 @@ def bench_hvp(rounds: int) -> list[list[str]]:
     rows = []
     for name in OBJECTIVES:
         program, inputs, double_backward = check_hvp(name)
-        s = measure({"gradserve": lambda p=program, i=inputs: run(p, i),
-                     "torch": double_backward}, rounds, budget_s=0.05)
+        s = measure(
+            {"gradserve": lambda p=program, i=inputs: run(p, i), "torch": double_backward},
+            rounds,
+            budget_s=0.05,
+        )
         ratio = _ratio(s, "gradserve", "torch")
         us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
-        rows.append([f"HVP {name} [{program.nodes} nodes]", "µs", f"{us['gradserve']:.0f}", "-",
-                     f"{us['torch']:.0f}", f"gs/torch {ratio:.2f}x",
-                     "ok" if (ratio or 9) <= 1 else "gs/torch>1"])
+        rows.append(
+            [
+                f"HVP {name} [{program.nodes} nodes]",
+                "µs",
+                f"{us['gradserve']:.0f}",
+                "-",
+                f"{us['torch']:.0f}",
+                f"gs/torch {ratio:.2f}x",
+                "ok" if (ratio or 9) <= 1 else "gs/torch>1",
+            ]
+        )
     return rows
 
 
@@ -214,8 +266,7 @@ def check_jvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
     data = objectives_data()
     w = wrt[0]
     inputs = {**data, "tangent": np.random.default_rng(2).standard_normal(data[w].shape)}
-    graph = {"nodes": [*nodes, ex("pushed", f"jvp({output}, {w}, tangent)")],
-             "outputs": ["pushed"]}
+    graph = {"nodes": [*nodes, ex("pushed", f"jvp({output}, {w}, tangent)")], "outputs": ["pushed"]}
     program = compile_json(graph, inputs, [], backward=False)
     t = {k: torch.tensor(v) for k, v in data.items()}
     fn = _objectives_torch()[name]
@@ -224,8 +275,13 @@ def check_jvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
     def forward_mode() -> Any:
         return torch.func.jvp(lambda x: fn({**t, w: x}), (t[w],), (tangent,))[1]
 
-    np.testing.assert_allclose(run(program, inputs).outputs["pushed"], forward_mode().numpy(),
-                               rtol=1e-8, atol=1e-10, err_msg=name)
+    np.testing.assert_allclose(
+        run(program, inputs).outputs["pushed"],
+        forward_mode().numpy(),
+        rtol=1e-8,
+        atol=1e-10,
+        err_msg=name,
+    )
     return program, inputs, forward_mode
 
 
@@ -233,11 +289,23 @@ def bench_jvp(rounds: int) -> list[list[str]]:
     rows = []
     for name in OBJECTIVES:
         program, inputs, forward_mode = check_jvp(name)
-        s = measure({"gradserve": lambda p=program, i=inputs: run(p, i),
-                     "torch": forward_mode}, rounds, budget_s=0.05)
+        s = measure(
+            {"gradserve": lambda p=program, i=inputs: run(p, i), "torch": forward_mode},
+            rounds,
+            budget_s=0.05,
+        )
         us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
-        rows.append([f"JVP {name}", "µs", f"{us['gradserve']:.0f}", "-", f"{us['torch']:.0f}",
-                     f"gs/torch.func.jvp {_ratio(s, 'gradserve', 'torch'):.2f}x", ""])
+        rows.append(
+            [
+                f"JVP {name}",
+                "µs",
+                f"{us['gradserve']:.0f}",
+                "-",
+                f"{us['torch']:.0f}",
+                f"gs/torch.func.jvp {_ratio(s, 'gradserve', 'torch'):.2f}x",
+                "",
+            ]
+        )
     return rows
 
 
@@ -252,17 +320,25 @@ def main() -> None:
     rows += bench_jvp(rounds)
     cols = ["workload", "unit", "gradserve", "unrolled", "PyTorch", "ratios", "targets"]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    print("targets: scan compiles >= 50x faster than unrolled, fwd+bwd <= 1.3x unrolled; "
-          "HVP <= 1x PyTorch double backward")
+    print(
+        "targets: scan compiles >= 50x faster than unrolled, fwd+bwd <= 1.3x unrolled; "
+        "HVP <= 1x PyTorch double backward"
+    )
     print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
     print("-|-".join("-" * w for w in widths))
     for r in rows:
-        print(" | ".join(v.ljust(widths[i]) if i in (0, 1, 5, 6) else v.rjust(widths[i])
-                         for i, v in enumerate(r)))
+        print(
+            " | ".join(
+                v.ljust(widths[i]) if i in (0, 1, 5, 6) else v.rjust(widths[i])
+                for i, v in enumerate(r)
+            )
+        )
     targeted = [r for r in rows if r[-1]]
     met = sum(r[-1] == "ok" for r in targeted)
-    print(f"{met} of {len(targeted)} rows with a target meet it "
-          f"({time.perf_counter() - started:.0f} s)")
+    print(
+        f"{met} of {len(targeted)} rows with a target meet it "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -97,13 +97,25 @@ class Case:
 
 def rnn_scan(steps: int = 1000, width: int = 4) -> Case:
     rng = np.random.default_rng(0)
-    graph = {"nodes": [
-        {"id": "loop", "op": "scan", "args": ["h0", "xs"], "attrs": {"length": steps},
-         "body": {"carry": ["h"], "xs": ["x"],
-                  "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
-                  "next": {"h": "h2"}},
-         "results": {"hT": "h"}},
-        {"id": "loss", "expr": "sum(hT)"}], "outputs": ["loss"]}
+    graph = {
+        "nodes": [
+            {
+                "id": "loop",
+                "op": "scan",
+                "args": ["h0", "xs"],
+                "attrs": {"length": steps},
+                "body": {
+                    "carry": ["h"],
+                    "xs": ["x"],
+                    "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
+                    "next": {"h": "h2"},
+                },
+                "results": {"hT": "h"},
+            },
+            {"id": "loss", "expr": "sum(hT)"},
+        ],
+        "outputs": ["loss"],
+    }
     inputs = {"h0": rng.standard_normal(width), "xs": rng.standard_normal((steps, width))}
 
     def f(h0: Any, xs: Any) -> Any:
@@ -112,8 +124,15 @@ def rnn_scan(steps: int = 1000, width: int = 4) -> Case:
 
         return jnp.sum(lax.scan(body, h0, xs)[0])
 
-    return Case(f"RNN scan, {steps} steps x {width} f64", graph, inputs, ["h0", "xs"],
-                "loss", f, ["h0", "xs"])
+    return Case(
+        f"RNN scan, {steps} steps x {width} f64",
+        graph,
+        inputs,
+        ["h0", "xs"],
+        "loss",
+        f,
+        ["h0", "xs"],
+    )
 
 
 def lse(n: int = 100_000) -> Case:
@@ -124,10 +143,11 @@ def lse(n: int = 100_000) -> Case:
         m = jnp.max(x)
         return m + jnp.log(jnp.sum(jnp.exp(x - m)))
 
-    graph = {"nodes": [{"id": "m", "expr": "max(x)"},
-                       {"id": "out", "expr": "m + log(sum(exp(x - m)))"}], "outputs": ["out"]}
-    return Case(f"GradBench lse, n={n:,}", graph, {"x": x}, ["x"], "out", f, ["x"],
-                gradbench=True)
+    graph = {
+        "nodes": [{"id": "m", "expr": "max(x)"}, {"id": "out", "expr": "m + log(sum(exp(x - m)))"}],
+        "outputs": ["out"],
+    }
+    return Case(f"GradBench lse, n={n:,}", graph, {"x": x}, ["x"], "out", f, ["x"], gradbench=True)
 
 
 def llsq(n: int = 1024, m: int = 128) -> Case:
@@ -140,10 +160,17 @@ def llsq(n: int = 1024, m: int = 128) -> Case:
     def f(x: Any, T: Any, s: Any) -> Any:
         return 0.5 * jnp.sum((s - T @ x) ** 2)
 
-    graph = {"nodes": [{"id": "out", "expr": "0.5 * sum((s - T @ x) ** 2)"}],
-             "outputs": ["out"]}
-    return Case(f"GradBench llsq, {n}x{m}", graph, {"x": x, "T": powers, "s": np.sign(t)},
-                ["x"], "out", f, ["x", "T", "s"], gradbench=True)
+    graph = {"nodes": [{"id": "out", "expr": "0.5 * sum((s - T @ x) ** 2)"}], "outputs": ["out"]}
+    return Case(
+        f"GradBench llsq, {n}x{m}",
+        graph,
+        {"x": x, "T": powers, "s": np.sign(t)},
+        ["x"],
+        "out",
+        f,
+        ["x", "T", "s"],
+        gradbench=True,
+    )
 
 
 def ode(n: int = 1000, s: int = 100) -> Case:
@@ -168,8 +195,16 @@ def ode(n: int = 1000, s: int = 100) -> Case:
 
     m = np.zeros(n)
     m[0] = 1.0
-    return Case(f"GradBench ode, n={n:,}, s={s}", ode_graph(n, s), {"x": x, "m": m}, ["x"],
-                "out", f, ["x"], gradbench=True)
+    return Case(
+        f"GradBench ode, n={n:,}, s={s}",
+        ode_graph(n, s),
+        {"x": x, "m": m},
+        ["x"],
+        "out",
+        f,
+        ["x"],
+        gradbench=True,
+    )
 
 
 def kmeans(n: int = 1000, k: int = 100, d: int = 8) -> Case:
@@ -200,14 +235,21 @@ def kmeans(n: int = 1000, k: int = 100, d: int = 8) -> Case:
         d, hes = jax.jvp(f_diff, [centroids], [jnp.ones(shape=centroids.shape)])
         return d / hes
 
-    graph = {"nodes": [
-        {"id": "dist", "expr": "unsqueeze(sum(P * P, dim=1), dim=1) + unsqueeze(sum(C * C, "
-                               "dim=1), dim=0) - 2 * (P @ transpose(C, dim0=0, dim1=1))"},
-        {"id": "cost", "expr": "sum(min(dist, dim=1))"},
-        {"id": "J", "expr": "grad(cost, C)"},
-        {"id": "ones", "op": "ones", "attrs": {"shape": [k, d], "dtype": "float64"}},
-        {"id": "H", "expr": "jvp(J, C, ones)"},
-        {"id": "out", "expr": "J / H"}], "outputs": ["out"]}
+    graph = {
+        "nodes": [
+            {
+                "id": "dist",
+                "expr": "unsqueeze(sum(P * P, dim=1), dim=1) + unsqueeze(sum(C * C, "
+                "dim=1), dim=0) - 2 * (P @ transpose(C, dim0=0, dim1=1))",
+            },
+            {"id": "cost", "expr": "sum(min(dist, dim=1))"},
+            {"id": "J", "expr": "grad(cost, C)"},
+            {"id": "ones", "op": "ones", "attrs": {"shape": [k, d], "dtype": "float64"}},
+            {"id": "H", "expr": "jvp(J, C, ones)"},
+            {"id": "out", "expr": "J / H"},
+        ],
+        "outputs": ["out"],
+    }
 
     def closed_form(a: Arrays) -> tuple[np.ndarray, Arrays]:
         """J = 2 sum(c - p) over each centroid's points, H = 2 * their count."""
@@ -218,26 +260,52 @@ def kmeans(n: int = 1000, k: int = 100, d: int = 8) -> Case:
         H = 2 * np.bincount(nearest, minlength=len(C)).astype(C.dtype)
         return J / H[:, None], {}
 
-    return Case(f"GradBench kmeans dir, n={n:,}, k={k}, d={d}", graph,
-                {"P": points, "C": centroids}, [], "out", dir, ["P", "C"], closed_form,
-                gradbench=True)
+    return Case(
+        f"GradBench kmeans dir, n={n:,}, k={k}, d={d}",
+        graph,
+        {"P": points, "C": centroids},
+        [],
+        "out",
+        dir,
+        ["P", "C"],
+        closed_form,
+        gradbench=True,
+    )
 
 
 # GradBench's JAX tool's gmm objective (gradbench/tools/jax/gmm_objective.py), as it
 # writes it.
-def log_wishart_prior(*, k: int, p: int, gamma: float, m: int, sum_qs: Any, Qdiags: Any,
-                      l: Any) -> Any:  # noqa: E741 (GradBench's name)
+def log_wishart_prior(
+    *,
+    k: int,
+    p: int,
+    gamma: float,
+    m: int,
+    sum_qs: Any,
+    Qdiags: Any,
+    l: Any,  # noqa: E741 (GradBench's name)
+) -> Any:
     n = p + m + 1
     out = jnp.sum(
-        0.5 * gamma * gamma * (jnp.sum(Qdiags**2, axis=1) + jnp.sum(l**2, axis=1))
-        - m * sum_qs
+        0.5 * gamma * gamma * (jnp.sum(Qdiags**2, axis=1) + jnp.sum(l**2, axis=1)) - m * sum_qs
     )
     C = n * p * (jnp.log(gamma / math.sqrt(2)))
     return -out + k * (C - multigammaln(0.5 * n, p))
 
 
-def gmm_objective(*, d: int, k: int, n: int, x: Any, m: int, gamma: float, alpha: Any,
-                  mu: Any, q: Any, l: Any) -> Any:  # noqa: E741 (GradBench's name)
+def gmm_objective(
+    *,
+    d: int,
+    k: int,
+    n: int,
+    x: Any,
+    m: int,
+    gamma: float,
+    alpha: Any,
+    mu: Any,
+    q: Any,
+    l: Any,  # noqa: E741 (GradBench's name)
+) -> Any:
     Qdiags = jnp.exp(q)
     sum_qs = jnp.sum(q, axis=1)
 
@@ -260,9 +328,7 @@ def gmm_objective(*, d: int, k: int, n: int, x: Any, m: int, gamma: float, alpha
         CONSTANT
         + slse
         - n * logsumexp(alpha, axis=0)
-        + log_wishart_prior(
-            k=k, p=d, gamma=gamma, m=m, sum_qs=sum_qs, Qdiags=Qdiags, l=l
-        )
+        + log_wishart_prior(k=k, p=d, gamma=gamma, m=m, sum_qs=sum_qs, Qdiags=Qdiags, l=l)
     )
 
 
@@ -274,11 +340,20 @@ def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Case:
     w = gmm_workload(d, k, n)
 
     def f(alphas: Any, means: Any, icf: Any, x: Any) -> Any:
-        return gmm_objective(d=d, k=k, n=n, x=x, m=0, gamma=1.0, alpha=alphas, mu=means,
-                             q=icf[:, :d], l=icf[:, d:])
+        return gmm_objective(
+            d=d, k=k, n=n, x=x, m=0, gamma=1.0, alpha=alphas, mu=means, q=icf[:, :d], l=icf[:, d:]
+        )
 
-    return Case(f"GradBench gmm, d={d}, k={k}, n={n:,}", w.graph, w.inputs, w.wrt, w.output,
-                f, [*w.wrt, "x"], gradbench=True)
+    return Case(
+        f"GradBench gmm, d={d}, k={k}, n={n:,}",
+        w.graph,
+        w.inputs,
+        w.wrt,
+        w.output,
+        f,
+        [*w.wrt, "x"],
+        gradbench=True,
+    )
 
 
 def _cell_step(h: Any, a: Any) -> Any:
@@ -296,8 +371,9 @@ def cell(steps: int = 24, batch: int = 4, width: int = 16) -> Case:
             h = _cell_step(h, x @ wx + h @ u + b)
         return jnp.sum(h * h)
 
-    return Case(w.name, w.graph, w.inputs, w.wrt, w.output, f, numpy=w.numpy,
-                numpy_inputs=w.baseline_inputs)
+    return Case(
+        w.name, w.graph, w.inputs, w.wrt, w.output, f, numpy=w.numpy, numpy_inputs=w.baseline_inputs
+    )
 
 
 def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
@@ -310,18 +386,35 @@ def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
     steps, batch, width = d["xs"].shape
     step = "sigmoid(a + 1.0) * h + sigmoid(a) * tanh(a)"
     if hoisted:
-        before = [{"id": "p", "expr": f"reshape(reshape(xs, shape=[{steps * batch}, {width}])"
-                                      f" @ w, shape=[{steps}, {batch}, {width}]) + b"}]
+        before = [
+            {
+                "id": "p",
+                "expr": f"reshape(reshape(xs, shape=[{steps * batch}, {width}])"
+                f" @ w, shape=[{steps}, {batch}, {width}]) + b",
+            }
+        ]
         per_step, a = ["p", "pt"], "pt + h @ u"
     else:
         before, per_step, a = [], ["xs", "x"], "x @ w + h @ u + b"
-    graph = {"nodes": [*before,
-        {"id": "loop", "op": "scan", "args": ["h0", per_step[0]],
-         "body": {"carry": ["h"], "xs": [per_step[1]],
-                  "nodes": [{"id": "a", "expr": a}, {"id": "h2", "expr": step}],
-                  "next": {"h": "h2"}},
-         "results": {"hT": "h"}},
-        {"id": "loss", "expr": "sum(hT * hT)"}], "outputs": ["loss"]}
+    graph = {
+        "nodes": [
+            *before,
+            {
+                "id": "loop",
+                "op": "scan",
+                "args": ["h0", per_step[0]],
+                "body": {
+                    "carry": ["h"],
+                    "xs": [per_step[1]],
+                    "nodes": [{"id": "a", "expr": a}, {"id": "h2", "expr": step}],
+                    "next": {"h": "h2"},
+                },
+                "results": {"hT": "h"},
+            },
+            {"id": "loss", "expr": "sum(hT * hT)"},
+        ],
+        "outputs": ["loss"],
+    }
     wrt = ["xs", "w", "u", "b", "h0"]
 
     def f(xs: Any, wx: Any, u: Any, b: Any, h0: Any) -> Any:
@@ -340,16 +433,14 @@ def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
 # ---------------------------------------------------------------- running
 
 
-def compile_request(graph: Graph, inputs: Arrays, wrt: Collection[str],
-                    device: str = "cpu") -> Any:
+def compile_request(graph: Graph, inputs: Arrays, wrt: Collection[str], device: str = "cpu") -> Any:
     """As the service compiles a request: its wire schema, then the compiler; a backward
     program when `wrt` names inputs to differentiate, else a forward one."""
     from gradserve.engine.graph import TensorSpec, compile_graph
     from gradserve.service.schemas import Graph
 
     specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
-    return compile_graph(Graph.model_validate(graph), specs,
-                         backward=bool(wrt), device=device)
+    return compile_graph(Graph.model_validate(graph), specs, backward=bool(wrt), device=device)
 
 
 def compile_program(c: Case, device: str = "cpu") -> Any:
@@ -397,12 +488,16 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
         fns["xla"] = lambda: lowered.run(c.inputs)
     if c.jax_fn is not None and jax is not None:
         order = c.order or c.wrt
-        jitted = jax.jit(jax.value_and_grad(c.jax_fn, argnums=tuple(range(len(c.wrt))))
-                         if c.wrt else c.jax_fn)
+        jitted = jax.jit(
+            jax.value_and_grad(c.jax_fn, argnums=tuple(range(len(c.wrt)))) if c.wrt else c.jax_fn
+        )
         args = [c.inputs[k] for k in order]
         t = time.perf_counter()
-        v, g = jax.block_until_ready(jitted(*args)) if c.wrt else (
-            jax.block_until_ready(jitted(*args)), ())
+        v, g = (
+            jax.block_until_ready(jitted(*args))
+            if c.wrt
+            else (jax.block_until_ready(jitted(*args)), ())
+        )
         compile_ms["jax"] = (time.perf_counter() - t) * 1e3
         _close(v, value[c.output], f"{c.name}: jax value")
         for k, gk in zip(c.wrt, g, strict=True):
@@ -418,9 +513,16 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
     ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     # As the service decides (service/tier.py): the lowered program while it is faster.
     served = "xla" if "xla" in ms and ms["xla"] < ms["interp"] else "interp"
-    return Row(c.name, ms,
-               {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax", "numpy")},
-               compile_ms, note, c.gradbench, served, _ratio(samples, served, "jax"))
+    return Row(
+        c.name,
+        ms,
+        {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax", "numpy")},
+        compile_ms,
+        note,
+        c.gradbench,
+        served,
+        _ratio(samples, served, "jax"),
+    )
 
 
 def _f(v: float | None) -> str:
@@ -430,20 +532,29 @@ def _f(v: float | None) -> str:
 def print_table(rows: list[Row], header: str) -> None:
     print(header)
     cols = ["interp", "xla", "jax", "numpy"]
-    print("| workload | " + " | ".join(f"{c} ms" for c in cols)
-          + " | xla/interp | xla/jax | xla/numpy | xla compile ms | jax compile ms |")
+    print(
+        "| workload | "
+        + " | ".join(f"{c} ms" for c in cols)
+        + " | xla/interp | xla/jax | xla/numpy | xla compile ms | jax compile ms |"
+    )
     print("|" + " --- |" * (len(cols) + 6))
     for r in rows:
-        print(f"| {r.name} | " + " | ".join(_f(r.ms.get(c)) for c in cols) + " | "
-              + " | ".join(_f(r.ratios[k]) for k in ("xla/interp", "xla/jax", "xla/numpy"))
-              + f" | {_f(r.compile_ms.get('xla'))} | {_f(r.compile_ms.get('jax'))} |")
+        print(
+            f"| {r.name} | "
+            + " | ".join(_f(r.ms.get(c)) for c in cols)
+            + " | "
+            + " | ".join(_f(r.ratios[k]) for k in ("xla/interp", "xla/jax", "xla/numpy"))
+            + f" | {_f(r.compile_ms.get('xla'))} | {_f(r.compile_ms.get('jax'))} |"
+        )
     for r in rows:
         if r.note:
             print(f"- {r.name}: {r.note}")
     target = [r for r in rows if r.gradbench and r.served_jax is not None]
     if target:
-        print("\nGradBench evaluations, what the service runs (XLA when lowered and faster "
-              "than the interpreter) against JAX (target: geometric mean <= 1.5x):")
+        print(
+            "\nGradBench evaluations, what the service runs (XLA when lowered and faster "
+            "than the interpreter) against JAX (target: geometric mean <= 1.5x):"
+        )
         for r in target:
             print(f"- {r.name}: {r.served}, {r.served_jax:.2f}x JAX")
         mean = math.exp(statistics.fmean(math.log(r.served_jax) for r in target))
@@ -465,9 +576,11 @@ SADDLE_XY = 8.246324826140356e-06  # its answer from (1, 1): each of x1, x2, y1,
 MAX_BOUND = 1 << 16  # a loop still unfinished at this bound is an error, not a slower run
 
 
-def multivariate_argmin(objective: Callable[[np.ndarray], float],
-                        gradient: Callable[[np.ndarray], np.ndarray],
-                        start: np.ndarray) -> np.ndarray:
+def multivariate_argmin(
+    objective: Callable[[np.ndarray], float],
+    gradient: Callable[[np.ndarray], np.ndarray],
+    start: np.ndarray,
+) -> np.ndarray:
     """GradBench's gradient descent (gd.hpp's multivariate_argmin), branch for branch: eta
     starts at 1e-5, doubles after 10 accepted steps in a row and halves (the count reset)
     at a step that would not lower the objective; it stops when the gradient's magnitude
@@ -505,23 +618,40 @@ def particle_graph(bound: int) -> Graph:
     step not taken); then x₁ where the path meets x₂ = 0, squared. The loop runs `bound`
     steps, frozen (`where`) once finished, and `finished` says whether it did."""
     x2 = "squeeze(slice(xn, dim=0, start=1, stop=2), dim=0)"
-    return {"nodes": [
-        {"id": "at", "expr": "charges - by_w * w"},  # rows: (10, 10 - w), (10, 0)
-        {"id": "euler", "op": "scan", "args": ["x0", "v0", False], "attrs": {"length": bound},
-         "body": {"carry": ["x", "v", "done"], "xs": [], "nodes": [
-             {"id": "d", "expr": "x - at"},
-             {"id": "p", "expr": "sum(1.0 / sqrt(sum(d * d, dim=1)))"},
-             {"id": "xn", "expr": "x + 0.1 * v"},
-             {"id": "vn", "expr": "v + 0.1 * -grad(p, x)"},
-             {"id": "stop", "expr": f"where(done, True, {x2} < 0.0)"},
-             {"id": "x_next", "expr": "where(stop, x, xn)"},
-             {"id": "v_next", "expr": "where(stop, v, vn)"}],
-             "next": {"x": "x_next", "v": "v_next", "done": "stop"}},
-         "results": {"x_end": "x", "v_end": "v", "finished": "done"}},
-        {"id": "dt_final", "expr": "-slice(x_end, dim=0, start=1, stop=2) "
-                                   "/ slice(v_end, dim=0, start=1, stop=2)"},
-        {"id": "x_final", "expr": "slice(x_end + dt_final * v_end, dim=0, start=0, stop=1)"},
-        {"id": "out", "expr": "sum(x_final * x_final)"}], "outputs": ["out", "finished"]}
+    return {
+        "nodes": [
+            {"id": "at", "expr": "charges - by_w * w"},  # rows: (10, 10 - w), (10, 0)
+            {
+                "id": "euler",
+                "op": "scan",
+                "args": ["x0", "v0", False],
+                "attrs": {"length": bound},
+                "body": {
+                    "carry": ["x", "v", "done"],
+                    "xs": [],
+                    "nodes": [
+                        {"id": "d", "expr": "x - at"},
+                        {"id": "p", "expr": "sum(1.0 / sqrt(sum(d * d, dim=1)))"},
+                        {"id": "xn", "expr": "x + 0.1 * v"},
+                        {"id": "vn", "expr": "v + 0.1 * -grad(p, x)"},
+                        {"id": "stop", "expr": f"where(done, True, {x2} < 0.0)"},
+                        {"id": "x_next", "expr": "where(stop, x, xn)"},
+                        {"id": "v_next", "expr": "where(stop, v, vn)"},
+                    ],
+                    "next": {"x": "x_next", "v": "v_next", "done": "stop"},
+                },
+                "results": {"x_end": "x", "v_end": "v", "finished": "done"},
+            },
+            {
+                "id": "dt_final",
+                "expr": "-slice(x_end, dim=0, start=1, stop=2) "
+                "/ slice(v_end, dim=0, start=1, stop=2)",
+            },
+            {"id": "x_final", "expr": "slice(x_end + dt_final * v_end, dim=0, start=0, stop=1)"},
+            {"id": "out", "expr": "sum(x_final * x_final)"},
+        ],
+        "outputs": ["out", "finished"],
+    }
 
 
 def particle_jax(bound: int) -> Callable[[Arrays], tuple[Any, dict[str, Any]]]:
@@ -556,37 +686,67 @@ def saddle_graph(bound: int) -> Graph:
     frozen once finished. Outputs f(x, y*), `finished` and y*. In the gradient program, y*
     depends on x only through comparisons, so gradserve's backward never enters the loop:
     it gives ∂f/∂x at y*, as GradBench's C++ tools compute it."""
-    return {"nodes": [
-        {"id": "fx", "expr": "sum(x * x)"},
-        {"id": "f0", "expr": "fx - sum(start * start)"},
-        {"id": "h0", "expr": "-f0"},
-        {"id": "g0", "expr": "-grad(f0, start)"},
-        {"id": "argmax", "op": "scan", "args": ["start", "h0", "g0", 0, "eta0", False],
-         "attrs": {"length": bound},
-         "body": {"carry": ["y", "h", "g", "i", "eta", "done"], "xs": [], "nodes": [
-             # gd.hpp's branches, in its order: converged, eta doubled, a step too short
-             # (converged), a step taken, eta halved
-             {"id": "idle", "expr": "where(done, True, sqrt(sum(g * g)) <= 1e-5)"},
-             {"id": "doubling", "expr": "i == 10"},
-             {"id": "yp", "expr": "y - eta * g"},
-             {"id": "short", "expr": "sqrt(sum((y - yp) * (y - yp))) <= 1e-5"},
-             {"id": "fp", "expr": "fx - sum(yp * yp)"},
-             {"id": "better", "expr": "-fp < h"},
-             {"id": "take", "expr": "where(idle, False, where(doubling, False, "
-                                    "where(short, False, better)))"},
-             {"id": "y_next", "expr": "where(take, yp, y)"},
-             {"id": "h_next", "expr": "where(take, -fp, h)"},
-             {"id": "g_next", "expr": "where(take, -grad(fp, yp), g)"},
-             {"id": "i_next", "expr": "where(idle, i, where(doubling, 0, "
-                                      "where(short, i, where(better, i + 1, 0))))"},
-             {"id": "eta_next", "expr": "where(idle, eta, where(doubling, 2.0 * eta, "
-                                        "where(short, eta, where(better, eta, eta / 2.0))))"},
-             {"id": "done_next", "expr": "where(idle, True, where(doubling, False, short))"}],
-             "next": {"y": "y_next", "h": "h_next", "g": "g_next", "i": "i_next",
-                      "eta": "eta_next", "done": "done_next"}},
-         "results": {"y_star": "y", "finished": "done"}},
-        {"id": "out", "expr": "fx - sum(y_star * y_star)"}],
-        "outputs": ["out", "finished", "y_star"]}
+    return {
+        "nodes": [
+            {"id": "fx", "expr": "sum(x * x)"},
+            {"id": "f0", "expr": "fx - sum(start * start)"},
+            {"id": "h0", "expr": "-f0"},
+            {"id": "g0", "expr": "-grad(f0, start)"},
+            {
+                "id": "argmax",
+                "op": "scan",
+                "args": ["start", "h0", "g0", 0, "eta0", False],
+                "attrs": {"length": bound},
+                "body": {
+                    "carry": ["y", "h", "g", "i", "eta", "done"],
+                    "xs": [],
+                    "nodes": [
+                        # gd.hpp's branches, in its order: converged, eta doubled, a step too short
+                        # (converged), a step taken, eta halved
+                        {"id": "idle", "expr": "where(done, True, sqrt(sum(g * g)) <= 1e-5)"},
+                        {"id": "doubling", "expr": "i == 10"},
+                        {"id": "yp", "expr": "y - eta * g"},
+                        {"id": "short", "expr": "sqrt(sum((y - yp) * (y - yp))) <= 1e-5"},
+                        {"id": "fp", "expr": "fx - sum(yp * yp)"},
+                        {"id": "better", "expr": "-fp < h"},
+                        {
+                            "id": "take",
+                            "expr": "where(idle, False, where(doubling, False, "
+                            "where(short, False, better)))",
+                        },
+                        {"id": "y_next", "expr": "where(take, yp, y)"},
+                        {"id": "h_next", "expr": "where(take, -fp, h)"},
+                        {"id": "g_next", "expr": "where(take, -grad(fp, yp), g)"},
+                        {
+                            "id": "i_next",
+                            "expr": "where(idle, i, where(doubling, 0, "
+                            "where(short, i, where(better, i + 1, 0))))",
+                        },
+                        {
+                            "id": "eta_next",
+                            "expr": "where(idle, eta, where(doubling, 2.0 * eta, "
+                            "where(short, eta, where(better, eta, eta / 2.0))))",
+                        },
+                        {
+                            "id": "done_next",
+                            "expr": "where(idle, True, where(doubling, False, short))",
+                        },
+                    ],
+                    "next": {
+                        "y": "y_next",
+                        "h": "h_next",
+                        "g": "g_next",
+                        "i": "i_next",
+                        "eta": "eta_next",
+                        "done": "done_next",
+                    },
+                },
+                "results": {"y_star": "y", "finished": "done"},
+            },
+            {"id": "out", "expr": "fx - sum(y_star * y_star)"},
+        ],
+        "outputs": ["out", "finished", "y_star"],
+    }
 
 
 def saddle_jax(bound: int) -> Callable[[Arrays], tuple[Any, dict[str, Any]]]:
@@ -607,13 +767,25 @@ def saddle_jax(bound: int) -> Callable[[Arrays], tuple[Any, dict[str, Any]]]:
             fp = fxy(yp)
             better = -fp < h
             take = ~idle & ~doubling & ~short & better
-            i = jnp.where(idle, i, jnp.where(doubling, 0, jnp.where(
-                short, i, jnp.where(better, i + 1, 0))))
-            eta = jnp.where(idle, eta, jnp.where(doubling, 2.0 * eta, jnp.where(
-                short, eta, jnp.where(better, eta, eta / 2.0))))
+            i = jnp.where(
+                idle, i, jnp.where(doubling, 0, jnp.where(short, i, jnp.where(better, i + 1, 0)))
+            )
+            eta = jnp.where(
+                idle,
+                eta,
+                jnp.where(
+                    doubling, 2.0 * eta, jnp.where(short, eta, jnp.where(better, eta, eta / 2.0))
+                ),
+            )
             done = idle | (~doubling & short)
-            return (jnp.where(take, yp, y), jnp.where(take, -fp, h),
-                    jnp.where(take, -jax.grad(fxy)(yp), g), i, eta, done), None
+            return (
+                jnp.where(take, yp, y),
+                jnp.where(take, -fp, h),
+                jnp.where(take, -jax.grad(fxy)(yp), g),
+                i,
+                eta,
+                done,
+            ), None
 
         start = a["start"]
         init = (start, -fxy(start), -jax.grad(fxy)(start), jnp.int64(0), a["eta0"], False)
@@ -653,18 +825,35 @@ class Evaluation:
 
 def particle(bound: int = 128) -> Evaluation:
     return Evaluation(
-        "GradBench particle (rr), w from 0", particle_graph, "w", np.zeros(1),
-        {"charges": np.array([[10.0, 10.0], [10.0, 0.0]]),
-         "by_w": np.array([[0.0, 1.0], [0.0, 0.0]]),
-         "x0": np.array([0.0, 8.0]), "v0": np.array([0.75, 0.0])},
-        _solve_particle, particle_jax, np.array([PARTICLE_W]), bound)
+        "GradBench particle (rr), w from 0",
+        particle_graph,
+        "w",
+        np.zeros(1),
+        {
+            "charges": np.array([[10.0, 10.0], [10.0, 0.0]]),
+            "by_w": np.array([[0.0, 1.0], [0.0, 0.0]]),
+            "x0": np.array([0.0, 8.0]),
+            "v0": np.array([0.75, 0.0]),
+        },
+        _solve_particle,
+        particle_jax,
+        np.array([PARTICLE_W]),
+        bound,
+    )
 
 
 def saddle(bound: int = 128) -> Evaluation:
     return Evaluation(
-        "GradBench saddle (rr), from (1, 1)", saddle_graph, "x", np.ones(2),
-        {"start": np.ones(2), "eta0": np.array(1e-5)}, _solve_saddle, saddle_jax,
-        np.full(4, SADDLE_XY), bound)
+        "GradBench saddle (rr), from (1, 1)",
+        saddle_graph,
+        "x",
+        np.ones(2),
+        {"start": np.ones(2), "eta0": np.array(1e-5)},
+        _solve_saddle,
+        saddle_jax,
+        np.full(4, SADDLE_XY),
+        bound,
+    )
 
 
 Run = Callable[[Arrays], tuple[Arrays, Arrays]]  # inputs -> (outputs, gradients)
@@ -703,8 +892,7 @@ class Server:
             run = self._runs.get((self.bound, gradient))
             if run is None:
                 t = time.perf_counter()
-                run = self._runs[self.bound, gradient] = self._build(self.ev, self.bound,
-                                                                     gradient)
+                run = self._runs[self.bound, gradient] = self._build(self.ev, self.bound, gradient)
                 self.build_seconds += time.perf_counter() - t
             t = time.perf_counter()
             outputs, gradients = run(inputs)
@@ -713,16 +901,19 @@ class Server:
             if outputs["finished"]:
                 return outputs, gradients
             if self.bound >= MAX_BOUND:
-                raise RuntimeError(f"{self.ev.name}: the loop is unfinished after {self.bound} "
-                                   f"steps at {self.ev.point} = {point}")
+                raise RuntimeError(
+                    f"{self.ev.name}: the loop is unfinished after {self.bound} "
+                    f"steps at {self.ev.point} = {point}"
+                )
             self.bound *= 2
 
 
 def compile_eval(ev: Evaluation, bound: int, gradient: bool) -> Any:
     """The objective's program (forward only), or the gradient's (the same graph, `out`
     differentiated: its other outputs need no gradient), as the service compiles them."""
-    return compile_request(ev.graph(bound), {**ev.inputs, ev.point: ev.start},
-                           [ev.point] if gradient else [])
+    return compile_request(
+        ev.graph(bound), {**ev.inputs, ev.point: ev.start}, [ev.point] if gradient else []
+    )
 
 
 def interpreted(gs: Gradserve) -> Build:
@@ -762,8 +953,11 @@ def jax_built(ev: Evaluation, bound: int, gradient: bool) -> Run:
     def of_point(p: Any, rest: Arrays) -> tuple[Any, dict[str, Any]]:
         return f({**rest, ev.point: p})
 
-    both = jax.jit(jax.value_and_grad(of_point, has_aux=True)).lower(
-        ev.start, dict(ev.inputs)).compile()
+    both = (
+        jax.jit(jax.value_and_grad(of_point, has_aux=True))
+        .lower(ev.start, dict(ev.inputs))
+        .compile()
+    )
 
     def run_both(inputs: Arrays) -> tuple[Arrays, Arrays]:
         rest = {k: a for k, a in inputs.items() if k != ev.point}
@@ -802,8 +996,9 @@ def bench_eval(ev: Evaluation, gs: Gradserve, rounds: int) -> EvalRow:
             del servers[k]
             note = f"stays interpreted: {e}"
             continue
-        np.testing.assert_allclose(result, ev.expected, rtol=1e-9, atol=0,
-                                   err_msg=f"{ev.name}: {k}'s output")
+        np.testing.assert_allclose(
+            result, ev.expected, rtol=1e-9, atol=0, err_msg=f"{ev.name}: {k}'s output"
+        )
     samples: dict[str, list[float]] = {k: [] for k in servers}
     runs: set[tuple[str, int]] = set()
     for _ in range(rounds):
@@ -814,23 +1009,35 @@ def bench_eval(ev: Evaluation, gs: Gradserve, rounds: int) -> EvalRow:
             runs.add((k, n))
     if len({n for _, n in runs}) != 1:  # (the same descent, step for step, in every tier)
         note += f" program runs differ: {sorted(runs)}"
-    return EvalRow(ev.name, {k: statistics.median(v) * 1e3 for k, v in samples.items()},
-                   {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax")},
-                   max(n for _, n in runs), servers["interp"].bound,
-                   {k: s.build_seconds * 1e3 for k, s in servers.items()}, note.strip())
+    return EvalRow(
+        ev.name,
+        {k: statistics.median(v) * 1e3 for k, v in samples.items()},
+        {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax")},
+        max(n for _, n in runs),
+        servers["interp"].bound,
+        {k: s.build_seconds * 1e3 for k, s in servers.items()},
+        note.strip(),
+    )
 
 
 def print_evals(rows: list[EvalRow], header: str) -> None:
     print(header)
     cols = ["interp", "xla", "jax"]
-    print("| evaluation | " + " | ".join(f"{c} ms" for c in cols) + " | program runs | loop bound"
-          " | xla/interp | xla/jax | interp compile ms | xla compile ms | jax compile ms |")
+    print(
+        "| evaluation | " + " | ".join(f"{c} ms" for c in cols) + " | program runs | loop bound"
+        " | xla/interp | xla/jax | interp compile ms | xla compile ms | jax compile ms |"
+    )
     print("|" + " --- |" * (len(cols) + 8))
     for r in rows:
-        print(f"| {r.name} | " + " | ".join(_f(r.ms.get(c)) for c in cols)
-              + f" | {r.runs} | {r.bound} | "
-              + " | ".join(_f(r.ratios[k]) for k in ("xla/interp", "xla/jax")) + " | "
-              + " | ".join(_f(r.compile_ms.get(c)) for c in cols) + " |")
+        print(
+            f"| {r.name} | "
+            + " | ".join(_f(r.ms.get(c)) for c in cols)
+            + f" | {r.runs} | {r.bound} | "
+            + " | ".join(_f(r.ratios[k]) for k in ("xla/interp", "xla/jax"))
+            + " | "
+            + " | ".join(_f(r.compile_ms.get(c)) for c in cols)
+            + " |"
+        )
     for r in rows:
         if r.note:
             print(f"- {r.name}: {r.note}")
@@ -869,8 +1076,10 @@ def device_rows(device: str, rounds: int, budget_s: float) -> list[tuple[str, st
 
             def via_gradserve(program: Any = program, c: Case = c) -> tuple[Any, Any]:
                 r = execute(program, {k: backend.from_host(a) for k, a in c.inputs.items()})
-                return ({k: backend.to_host(v) for k, v in r.outputs.items()},
-                        {k: backend.to_host(v) for k, v in (r.gradients or {}).items()})
+                return (
+                    {k: backend.to_host(v) for k, v in r.outputs.items()},
+                    {k: backend.to_host(v) for k, v in (r.gradients or {}).items()},
+                )
 
         base = c.numpy_inputs or c.inputs
         tensors = {k: torch.from_numpy(a).to(target) for k, a in base.items()}
@@ -879,22 +1088,29 @@ def device_rows(device: str, rounds: int, budget_s: float) -> list[tuple[str, st
             t = {k: v.detach().requires_grad_(True) for k, v in tensors.items()}
             loss = recurrent_torch(t)
             loss.backward()
-            return loss.detach().cpu().numpy(), {
-                k: v.grad.cpu().numpy() for k, v in t.items()}  # type: ignore[union-attr]
+            return loss.detach().cpu().numpy(), {k: v.grad.cpu().numpy() for k, v in t.items()}  # type: ignore[union-attr]
 
         (outputs, gradients), (value, grads) = via_gradserve(), via_torch()
         _close(outputs[c.output], value, f"{c.name} on {device}: value")
         for k in grads.keys() & gradients.keys():  # (the unrolled cell's xs are 24 inputs)
             _close(gradients[k], grads[k], f"{c.name} on {device}: gradient {k}")
         samples = measure({"gradserve": via_gradserve, "torch": via_torch}, rounds, budget_s)
-        rows.append((c.name, tier, statistics.median(samples["gradserve"]) * 1e3,
-                     statistics.median(samples["torch"]) * 1e3))
+        rows.append(
+            (
+                c.name,
+                tier,
+                statistics.median(samples["gradserve"]) * 1e3,
+                statistics.median(samples["torch"]) * 1e3,
+            )
+        )
     return rows
 
 
 def print_device(rows: list[tuple[str, str, float, float]], device: str, rounds: int) -> None:
-    print(f"\non {device}: gradserve as the service runs it against PyTorch eager, results to "
-          f"the host; medians of {rounds} interleaved rounds (target on a GPU: <= 0.5x torch)")
+    print(
+        f"\non {device}: gradserve as the service runs it against PyTorch eager, results to "
+        f"the host; medians of {rounds} interleaved rounds (target on a GPU: <= 0.5x torch)"
+    )
     print("| workload | gradserve's tier | gradserve ms | PyTorch eager ms | ratio |")
     print("| --- | --- | --- | --- | --- |")
     for name, tier, gs_ms, torch_ms in rows:
@@ -952,8 +1168,10 @@ def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[N
     from bench.bench_hardening import HOST, Conn, _close_all, _trickle, _watch, seed_body
 
     body = orjson.dumps(seed_body(2.0, 3.0, "expr"))
-    request = (b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-               b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    request = (
+        b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     loop = asyncio.new_event_loop()
     conns: list[Conn] = []
     tasks: list[asyncio.Task[Any]] = []
@@ -964,13 +1182,15 @@ def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[N
                 for _ in range(n):
                     with suppress(OSError, TimeoutError):
                         reader, writer = await asyncio.wait_for(
-                            asyncio.open_connection(HOST, port), 10)
+                            asyncio.open_connection(HOST, port), 10
+                        )
                         conn = Conn(kind, writer)
                         conns.append(conn)
                         tasks.append(asyncio.create_task(_watch(conn, reader)))
                         if kind == "slow":
-                            tasks.append(asyncio.create_task(
-                                _trickle(conn, request, time.monotonic() + 600)))
+                            tasks.append(
+                                asyncio.create_task(_trickle(conn, request, time.monotonic() + 600))
+                            )
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -1007,25 +1227,50 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
     (app_dir / "torch_app.py").write_text(TORCH_APP)
     cases = [llsq(*((256, 32) if quick else (1024, 128))), lse(10_000 if quick else 100_000)]
     gs_port, torch_port = free_port(), free_port()
-    gs_argv = [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(gs_port),
-               "--log-level", "warning"]
-    torch_argv = [sys.executable, "-m", "uvicorn", "torch_app:app", "--port", str(torch_port),
-                  "--log-level", "warning", "--no-access-log", "--app-dir", str(app_dir)]
+    gs_argv = [
+        sys.executable,
+        "-m",
+        "gradserve.service.cli",
+        "serve",
+        "--port",
+        str(gs_port),
+        "--log-level",
+        "warning",
+    ]
+    torch_argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "torch_app:app",
+        "--port",
+        str(torch_port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--app-dir",
+        str(app_dir),
+    ]
     rows: list[HttpRow] = []
-    with server(gs_argv, gs_port) as gs_base, server(torch_argv, torch_port) as torch_base, \
-            Client(gs_base, timeout=60) as gs, httpx.Client(timeout=60) as http:
+    with (
+        server(gs_argv, gs_port) as gs_base,
+        server(torch_argv, torch_port) as torch_base,
+        Client(gs_base, timeout=60) as gs,
+        httpx.Client(timeout=60) as http,
+    ):
         contenders = []
         for c in cases:
             path = "/llsq" if "llsq" in c.name else "/lse"
-            body = orjson.dumps({k: a.tolist() for k, a in c.inputs.items()},
-                                option=orjson.OPT_SERIALIZE_NUMPY)
+            body = orjson.dumps(
+                {k: a.tolist() for k, a in c.inputs.items()}, option=orjson.OPT_SERIALIZE_NUMPY
+            )
 
             def via_gradserve(c: Case = c) -> Any:
                 return gs.backward(c.graph, c.inputs, requires_grad=c.wrt)
 
             def via_torch(path: str = path, body: bytes = body) -> Any:
-                r = http.post(torch_base + path, content=body,
-                              headers={"Content-Type": "application/json"})
+                r = http.post(
+                    torch_base + path, content=body, headers={"Content-Type": "application/json"}
+                )
                 r.raise_for_status()
                 return r.json()
 
@@ -1033,22 +1278,36 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
 
         def tier() -> str:  # (the tier keeps a program only where it is faster)
             meta = via_gradserve().meta
-            return meta.get("tier", "?") + (f" ({meta['tier_reason']})"
-                                            if meta.get("tier_reason") else "")
+            return meta.get("tier", "?") + (
+                f" ({meta['tier_reason']})" if meta.get("tier_reason") else ""
+            )
 
         def warm(phase: str) -> None:
             for c, via_gradserve, via_torch in contenders:
                 samples: dict[str, list[float]] = {"gradserve": [], "torch": []}
                 for _ in range(rounds):
                     for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
-                        samples[name].append(statistics.median(
-                            _timed(fn) for _ in range(requests)))
-                rows.append((c.name, phase, statistics.median(samples["gradserve"]) * 1e3,
-                             statistics.median(samples["torch"]) * 1e3, tier()))
+                        samples[name].append(statistics.median(_timed(fn) for _ in range(requests)))
+                rows.append(
+                    (
+                        c.name,
+                        phase,
+                        statistics.median(samples["gradserve"]) * 1e3,
+                        statistics.median(samples["torch"]) * 1e3,
+                        tier(),
+                    )
+                )
 
         for c, via_gradserve, via_torch in contenders:
-            rows.append((c.name, "first request", _timed(via_gradserve) * 1e3,
-                         _timed(via_torch) * 1e3, "interpreter (cold)"))
+            rows.append(
+                (
+                    c.name,
+                    "first request",
+                    _timed(via_gradserve) * 1e3,
+                    _timed(via_torch) * 1e3,
+                    "interpreter (cold)",
+                )
+            )
             # Until the program has tiered up (bounded), and both agree with each other.
             deadline = time.monotonic() + 60
             r = via_gradserve()
@@ -1069,14 +1328,17 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
 
 
 def print_http(rows: list[HttpRow], rounds: int) -> None:
-    print(f"\nover HTTP, one request at a time, two servers started fresh with their defaults; "
-          f"warm: medians of {rounds} rounds (target: gradserve <= 0.7x the FastAPI + PyTorch "
-          f"script)")
+    print(
+        f"\nover HTTP, one request at a time, two servers started fresh with their defaults; "
+        f"warm: medians of {rounds} rounds (target: gradserve <= 0.7x the FastAPI + PyTorch "
+        f"script)"
+    )
     print("| workload | when | gradserve ms | FastAPI+PyTorch ms | ratio | gradserve's tier |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, phase, gs_ms, torch_ms, tier in rows:
-        print(f"| {name} | {phase} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} "
-              f"| {tier} |")
+        print(
+            f"| {name} | {phase} | {gs_ms:.3g} | {torch_ms:.3g} | {gs_ms / torch_ms:.2f} | {tier} |"
+        )
 
 
 def main() -> None:
@@ -1085,12 +1347,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", default="")
     parser.add_argument("--http", action="store_true", help="also the HTTP comparison")
-    parser.add_argument("--device", default=None,
-                        help="also the cell at 64x256 on this device (cuda:0, or cpu) "
-                             "against PyTorch eager on it")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="also the cell at 64x256 on this device (cuda:0, or cpu) against PyTorch eager on it",
+    )
     parser.add_argument("--requests", type=int, default=20, help="per round, over HTTP")
-    parser.add_argument("--idle-seconds", type=float, default=60.0,
-                        help="over HTTP: the pause before the first request after idle")
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=60.0,
+        help="over HTTP: the pause before the first request after idle",
+    )
     args = parser.parse_args()
     if jax is None:
         raise SystemExit("JAX is needed (pip install -e '.[test]' or '.[xla]')")
@@ -1098,12 +1366,17 @@ def main() -> None:
     rounds = args.rounds or (2 if quick else 5)
     budget = 0.02 if quick else 0.15
     gs = Gradserve()
-    cases = [rnn_scan(100 if quick else 1000), cell(), cell_scan(False), cell_scan(True),
-             lse(10_000 if quick else 100_000),
-             llsq(*((256, 32) if quick else (1024, 128))),
-             kmeans(*((100, 10, 4) if quick else (1000, 100, 8))),
-             gmm(*((4, 5, 100) if quick else (10, 25, 1000))),
-             ode(*((100, 10) if quick else (1000, 100)))]
+    cases = [
+        rnn_scan(100 if quick else 1000),
+        cell(),
+        cell_scan(False),
+        cell_scan(True),
+        lse(10_000 if quick else 100_000),
+        llsq(*((256, 32) if quick else (1024, 128))),
+        kmeans(*((100, 10, 4) if quick else (1000, 100, 8))),
+        gmm(*((4, 5, 100) if quick else (10, 25, 1000))),
+        ode(*((100, 10) if quick else (1000, 100))),
+    ]
     gc.collect()
     gc.freeze()
     started = time.perf_counter()
@@ -1113,10 +1386,13 @@ def main() -> None:
             t = time.perf_counter()
             rows.append(bench_case(c, gs, rounds, budget))
             print(f"  {c.name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-    print_table(rows, f"\nthe native tier in process: medians of {rounds} interleaved rounds; "
-                      f"JAX {jax.__version__} on {jax.devices()[0].platform}, "
-                      f"{platform.python_version()}, NumPy {np.__version__}; "
-                      f"{time.perf_counter() - started:.0f} s{'; --quick' if quick else ''}")
+    print_table(
+        rows,
+        f"\nthe native tier in process: medians of {rounds} interleaved rounds; "
+        f"JAX {jax.__version__} on {jax.devices()[0].platform}, "
+        f"{platform.python_version()}, NumPy {np.__version__}; "
+        f"{time.perf_counter() - started:.0f} s{'; --quick' if quick else ''}",
+    )
     evals = [e for e in (particle(), saddle()) if args.only in e.name]
     if evals:
         started = time.perf_counter()
@@ -1125,12 +1401,15 @@ def main() -> None:
             t = time.perf_counter()
             eval_rows.append(bench_eval(e, gs, rounds))
             print(f"  {e.name}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-        print_evals(eval_rows, f"\nGradBench's particle and saddle, whole evaluations (the "
-                               f"client's descent, each objective or gradient one program run): "
-                               f"server ms, medians of {rounds} interleaved rounds (target: "
-                               f"xla/interp <= 0.05); compile ms: every program built, "
-                               f"too-short bounds' included; "
-                               f"{time.perf_counter() - started:.0f} s")
+        print_evals(
+            eval_rows,
+            f"\nGradBench's particle and saddle, whole evaluations (the "
+            f"client's descent, each objective or gradient one program run): "
+            f"server ms, medians of {rounds} interleaved rounds (target: "
+            f"xla/interp <= 0.05); compile ms: every program built, "
+            f"too-short bounds' included; "
+            f"{time.perf_counter() - started:.0f} s",
+        )
     if args.device:
         print_device(device_rows(args.device, rounds, budget), args.device, rounds)
     if args.http:

@@ -16,10 +16,24 @@ __all__ = ["ALIASES", "TRANSFORMS", "AttrInfo", "Catalog", "OpInfo", "standard_c
 # PyTorch's other spellings of catalog ops (used only where the catalog has the target and
 # not the alias itself).
 ALIASES = {
-    "inverse": "inv", "clip": "clamp", "concat": "cat", "concatenate": "cat", "amax": "max",
-    "amin": "min", "absolute": "abs", "negative": "neg", "multiply": "mul", "divide": "div",
-    "true_divide": "div", "subtract": "sub", "greater": "gt", "less": "lt",
-    "greater_equal": "ge", "less_equal": "le", "not_equal": "ne", "swapaxes": "transpose",
+    "inverse": "inv",
+    "clip": "clamp",
+    "concat": "cat",
+    "concatenate": "cat",
+    "amax": "max",
+    "amin": "min",
+    "absolute": "abs",
+    "negative": "neg",
+    "multiply": "mul",
+    "divide": "div",
+    "true_divide": "div",
+    "subtract": "sub",
+    "greater": "gt",
+    "less": "lt",
+    "greater_equal": "ge",
+    "less_equal": "le",
+    "not_equal": "ne",
+    "swapaxes": "transpose",
     "swapdims": "transpose",
 }
 TRANSFORMS = ("grad", "jvp", "scan")
@@ -34,8 +48,11 @@ class Catalog:
             self.ops: dict[str, OpInfo] = dict(source.ops)
             self.transforms: set[str] = set(source.transforms)
             return
-        if isinstance(source, Mapping) and "ops" in source and not isinstance(
-                source["ops"], Mapping):
+        if (
+            isinstance(source, Mapping)
+            and "ops" in source
+            and not isinstance(source["ops"], Mapping)
+        ):
             source = source["ops"]
         items = list(source.values()) if isinstance(source, Mapping) else list(source)
         self.ops = {}
@@ -60,8 +77,11 @@ class Catalog:
     def missing(self, name: str, owner: str) -> AttributeError:
         close = difflib.get_close_matches(name, self.names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return AttributeError(f"{owner} has no attribute {name!r}: op {name!r} is not in "
-                              f"this server's op catalog (GET /ops){hint}", name=name)
+        return AttributeError(
+            f"{owner} has no attribute {name!r}: op {name!r} is not in "
+            f"this server's op catalog (GET /ops){hint}",
+            name=name,
+        )
 
 
 def as_catalog(source: Any) -> Catalog:

@@ -203,8 +203,12 @@ class _Attempts:
             return self.timeout
         left = max(self.deadline - time.monotonic(), 0.001)
         t = self.timeout
-        return httpx.Timeout(connect=_at_most(t.connect, left), read=_at_most(t.read, left),
-                             write=_at_most(t.write, left), pool=_at_most(t.pool, left))
+        return httpx.Timeout(
+            connect=_at_most(t.connect, left),
+            read=_at_most(t.read, left),
+            write=_at_most(t.write, left),
+            pool=_at_most(t.pool, left),
+        )
 
     def after_response(self, response: httpx.Response) -> float | None:
         if response.status_code not in RETRY_STATUSES:
@@ -218,8 +222,9 @@ class _Attempts:
         delay = self._next(None)
         if delay is None:
             elapsed = time.monotonic() - self.start
-            exc.add_note(f"gradserve client: gave up after {self.made} attempt(s) "
-                         f"in {elapsed:.2f} s")
+            exc.add_note(
+                f"gradserve client: gave up after {self.made} attempt(s) in {elapsed:.2f} s"
+            )
         return delay
 
     def _next(self, retry_after: float | None) -> float | None:
@@ -236,8 +241,9 @@ def _at_most(value: float | None, limit: float) -> float:
 
 
 def _longest(timeout: httpx.Timeout) -> float | None:
-    values = [v for v in (timeout.connect, timeout.read, timeout.write, timeout.pool)
-              if v is not None]
+    values = [
+        v for v in (timeout.connect, timeout.read, timeout.write, timeout.pool) if v is not None
+    ]
     return max(values) if values else None
 
 
@@ -367,8 +373,15 @@ class _GraphIds:
 
 
 class _Base:
-    def __init__(self, api_key: str | None, base64_threshold: int | None, encoding: str,
-                 retries: int | Retry, binary_threshold: int | None, reuse_graphs: bool) -> None:
+    def __init__(
+        self,
+        api_key: str | None,
+        base64_threshold: int | None,
+        encoding: str,
+        retries: int | Retry,
+        binary_threshold: int | None,
+        reuse_graphs: bool,
+    ) -> None:
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(_ENCODINGS)}, not {encoding!r}")
         if binary_threshold is _UNSET:  # base64_threshold alone: the requests as before
@@ -388,8 +401,9 @@ class _Base:
         self._traces: OrderedDict[Any, dict[str, Any]] = OrderedDict()
         self._traces_lock = threading.Lock()
 
-    def _traced(self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike],
-                catalog: Catalog) -> dict[str, Any]:
+    def _traced(
+        self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike], catalog: Catalog
+    ) -> dict[str, Any]:
         """`fn`'s graph for the specs of `inputs`, traced once per (fn, specs)."""
         specs = {name: spec_of(value) for name, value in inputs.items()}
         key = (fn, tuple(specs.items()))
@@ -423,8 +437,9 @@ class _Base:
     ) -> _Call:
         arrays = {name: np.asarray(v) for name, v in inputs.items()}
         if requires_grad is None:  # backward: every floating input; forward: none
-            requires_grad = [n for n, a in arrays.items()
-                             if path == "/backward" and a.dtype.kind == "f"]
+            requires_grad = [
+                n for n, a in arrays.items() if path == "/backward" and a.dtype.kind == "f"
+            ]
         tail: list[memoryview] = []
         fields: dict[str, Any] = {
             "inputs": {n: self._tensor(a, n in requires_grad, tail) for n, a in arrays.items()},
@@ -444,11 +459,13 @@ class _Base:
             }
         key = canonical_graph(graph)
         binary = any("binary_data_size" in t for t in _tensors(fields))
-        return _Call(path, key, self.graph_ids.route(key), fields, binary, tail,
-                     sum(v.nbytes for v in tail))
+        return _Call(
+            path, key, self.graph_ids.route(key), fields, binary, tail, sum(v.nbytes for v in tail)
+        )
 
-    def _tensor(self, array: np.ndarray, requires_grad: bool,
-                tail: list[memoryview]) -> dict[str, Any]:
+    def _tensor(
+        self, array: np.ndarray, requires_grad: bool, tail: list[memoryview]
+    ) -> dict[str, Any]:
         if array.dtype.name not in DTYPES:
             array = array.astype(wire_dtype(array.dtype))
         out: dict[str, Any] = {"dtype": array.dtype.name, "shape": list(array.shape)}
@@ -471,11 +488,13 @@ class _Base:
         return self.graph_ids.get(call.key) if self.reuse_graphs else None
 
     @staticmethod
-    def _encode(call: _Call, graph_id: str | None
-                ) -> tuple[bytes | list[bytes | memoryview], dict[str, str]]:
+    def _encode(
+        call: _Call, graph_id: str | None
+    ) -> tuple[bytes | list[bytes | memoryview], dict[str, str]]:
         """The body (bytes, or a binary body's parts) and its headers."""
-        ref = {"graph_id": graph_id} if graph_id is not None else {
-            "graph": orjson.Fragment(call.key)}
+        ref = (
+            {"graph_id": graph_id} if graph_id is not None else {"graph": orjson.Fragment(call.key)}
+        )
         header = orjson.dumps({**ref, **call.fields}, option=orjson.OPT_SERIALIZE_NUMPY)
         if not call.binary:
             return header, {"Content-Type": "application/json", GRAPH_HEADER: call.route}
@@ -490,8 +509,7 @@ class _Base:
             GRAPH_HEADER: call.route,
         }
 
-    def _retry_by_graph(self, call: _Call, graph_id: str | None,
-                        response: httpx.Response) -> bool:
+    def _retry_by_graph(self, call: _Call, graph_id: str | None, response: httpx.Response) -> bool:
         """Whether `response` is a 409 graph-unknown to a request sent by id (noted): the
         request is to be sent again with the graph."""
         if graph_id is None or response.status_code != 409:
@@ -505,8 +523,9 @@ class _Base:
         self.graph_ids.missed(call.key)
         return True
 
-    def _finish(self, call: _Call, graph_id: str | None, response: httpx.Response,
-                kind: type[_R]) -> _R:
+    def _finish(
+        self, call: _Call, graph_id: str | None, response: httpx.Response, kind: type[_R]
+    ) -> _R:
         result = self._result(response, kind)
         served = result.meta.get("graph_id")
         if self.reuse_graphs and isinstance(served, str):
@@ -542,6 +561,7 @@ class _Base:
         _raise_for_problem(response)
         return orjson.loads(response.content)
 
+
 class Client(_Base):
     """Synchronous client. Use as a context manager, or call `close()`.
 
@@ -570,8 +590,9 @@ class Client(_Base):
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
     ) -> None:
-        super().__init__(api_key, base64_threshold, encoding, retries, binary_threshold,
-                         reuse_graphs)
+        super().__init__(
+            api_key, base64_threshold, encoding, retries, binary_threshold, reuse_graphs
+        )
         self._http = httpx.Client(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
         )
@@ -588,9 +609,18 @@ class Client(_Base):
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
-        return self._send(self._call("/forward", graph, inputs, requires_grad=requires_grad,
-                                     device=device, no_grad=no_grad,
-                                     memory_budget_bytes=memory_budget_bytes), Result)
+        return self._send(
+            self._call(
+                "/forward",
+                graph,
+                inputs,
+                requires_grad=requires_grad,
+                device=device,
+                no_grad=no_grad,
+                memory_budget_bytes=memory_budget_bytes,
+            ),
+            Result,
+        )
 
     def backward(
         self,
@@ -607,10 +637,19 @@ class Client(_Base):
         "never" refuses a request over its budget (422) rather than recompute to fit it."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
-        return self._send(self._call("/backward", graph, inputs, requires_grad=requires_grad,
-                                     device=device, grad_outputs=grad_outputs,
-                                     memory_budget_bytes=memory_budget_bytes,
-                                     recompute=recompute), BackwardResult)
+        return self._send(
+            self._call(
+                "/backward",
+                graph,
+                inputs,
+                requires_grad=requires_grad,
+                device=device,
+                grad_outputs=grad_outputs,
+                memory_budget_bytes=memory_budget_bytes,
+                recompute=recompute,
+            ),
+            BackwardResult,
+        )
 
     def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(self._get("/ops"))["ops"]
@@ -648,8 +687,13 @@ class Client(_Base):
     def _get(self, path: str) -> httpx.Response:
         return self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
 
-    def _post(self, path: str, body: bytes | list[bytes | memoryview] | None,
-              headers: dict[str, str], attempts: _Attempts) -> httpx.Response:
+    def _post(
+        self,
+        path: str,
+        body: bytes | list[bytes | memoryview] | None,
+        headers: dict[str, str],
+        attempts: _Attempts,
+    ) -> httpx.Response:
         """The request's response, with its retries (a GET when `body` is None)."""
         attempts.begin()
         while True:
@@ -658,8 +702,9 @@ class Client(_Base):
                 if body is None:
                     response = self._http.get(path, timeout=timeout)
                 else:  # (a list: each part is written as it lies; h11 takes any buffer)
-                    response = self._http.post(path, content=cast(Iterable[bytes], body),
-                                               headers=headers, timeout=timeout)
+                    response = self._http.post(
+                        path, content=cast(Iterable[bytes], body), headers=headers, timeout=timeout
+                    )
             except httpx.TransportError as exc:
                 delay = attempts.after_error(exc)
                 if delay is None:
@@ -696,8 +741,9 @@ class AsyncClient(_Base):
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
     ) -> None:
-        super().__init__(api_key, base64_threshold, encoding, retries, binary_threshold,
-                         reuse_graphs)
+        super().__init__(
+            api_key, base64_threshold, encoding, retries, binary_threshold, reuse_graphs
+        )
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
         )
@@ -714,10 +760,18 @@ class AsyncClient(_Base):
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
-        return await self._send(self._call("/forward", graph, inputs,
-                                           requires_grad=requires_grad, device=device,
-                                           no_grad=no_grad,
-                                           memory_budget_bytes=memory_budget_bytes), Result)
+        return await self._send(
+            self._call(
+                "/forward",
+                graph,
+                inputs,
+                requires_grad=requires_grad,
+                device=device,
+                no_grad=no_grad,
+                memory_budget_bytes=memory_budget_bytes,
+            ),
+            Result,
+        )
 
     async def backward(
         self,
@@ -733,11 +787,19 @@ class AsyncClient(_Base):
         """As Client.backward."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
-        return await self._send(self._call("/backward", graph, inputs,
-                                           requires_grad=requires_grad, device=device,
-                                           grad_outputs=grad_outputs,
-                                           memory_budget_bytes=memory_budget_bytes,
-                                           recompute=recompute), BackwardResult)
+        return await self._send(
+            self._call(
+                "/backward",
+                graph,
+                inputs,
+                requires_grad=requires_grad,
+                device=device,
+                grad_outputs=grad_outputs,
+                memory_budget_bytes=memory_budget_bytes,
+                recompute=recompute,
+            ),
+            BackwardResult,
+        )
 
     async def ops(self) -> list[dict[str, Any]]:
         ops: list[dict[str, Any]] = self._json(await self._get("/ops"))["ops"]
@@ -762,8 +824,10 @@ class AsyncClient(_Base):
 
         def catalog() -> Catalog:
             if self.catalog is None:
-                raise TraceError("AsyncClient.F needs the server's catalog: await "
-                                 "client.ops() (or trace, forward, backward) first")
+                raise TraceError(
+                    "AsyncClient.F needs the server's catalog: await "
+                    "client.ops() (or trace, forward, backward) first"
+                )
             return self.catalog
 
         return Functional(catalog)
@@ -783,8 +847,13 @@ class AsyncClient(_Base):
     async def _get(self, path: str) -> httpx.Response:
         return await self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
 
-    async def _post(self, path: str, body: bytes | list[bytes | memoryview] | None,
-                    headers: dict[str, str], attempts: _Attempts) -> httpx.Response:
+    async def _post(
+        self,
+        path: str,
+        body: bytes | list[bytes | memoryview] | None,
+        headers: dict[str, str],
+        attempts: _Attempts,
+    ) -> httpx.Response:
         """The request's response, with its retries (a GET when `body` is None)."""
         attempts.begin()
         while True:
@@ -794,8 +863,9 @@ class AsyncClient(_Base):
                     response = await self._http.get(path, timeout=timeout)
                 else:  # (the parts anew each attempt: an async iterator is used up)
                     content = body if isinstance(body, bytes) else _parts(body)
-                    response = await self._http.post(path, content=content, headers=headers,
-                                                     timeout=timeout)
+                    response = await self._http.post(
+                        path, content=content, headers=headers, timeout=timeout
+                    )
             except httpx.TransportError as exc:
                 delay = attempts.after_error(exc)
                 if delay is None:
@@ -854,8 +924,9 @@ def decode(tensor: Mapping[str, Any]) -> np.ndarray:
     return data.astype(dtype).reshape(shape)
 
 
-def decode_binary(content: bytes, header_length: int
-                  ) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+def decode_binary(
+    content: bytes, header_length: int
+) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """A binary response: its JSON header, and its tensors by where ("outputs",
     "gradients") and name. Each array is a read-only view on `content` (on a big-endian
     host, a byte-swapped, writable copy): gradserve.wire.binary says how they lie.
@@ -871,8 +942,9 @@ def decode_binary(content: bytes, header_length: int
         arrays[where] = {}
         for name, tensor in tensors.items():
             raw = found.get((where, name))
-            arrays[where][name] = decode(tensor) if raw is None else \
-                _view(raw, tensor, f"{where}[{name!r}]")
+            arrays[where][name] = (
+                decode(tensor) if raw is None else _view(raw, tensor, f"{where}[{name!r}]")
+            )
     return header, arrays
 
 
@@ -881,8 +953,11 @@ def _view(raw: memoryview, tensor: Mapping[str, Any], what: str) -> np.ndarray:
     if dtype not in LITTLE_ENDIAN:
         raise FramingError(f"{what}: unknown dtype {dtype!r}", (what,), "unknown dtype")
     if len(raw) != byte_size(dtype, shape):
-        raise FramingError(f"{what}: binary_data_size {len(raw)} does not hold shape "
-                           f"{list(shape)} of {dtype}", (what,), "wrong size")
+        raise FramingError(
+            f"{what}: binary_data_size {len(raw)} does not hold shape {list(shape)} of {dtype}",
+            (what,),
+            "wrong size",
+        )
     return array_of(raw, dtype, shape)
 
 

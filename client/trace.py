@@ -124,8 +124,20 @@ from gradserve.engine.rules import (
 )
 from gradserve.wire.dtypes import wire_dtype
 
-__all__ = ["Catalog", "F", "Functional", "Spec", "TraceError", "TracedTensor", "grad", "jvp",
-           "scan", "spec_of", "standard_catalog", "trace"]
+__all__ = [
+    "Catalog",
+    "F",
+    "Functional",
+    "Spec",
+    "TraceError",
+    "TracedTensor",
+    "grad",
+    "jvp",
+    "scan",
+    "spec_of",
+    "standard_catalog",
+    "trace",
+]
 
 # Past these an inlined expression is cut into nodes (the server's limits are 100 and
 # 10,000; a line of math is far shorter).
@@ -146,7 +158,8 @@ def _data_error(what: str) -> TraceError:
         f"{what} needs the value of a traced tensor, which is not known while tracing: the "
         "function runs once, on shapes and dtypes only, and Python's control flow unrolls "
         "then. Make data-dependent choices with where(cond, a, b) (or maximum, minimum, "
-        "clamp), and loops with scan(body, init, xs)")
+        "clamp), and loops with scan(body, init, xs)"
+    )
 
 
 # ------------------------------------------------------------------ specs and dtypes
@@ -181,7 +194,8 @@ def _is_shape(v: Any) -> bool:
     if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
         return True
     return isinstance(v, (tuple, list)) and all(
-        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in v)
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in v
+    )
 
 
 def spec_of(value: Any) -> Spec:
@@ -189,8 +203,12 @@ def spec_of(value: Any) -> Spec:
     data (what `np.asarray` makes of it, in the dtype the client sends it as)."""
     if isinstance(value, Spec):
         return value
-    if (isinstance(value, tuple) and len(value) == 2 and _is_shape(value[0])
-            and isinstance(value[1], (str, np.dtype, type))):
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and _is_shape(value[0])
+        and isinstance(value[1], (str, np.dtype, type))
+    ):
         shape = (value[0],) if not isinstance(value[0], (tuple, list)) else value[0]
         return Spec(tuple(int(n) for n in shape), dtype_name(value[1]))
     if not isinstance(value, (np.ndarray, np.generic)):
@@ -211,8 +229,11 @@ def _transform_rule(output: int) -> Callable[[list[Meta]], Meta]:
 
 _TRANSFORM_RULES = {"grad": _transform_rule(1), "jvp": _transform_rule(0)}
 # An op of another catalog, unknown to this engine, gets its group's broadcasting rule.
-_GROUP_RULES = {"elementwise": elementwise_infer(), "arithmetic": elementwise_infer(),
-                "comparison": elementwise_infer(result_dtype="bool")}
+_GROUP_RULES = {
+    "elementwise": elementwise_infer(),
+    "arithmetic": elementwise_infer(),
+    "comparison": elementwise_infer(result_dtype="bool"),
+}
 
 
 # ------------------------------------------------------------------ symbolic tensors
@@ -262,8 +283,10 @@ def _stack() -> list[_Trace]:
 def _active() -> _Trace:
     stack = _stack()
     if not stack:
-        raise TraceError("no trace is in progress: call this inside a function passed to "
-                         "trace() (or Client.trace, forward, backward)")
+        raise TraceError(
+            "no trace is in progress: call this inside a function passed to "
+            "trace() (or Client.trace, forward, backward)"
+        )
     return stack[-1]
 
 
@@ -296,8 +319,23 @@ class TracedTensor:
     """A symbolic tensor: a value of the graph being traced, with its static shape and
     dtype where the tracer knows them. See the module's docstring for what it supports."""
 
-    __slots__ = ("__weakref__", "_args", "_attrs", "_dtype", "_id", "_kind", "_name", "_op",
-                 "_rank", "_ref", "_scope", "_seq", "_shape", "_trace", "_why")
+    __slots__ = (
+        "__weakref__",
+        "_args",
+        "_attrs",
+        "_dtype",
+        "_id",
+        "_kind",
+        "_name",
+        "_op",
+        "_rank",
+        "_ref",
+        "_scope",
+        "_seq",
+        "_shape",
+        "_trace",
+        "_why",
+    )
     __array_ufunc__ = None  # NumPy defers to our reflected operators
     __hash__ = object.__hash__  # `==` builds an `eq` op, as in PyTorch
 
@@ -316,10 +354,19 @@ class TracedTensor:
     _id: str | None  # its id in the graph, once built
     _seq: int
 
-    def __init__(self, trace: _Trace, kind: str, *, op: str | None = None,
-                 args: list[Any] | None = None, attrs: dict[str, Any] | None = None,
-                 shape: Shape | None = None, dtype: str | None = None, why: str = "",
-                 ref: Any = None) -> None:
+    def __init__(
+        self,
+        trace: _Trace,
+        kind: str,
+        *,
+        op: str | None = None,
+        args: list[Any] | None = None,
+        attrs: dict[str, Any] | None = None,
+        shape: Shape | None = None,
+        dtype: str | None = None,
+        why: str = "",
+        ref: Any = None,
+    ) -> None:
         self._trace, self._scope, self._kind = trace, trace.scope, kind
         self._op, self._args, self._attrs = op, args or [], attrs or {}
         self._shape, self._dtype, self._why = shape, dtype, why
@@ -332,15 +379,19 @@ class TracedTensor:
     @property
     def shape(self) -> tuple[int, ...]:
         if self._shape is None:
-            raise TraceError(f"the shape of {self._describe()} is not known to the tracer: "
-                             f"{self._why or 'no shape rule'} (the server checks shapes)")
+            raise TraceError(
+                f"the shape of {self._describe()} is not known to the tracer: "
+                f"{self._why or 'no shape rule'} (the server checks shapes)"
+            )
         return self._shape
 
     @property
     def dtype(self) -> str:
         if self._dtype is None:
-            raise TraceError(f"the dtype of {self._describe()} is not known to the tracer: "
-                             f"{self._why or 'no dtype rule'}")
+            raise TraceError(
+                f"the dtype of {self._describe()} is not known to the tracer: "
+                f"{self._why or 'no dtype rule'}"
+            )
         return self._dtype
 
     @property
@@ -382,8 +433,10 @@ class TracedTensor:
 
     # ------------------------------------------------------------ what needs data
     def __bool__(self) -> bool:
-        raise _data_error("bool(tensor) (an `if`, `while`, `and`/`or`, `not` or `assert` on a "
-                          "tensor, or a builtin max/min/sorted over tensors)")
+        raise _data_error(
+            "bool(tensor) (an `if`, `while`, `and`/`or`, `not` or `assert` on a "
+            "tensor, or a builtin max/min/sorted over tensors)"
+        )
 
     def __float__(self) -> float:
         raise _data_error("float(tensor)")
@@ -410,8 +463,10 @@ class TracedTensor:
         raise _data_error("tensor.numpy()")
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        raise TraceError("tensors of a traced graph are immutable: build the new value with "
-                         "where, scatter_add or cat instead of assigning into one")
+        raise TraceError(
+            "tensors of a traced graph are immutable: build the new value with "
+            "where, scatter_add or cat instead of assigning into one"
+        )
 
     # ------------------------------------------------------------ methods from the catalog
     def __getattr__(self, name: str) -> Any:
@@ -420,13 +475,13 @@ class TracedTensor:
         catalog = self._trace.catalog
         op = catalog.resolve(name)
         if op is None or not op.args or op.variadic:
-            if op is None and name not in TRANSFORMS and (
-                    name in OPS or name in ALIASES):
+            if op is None and name not in TRANSFORMS and (name in OPS or name in ALIASES):
                 raise catalog.missing(name, "TracedTensor")
             close = difflib.get_close_matches(name, [*dir(type(self)), *_methods(catalog)], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise AttributeError(f"'TracedTensor' object has no attribute {name!r}{hint}",
-                                 name=name)
+            raise AttributeError(
+                f"'TracedTensor' object has no attribute {name!r}{hint}", name=name
+            )
         return lambda *args, **kwargs: _call(op, args, kwargs, self_value=self)
 
     def __dir__(self) -> list[str]:
@@ -475,7 +530,7 @@ class TracedTensor:
         if any(k is Ellipsis for k in key):
             at = key.index(Ellipsis)
             used = sum(1 for k in key if k is not None and k is not Ellipsis)
-            key = key[:at] + (builtins.slice(None),) * (self.ndim - used) + key[at + 1:]
+            key = key[:at] + (builtins.slice(None),) * (self.ndim - used) + key[at + 1 :]
         out, dim, drop = self, 0, []
         for k in key:
             if k is None:
@@ -500,11 +555,13 @@ class TracedTensor:
                 if self._shape is not None and out._shape is not None and dim < len(out._shape):
                     size = out._shape[dim]
                     if not -size <= k < size:
-                        raise IndexError(f"index {k} is out of bounds for dimension {dim} "
-                                         f"with size {size}")
+                        raise IndexError(
+                            f"index {k} is out of bounds for dimension {dim} with size {size}"
+                        )
                 stop = None if k == -1 else k + 1
-                out = out._method("slice", dim=dim, start=k, **({} if stop is None else
-                                                                 {"stop": stop}))
+                out = out._method(
+                    "slice", dim=dim, start=k, **({} if stop is None else {"stop": stop})
+                )
                 drop.append(dim)
                 dim += 1
             elif isinstance(k, TracedTensor):
@@ -513,8 +570,10 @@ class TracedTensor:
                 out = out._method("index_select", dim, k)
                 dim += 1
             else:
-                raise TypeError(f"unsupported index {k!r}: use ints, slices, None, ... or a "
-                                "1-d integer tensor; gather and index_select take more")
+                raise TypeError(
+                    f"unsupported index {k!r}: use ints, slices, None, ... or a "
+                    "1-d integer tensor; gather and index_select take more"
+                )
         if drop:
             out = out._method("squeeze", drop[0] if len(drop) == 1 else drop)
         return out
@@ -564,8 +623,11 @@ def _python_int(value: Any, what: str) -> int:
 
 
 def _methods(catalog: Catalog) -> list[str]:
-    return [n for n in catalog.names() if (op := catalog.resolve(n)) is not None and op.args
-            and not op.variadic]
+    return [
+        n
+        for n in catalog.names()
+        if (op := catalog.resolve(n)) is not None and op.args and not op.variadic
+    ]
 
 
 # ------------------------------------------------------------------ calls
@@ -583,12 +645,15 @@ def _literal(value: Any) -> Number:
             raise TraceError(
                 f"a NumPy array of shape {list(value.shape)} inside a traced function: a graph "
                 "holds no constant arrays; pass it as an input (or build it with zeros, ones, "
-                "full, eye or arange)")
+                "full, eye or arange)"
+            )
         value = value.item()
     if isinstance(value, (bool, int, float)):
         if isinstance(value, float) and not math.isfinite(value):
-            raise TraceError(f"the number {value} cannot be a literal of a graph (JSON has no "
-                             "such number): pass it as an input tensor")
+            raise TraceError(
+                f"the number {value} cannot be a literal of a graph (JSON has no "
+                "such number): pass it as an input tensor"
+            )
         return value
     raise _NotOperand(value)
 
@@ -599,15 +664,18 @@ def _operand(value: Any, what: str) -> Value:
     try:
         return _literal(value)
     except _NotOperand:
-        raise TypeError(f"{what} must be a tensor or a number, not {type(value).__name__}"
-                        ) from None
+        raise TypeError(
+            f"{what} must be a tensor or a number, not {type(value).__name__}"
+        ) from None
 
 
 def _attr_value(op: OpInfo, key: str, value: Any) -> Any:
     if isinstance(value, TracedTensor):
-        raise TraceError(f"{op.name}: attribute {key!r} must be a Python value, not a traced "
-                         "tensor (attributes are static: a tensor's value is not known while "
-                         "tracing)")
+        raise TraceError(
+            f"{op.name}: attribute {key!r} must be a Python value, not a traced "
+            "tensor (attributes are static: a tensor's value is not known while "
+            "tracing)"
+        )
     kind = op.attrs[key].type.split("|")[0]
     if value is None:
         return None
@@ -620,8 +688,12 @@ def _attr_value(op: OpInfo, key: str, value: Any) -> Any:
     return value
 
 
-def _call(op: OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any],
-          self_value: TracedTensor | None = None) -> TracedTensor:
+def _call(
+    op: OpInfo,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    self_value: TracedTensor | None = None,
+) -> TracedTensor:
     """A PyTorch-style call of `op` (a method's `self` in `self_value`)."""
     if op.variadic:
         tensors, attrs = _bind_variadic(op, list(args), dict(kwargs))
@@ -632,8 +704,10 @@ def _call(op: OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any],
             known = ", ".join(op.attrs) or "none"
             close = difflib.get_close_matches(key, list(op.attrs), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"{op.name}() got an unexpected keyword argument {key!r}{hint} "
-                            f"({op.name} takes: {known})")
+            raise TypeError(
+                f"{op.name}() got an unexpected keyword argument {key!r}{hint} "
+                f"({op.name} takes: {known})"
+            )
     bound = {}
     for key, value in attrs.items():
         value = _attr_value(op, key, value)
@@ -647,25 +721,32 @@ def _call(op: OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any],
     return _apply(op, [_operand(t, f"{op.name}'s tensor argument") for t in tensors], bound)
 
 
-def _bind(op: OpInfo, args: list[Any], kwargs: dict[str, Any],
-          self_value: TracedTensor | None) -> tuple[list[Any], dict[str, Any]]:
+def _bind(
+    op: OpInfo, args: list[Any], kwargs: dict[str, Any], self_value: TracedTensor | None
+) -> tuple[list[Any], dict[str, Any]]:
     order = op.order
     named: dict[str, Any] = {}
     if self_value is not None:
         named[op.self_arg] = self_value
     # Positionals fill the slots not given by keyword (`gather(x, idx, dim=1)` as in expr).
     free = [n for n in order if n not in named and n not in kwargs]
-    tensors_given = sum(1 for n in free[:len(args)] if n in op.args)
+    tensors_given = sum(1 for n in free[: len(args)] if n in op.args)
     attrs_first = [n for n in order if n in op.attrs][:1]
-    if (attrs_first and order == (*op.args, *op.attrs)
-            and op.attrs[attrs_first[0]].type.split("|")[0] in ("shape", "ints")):
+    if (
+        attrs_first
+        and order == (*op.args, *op.attrs)
+        and op.attrs[attrs_first[0]].type.split("|")[0] in ("shape", "ints")
+    ):
         sizes = args[tensors_given:]
-        if len(sizes) > 1 and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool)
-                                  for n in sizes):
+        if len(sizes) > 1 and all(
+            isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in sizes
+        ):
             args = [*args[:tensors_given], [int(n) for n in sizes]]
     if len(args) > len(free):
-        raise TypeError(f"{op.name}() takes at most {len(free)} positional argument(s) "
-                        f"({', '.join(free)}), got {len(args)}")
+        raise TypeError(
+            f"{op.name}() takes at most {len(free)} positional argument(s) "
+            f"({', '.join(free)}), got {len(args)}"
+        )
     named.update(zip(free, args, strict=False))
     for key, value in kwargs.items():
         if key in named:
@@ -679,8 +760,9 @@ def _bind(op: OpInfo, args: list[Any], kwargs: dict[str, Any],
     return tensors, named
 
 
-def _bind_variadic(op: OpInfo, args: list[Any], kwargs: dict[str, Any]
-                   ) -> tuple[list[Any], dict[str, Any]]:
+def _bind_variadic(
+    op: OpInfo, args: list[Any], kwargs: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
     attrs: dict[str, Any] = {}
     lead = op.lead_attr
     if lead is not None and args and isinstance(args[0], str):
@@ -697,8 +779,10 @@ def _bind_variadic(op: OpInfo, args: list[Any], kwargs: dict[str, Any]
             tensors.append(args.pop(0))
     rest = [k for k in op.attrs if k != lead and k not in attrs]
     if len(args) > len(rest):
-        raise TypeError(f"{op.name}() takes the tensors and then at most {len(rest)} "
-                        f"argument(s) ({', '.join(rest)}), got {len(args)} more")
+        raise TypeError(
+            f"{op.name}() takes the tensors and then at most {len(rest)} "
+            f"argument(s) ({', '.join(rest)}), got {len(args)} more"
+        )
     attrs.update(zip(rest, args, strict=False))
     for key, value in kwargs.items():
         if key in attrs:
@@ -717,14 +801,18 @@ def _meta(value: Value) -> Meta | None:
     return literal_meta(value)
 
 
-def _infer(op: OpInfo, args: list[Value], attrs: dict[str, Any]
-           ) -> tuple[Shape | None, str | None, str]:
+def _infer(
+    op: OpInfo, args: list[Value], attrs: dict[str, Any]
+) -> tuple[Shape | None, str | None, str]:
     """The op's static shape and dtype by the engine's own rule: its `infer` over the
     arguments' metas, with the attributes bound as the engine binds them (defaults
     filled, dtypes canonical). Where there is no answer, why."""
     known: OpDef | None = OPS.get(op.name)
-    rule = _TRANSFORM_RULES.get(op.name) if op.group == "transforms" else (
-        known.infer if known is not None else _GROUP_RULES.get(op.group))
+    rule = (
+        _TRANSFORM_RULES.get(op.name)
+        if op.group == "transforms"
+        else (known.infer if known is not None else _GROUP_RULES.get(op.group))
+    )
     if rule is None:
         return None, None, f"op {op.name!r} has no shape rule in the tracer"
     metas = [m for m in map(_meta, args) if m is not None]
@@ -747,19 +835,24 @@ def _check_visible(trace: _Trace, values: Sequence[Any], what: str) -> None:
         if not isinstance(v, TracedTensor):
             continue
         if v._trace is not trace:
-            raise TraceError(f"{what}: a tensor of another trace (one that has finished, or "
-                             "an enclosing one): use only the tensors this trace made")
+            raise TraceError(
+                f"{what}: a tensor of another trace (one that has finished, or "
+                "an enclosing one): use only the tensors this trace made"
+            )
         if not trace.scope.sees(v._scope):
-            raise TraceError(f"{what}: a value computed inside a scan body is used outside "
-                             "it; return it from the body (as a carry or a y) instead")
+            raise TraceError(
+                f"{what}: a value computed inside a scan body is used outside "
+                "it; return it from the body (as a carry or a y) instead"
+            )
 
 
 def _apply(op: OpInfo, args: list[Value], attrs: dict[str, Any]) -> TracedTensor:
     trace = _active()
     _check_visible(trace, args, op.name)
     shape, dtype, why = _infer(op, args, attrs)
-    return TracedTensor(trace, "op", op=op.name, args=args, attrs=attrs, shape=shape,
-                        dtype=dtype, why=why)
+    return TracedTensor(
+        trace, "op", op=op.name, args=args, attrs=attrs, shape=shape, dtype=dtype, why=why
+    )
 
 
 # ------------------------------------------------------------------ F, grad, jvp, scan
@@ -843,15 +936,20 @@ def grad(target: TracedTensor, wrt: Any, v: Any = None) -> Any:
 def jvp(y: TracedTensor, x: TracedTensor, t: Any) -> TracedTensor:
     """∂y/∂x · t (forward mode) as a `jvp` node: `y`'s shape and dtype; `t` of `x`'s."""
     op = _transform("jvp")
-    return _apply(op, [_tensor(y, "jvp's y"), _tensor(x, "jvp's x"),
-                       _operand(t, "jvp's t")], {})
+    return _apply(op, [_tensor(y, "jvp's y"), _tensor(x, "jvp's x"), _operand(t, "jvp's t")], {})
 
 
 class _ScanRecord:
     """A scan node in the making: its arguments, its body's placeholders and results."""
 
-    def __init__(self, trace: _Trace, name: str, inits: list[Value], seqs: list[TracedTensor],
-                 length: int | None) -> None:
+    def __init__(
+        self,
+        trace: _Trace,
+        name: str,
+        inits: list[Value],
+        seqs: list[TracedTensor],
+        length: int | None,
+    ) -> None:
         self.scope = trace.scope
         self.body = _Scope(trace.scope)
         self.name = name
@@ -878,8 +976,9 @@ def _pack(values: list[Any], many: bool, like: Any) -> Any:
     return list(values) if isinstance(like, list) else tuple(values)
 
 
-def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
-         length: int | None = None) -> tuple[Any, Any]:
+def scan(
+    body: Callable[[Any, Any], Any], init: Any, xs: Any = (), length: int | None = None
+) -> tuple[Any, Any]:
     """jax.lax.scan as a `scan` node: `body(carry, x) -> (new_carry, y)` is traced once.
 
     `init`: a tensor or number, or a tuple or list of them; `carry` has its structure.
@@ -900,8 +999,7 @@ def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
     for s in seqs:
         if s._shape is not None:
             if not s._shape:
-                raise TraceError("scan: a 0-d tensor cannot be a sequence (xs are sliced on "
-                                 "dim 0)")
+                raise TraceError("scan: a 0-d tensor cannot be a sequence (xs are sliced on dim 0)")
             if steps is not None and s._shape[0] != steps:
                 raise TraceError(f"scan: xs of {s._shape[0]} steps, but length {steps}")
             steps = s._shape[0]
@@ -914,25 +1012,42 @@ def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
     try:
         for i, v in enumerate(inits):
             meta = _meta(v)
-            record.carries.append(TracedTensor(
-                trace, "carry", ref=(record, i), shape=None if meta is None else meta.shape,
-                dtype=None if meta is None else meta.dtype,
-                why="the initial carry's shape is unknown"))
+            record.carries.append(
+                TracedTensor(
+                    trace,
+                    "carry",
+                    ref=(record, i),
+                    shape=None if meta is None else meta.shape,
+                    dtype=None if meta is None else meta.dtype,
+                    why="the initial carry's shape is unknown",
+                )
+            )
         for j, s in enumerate(seqs):
-            record.xs.append(TracedTensor(
-                trace, "x", ref=(record, j), shape=None if s._shape is None else s._shape[1:],
-                dtype=s._dtype, why="its sequence's shape is unknown"))
+            record.xs.append(
+                TracedTensor(
+                    trace,
+                    "x",
+                    ref=(record, j),
+                    shape=None if s._shape is None else s._shape[1:],
+                    dtype=s._dtype,
+                    why="its sequence's shape is unknown",
+                )
+            )
         carry = _pack(record.carries, many_carries, init)
         x = None if not seqs else _pack(record.xs, many_xs, xs)
         out = body(carry, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TraceError(f"scan's body must return (new_carry, y), got {type(out).__name__}"
-                             " (return (carry, None) when there is no y)")
+            raise TraceError(
+                f"scan's body must return (new_carry, y), got {type(out).__name__}"
+                " (return (carry, None) when there is no y)"
+            )
         new, ys = out
         nexts, many_new = _flat(new)
         if many_new != many_carries or len(nexts) != len(inits):
-            raise TraceError(f"scan's body returned a carry of another structure than init "
-                             f"({len(nexts)} value(s) for {len(inits)})")
+            raise TraceError(
+                f"scan's body returned a carry of another structure than init "
+                f"({len(nexts)} value(s) for {len(inits)})"
+            )
         record.nexts = [_operand(v, "a scan's new carry") for v in nexts]
         ys_list, many_ys = ([], False) if ys is None else _flat(ys)
         record.ys = [_operand(v, "a scan's y") for v in ys_list]
@@ -945,16 +1060,28 @@ def scan(body: Callable[[Any, Any], Any], init: Any, xs: Any = (),
             raise TraceError(
                 f"scan: carry {i} is {fmt(before.shape)} {before.dtype} but the body's new "
                 f"value is {fmt(after.shape)} {after.dtype}: a carry keeps its shape and dtype "
-                "(cast the initial value, or the new one)")
-    finals = [TracedTensor(trace, "result", ref=(record, "carry", i), shape=c._shape,
-                           dtype=c._dtype, why=c._why) for i, c in enumerate(record.carries)]
+                "(cast the initial value, or the new one)"
+            )
+    finals = [
+        TracedTensor(
+            trace, "result", ref=(record, "carry", i), shape=c._shape, dtype=c._dtype, why=c._why
+        )
+        for i, c in enumerate(record.carries)
+    ]
     stacked = []
     for j, y in enumerate(record.ys):
         meta = _meta(y)
         shape = None if meta is None or steps is None else (steps, *meta.shape)
-        stacked.append(TracedTensor(trace, "result", ref=(record, "y", j), shape=shape,
-                                    dtype=None if meta is None else meta.dtype,
-                                    why="a y's shape or the step count is unknown"))
+        stacked.append(
+            TracedTensor(
+                trace,
+                "result",
+                ref=(record, "y", j),
+                shape=shape,
+                dtype=None if meta is None else meta.dtype,
+                why="a y's shape or the step count is unknown",
+            )
+        )
     record.results = [*finals, *stacked]
     ys_out = None if ys is None else _pack(stacked, many_ys, ys)
     return _pack(finals, many_carries, init), ys_out
@@ -972,8 +1099,11 @@ def _library_paths() -> tuple[str, ...]:
         path = sysconfig.get_paths().get(key)
         if path:
             paths.add(os.path.realpath(path) + os.sep)
-    paths.update(os.path.realpath(p) + os.sep for p in sys.path
-                 if "site-packages" in p or "dist-packages" in p)
+    paths.update(
+        os.path.realpath(p) + os.sep
+        for p in sys.path
+        if "site-packages" in p or "dist-packages" in p
+    )
     return tuple(paths)
 
 
@@ -1006,8 +1136,11 @@ class _Namer:
         """True for the user's code, False for a library's, None for this module's."""
         if filename not in self.user_files:
             path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-            self.user_files[filename] = None if path == _THIS_FILE else not (
-                path.startswith(_LIBRARIES) or filename.startswith("<frozen"))
+            self.user_files[filename] = (
+                None
+                if path == _THIS_FILE
+                else not (path.startswith(_LIBRARIES) or filename.startswith("<frozen"))
+            )
         return self.user_files[filename]
 
     def _global(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -1088,8 +1221,10 @@ def _binder(fn: Callable[..., Any], inputs: dict[str, TracedTensor]) -> Callable
     try:
         signature.bind(*inputs.values())
     except TypeError as exc:
-        raise TypeError(f"trace: cannot call {getattr(fn, '__name__', fn)!r} with the inputs "
-                        f"{list(inputs)} by name or in order: {exc}") from None
+        raise TypeError(
+            f"trace: cannot call {getattr(fn, '__name__', fn)!r} with the inputs "
+            f"{list(inputs)} by name or in order: {exc}"
+        ) from None
     return lambda: fn(*inputs.values())
 
 
@@ -1104,17 +1239,23 @@ def _outputs(result: Any) -> list[tuple[str, TracedTensor]]:
     elif isinstance(result, (tuple, list)):
         pairs = [(f"out{i}", v) for i, v in enumerate(result)]
     else:
-        raise TraceError("the traced function must return a tensor, a tuple or list of "
-                         f"tensors, or a dict of them, not {type(result).__name__}")
+        raise TraceError(
+            "the traced function must return a tensor, a tuple or list of "
+            f"tensors, or a dict of them, not {type(result).__name__}"
+        )
     if not pairs:
         raise TraceError("the traced function returned no outputs")
     for key, value in pairs:
         if not isinstance(value, TracedTensor):
-            raise TraceError(f"output {key!r} is a {type(value).__name__}, not a traced tensor "
-                             "(a graph's outputs are values it computes)")
+            raise TraceError(
+                f"output {key!r} is a {type(value).__name__}, not a traced tensor "
+                "(a graph's outputs are values it computes)"
+            )
         if value._scope.parent is not None:
-            raise TraceError(f"output {key!r} is a value computed inside a scan body; return "
-                             "it from the body (as a carry or a y) instead")
+            raise TraceError(
+                f"output {key!r} is a value computed inside a scan body; return "
+                "it from the body (as a carry or a y) instead"
+            )
     return pairs
 
 
@@ -1122,9 +1263,20 @@ def _identifier(name: str) -> bool:
     return name.isidentifier() and not keyword.iskeyword(name)
 
 
-_INFIX = {"add": ("+", 4), "sub": ("-", 4), "mul": ("*", 5), "div": ("/", 5), "matmul": ("@", 5),
-          "pow": ("**", 7), "lt": ("<", 3), "le": ("<=", 3), "gt": (">", 3), "ge": (">=", 3),
-          "eq": ("==", 3), "ne": ("!=", 3)}
+_INFIX = {
+    "add": ("+", 4),
+    "sub": ("-", 4),
+    "mul": ("*", 5),
+    "div": ("/", 5),
+    "matmul": ("@", 5),
+    "pow": ("**", 7),
+    "lt": ("<", 3),
+    "le": ("<=", 3),
+    "gt": (">", 3),
+    "ge": (">=", 3),
+    "eq": ("==", 3),
+    "ne": ("!=", 3),
+}
 _ATOM, _UNARY = 9, 6
 
 
@@ -1174,23 +1326,31 @@ class _Builder:
                     todo.append(record.ys[i])
                 if id(record) not in scans:
                     scans.add(id(record))
-                    todo.extend([*record.inits, *record.seqs, *record.nexts, *record.carries,
-                                 *record.xs])
+                    todo.extend(
+                        [*record.inits, *record.seqs, *record.nexts, *record.carries, *record.xs]
+                    )
         return values, scans, ys
 
     def _decide(self, live: set[int], scans: set[int], live_ys: set[tuple[int, int]]) -> None:
         uses: dict[int, int] = {}
         force = self.materialized
-        items = [i for i in self.trace.items
-                 if (id(i) in live if isinstance(i, TracedTensor) else id(i) in scans)]
+        items = [
+            i
+            for i in self.trace.items
+            if (id(i) in live if isinstance(i, TracedTensor) else id(i) in scans)
+        ]
         self.items = items
         for item in items:
             if isinstance(item, _ScanRecord):
                 for i, v in enumerate(item.nexts):
                     if isinstance(v, TracedTensor) and v._scope is item.body:
                         self.next_of.setdefault(id(v), (item, i))
-                refs = [*item.inits, *item.seqs, *item.nexts,
-                        *(y for j, y in enumerate(item.ys) if (id(item), j) in live_ys)]
+                refs = [
+                    *item.inits,
+                    *item.seqs,
+                    *item.nexts,
+                    *(y for j, y in enumerate(item.ys) if (id(item), j) in live_ys),
+                ]
                 force.update(id(v) for v in refs if isinstance(v, TracedTensor))
                 continue
             if item._kind != "op":
@@ -1211,8 +1371,9 @@ class _Builder:
                 force.update(id(a) for a in item._args if isinstance(a, TracedTensor))
         force.update(id(v) for _, v in self.outputs)
         for item in items:
-            if isinstance(item, TracedTensor) and (item._name is not None
-                                                   or uses.get(id(item), 0) > 1):
+            if isinstance(item, TracedTensor) and (
+                item._name is not None or uses.get(id(item), 0) > 1
+            ):
                 force.add(id(item))
         # Cut expressions that grow too deep or long.
         depth: dict[int, int] = {}
@@ -1223,11 +1384,19 @@ class _Builder:
             kids = [a for a in item._args if isinstance(a, TracedTensor)]
             inline = [a for a in kids if id(a) not in force]
 
-            def measure(inline: list[TracedTensor] = inline, kids: list[TracedTensor] = kids,
-                        item: TracedTensor = item) -> tuple[int, int]:
+            def measure(
+                inline: list[TracedTensor] = inline,
+                kids: list[TracedTensor] = kids,
+                item: TracedTensor = item,
+            ) -> tuple[int, int]:
                 d = 1 + max((depth[id(a)] for a in inline), default=0)
-                s = (len(item._op or "") + 4 + 12 * len(kids) + 16 * len(item._attrs)
-                     + sum(size[id(a)] for a in inline))
+                s = (
+                    len(item._op or "")
+                    + 4
+                    + 12 * len(kids)
+                    + 16 * len(item._attrs)
+                    + sum(size[id(a)] for a in inline)
+                )
                 return d, s
 
             d, s = measure()
@@ -1253,8 +1422,7 @@ class _Builder:
 
     def _assign_ids(self) -> list[dict[str, Any]]:
         """Ids for every node; returns the alias nodes that some outputs need."""
-        inputs = [i for i in self.trace.items if isinstance(i, TracedTensor)
-                  and i._kind == "input"]
+        inputs = [i for i in self.trace.items if isinstance(i, TracedTensor) and i._kind == "input"]
         self.taken.update(i._ref for i in inputs)
         aliases: list[dict[str, Any]] = []
         self.output_ids: list[str] = []
@@ -1263,8 +1431,10 @@ class _Builder:
                 self.output_ids.append(key)
                 continue
             if key in self.taken:
-                raise TraceError(f"output {key!r} has the name of an input or of another "
-                                 "output: return it under another name")
+                raise TraceError(
+                    f"output {key!r} has the name of an input or of another "
+                    "output: return it under another name"
+                )
             self.taken.add(key)
             self.output_ids.append(key)
             if value._kind != "input" and value._id is None and _identifier(key):
@@ -1347,8 +1517,11 @@ class _Builder:
     def _node(self, v: TracedTensor) -> dict[str, Any]:
         assert v._id is not None
         if id(v) in self.op_form:
-            node: dict[str, Any] = {"id": v._id, "op": v._op,
-                                    "args": [self._ref(a) for a in v._args]}
+            node: dict[str, Any] = {
+                "id": v._id,
+                "op": v._op,
+                "args": [self._ref(a) for a in v._args],
+            }
             if v._attrs:
                 node["attrs"] = dict(v._attrs)
             return node
@@ -1372,8 +1545,9 @@ class _Builder:
             top.append({"id": alias["key"], "expr": value._id or value._ref})
         return {"nodes": top, "outputs": list(self.output_ids)}
 
-    def _scan(self, record: _ScanRecord, nodes: list[dict[str, Any]],
-              live_ys: set[tuple[int, int]]) -> dict[str, Any]:
+    def _scan(
+        self, record: _ScanRecord, nodes: list[dict[str, Any]], live_ys: set[tuple[int, int]]
+    ) -> dict[str, Any]:
         carries = [c._id for c in record.carries]
         nexts = {}
         for carry, value in zip(carries, record.nexts, strict=True):
@@ -1396,14 +1570,23 @@ class _Builder:
                 results[result._id] = y._id  # type: ignore[assignment]
             else:  # a carry, a slice, an outer value or a number: an alias in the body
                 alias = self._unique(f"{result._id}_step")
-                nodes.append({"id": alias, "expr": self._ref(y) if isinstance(y, TracedTensor)
-                              else _number_text(y)[0]})
+                nodes.append(
+                    {
+                        "id": alias,
+                        "expr": self._ref(y) if isinstance(y, TracedTensor) else _number_text(y)[0],
+                    }
+                )
                 results[result._id] = alias
         node: dict[str, Any] = {
-            "id": record.id, "op": "scan",
+            "id": record.id,
+            "op": "scan",
             "args": [self._ref(v) for v in (*record.inits, *record.seqs)],
-            "body": {"carry": carries, "xs": [x._id for x in record.xs], "nodes": nodes,
-                     "next": nexts},
+            "body": {
+                "carry": carries,
+                "xs": [x._id for x in record.xs],
+                "nodes": nodes,
+                "next": nexts,
+            },
             "results": results,
         }
         if record.length is not None or not record.seqs:

@@ -23,8 +23,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if __name__ != "gradserve.engine":  # the folder imported by its own name, from a checkout
-    raise ImportError(f"this is gradserve.engine: import it by that name, not {__name__!r} "
-                      "(two names would load every module twice)")
+    raise ImportError(
+        f"this is gradserve.engine: import it by that name, not {__name__!r} "
+        "(two names would load every module twice)"
+    )
 
 if TYPE_CHECKING:
     from gradserve.engine._tensor import Tensor, backward, from_numpy, grad, tensor
@@ -42,13 +44,32 @@ if TYPE_CHECKING:
     from gradserve.engine.ops import OPS
 
 __all__ = [  # and every op's function: engine.functions.__all__
-    "OPS", "GradserveError", "Tensor", "available_devices", "backward", "bool_", "enable_grad",
-    "float16", "float32", "float64", "from_numpy", "grad", "gradcheck", "int32", "int64",
-    "is_grad_enabled", "no_grad", "parse_device", "set_grad_enabled", "tensor",
+    "OPS",
+    "GradserveError",
+    "Tensor",
+    "available_devices",
+    "backward",
+    "bool_",
+    "enable_grad",
+    "float16",
+    "float32",
+    "float64",
+    "from_numpy",
+    "grad",
+    "gradcheck",
+    "int32",
+    "int64",
+    "is_grad_enabled",
+    "no_grad",
+    "parse_device",
+    "set_grad_enabled",
+    "tensor",
 ]
 # Where the names of __all__ live (the imports above, for type checkers).
-_HOMES = tuple(f"{__name__}.{m}" for m in ("_tensor", "backends", "dtypes", "errors", "grad_mode",
-                                            "gradcheck", "ops"))
+_HOMES = tuple(
+    f"{__name__}.{m}"
+    for m in ("_tensor", "backends", "dtypes", "errors", "grad_mode", "gradcheck", "ops")
+)
 
 if not TYPE_CHECKING:  # hidden from type checkers, for which `engine.summ` stays an error
 
@@ -60,8 +81,9 @@ if not TYPE_CHECKING:  # hidden from type checkers, for which `engine.summ` stay
             homes = map(importlib.import_module, _HOMES)
             value = next(getattr(m, name) for m in homes if hasattr(m, name))
         else:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r} (and no op of "
-                                 "that name)")
+            raise AttributeError(
+                f"module {__name__!r} has no attribute {name!r} (and no op of that name)"
+            )
         globals()[name] = value  # found once; the next lookup is a plain attribute
         return value
 

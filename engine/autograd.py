@@ -50,8 +50,14 @@ class Node:
 
     __slots__ = ("__weakref__", "attrs", "backend", "inputs", "op", "saved")
 
-    def __init__(self, op: OpDef, inputs: list[Input | None], saved: tuple[Any, ...],
-                 attrs: dict[str, Any], backend: Backend) -> None:
+    def __init__(
+        self,
+        op: OpDef,
+        inputs: list[Input | None],
+        saved: tuple[Any, ...],
+        attrs: dict[str, Any],
+        backend: Backend,
+    ) -> None:
         self.op = op
         self.inputs = inputs
         self.saved: tuple[Any, ...] | None = saved
@@ -87,8 +93,10 @@ class Node:
         attrs = self.attrs
         if op.variadic:
             raw_grads = op.vjp(F, grad, *saved, **attrs)  # type: ignore[operator,misc]
-            return [None if inp is None or g is None else self._conform(g, inp, F, create_graph)
-                    for g, inp in zip(raw_grads, self.inputs, strict=True)]
+            return [
+                None if inp is None or g is None else self._conform(g, inp, F, create_graph)
+                for g, inp in zip(raw_grads, self.inputs, strict=True)
+            ]
         vjps = op.vjp
         grads: list[Any] = []
         for i, inp in enumerate(self.inputs):
@@ -126,10 +134,11 @@ def _unpack_raw(node: Node) -> list[Any]:
     """The saved values as arrays: a tensor argument's array, the raw result as it is."""
     assert node.saved is not None
     if node.op.variadic:  # its one argument name stands for the tuple of all operands
-        return [v if i < 0 else tuple(_raw(x) for x in v)
-                for i, v in zip(node.op.save_index, node.saved, strict=True)]
-    return [v if i < 0 else _raw(v)
-            for i, v in zip(node.op.save_index, node.saved, strict=True)]
+        return [
+            v if i < 0 else tuple(_raw(x) for x in v)
+            for i, v in zip(node.op.save_index, node.saved, strict=True)
+        ]
+    return [v if i < 0 else _raw(v) for i, v in zip(node.op.save_index, node.saved, strict=True)]
 
 
 @functools.cache
@@ -227,8 +236,13 @@ def run_backward(
     return results
 
 
-def _skip(node: Node, deps: dict[Node, int], pending: dict[Any, Any], ready: list[Node],
-          retain_graph: bool) -> None:
+def _skip(
+    node: Node,
+    deps: dict[Node, int],
+    pending: dict[Any, Any],
+    ready: list[Node],
+    retain_graph: bool,
+) -> None:
     """A node that received no gradient still releases its consumers' counts."""
     stack = [node]
     while stack:

@@ -25,14 +25,19 @@ def _outputs(fn: Callable[..., Any], inputs: Sequence[Tensor]) -> list[Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _shifted(fn: Callable[..., Any], inputs: list[Tensor], diff: list[int],
-             us: list[np.ndarray], vs: list[np.ndarray], step: float) -> float:
+def _shifted(
+    fn: Callable[..., Any],
+    inputs: list[Tensor],
+    diff: list[int],
+    us: list[np.ndarray],
+    vs: list[np.ndarray],
+    step: float,
+) -> float:
     """⟨f(x + step·u), v⟩. Grad mode stays on: `fn` may itself take gradients."""
     moved = list(inputs)
     for i, u in zip(diff, us, strict=True):
         t = inputs[i]
-        moved[i] = tensor(t.numpy() + step * u, dtype=t.dtype, device=t.device,
-                          requires_grad=True)
+        moved[i] = tensor(t.numpy() + step * u, dtype=t.dtype, device=t.device, requires_grad=True)
     res = _outputs(fn, moved)
     return sum(float(np.sum(r.numpy() * v)) for r, v in zip(res, vs, strict=True))
 
@@ -72,8 +77,9 @@ def gradcheck(
             float(np.sum(g.numpy() * u)) for g, u in zip(grads, us, strict=True) if g is not None
         )
 
-        numeric = (_shifted(fn, inputs, diff, us, vs, eps) -
-                   _shifted(fn, inputs, diff, us, vs, -eps)) / (2 * eps)
+        numeric = (
+            _shifted(fn, inputs, diff, us, vs, eps) - _shifted(fn, inputs, diff, us, vs, -eps)
+        ) / (2 * eps)
         if not abs(analytic - numeric) <= atol + rtol * abs(numeric):
             if raise_exception:
                 raise GradcheckError(

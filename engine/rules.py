@@ -34,10 +34,31 @@ from gradserve.engine.ops.registry import (
 from gradserve.engine.shapes import Shape, fmt, numel
 
 __all__ = [
-    "DTYPES", "FLOATS", "GRAD", "INT64_MAX", "INT64_MIN", "INTS", "JVP", "OPS", "SCAN_NODE",
-    "TRANSFORMS", "Attr", "Meta", "OpDef", "Shape", "Transform", "bind_attributes",
-    "catalog_ops", "check_dtype", "elementwise_infer", "fmt", "is_number", "literal_meta",
-    "numel", "promoted_dtype", "scalar_dtype",
+    "DTYPES",
+    "FLOATS",
+    "GRAD",
+    "INT64_MAX",
+    "INT64_MIN",
+    "INTS",
+    "JVP",
+    "OPS",
+    "SCAN_NODE",
+    "TRANSFORMS",
+    "Attr",
+    "Meta",
+    "OpDef",
+    "Shape",
+    "Transform",
+    "bind_attributes",
+    "catalog_ops",
+    "check_dtype",
+    "elementwise_infer",
+    "fmt",
+    "is_number",
+    "literal_meta",
+    "numel",
+    "promoted_dtype",
+    "scalar_dtype",
 ]
 
 
@@ -62,20 +83,28 @@ class Transform:
         if self.variadic:
             return
         if not self.min_args <= n <= len(self.args):
-            want = (str(len(self.args)) if self.min_args == len(self.args)
-                    else f"{self.min_args} or {len(self.args)}")
-            raise ArityError(f"takes {want} arguments ({', '.join(self.args)}), got {n}",
-                             op=self.name)
+            want = (
+                str(len(self.args))
+                if self.min_args == len(self.args)
+                else f"{self.min_args} or {len(self.args)}"
+            )
+            raise ArityError(
+                f"takes {want} arguments ({', '.join(self.args)}), got {n}", op=self.name
+            )
 
     def bind_attrs(self, given: dict[str, Any]) -> dict[str, Any]:
         return bind_attributes(self.name, self.attrs, self.defaults, given)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "name": self.name, "group": "transforms", "args": list(self.args),
+            "name": self.name,
+            "group": "transforms",
+            "args": list(self.args),
             "variadic": self.variadic,
             "attrs": {k: a.describe() for k, a in self.attrs.items()},
-            "differentiable": True, "doc": self.doc, "min_args": self.min_args,
+            "differentiable": True,
+            "doc": self.doc,
+            "min_args": self.min_args,
         }
         if self.fields:
             out["fields"] = dict(self.fields)
@@ -83,29 +112,47 @@ class Transform:
 
 
 GRAD = Transform(
-    "grad", ("target", "wrt", "grad_output"), 2,
+    "grad",
+    ("target", "wrt", "grad_output"),
+    2,
     "The gradient of `target` with respect to `wrt` (an input or any node), as "
     "torch.autograd.grad(target, wrt, grad_output, create_graph=True): `wrt`'s shape and "
     "dtype; zeros where the target does not depend on it; differentiable again. Without "
-    "`grad_output` the target must have one element.")
+    "`grad_output` the target must have one element.",
+)
 JVP = Transform(
-    "jvp", ("output", "input", "tangent"), 3,
+    "jvp",
+    ("output", "input", "tangent"),
+    3,
     "Forward mode: ∂output/∂input · tangent, with `tangent` of `input`'s shape and dtype "
-    "and the result of `output`'s; differentiable again.")
+    "and the result of `output`'s; differentiable again.",
+)
 
 SCAN_NODE = Transform(
-    "scan", ("carries...", "xs..."), 0,
+    "scan",
+    ("carries...", "xs..."),
+    0,
     "A loop over the leading axis of the sequences (as jax.lax.scan): `args` are the "
     "initial carries, then the sequences, in the order of body.carry then body.xs. Each step "
     "runs body.nodes (which may read the carries, the current slices and any outer value), "
     "and body.next gives each carry's next value. `results` declares new ids: a carry name "
     "gives its final value, a body node id its value at every step stacked on a new dim 0. "
     "Differentiable; the loop is compiled once, not unrolled.",
-    attrs={"length": Attr("int", None, doc="the number of steps: required without "
-                          "sequences; with them, optional and must match", nullable=True)},
+    attrs={
+        "length": Attr(
+            "int",
+            None,
+            doc="the number of steps: required without "
+            "sequences; with them, optional and must match",
+            nullable=True,
+        )
+    },
     variadic=True,
-    fields={"body": "{carry: [name], xs: [name], nodes: [node], next: {carry: id}}",
-            "results": "{new id: carry name or body node id}"})
+    fields={
+        "body": "{carry: [name], xs: [name], nodes: [node], next: {carry: id}}",
+        "results": "{new id: carry name or body node id}",
+    },
+)
 
 TRANSFORMS: dict[str, Transform] = {t.name: t for t in (GRAD, JVP, SCAN_NODE)}
 

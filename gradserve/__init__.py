@@ -36,8 +36,20 @@ _EXPORTS = {
     "scan": "gradserve.client.trace",
 }
 
-__all__ = ["AsyncClient", "Client", "F", "GradserveHTTPError", "Result", "Retry", "TraceError",
-           "TracedTensor", "grad", "jvp", "scan", "trace"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "F",
+    "GradserveHTTPError",
+    "Result",
+    "Retry",
+    "TraceError",
+    "TracedTensor",
+    "grad",
+    "jvp",
+    "scan",
+    "trace",
+]
 
 
 def __getattr__(name: str) -> Any:

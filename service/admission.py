@@ -53,8 +53,10 @@ class Admission:
             return self._free.pop()
         if len(self._queue) >= self.max_queue_size:
             self.metrics.rejected["queue_full"].inc()
-            raise _busy(f"all {self.max_concurrency} compute slots are busy and "
-                        f"{len(self._queue)} requests wait for one (the queue's bound)")
+            raise _busy(
+                f"all {self.max_concurrency} compute slots are busy and "
+                f"{len(self._queue)} requests wait for one (the queue's bound)"
+            )
         turn: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append(turn)
         began = time.monotonic()
@@ -75,7 +77,8 @@ class Admission:
             elapsed = self.request_timeout_s - (deadline - time.monotonic())
             raise DeadlineExceeded(
                 f"the request ran past its time limit of {self.request_timeout_s} s "
-                f"({elapsed:.2f} s) waiting for a compute slot")
+                f"({elapsed:.2f} s) waiting for a compute slot"
+            )
         self.metrics.rejected["queue_timeout"].inc()
         raise _busy(f"no compute slot came free within {self.queue_timeout_s} s")
 
@@ -95,5 +98,6 @@ class Admission:
 
 
 def _busy(why: str) -> ProblemError:
-    return ProblemError("overloaded", f"{why}; retry shortly",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ProblemError(
+        "overloaded", f"{why}; retry shortly", headers={"Retry-After": str(RETRY_AFTER_S)}
+    )

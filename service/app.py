@@ -45,6 +45,7 @@ DESCRIPTION = (
     "Errors are application/problem+json (RFC 9457)."
 )
 
+
 def _version() -> str:
     try:
         return version("gradserve")
@@ -147,16 +148,22 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             title=app.title, version=app.version, description=app.description, routes=app.routes
         )
         _, defs = models_json_schema(
-            [(ForwardRequest, "validation"), (BackwardRequest, "validation"),
-             (PlanRequest, "validation"), (ForwardResponse, "serialization"),
-             (BackwardResponse, "serialization"), (PlanResponse, "serialization"),
-             (Problem, "serialization")],
+            [
+                (ForwardRequest, "validation"),
+                (BackwardRequest, "validation"),
+                (PlanRequest, "validation"),
+                (ForwardResponse, "serialization"),
+                (BackwardResponse, "serialization"),
+                (PlanResponse, "serialization"),
+                (Problem, "serialization"),
+            ],
             ref_template="#/components/schemas/{model}",
         )
         settings: Settings = app.state.settings
         schema["paths"] = {**operations(settings.max_body_bytes), **schema["paths"]}
         schema.setdefault("components", {}).setdefault("schemas", {}).update(
-            with_body_limit(defs["$defs"], settings.max_body_bytes))
+            with_body_limit(defs["$defs"], settings.max_body_bytes)
+        )
         app.openapi_schema = schema
     return app.openapi_schema
 

@@ -51,8 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
     if missing:
-        parser.exit(2, f"gradserve {args.command}: the service's dependencies are not "
-                       f"installed ({', '.join(missing)}): pip install 'gradserve[server]'\n")
+        parser.exit(
+            2,
+            f"gradserve {args.command}: the service's dependencies are not "
+            f"installed ({', '.join(missing)}): pip install 'gradserve[server]'\n",
+        )
     if args.command == "openapi":
         return write_openapi(args.output)
     flags = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
@@ -122,8 +125,11 @@ def store_directory(settings: Settings) -> Iterator[str | None]:
     none is named: one directory of this server's own for all of them (each would make
     its own otherwise: service/front.py), under /dev/shm where it is writable, removed
     when the server exits."""
-    if settings.workers <= 1 or settings.program_store_dir is not None or \
-            not settings.program_store_bytes:
+    if (
+        settings.workers <= 1
+        or settings.program_store_dir is not None
+        or not settings.program_store_bytes
+    ):
         yield settings.program_store_dir
         return
     with _server_directory("programs", "GRADSERVE_PROGRAM_STORE_DIR") as path:
@@ -154,7 +160,9 @@ def log_config(level: str) -> dict[str, Any]:
     config = copy.deepcopy(LOGGING_CONFIG)
     python_level = "DEBUG" if level == "trace" else level.upper()
     config["loggers"]["gradserve"] = {
-        "handlers": ["default"], "level": python_level, "propagate": False,
+        "handlers": ["default"],
+        "level": python_level,
+        "propagate": False,
     }
     return config
 

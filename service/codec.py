@@ -26,8 +26,15 @@ from gradserve.wire.binary import array_of, raw_bytes
 from gradserve.wire.dtypes import LITTLE_ENDIAN, dtype_name
 from gradserve.wire.numbers import NONFINITE, dumps, json_data
 
-__all__ = ["JSONError", "check_shape", "decode_tensor", "dtype_name", "dumps", "encode_tensor",
-           "loads"]
+__all__ = [
+    "JSONError",
+    "check_shape",
+    "decode_tensor",
+    "dtype_name",
+    "dumps",
+    "encode_tensor",
+    "loads",
+]
 
 Loc = tuple[str | int, ...]
 
@@ -111,7 +118,8 @@ def decode_tensor(
                 array = array.reshape(shape)
             else:
                 raise _error(
-                    loc, "shape",
+                    loc,
+                    "shape",
                     f"data has shape {list(array.shape)} ({array.size} elements), "
                     f"which does not match shape {list(shape)}",
                 )
@@ -147,8 +155,9 @@ def _decode_b64(loc: Loc, text: str, dtype: str | None, shape: Sequence[int] | N
     return _from_raw(loc, raw, dtype, shape, "b64")
 
 
-def _from_raw(loc: Loc, raw: bytes | memoryview, dtype: str | None,
-              shape: Sequence[int] | None, field: str) -> np.ndarray:
+def _from_raw(
+    loc: Loc, raw: bytes | memoryview, dtype: str | None, shape: Sequence[int] | None, field: str
+) -> np.ndarray:
     """An array on raw little-endian bytes (a view: no copy on a little-endian host)."""
     if dtype is None:
         raise _error(loc, "dtype", f"{field} needs a dtype")
@@ -158,7 +167,8 @@ def _from_raw(loc: Loc, raw: bytes | memoryview, dtype: str | None,
     count = math.prod(shape)
     if len(raw) != count * itemsize:
         raise _error(
-            loc, field,
+            loc,
+            field,
             f"{len(raw)} bytes do not hold shape {list(shape)} of {dtype} "
             f"({count * itemsize} bytes expected)",
         )
@@ -261,8 +271,9 @@ def _convert(loc: Loc, array: np.ndarray, kind: str, dtype: str | None) -> np.nd
 
 
 # ------------------------------------------------------------------------ encoding
-def encode_tensor(array: np.ndarray, encoding: str,
-                  tail: list[memoryview] | None = None) -> dict[str, Any]:
+def encode_tensor(
+    array: np.ndarray, encoding: str, tail: list[memoryview] | None = None
+) -> dict[str, Any]:
     """`dtype`, `shape` and `data`, `b64` or `binary_data_size` for a response; values are
     orjson-ready. With the binary encoding the array's bytes are appended to `tail` (a
     view on them: no copy of a contiguous little-endian array)."""

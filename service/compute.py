@@ -29,8 +29,11 @@ Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or rais
 PLAN, PLAN_DOT = "plan", "plan-dot"  # POST /plan, answered as JSON or as DOT
 
 # Engine errors that count as a rejection in the metrics, by class name.
-_REJECTIONS = {"MemoryBudgetError": "memory_budget", "ComputeBudgetError": "compute_budget",
-               "DeadlineExceeded": "timeout"}
+_REJECTIONS = {
+    "MemoryBudgetError": "memory_budget",
+    "ComputeBudgetError": "compute_budget",
+    "DeadlineExceeded": "timeout",
+}
 
 
 @dataclass
@@ -102,10 +105,20 @@ class Compute:
         self.parser = Parser(settings, self.programs)
         self.tier = Tier(settings, role, self.programs.store)
 
-    def serve(self, kind: str, body: bytes | memoryview, header_length: int | None,
-              tenant: str | None, deadline: float, reserve: Reserve, stats: Stats, *,
-              raw_key: str | None = None, envelope: Envelope | None = None,
-              bounds: Bounds | None = None) -> Reply:
+    def serve(
+        self,
+        kind: str,
+        body: bytes | memoryview,
+        header_length: int | None,
+        tenant: str | None,
+        deadline: float,
+        reserve: Reserve,
+        stats: Stats,
+        *,
+        raw_key: str | None = None,
+        envelope: Envelope | None = None,
+        bounds: Bounds | None = None,
+    ) -> Reply:
         """The response body of one request: "forward", "backward", or a plan ("plan",
         "plan-dot"). `header_length`: the body is binary (its JSON header's length);
         `tenant`: the API key's id (None with keys off); `raw_key` or `envelope`: its
@@ -137,8 +150,10 @@ class Compute:
         if found.source == "store":
             stats.load_ms = found.load_ms
         if program is None:
-            if bounds is not None and \
-                    count_nodes(self.parser.graph_of(request).nodes) > bounds.nodes:
+            if (
+                bounds is not None
+                and count_nodes(self.parser.graph_of(request).nodes) > bounds.nodes
+            ):
                 raise Misplaced(stats)
             program = self.compile(request, stats, keep=bounds is None)
         stats.program_key = request.program_key
@@ -151,8 +166,9 @@ class Compute:
                 self.keep(request, program, stats)
         return program
 
-    def compile(self, request: Request, stats: Stats, keep: bool = True,
-                recompute: bool | None = None) -> Program:
+    def compile(
+        self, request: Request, stats: Stats, keep: bool = True, recompute: bool | None = None
+    ) -> Program:
         """Compile the request's program. The budgets are checked on each use, not here;
         only a backward that may recompute is compiled for its memory budget (the planner
         recomputes what it must to fit it)."""
@@ -161,10 +177,15 @@ class Compute:
         inputs, grad_outputs = request.specs()
         try:
             program = compile_graph(
-                self.parser.graph_of(request), inputs,
+                self.parser.graph_of(request),
+                inputs,
                 limits=self.limits(request.budget if shaped else None, None, recompute=shaped),
-                no_grad=request.no_grad, backward=request.backward, grad_outputs=grad_outputs,
-                device=request.device, templates=self.templates)
+                no_grad=request.no_grad,
+                backward=request.backward,
+                grad_outputs=grad_outputs,
+                device=request.device,
+                templates=self.templates,
+            )
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
@@ -178,25 +199,35 @@ class Compute:
     def keep(self, request: Request, program: Program, stats: Stats) -> None:
         """A program just compiled, kept in this process (and the store, in time)."""
         stats.cache_evictions = self.programs.remember(
-            request.program_key, program, request.device, stats.compile_ms or 0.0)
+            request.program_key, program, request.device, stats.compile_ms or 0.0
+        )
         stats.cache_bytes = self.programs.memory.bytes
 
-    def limits(self, memory_budget: int | None, compute_budget: float | None,
-               recompute: bool = False) -> Limits:
+    def limits(
+        self, memory_budget: int | None, compute_budget: float | None, recompute: bool = False
+    ) -> Limits:
         s = self.settings
-        return Limits(max_nodes=s.max_nodes, expr_max_chars=s.expr_max_chars,
-                      expr_max_depth=s.expr_max_depth, memory_budget_bytes=memory_budget,
-                      compute_budget=compute_budget, max_inputs=s.max_inputs,
-                      max_id_chars=s.max_id_chars, recompute=recompute)
+        return Limits(
+            max_nodes=s.max_nodes,
+            expr_max_chars=s.expr_max_chars,
+            expr_max_depth=s.expr_max_depth,
+            memory_budget_bytes=memory_budget,
+            compute_budget=compute_budget,
+            max_inputs=s.max_inputs,
+            max_id_chars=s.max_id_chars,
+            recompute=recompute,
+        )
 
     # ------------------------------------------------------------------ the run
-    def run(self, request: Request, program: Program, deadline: float, reserve: Reserve,
-            stats: Stats) -> Reply:
+    def run(
+        self, request: Request, program: Program, deadline: float, reserve: Reserve, stats: Stats
+    ) -> Reply:
         """Check the budgets, reserve the planned bytes, run (lowered, or interpreted), and
         encode the answer."""
         try:
-            check_budgets(program, self.limits(request.budget, self.settings.compute_budget),
-                          request.no_grad)
+            check_budgets(
+                program, self.limits(request.budget, self.settings.compute_budget), request.no_grad
+            )
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
@@ -209,19 +240,26 @@ class Compute:
             result = None
             if lowered is not None:  # (None again, and why, if XLA failed: interpreted)
                 result, tier = self.tier.run(
-                    key, lowered, {n: a for n, (a, _) in inputs.items()},
-                    None if grad_outputs is None else {n: a for n, (a, _) in grad_outputs.items()})
+                    key,
+                    lowered,
+                    {n: a for n, (a, _) in inputs.items()},
+                    None if grad_outputs is None else {n: a for n, (a, _) in grad_outputs.items()},
+                )
             if result is None:
                 backend = get_backend(request.device)
                 started = time.perf_counter()
                 result = execute(
-                    program, {n: backend.from_host(a) for n, (a, _) in inputs.items()},
-                    grad_outputs=None if grad_outputs is None else
-                    {n: backend.from_host(a) for n, (a, _) in grad_outputs.items()},
-                    deadline=deadline)
+                    program,
+                    {n: backend.from_host(a) for n, (a, _) in inputs.items()},
+                    grad_outputs=None
+                    if grad_outputs is None
+                    else {n: backend.from_host(a) for n, (a, _) in grad_outputs.items()},
+                    deadline=deadline,
+                )
                 if self.tier.off is None:
-                    tier = self.tier.interpreted(key, program,
-                                                 (time.perf_counter() - started) * 1000)
+                    tier = self.tier.interpreted(
+                        key, program, (time.perf_counter() - started) * 1000
+                    )
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
@@ -229,9 +267,16 @@ class Compute:
         stats.peak_bytes = result.peak_bytes
         stats.tier = XLA if tier == XLA else INTERPRETER
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
-        return encode_result(program, result, device=request.device, no_grad=request.no_grad,
-                             encoding=request.encoding, graph_id=request.graph_id,
-                             source=stats.program or "compiled", tier=tier)
+        return encode_result(
+            program,
+            result,
+            device=request.device,
+            no_grad=request.no_grad,
+            encoding=request.encoding,
+            graph_id=request.graph_id,
+            source=stats.program or "compiled",
+            tier=tier,
+        )
 
     def report(self, stats: Stats) -> None:
         """What this process's store and tier did since it last reported, into `stats`."""
@@ -250,12 +295,19 @@ WARM_UP = (
 def warm_up(settings: Settings, body: bytes = WARM_UP) -> None:
     """Run one small request end to end, with limits that a tiny configured one (in a
     test) cannot trip, and no bookkeeping."""
-    roomy = settings.model_copy(update={
-        "max_nodes": 100_000, "memory_budget_bytes": 1 << 20,
-        "no_grad_memory_budget_bytes": 1 << 20, "inflight_memory_bytes": 1 << 20,
-        "compute_budget": 1e9, "max_inputs": 16, "max_id_chars": 64,
-        "program_store_dir": None,  # (nothing of it for the store)
-        "xla": "off",  # (nor for the native tier)
-    })
-    Compute(roomy).serve("backward", body, None, None, time.monotonic() + 60,
-                         lambda _: None, Stats())
+    roomy = settings.model_copy(
+        update={
+            "max_nodes": 100_000,
+            "memory_budget_bytes": 1 << 20,
+            "no_grad_memory_budget_bytes": 1 << 20,
+            "inflight_memory_bytes": 1 << 20,
+            "compute_budget": 1e9,
+            "max_inputs": 16,
+            "max_id_chars": 64,
+            "program_store_dir": None,  # (nothing of it for the store)
+            "xla": "off",  # (nor for the native tier)
+        }
+    )
+    Compute(roomy).serve(
+        "backward", body, None, None, time.monotonic() + 60, lambda _: None, Stats()
+    )

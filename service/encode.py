@@ -57,12 +57,24 @@ def recomputation(program: Program) -> dict[str, Any] | None:
     if not program.recompute_cost:  # (every step computed again costs something)
         return None
     steps = sum(step.kind == RECOMPUTE for step in program.steps)
-    return {"peak_bytes_without": program.peak_without_recompute,
-            "added_cost": program.recompute_cost, "steps": steps}
+    return {
+        "peak_bytes_without": program.peak_without_recompute,
+        "added_cost": program.recompute_cost,
+        "steps": steps,
+    }
 
 
-def encode_result(program: Program, result: RunResult, *, device: str, no_grad: bool,
-                  encoding: str, graph_id: str, source: str, tier: str) -> Reply:
+def encode_result(
+    program: Program,
+    result: RunResult,
+    *,
+    device: str,
+    no_grad: bool,
+    encoding: str,
+    graph_id: str,
+    source: str,
+    tier: str,
+) -> Reply:
     """The response: JSON, or with the binary encoding a JSON header whose tensors say
     `binary_data_size`, followed by their bytes in the order they appear in it. `tier`:
     "xla", or why the interpreter ran it (service/tier.py)."""

@@ -89,9 +89,12 @@ SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
 }
 
 # Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status.
-_STATUS_SLUGS = {status: slug for slug, (status, _) in SERVICE_PROBLEMS.items()
-                 if slug not in ("malformed-json", "malformed-body", "invalid-request",
-                                 "not-ready", "graph-unknown")}
+_STATUS_SLUGS = {
+    status: slug
+    for slug, (status, _) in SERVICE_PROBLEMS.items()
+    if slug
+    not in ("malformed-json", "malformed-body", "invalid-request", "not-ready", "graph-unknown")
+}
 
 
 class ProblemError(Exception):
@@ -112,8 +115,11 @@ class ProblemError(Exception):
     ) -> None:
         super().__init__(detail)
         self.slug = slug
-        self.status, self.title = (SERVICE_PROBLEMS[slug] if status is None
-                                   else (status, title or HTTPStatus(status).phrase))
+        self.status, self.title = (
+            SERVICE_PROBLEMS[slug]
+            if status is None
+            else (status, title or HTTPStatus(status).phrase)
+        )
         self.detail = detail
         self.errors = errors
         self.headers = dict(headers or {})
@@ -122,14 +128,32 @@ class ProblemError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # It crosses from a worker to the front process pickled; an exception pickles as
         # its class and args, and these arguments are keywords.
-        return (_problem, (self.slug, self.detail, self.errors, self.headers, self.status,
-                           self.title, self.extra))
+        return (
+            _problem,
+            (
+                self.slug,
+                self.detail,
+                self.errors,
+                self.headers,
+                self.status,
+                self.title,
+                self.extra,
+            ),
+        )
 
 
-def _problem(slug: str, detail: str, errors: Any, headers: Any, status: int, title: str,
-             extra: dict[str, Any]) -> ProblemError:
-    return ProblemError(slug, detail, errors=errors, headers=headers, status=status,
-                        title=title, **extra)
+def _problem(
+    slug: str,
+    detail: str,
+    errors: Any,
+    headers: Any,
+    status: int,
+    title: str,
+    extra: dict[str, Any],
+) -> ProblemError:
+    return ProblemError(
+        slug, detail, errors=errors, headers=headers, status=status, title=title, **extra
+    )
 
 
 def as_problem(err: GradserveError) -> ProblemError:
@@ -288,8 +312,13 @@ def _service_problem_response(exc: ProblemError, request_id: str | None) -> Resp
     if exc.errors is not None:
         fields["errors"] = exc.errors
     return problem_response(
-        exc.status, exc.slug, exc.title, exc.detail,
-        request_id=request_id, headers=exc.headers, **fields,
+        exc.status,
+        exc.slug,
+        exc.title,
+        exc.detail,
+        request_id=request_id,
+        headers=exc.headers,
+        **fields,
     )
 
 
@@ -311,8 +340,12 @@ def install_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             detail = f"method {request.method} is not allowed on {request.url.path}"
         return problem_response(
-            exc.status_code, slug, title, detail,
-            request_id=request_id_of(request), headers=exc.headers,
+            exc.status_code,
+            slug,
+            title,
+            detail,
+            request_id=request_id_of(request),
+            headers=exc.headers,
         )
 
     async def on_validation(request: Request, exc: Exception) -> Response:

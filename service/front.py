@@ -80,9 +80,12 @@ def parse_reservation(body: bytes | memoryview, header_length: int | None = None
     # (NumPy counts a large body 5x faster than bytes.count, on a view; a small one, where
     # its calls' cost is all there is, 10x slower.)
     text = np.frombuffer(body, np.uint8) if len(body) > COUNT_WITH_NUMPY_BYTES else body
-    return (2 * len(body) + PARSE_BYTES_PER_COMMA * _count(text, ",")
-            + PARSE_BYTES_PER_BRACKET * _count(text, "[")
-            + PARSE_BYTES_PER_OBJECT * _count(text, "{"))
+    return (
+        2 * len(body)
+        + PARSE_BYTES_PER_COMMA * _count(text, ",")
+        + PARSE_BYTES_PER_BRACKET * _count(text, "[")
+        + PARSE_BYTES_PER_OBJECT * _count(text, "{")
+    )
 
 
 COUNT_WITH_NUMPY_BYTES = 64 << 10
@@ -120,15 +123,19 @@ class Front:
         self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
         # The host's lowering process (service/lowering.py): where the tier is on, jax is
         # installed, and there is a program store for it to write the executables into.
-        self.lowerer = None if off_reason(settings) is not None else \
-            Lowerer(settings, lambda outcome: metrics.lowered(*outcome), self.pool.post)
+        self.lowerer = (
+            None
+            if off_reason(settings) is not None
+            else Lowerer(settings, lambda outcome: metrics.lowered(*outcome), self.pool.post)
+        )
         self.front = settings.max_concurrency
         self.ledger: Ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes
         metrics.track(metrics.reserved_bytes, self.ledger.total)
         metrics.track(
             metrics.cache_bytes,
-            lambda: self.compute.programs.memory.bytes + sum(self._worker_cache_bytes.values()))
+            lambda: self.compute.programs.memory.bytes + sum(self._worker_cache_bytes.values()),
+        )
         store = self.compute.programs.store
         if store is not None:
             metrics.track(metrics.store_bytes, store.total_bytes)
@@ -161,9 +168,15 @@ class Front:
                 del self._worker_cache_bytes[pid]
 
     # ------------------------------------------------------------------ a request
-    async def serve(self, kind: str, receive: Receive, declared: int | None,
-                    request_id: str, header_length: int | None = None,
-                    tenant: str | None = None) -> Reply:
+    async def serve(
+        self,
+        kind: str,
+        receive: Receive,
+        declared: int | None,
+        request_id: str,
+        header_length: int | None = None,
+        tenant: str | None = None,
+    ) -> Reply:
         """The response body of one compute request ("forward", "backward", "plan" or
         "plan-dot"); `header_length`: the body is binary, with a JSON header of that many
         bytes; `tenant`: the API key's id (None with keys off)."""
@@ -192,14 +205,16 @@ class Front:
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
                 document = body if header_length is None else body[:header_length]
-            envelope, facts = self._facts(kind, body, document, declared or len(body),
-                                          header_length)
+            envelope, facts = self._facts(
+                kind, body, document, declared or len(body), header_length
+            )
             lane = self.placement.place(facts)
             if lane.fast and direct is None:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
-                reply = self._fast(kind, body, envelope, header_length, reservation, deadline,
-                                   tenant)
+                reply = self._fast(
+                    kind, body, envelope, header_length, reservation, deadline, tenant
+                )
                 if reply is not None:
                     return reply
                 self._grow_bodies(reservation)  # (what it holds while it waits for a slot)
@@ -216,11 +231,24 @@ class Front:
                 del body  # a large body is in shared memory now: no copy here
                 try:
                     return await self._in_worker(
-                        Task(kind=kind, body=payload, slot=slot, held=self.ledger.held(slot),
-                             deadline=deadline, out_name=name + "o", request_id=request_id,
-                             header_length=header_length, tenant=tenant,
-                             raw_key=None if envelope is None else envelope.raw_key),
-                        lane, name, receive, deadline, request_id)
+                        Task(
+                            kind=kind,
+                            body=payload,
+                            slot=slot,
+                            held=self.ledger.held(slot),
+                            deadline=deadline,
+                            out_name=name + "o",
+                            request_id=request_id,
+                            header_length=header_length,
+                            tenant=tenant,
+                            raw_key=None if envelope is None else envelope.raw_key,
+                        ),
+                        lane,
+                        name,
+                        receive,
+                        deadline,
+                        request_id,
+                    )
                 finally:
                     if large:
                         trim_memory()
@@ -234,14 +262,16 @@ class Front:
             if body_bytes:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
 
-    def _facts(self, kind: str, body: bytes, document: bytes, body_bytes: int,
-               header_length: int | None) -> tuple[Envelope | None, Facts]:
+    def _facts(
+        self, kind: str, body: bytes, document: bytes, body_bytes: int, header_length: int | None
+    ) -> tuple[Envelope | None, Facts]:
         """The body's envelope (when its document is small enough to open here) and the
         facts that place it."""
         if len(document) > OPEN_MAX_BYTES:
             return None, Facts(body_bytes, len(document), None, None)
-        envelope = open_envelope(body or document, header_length if body else None,
-                                 self.compute.programs)
+        envelope = open_envelope(
+            body or document, header_length if body else None, self.compute.programs
+        )
         graph_id, nodes = envelope.graph_id, None
         graph = envelope.graph_bytes
         if graph is not None and envelope.raw_key is not None:
@@ -250,9 +280,16 @@ class Front:
                 nodes = bytes(graph).count(b'"id"')  # (a body's too: a bound, enough here)
         return envelope, Facts(body_bytes, len(document), graph_id, nodes)
 
-    def _fast(self, kind: str, body: bytes, envelope: Envelope | None,
-              header_length: int | None, reservation: int, deadline: float,
-              tenant: str | None) -> Reply | None:
+    def _fast(
+        self,
+        kind: str,
+        body: bytes,
+        envelope: Envelope | None,
+        header_length: int | None,
+        reservation: int,
+        deadline: float,
+        tenant: str | None,
+    ) -> Reply | None:
         """Compute a request here, on the front process's own line of the ledger (one at a
         time: this runs on the event loop without a pause); None when its program turns
         out too costly for the fast lane (it then goes to a worker)."""
@@ -264,8 +301,17 @@ class Front:
             def reserve(nbytes: int) -> None:
                 self._hold(self.front, held + nbytes)
 
-            return self.compute.serve(kind, body, header_length, tenant, deadline, reserve,
-                                      stats, envelope=envelope, bounds=FAST_LANE)
+            return self.compute.serve(
+                kind,
+                body,
+                header_length,
+                tenant,
+                deadline,
+                reserve,
+                stats,
+                envelope=envelope,
+                bounds=FAST_LANE,
+            )
         except Misplaced:
             return None
         except ProblemError as err:  # (a graph sent by id that a worker may hold)
@@ -279,8 +325,9 @@ class Front:
             if self.compute.programs.pending():
                 self._writer.submit(self.compute.programs.flush)
 
-    async def _read_into_segment(self, receive: Receive, size: int, name: str,
-                                 header_length: int) -> tuple[bytes, Payload] | None:
+    async def _read_into_segment(
+        self, receive: Receive, size: int, name: str, header_length: int
+    ) -> tuple[bytes, Payload] | None:
         """The body written into a new shared memory segment as it arrives (its
         `Content-Length` is `size`): its first `header_length` bytes (its JSON document),
         and the segment; or None, having read nothing, if /dev/shm has no room."""
@@ -297,18 +344,21 @@ class Front:
                 if message["type"] == "http.request":
                     chunk = message.get("body", b"")
                     if at + len(chunk) > size:
-                        raise ProblemError("bad-request", "the body is longer than its "
-                                           f"Content-Length ({size} bytes)")
-                    buf[at:at + len(chunk)] = chunk
+                        raise ProblemError(
+                            "bad-request",
+                            f"the body is longer than its Content-Length ({size} bytes)",
+                        )
+                    buf[at : at + len(chunk)] = chunk
                     at += len(chunk)
                     if not message.get("more_body", False):
                         break
                 elif message["type"] == "http.disconnect":
                     raise ClientDisconnect()
             if at != size:
-                raise ProblemError("bad-request", f"the body ended after {at} of its "
-                                   f"Content-Length's {size} bytes")
-            document = bytes(buf[:min(header_length, size)])
+                raise ProblemError(
+                    "bad-request", f"the body ended after {at} of its Content-Length's {size} bytes"
+                )
+            document = bytes(buf[: min(header_length, size)])
         finally:
             del buf
             segment.close()
@@ -357,8 +407,9 @@ class Front:
             raise
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), counted
 
-    async def _in_worker(self, task: Task, lane: Lane, name: str, receive: Receive,
-                         deadline: float, request_id: str) -> Reply:
+    async def _in_worker(
+        self, task: Task, lane: Lane, name: str, receive: Receive, deadline: float, request_id: str
+    ) -> Reply:
         done = False
         try:
             outcome = await _until_disconnect(self.pool.submit(task, lane.affinity), receive)
@@ -368,7 +419,8 @@ class Front:
             elapsed = self.settings.request_timeout_s - (deadline - time.monotonic())
             raise DeadlineExceeded(
                 f"the request ran past its time limit of {self.settings.request_timeout_s} s "
-                f"({elapsed:.2f} s); its computation was stopped") from None
+                f"({elapsed:.2f} s); its computation was stopped"
+            ) from None
         except WorkerDied as exc:
             log.error("request %s: %s", request_id, exc)
             raise ProblemError("internal", f"{exc}; the request was not completed") from None
@@ -382,13 +434,13 @@ class Front:
                 raise outcome.problem
             assert outcome.body is not None
             if isinstance(outcome.body, bytes):
-                return Reply([outcome.body], outcome.header_length,
-                             media_type=outcome.media_type)
+                return Reply([outcome.body], outcome.header_length, media_type=outcome.media_type)
             # Sent from the worker's segment (the body's own, or a new one) as it lies; it
             # goes once the reply is sent.
             view, release = open_payload(outcome.body)
-            return Reply([view], outcome.header_length, media_type=outcome.media_type,
-                         release=release)
+            return Reply(
+                [view], outcome.header_length, media_type=outcome.media_type, release=release
+            )
         finally:
             if not isinstance(task.body, bytes):  # (the worker's answer went elsewhere)
                 unlink(name)
@@ -410,8 +462,12 @@ async def _until_disconnect(work: Awaitable[T], receive: Receive) -> T:
     state = {"waiting": True, "gone": False}
 
     def on_message(listener: asyncio.Future[Message]) -> None:
-        if state["waiting"] and not listener.cancelled() and listener.exception() is None \
-                and listener.result()["type"] == "http.disconnect":
+        if (
+            state["waiting"]
+            and not listener.cancelled()
+            and listener.exception() is None
+            and listener.result()["type"] == "http.disconnect"
+        ):
             state["gone"] = True  # (a stray message: the work goes on)
             task.cancel()
 

@@ -94,5 +94,6 @@ def overloaded(nbytes: int, ledger: Ledger) -> ProblemError:
         "overloaded",
         f"the server's in-flight memory is full: this request needs {nbytes} bytes and "
         f"{ledger.total()} of {ledger.limit} are taken; retry shortly",
-        headers={"Retry-After": str(RETRY_AFTER_S)}, planned_bytes=nbytes,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+        planned_bytes=nbytes,
     )

@@ -48,8 +48,10 @@ POLL_S = 0.05  # how often the lowering process looks for requests
 NICENESS = 19
 PROCESS_NAME = "gradserve-lower"  # what ps and top show (15 bytes: the kernel's limit)
 UNIMPORTABLE = "jax cannot be imported in the lowering process"
-GONE = "the lowering process was stopped while it lowered this program (killed, or past " \
-       "its memory bound)"
+GONE = (
+    "the lowering process was stopped while it lowered this program (killed, or past "
+    "its memory bound)"
+)
 
 
 class LoweringQueue:
@@ -136,8 +138,9 @@ def lowering_main(settings_json: str, conn: Connection) -> None:
             conn.send((key, outcome[0], outcome[1], float(request.get("predicted_ms") or 0)))
 
 
-def _lower(xla: Any, store: Store, queue: LoweringQueue, key: str, request: dict[str, Any]
-           ) -> tuple[str | None, float]:
+def _lower(
+    xla: Any, store: Store, queue: LoweringQueue, key: str, request: dict[str, Any]
+) -> tuple[str | None, float]:
     """Lower one program; (None, compile ms), or (why not, 0)."""
     device = str(request.get("device") or "cpu")
     found = store.get(f"p-{key}")
@@ -238,13 +241,18 @@ class Lowerer:
         forkserver.ensure_running()
         ours, child = _CONTEXT.Pipe()
         self.conn = ours
-        self.proc = _CONTEXT.Process(target=lowering_main, args=(
-            self.settings.model_dump_json(), child), name="gradserve-lowering", daemon=True)
+        self.proc = _CONTEXT.Process(
+            target=lowering_main,
+            args=(self.settings.model_dump_json(), child),
+            name="gradserve-lowering",
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         self.starts += 1
-        self._reader = threading.Thread(target=self._read, args=(ours,), daemon=True,
-                                        name="gradserve-lowering-reader")
+        self._reader = threading.Thread(
+            target=self._read, args=(ours,), daemon=True, name="gradserve-lowering-reader"
+        )
         self._reader.start()
 
     def _read(self, conn: Connection) -> None:
@@ -262,8 +270,10 @@ class Lowerer:
         if proc is None:
             return
         if proc.is_alive() and _rss(proc.pid) > self.settings.xla_lowering_memory_bytes:
-            log.warning("the lowering process holds over %d MiB: stopping it",
-                        self.settings.xla_lowering_memory_bytes >> 20)
+            log.warning(
+                "the lowering process holds over %d MiB: stopping it",
+                self.settings.xla_lowering_memory_bytes >> 20,
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.join(5)

@@ -37,7 +37,22 @@ log = logging.getLogger("gradserve")
 
 # Request latency from 0.5 ms (a scalar graph) to a minute (the default time limit).
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
 )
 # Measured over predicted: from a hundredth to a hundred times.
 _RATIO_BUCKETS = (0.01, 0.03, 0.1, 0.3, 0.5, 0.8, 1.25, 2, 3.3, 10, 33, 100)
@@ -84,7 +99,7 @@ def _alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:  # no /proc (not Linux), or it has just gone: the next scrape sees it
         return True
-    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+    return stat[stat.rfind(b")") + 2 :][:1] != b"Z"
 
 
 def sweep_dead(path: str) -> list[int]:
@@ -136,15 +151,22 @@ class Metrics:
         # cached bytes of each add up), and a dead process holds none of them any more
         # ("live": its file goes).
         self.requests = Counter(
-            "gradserve_requests", "HTTP requests by route, method and status",
-            ["route", "method", "status"], registry=r,
+            "gradserve_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
         )
         self.latency = Histogram(
-            "gradserve_request_duration_seconds", "HTTP request latency",
-            ["route", "method"], buckets=_LATENCY_BUCKETS, registry=r,
+            "gradserve_request_duration_seconds",
+            "HTTP request latency",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge(
-            "gradserve_requests_in_flight", "HTTP requests being handled", registry=r,
+            "gradserve_requests_in_flight",
+            "HTTP requests being handled",
+            registry=r,
             multiprocess_mode="livesum",
         )
         self.bytes_in = Counter(
@@ -154,41 +176,56 @@ class Metrics:
             "gradserve_response_bytes", "response body bytes sent", ["route"], registry=r
         )
         self.planned_peak = Histogram(
-            "gradserve_planned_peak_bytes", "planned peak tensor memory of admitted computations",
-            ["path"], buckets=_BYTES_BUCKETS, registry=r,
+            "gradserve_planned_peak_bytes",
+            "planned peak tensor memory of admitted computations",
+            ["path"],
+            buckets=_BYTES_BUCKETS,
+            registry=r,
         )
         self.measured_peak = Histogram(
-            "gradserve_peak_bytes", "measured peak tensor memory of finished computations",
-            ["path"], buckets=_BYTES_BUCKETS, registry=r,
+            "gradserve_peak_bytes",
+            "measured peak tensor memory of finished computations",
+            ["path"],
+            buckets=_BYTES_BUCKETS,
+            registry=r,
         )
         self.computing = Gauge(
-            "gradserve_computations_in_flight", "computations admitted and running", registry=r,
+            "gradserve_computations_in_flight",
+            "computations admitted and running",
+            registry=r,
             multiprocess_mode="livesum",
         )
         self.reserved_bytes = Gauge(
             "gradserve_inflight_planned_bytes",
-            "planned bytes reserved by running computations", registry=r,
+            "planned bytes reserved by running computations",
+            registry=r,
             multiprocess_mode="livesum",
         )
         self.cache_evictions = Counter(
             "gradserve_program_cache_evictions",
-            "compiled programs evicted from a program cache (every process's)", registry=r,
+            "compiled programs evicted from a program cache (every process's)",
+            registry=r,
         )
         self.graph_evictions = Counter(
             "gradserve_graph_cache_evictions",
             "graphs evicted from a graph-id cache (every process's): a later request by "
-            "that id gets 409 graph-unknown", registry=r,
+            "that id gets 409 graph-unknown",
+            registry=r,
         )
         self.cache_bytes = Gauge(
             "gradserve_program_cache_bytes",
             "estimated bytes of the compiled programs cached, summed over the processes",
-            registry=r, multiprocess_mode="livesum",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         # Where each computation's program came from, and what finding it cost; by the role
         # of the process that computed: the front process (its fast lane) or a worker.
         self.compiles = Counter(
-            "gradserve_compiles", "graphs compiled into programs, by the role of the process "
-            "that compiled: front (its fast lane) or worker", ["role"], registry=r,
+            "gradserve_compiles",
+            "graphs compiled into programs, by the role of the process "
+            "that compiled: front (its fast lane) or worker",
+            ["role"],
+            registry=r,
         )
         self.program_lookups = Counter(
             "gradserve_program_lookups",
@@ -196,76 +233,105 @@ class Metrics:
             "memory), store (loaded from the host's program store), lifted (a miss that took "
             "the program of a graph differing only in float literals) or compiled (a miss); "
             "and by the role of the process that looked: front or worker",
-            ["source", "role"], registry=r,
+            ["source", "role"],
+            registry=r,
         )
-        self.lookups = {(source, role): self.program_lookups.labels(source, role)
-                        for source in ("process", "store", "lifted", "compiled")
-                        for role in ROLES}
+        self.lookups = {
+            (source, role): self.program_lookups.labels(source, role)
+            for source in ("process", "store", "lifted", "compiled")
+            for role in ROLES
+        }
         self.compiled = {role: self.compiles.labels(role) for role in ROLES}
         self.compile_seconds = Histogram(
-            "gradserve_program_compile_seconds", "time to compile a program",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "gradserve_program_compile_seconds",
+            "time to compile a program",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         # The native tier (service/tier.py): which tier answered each run, and the lowerings.
         self.tier_runs = Counter(
-            "gradserve_tier_runs", "program runs by the tier that ran them: interpreter or xla",
-            ["tier"], registry=r,
+            "gradserve_tier_runs",
+            "program runs by the tier that ran them: interpreter or xla",
+            ["tier"],
+            registry=r,
         )
         self.xla_lowerings = Counter(
-            "gradserve_xla_lowerings", "programs the lowering process lowered to XLA (once "
+            "gradserve_xla_lowerings",
+            "programs the lowering process lowered to XLA (once "
             "per host), by outcome: xla (an executable in the store) or refused",
-            ["outcome"], registry=r,
+            ["outcome"],
+            registry=r,
         )
         self.xla_loads = Counter(
-            "gradserve_xla_loads", "XLA executables loaded from the store by the processes "
-            "that run them", registry=r,
+            "gradserve_xla_loads",
+            "XLA executables loaded from the store by the processes that run them",
+            registry=r,
         )
         self.tier_predictions = Histogram(
-            "gradserve_tier_prediction_ratio", "the native tier's cost model: what was "
+            "gradserve_tier_prediction_ratio",
+            "the native tier's cost model: what was "
             "measured over what was predicted, by what: interpreted (a program's first "
             "interpreted run), xla (its fastest of its first lowered runs), compile",
-            ["what"], buckets=_RATIO_BUCKETS, registry=r,
+            ["what"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
         )
         self.xla_compile_seconds = Histogram(
-            "gradserve_xla_compile_seconds", "time XLA took to compile a program, in the host's "
-            "lowering process",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "gradserve_xla_compile_seconds",
+            "time XLA took to compile a program, in the host's lowering process",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.load_seconds = Histogram(
-            "gradserve_program_load_seconds", "time to load a program from the store",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "gradserve_program_load_seconds",
+            "time to load a program from the store",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.store_bytes = Gauge(
-            "gradserve_program_store_bytes", "bytes of the entries in the program store "
+            "gradserve_program_store_bytes",
+            "bytes of the entries in the program store "
             "(one store for the host's processes: the largest figure any of them saw)",
-            registry=r, multiprocess_mode="livemax",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.store_evictions = Counter(
             "gradserve_program_store_evictions",
-            "entries evicted from the program store to keep it within its bound", registry=r,
+            "entries evicted from the program store to keep it within its bound",
+            registry=r,
         )
         self.store_damaged = Counter(
             "gradserve_program_store_damaged",
             "program store entries found damaged (truncated, garbage, half-written), deleted "
-            "and compiled again", registry=r,
+            "and compiled again",
+            registry=r,
         )
         self.queue_length = Gauge(
-            "gradserve_queue_length", "requests waiting for a compute slot", registry=r,
+            "gradserve_queue_length",
+            "requests waiting for a compute slot",
+            registry=r,
             multiprocess_mode="livesum",
         )
         self.queue_wait = Histogram(
-            "gradserve_queue_wait_seconds", "how long requests that found every compute slot "
+            "gradserve_queue_wait_seconds",
+            "how long requests that found every compute slot "
             "busy waited for one (admitted, or refused at the queue's bound or deadline)",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.compute_workers = Gauge(
-            "gradserve_compute_workers", "compute worker processes alive (starting, warm, or "
-            "leaving)", registry=r, multiprocess_mode="livesum",
+            "gradserve_compute_workers",
+            "compute worker processes alive (starting, warm, or leaving)",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.worker_exits = Counter(
-            "gradserve_compute_worker_exits", "compute worker processes gone, by reason: rss "
+            "gradserve_compute_worker_exits",
+            "compute worker processes gone, by reason: rss "
             "(recycled), idle (above the minimum), killed (its request's deadline or hang-up), "
-            "died", ["reason"], registry=r,
+            "died",
+            ["reason"],
+            registry=r,
         )
         self.rejections = Counter(
             "gradserve_rejections", "requests refused, by reason", ["reason"], registry=r
@@ -334,8 +400,11 @@ class Metrics:
             self.tier_runs.labels(stats.tier).inc()
         for key in stats.loads:
             self.xla_loads.inc()
-            log.info("program %s runs in the native tier in compute worker %s from now on",
-                     key, stats.pid)
+            log.info(
+                "program %s runs in the native tier in compute worker %s from now on",
+                key,
+                stats.pid,
+            )
         for what, predicted, measured in stats.predictions:
             if predicted > 0:
                 self.tier_predictions.labels(what).observe(measured / predicted)
@@ -344,16 +413,21 @@ class Metrics:
         if stats.store_damaged:
             self.store_damaged.inc(stats.store_damaged)
 
-    def lowered(self, key: str, refused: str | None, compile_ms: float,
-                predicted_ms: float) -> None:
+    def lowered(
+        self, key: str, refused: str | None, compile_ms: float, predicted_ms: float
+    ) -> None:
         """What the lowering process did with a program."""
         if refused is None:
             self.xla_lowerings.labels("xla").inc()
             self.xla_compile_seconds.observe(compile_ms / 1000)
             if predicted_ms > 0:
                 self.tier_predictions.labels("compile").observe(compile_ms / predicted_ms)
-            log.info("program %s lowered to XLA in %.0f ms (predicted %.0f ms)", key,
-                     compile_ms, predicted_ms)
+            log.info(
+                "program %s lowered to XLA in %.0f ms (predicted %.0f ms)",
+                key,
+                compile_ms,
+                predicted_ms,
+            )
         else:
             self.xla_lowerings.labels("refused").inc()
             log.info("program %s stays interpreted: %s", key, refused)

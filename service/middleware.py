@@ -160,10 +160,12 @@ class Gateway:
             # re-raised, uvicorn would log a traceback and send a plain-text 500.
             if not started:
                 detail = "the server is shutting down and stopped this request; retry it"
-                body = problem_body(_CANCELLED_STATUS, _CANCELLED_SLUG, _CANCELLED_TITLE,
-                                    detail, request_id=rid)
-                await _send_json(send_wrapper, _CANCELLED_STATUS, body, PROBLEM_JSON,
-                                 {"Retry-After": "1"})
+                body = problem_body(
+                    _CANCELLED_STATUS, _CANCELLED_SLUG, _CANCELLED_TITLE, detail, request_id=rid
+                )
+                await _send_json(
+                    send_wrapper, _CANCELLED_STATUS, body, PROBLEM_JSON, {"Retry-After": "1"}
+                )
         except Exception as exc:
             error_log.error("unhandled error in request %s", rid, exc_info=exc)
             if started:
@@ -176,8 +178,9 @@ class Gateway:
     def _too_large(self) -> str:
         return f"the request body is larger than the limit of {self.max_body_bytes} bytes"
 
-    def _refusal(self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any]
-                 ) -> ProblemError | None:
+    def _refusal(
+        self, scope: Scope, headers: dict[bytes, bytes], state: dict[str, Any]
+    ) -> ProblemError | None:
         if self.api_keys and self._needs_key(scope):
             state[TENANT] = self._tenant(headers)
             if state[TENANT] is None:

@@ -84,22 +84,30 @@ class Placement:
     def place(self, facts: Facts) -> Lane:
         known = None if facts.graph_id is None else self.known(facts.graph_id)
         if known is not None:
-            fast = (facts.document_bytes <= KNOWN_MAX_DOCUMENT_BYTES
-                    and facts.body_bytes <= KNOWN_MAX_BODY_BYTES
-                    and known.cost <= FAST_LANE.cost and known.steps <= FAST_LANE.steps)
+            fast = (
+                facts.document_bytes <= KNOWN_MAX_DOCUMENT_BYTES
+                and facts.body_bytes <= KNOWN_MAX_BODY_BYTES
+                and known.cost <= FAST_LANE.cost
+                and known.steps <= FAST_LANE.steps
+            )
             return Lane(fast, affinity=known.program_key)
         if facts.document_bytes > NEW_MAX_DOCUMENT_BYTES:
             return WORKER
         if facts.nodes is not None:  # a graph in the body, new or unreported
-            return Lane(fast=facts.nodes <= NEW_MAX_NODES
-                        and facts.body_bytes <= NEW_MAX_BODY_BYTES)
+            return Lane(
+                fast=facts.nodes <= NEW_MAX_NODES and facts.body_bytes <= NEW_MAX_BODY_BYTES
+            )
         # Sent by an id whose program nobody has reported on: it may be costly. Neither
         # a graph nor an id (or not JSON at all): the parse says what is wrong, at once.
         return WORKER if facts.graph_id is not None else Lane(fast=True)
 
     def learn(self, stats: Stats) -> None:
         """What a computation reported (a run, or a fast-lane request found misplaced)."""
-        if stats.graph_id is None or stats.program_key is None or stats.compute_cost is None \
-                or stats.steps is None:
+        if (
+            stats.graph_id is None
+            or stats.program_key is None
+            or stats.compute_cost is None
+            or stats.steps is None
+        ):
             return
         self._known.put(stats.graph_id, Known(stats.program_key, stats.compute_cost, stats.steps))

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
     from gradserve.service.request import Request
 
 
-def plan_reply(compute: Compute, request: Request, stats: Stats, *, dot: bool,
-               bounds: Bounds | None) -> Reply:
+def plan_reply(
+    compute: Compute, request: Request, stats: Stats, *, dot: bool, bounds: Bounds | None
+) -> Reply:
     """The plan of `request` (its program found or compiled by `compute`; the errors are
     those /forward or /backward would give). A program over its memory budget even with
     recomputation is planned without it, and the answer says the smallest peak reached."""
@@ -30,26 +31,36 @@ def plan_reply(compute: Compute, request: Request, stats: Stats, *, dot: bool,
         stats.rejected = None  # (a plan over budget is an answer, not a refusal)
         program = compute.compile(request, stats, keep=False, recompute=False)
     if dot:
-        return Reply([program_dot(program, request.budget).encode()],
-                     media_type="text/vnd.graphviz; charset=utf-8")
+        return Reply(
+            [program_dot(program, request.budget).encode()],
+            media_type="text/vnd.graphviz; charset=utf-8",
+        )
     recompute = recomputation(program)
     if recompute is not None:  # (the explorer draws both memory timelines)
         plain = compute.compile(request, stats, keep=False, recompute=False)
         recompute["nodes_without"] = planned_steps(plain)
     compute_budget = compute.settings.compute_budget
-    return Reply([_dumps({
-        "planned_peak_bytes": program.planned_peak_bytes,
-        "memory_budget_bytes": request.budget,
-        "compute_cost": program.compute_cost,
-        "compute_budget": compute_budget,
-        "admitted": (program.planned_peak_bytes <= request.budget
-                     and program.compute_cost <= compute_budget),
-        "path": request.path,
-        "graph_id": request.graph_id,
-        "nodes": planned_steps(program),
-        "recompute": recompute,
-        "minimum_peak_bytes": minimum,
-    })])
+    return Reply(
+        [
+            _dumps(
+                {
+                    "planned_peak_bytes": program.planned_peak_bytes,
+                    "memory_budget_bytes": request.budget,
+                    "compute_cost": program.compute_cost,
+                    "compute_budget": compute_budget,
+                    "admitted": (
+                        program.planned_peak_bytes <= request.budget
+                        and program.compute_cost <= compute_budget
+                    ),
+                    "path": request.path,
+                    "graph_id": request.graph_id,
+                    "nodes": planned_steps(program),
+                    "recompute": recompute,
+                    "minimum_peak_bytes": minimum,
+                }
+            )
+        ]
+    )
 
 
 def _dumps(plan: dict[str, Any]) -> bytes:
@@ -73,12 +84,19 @@ def planned_steps(program: Program) -> list[dict[str, Any]]:
     out = []
     for i, (step, cost) in enumerate(zip(program.steps, program.step_costs, strict=True)):
         meta = metas[step.out]
-        out.append({
-            "step": i, "id": step.origin, "op": step.op.name, "kind": step.kind,
-            "shape": list(meta.shape), "dtype": meta.dtype,
-            "bytes": sum(value_bytes(metas[o]) for o in step.outs), "cost": cost,
-            "freed_after": freed.get(step.out),
-        })
+        out.append(
+            {
+                "step": i,
+                "id": step.origin,
+                "op": step.op.name,
+                "kind": step.kind,
+                "shape": list(meta.shape),
+                "dtype": meta.dtype,
+                "bytes": sum(value_bytes(metas[o]) for o in step.outs),
+                "cost": cost,
+                "freed_after": freed.get(step.out),
+            }
+        )
     return out
 
 
@@ -89,19 +107,25 @@ def program_dot(program: Program, budget: int) -> str:
     maker = {o: i for i, step in enumerate(program.steps) for o in step.outs}
     sizes = [sum(value_bytes(metas[o]) for o in step.outs) for step in program.steps]
     biggest = max(sizes, default=0) or 1
-    lines = ["digraph program {", '  rankdir=TB; node [shape=box, style="rounded,filled", '
-             'fontname="Helvetica", fontsize=10];',
-             f'  label="planned peak {program.planned_peak_bytes} bytes (budget {budget}), '
-             f'cost {program.compute_cost}"; labelloc=t;']
+    lines = [
+        "digraph program {",
+        '  rankdir=TB; node [shape=box, style="rounded,filled", '
+        'fontname="Helvetica", fontsize=10];',
+        f'  label="planned peak {program.planned_peak_bytes} bytes (budget {budget}), '
+        f'cost {program.compute_cost}"; labelloc=t;',
+    ]
     inputs = {slot: name for name, slot in program.inputs.items()}
     for slot, name in inputs.items():
         meta = metas[slot]
-        lines.append(f'  in{slot} [label="{_dot(name)}\\n{list(meta.shape)} {meta.dtype}", '
-                     'shape=ellipse, fillcolor="#e8f0fe"];')
+        lines.append(
+            f'  in{slot} [label="{_dot(name)}\\n{list(meta.shape)} {meta.dtype}", '
+            'shape=ellipse, fillcolor="#e8f0fe"];'
+        )
     phases = {"backward": "backward", RECOMPUTE: "recompute"}  # the rest: the forward
     for phase in ("forward", "recompute", "backward"):
-        ours = [i for i, step in enumerate(program.steps)
-                if phases.get(step.kind, "forward") == phase]
+        ours = [
+            i for i, step in enumerate(program.steps) if phases.get(step.kind, "forward") == phase
+        ]
         if not ours:
             continue
         lines.append(f'  subgraph cluster_{phase} {{ label="{phase}"; color="#bbbbbb";')
@@ -112,7 +136,8 @@ def program_dot(program: Program, budget: int) -> str:
             lines.append(
                 f'    s{i} [label="{_dot(step.origin or "")} {step.op.name}\\n'
                 f'{list(meta.shape)} {meta.dtype}\\n{sizes[i]} B", '
-                f'fillcolor="#ff{shade:02x}{shade:02x}"];')
+                f'fillcolor="#ff{shade:02x}{shade:02x}"];'
+            )
         lines.append("  }")
     for i, step in enumerate(program.steps):
         for a in dict.fromkeys(step.slots):

@@ -76,9 +76,12 @@ class _Worker:
         self.pool = pool
         self.conn, child = _CONTEXT.Pipe()
         self._child = child
-        self.proc = _CONTEXT.Process(target=worker_main,
-                                     args=(child, *pool.worker_args, preload),
-                                     name="gradserve-compute", daemon=True)
+        self.proc = _CONTEXT.Process(
+            target=worker_main,
+            args=(child, *pool.worker_args, preload),
+            name="gradserve-compute",
+            daemon=True,
+        )
         self.pid: int | None = None
         self.ready: asyncio.Future[bool] = pool.loop.create_future()  # warm, or failed
         self.task: asyncio.Future[Outcome] | None = None  # the outcome it owes
@@ -172,8 +175,12 @@ class Pool:
         self.slots = slots
         self._dir, self._held = own_directory("")  # (held while the server runs)
         self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
-        self.worker_args = (settings.model_dump_json(), self.ledger.path, slots,
-                            settings.inflight_memory_bytes)
+        self.worker_args = (
+            settings.model_dump_json(),
+            self.ledger.path,
+            slots,
+            settings.inflight_memory_bytes,
+        )
         self.size = settings.workers_for_compute
         self.minimum = min(settings.min_compute_workers, self.size)
         self._names = itertools.count()
@@ -205,8 +212,7 @@ class Pool:
     @property
     def warm(self) -> int:
         """Workers warm and taking tasks (busy or idle)."""
-        return sum(w.ready.done() and w.ready.result() and not w.exiting
-                   for w in self._workers)
+        return sum(w.ready.done() and w.ready.result() and not w.exiting for w in self._workers)
 
     async def start(self) -> None:
         """Start the minimum of workers and wait until they are warm (before the server
@@ -346,18 +352,29 @@ class Pool:
         if outcome is not None and outcome.stats.program_key is not None:
             worker.holds(outcome.stats.program_key)
         if owed is None or owed.done():  # abandoned: its answer's segment is no one's
-            if outcome is not None and outcome.body is not None and \
-                    not isinstance(outcome.body, bytes):
+            if (
+                outcome is not None
+                and outcome.body is not None
+                and not isinstance(outcome.body, bytes)
+            ):
                 unlink(outcome.body[0])
         elif outcome is not None:
             owed.set_result(outcome)
         else:
             owed.set_exception(RuntimeError(f"the compute worker failed:\n{report.failure}"))
         growth = worker.rss - worker.warm_rss
-        if growth > self.settings.compute_worker_max_rss_growth_bytes and \
-                not worker.storing and not worker.exiting and not self._closed:
-            log.info("compute worker %s holds %d MiB, %d more than when it was warm: "
-                     "replacing it", worker.pid, worker.rss >> 20, growth >> 20)
+        if (
+            growth > self.settings.compute_worker_max_rss_growth_bytes
+            and not worker.storing
+            and not worker.exiting
+            and not self._closed
+        ):
+            log.info(
+                "compute worker %s holds %d MiB, %d more than when it was warm: replacing it",
+                worker.pid,
+                worker.rss >> 20,
+                growth >> 20,
+            )
             worker.store()  # (then `_replace`, when it says it has)
         self._free(worker)
 
@@ -395,8 +412,12 @@ class Pool:
         if worker.exiting or self._closed:
             return
         self._exits["died"].inc()
-        log.error("compute worker %s exited (exit code %s)%s", worker.pid, exitcode,
-                  "; starting another" if warm else " before it was warm")
+        log.error(
+            "compute worker %s exited (exit code %s)%s",
+            worker.pid,
+            exitcode,
+            "; starting another" if warm else " before it was warm",
+        )
         if warm:  # (one that cannot start is tried again by the housekeeping, once a second)
             self._maintain()
 

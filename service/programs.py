@@ -67,8 +67,12 @@ class Found:
 
 def program_meta(program: Program, device: str) -> dict[str, Any]:
     """What a stored program's entry records beside it: read without loading it."""
-    return {"device": device, "cost": program.compute_cost,
-            "peak": program.planned_peak_bytes, "steps": executed_steps(program)}
+    return {
+        "device": device,
+        "cost": program.compute_cost,
+        "peak": program.planned_peak_bytes,
+        "steps": executed_steps(program),
+    }
 
 
 class Programs:
@@ -82,10 +86,14 @@ class Programs:
         self._grants = Lru(GRANTS)  # grant entry name -> True
         self._unstored = Lru(ALIASES)  # program key -> its device: compiled once, cheaply
         s = settings
-        self._limits = f"{s.max_nodes},{s.expr_max_chars},{s.expr_max_depth}," \
-                       f"{s.max_inputs},{s.max_id_chars}"
-        self.store = None if s.program_store_dir is None or not s.program_store_bytes else \
-            Store(s.program_store_dir, s.program_store_bytes, self.namespace("cpu"))
+        self._limits = (
+            f"{s.max_nodes},{s.expr_max_chars},{s.expr_max_depth},{s.max_inputs},{s.max_id_chars}"
+        )
+        self.store = (
+            None
+            if s.program_store_dir is None or not s.program_store_bytes
+            else Store(s.program_store_dir, s.program_store_bytes, self.namespace("cpu"))
+        )
         self._raw_prefix = f"{self.namespace('cpu')}\x00".encode()
         self._pending: list[tuple[str, Callable[[], bytes], dict[str, Any]]] = []
         self._reported = (0, 0)  # the store's evictions and damaged entries, last reported
@@ -103,16 +111,29 @@ class Programs:
         h.update(raw)
         return h.hexdigest()[:32]
 
-    def program_key(self, graph_id: str, inputs: Hashable, grad_outputs: Hashable,
-                    no_grad: bool, backward: bool, device: str, budget: int | None = None
-                    ) -> str:
+    def program_key(
+        self,
+        graph_id: str,
+        inputs: Hashable,
+        grad_outputs: Hashable,
+        no_grad: bool,
+        backward: bool,
+        device: str,
+        budget: int | None = None,
+    ) -> str:
         """The program's key, from `_spec_key` tuples of the inputs and upstream
         gradients; `budget`: the memory budget it was planned for, where that shapes it (a
         backward that may recompute)."""
         specs = orjson.dumps([_specs_json(inputs), _specs_json(grad_outputs)])
-        return entry_name("p", self.namespace(device), graph_id, specs,
-                          f"{int(no_grad)}{int(backward)}", device,
-                          "" if budget is None else f"recompute<={budget}")[2:]
+        return entry_name(
+            "p",
+            self.namespace(device),
+            graph_id,
+            specs,
+            f"{int(no_grad)}{int(backward)}",
+            device,
+            "" if budget is None else f"recompute<={budget}",
+        )[2:]
 
     # ------------------------------------------------------------------ graphs and ids
     def alias(self, raw_key: str) -> str | None:
@@ -125,8 +146,9 @@ class Programs:
                 self._aliases.put(raw_key, graph_id)
         return graph_id
 
-    def remember_graph(self, graph_id: str, graph: GraphLike, canonical: bytes,
-                       raw_key: str | None) -> int:
+    def remember_graph(
+        self, graph_id: str, graph: GraphLike, canonical: bytes, raw_key: str | None
+    ) -> int:
         """A graph just validated: held by id (and by its raw key), here and in the store.
         Returns how many graphs the process's cache evicted for it."""
         evicted = self.graphs.put(graph_id, graph)
@@ -231,8 +253,10 @@ class Programs:
         names = [f"p-{k}" for k in keys] if keys is not None else self.store.recent("p", 256)
         loads: list[float] = []
         for name in names:
-            if time.monotonic() > deadline or self.memory.bytes >= EVICT_BEFORE * \
-                    self.memory.max_bytes:
+            if (
+                time.monotonic() > deadline
+                or self.memory.bytes >= EVICT_BEFORE * self.memory.max_bytes
+            ):
                 break
             meta = self.store.meta(name)  # (None: gone, or another version's)
             device = meta.get("device") if meta else None
@@ -244,8 +268,9 @@ class Programs:
         return tuple(loads)
 
     # ------------------------------------------------------------------ writing
-    def _defer(self, name: str, payload: Callable[[], bytes], meta: dict[str, Any] | None = None
-               ) -> None:
+    def _defer(
+        self, name: str, payload: Callable[[], bytes], meta: dict[str, Any] | None = None
+    ) -> None:
         if self.store is not None:
             with self._lock:
                 self._pending.append((name, payload, meta or {}))

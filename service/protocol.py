@@ -105,8 +105,9 @@ class UvicornAttribute:
 UVICORN_ATTRIBUTES: tuple[UvicornAttribute, ...] = (
     # Overridden (each calls uvicorn's own): how uvicorn creates a connection's protocol
     # (server.py's create_protocol, by keyword), and the events the policy hooks into.
-    UvicornAttribute("protocol", "__init__", "override",
-                     ("config", "server_state", "app_state", "_loop")),
+    UvicornAttribute(
+        "protocol", "__init__", "override", ("config", "server_state", "app_state", "_loop")
+    ),
     UvicornAttribute("protocol", "connection_made", "override", ("transport",)),
     UvicornAttribute("protocol", "connection_lost", "override", ("exc",)),
     UvicornAttribute("protocol", "data_received", "override", ("data",)),
@@ -278,8 +279,9 @@ class _Uvicorn(_Base):
     def _uv_reading_body(self) -> bool:
         """Of a request that is not idle: its body is still coming, no response has
         started, and the app is not behind on it (reading is not paused)."""
-        return (self.cycle.more_body and not self.cycle.response_started
-                and not self.flow.read_paused)
+        return (
+            self.cycle.more_body and not self.cycle.response_started and not self.flow.read_paused
+        )
 
     def _uv_request_scope(self) -> Scope:
         """The current request's ASGI scope."""
@@ -375,8 +377,7 @@ def fit_open_file_limit(max_connections: int, *, slots: int = 0) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError) as exc:  # e.g. a container that forbids raising it
-            log.warning("could not raise the open-file limit from %d to %d: %s",
-                        soft, target, exc)
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, exc)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return max_connections
     cap = max(1, soft - overhead)
@@ -384,8 +385,12 @@ def fit_open_file_limit(max_connections: int, *, slots: int = 0) -> int:
         "GRADSERVE_MAX_CONNECTIONS=%d does not fit under the open-file limit (soft %d, "
         "hard %s; %d open, %d kept for files, workers, probes and closing connections): "
         "serving at most %d connections; raise the limit (ulimit -n) to allow more",
-        max_connections, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard,
-        in_use, overhead - in_use, cap,
+        max_connections,
+        soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard,
+        in_use,
+        overhead - in_use,
+        cap,
     )
     return cap
 
@@ -399,21 +404,29 @@ def _open_fds() -> int:
 
 # ------------------------------------------------------------------------------ responses
 def _response(
-    status: int, reason: bytes, body: bytes, rid: str, server: list[tuple[bytes, bytes]],
+    status: int,
+    reason: bytes,
+    body: bytes,
+    rid: str,
+    server: list[tuple[bytes, bytes]],
     extra: bytes = b"",
 ) -> bytes:
     """A whole HTTP/1.1 response that closes the connection, with uvicorn's default
     headers (`server`: date and server) as on every other response."""
-    return b"".join([
-        b"HTTP/1.1 %d %s\r\n" % (status, reason),
-        *(b"%s: %s\r\n" % header for header in server),
-        b"content-type: application/problem+json\r\n",
-        b"content-length: %d\r\n" % len(body),
-        b"x-request-id: ", rid.encode(), b"\r\n",
-        extra,
-        b"connection: close\r\n\r\n",
-        body,
-    ])
+    return b"".join(
+        [
+            b"HTTP/1.1 %d %s\r\n" % (status, reason),
+            *(b"%s: %s\r\n" % header for header in server),
+            b"content-type: application/problem+json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"x-request-id: ",
+            rid.encode(),
+            b"\r\n",
+            extra,
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )
 
 
 def _timeout_response(rid: str, detail: str, server: list[tuple[bytes, bytes]]) -> bytes:
@@ -426,10 +439,12 @@ _TOO_MANY = "the server has too many open connections; retry shortly"
 
 
 def _refusal_response(rid: str, server: list[tuple[bytes, bytes]]) -> bytes:
-    body = problem_body(_OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE, _TOO_MANY,
-                        request_id=rid)
-    return _response(_OVERLOADED_STATUS, b"Service Unavailable", body, rid, server,
-                     b"retry-after: 1\r\n")
+    body = problem_body(
+        _OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE, _TOO_MANY, request_id=rid
+    )
+    return _response(
+        _OVERLOADED_STATUS, b"Service Unavailable", body, rid, server, b"retry-after: 1\r\n"
+    )
 
 
 def _closing(app: ASGIApp) -> ASGIApp:
@@ -454,14 +469,22 @@ def _probes_only(app: ASGIApp, policy: ConnectionPolicy) -> ASGIApp:
         if scope["type"] == "http" and scope["path"] not in PROBE_PATHS:
             policy.count("connections")
             rid = os.urandom(16).hex()
-            body = problem_body(_OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE,
-                                _TOO_MANY, request_id=rid)
-            await send({"type": "http.response.start", "status": _OVERLOADED_STATUS, "headers": [
-                (b"content-type", b"application/problem+json"),
-                (b"content-length", b"%d" % len(body)),
-                (b"x-request-id", rid.encode()), (b"retry-after", b"1"),
-                (b"connection", b"close"),
-            ]})
+            body = problem_body(
+                _OVERLOADED_STATUS, "overloaded", _OVERLOADED_TITLE, _TOO_MANY, request_id=rid
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": _OVERLOADED_STATUS,
+                    "headers": [
+                        (b"content-type", b"application/problem+json"),
+                        (b"content-length", b"%d" % len(body)),
+                        (b"x-request-id", rid.encode()),
+                        (b"retry-after", b"1"),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             return
         await closing(scope, receive, send)
@@ -520,13 +543,17 @@ class _Watchdog:
         if (self.refused or self.evicted) and now - self.logged_at >= REFUSAL_LOG_S:
             log.warning(
                 "at the cap of %d open connections: closed %d idle connection(s) to make "
-                "room, refused %d connection(s)", self.cap, self.evicted, self.refused,
+                "room, refused %d connection(s)",
+                self.cap,
+                self.evicted,
+                self.refused,
             )
             self.refused = self.evicted = 0
             self.logged_at = now
         self._timer = (
             self.loop.call_later(DRAIN_TICK_S if self.draining else TICK_S, self._sweep)
-            if self.members else None
+            if self.members
+            else None
         )
 
 
@@ -548,8 +575,7 @@ class _Guard(_Uvicorn):
 
     # -- the adapter's hooks
     def _on_init(self) -> None:
-        self._policy: ConnectionPolicy = (self._uv_lifespan_state(POLICY_STATE)
-                                          or _fallback_policy())
+        self._policy: ConnectionPolicy = self._uv_lifespan_state(POLICY_STATE) or _fallback_policy()
         self._dog = _watchdog(self._uv_server(), self._uv_loop())
         self._admitted = False
         self._waiting = False  # in `_dog.waiting`
@@ -571,8 +597,7 @@ class _Guard(_Uvicorn):
             if dog.admitted >= cap + PROBE_RESERVE:
                 self._policy.count("connections")
                 dog.refused += 1
-                self._finish(_refusal_response(os.urandom(16).hex(),
-                                               self._uv_default_headers()))
+                self._finish(_refusal_response(os.urandom(16).hex(), self._uv_default_headers()))
                 return
             self._uv_wrap_app(partial(_probes_only, policy=self._policy))
         dog.admitted += 1
@@ -689,8 +714,10 @@ class _Guard(_Uvicorn):
             where = ""
         else:
             rate = self._policy.body_min_rate_bytes_s
-            detail = (f"{what} did not arrive in time (within {self._policy.body_timeout_s:g} "
-                      f"s, and then at {rate} bytes/s or more)")
+            detail = (
+                f"{what} did not arrive in time (within {self._policy.body_timeout_s:g} "
+                f"s, and then at {rate} bytes/s or more)"
+            )
             where = f' "{loggable(scope["method"])} {loggable(scope["path"])}"'
             # The app is waiting for the body: it sees a disconnect, and the middleware,
             # finding this mark, counts a 408 rather than a client that went away.

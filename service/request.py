@@ -52,8 +52,11 @@ from gradserve.wire.graph_id import canonical_graph, id_of_canonical
 Decoded = dict[str, tuple[np.ndarray, bool]]  # name -> (host array, requires_grad)
 W = TypeVar("W", bound=Wire)
 Body = ForwardRequest | BackwardRequest | PlanRequest
-MODELS: dict[str, type[Body]] = {"forward": ForwardRequest, "backward": BackwardRequest,
-                                 "plan": PlanRequest}
+MODELS: dict[str, type[Body]] = {
+    "forward": ForwardRequest,
+    "backward": BackwardRequest,
+    "plan": PlanRequest,
+}
 
 # Splits a JSON object into its members, each left as raw bytes (validated as JSON, not
 # parsed into objects): what finds a graph by its bytes without parsing it.
@@ -89,8 +92,12 @@ class Envelope:
         return value if isinstance(value, str) else None
 
 
-def open_envelope(body: bytes | memoryview, header_length: int | None, programs: Programs,
-                  raw_key: str | None = None) -> Envelope:
+def open_envelope(
+    body: bytes | memoryview,
+    header_length: int | None,
+    programs: Programs,
+    raw_key: str | None = None,
+) -> Envelope:
     """Split a body (a binary one at its JSON header's end), and key its graph's bytes
     (`raw_key`: already keyed by the process that placed it)."""
     if header_length is None:
@@ -103,7 +110,8 @@ def open_envelope(body: bytes | memoryview, header_length: int | None, programs:
         document = bytes(head)
     try:
         members: dict[str, memoryview] | None = {
-            k: memoryview(v) for k, v in _MEMBERS.decode(document).items()}
+            k: memoryview(v) for k, v in _MEMBERS.decode(document).items()
+        }
     except (msgspec.DecodeError, ValueError, RecursionError):  # (RecursionError: too deep)
         members = None
     graph = None if members is None else members.get("graph")
@@ -149,8 +157,7 @@ class Request:
         """Its inputs' and upstream gradients' specs, as the compiler takes them."""
         if self.input_specs is not None:
             return self.input_specs, self.grad_output_specs
-        return _specs(self.inputs), None if self.grad_outputs is None else \
-            _specs(self.grad_outputs)
+        return _specs(self.inputs), None if self.grad_outputs is None else _specs(self.grad_outputs)
 
 
 class Parser:
@@ -190,8 +197,11 @@ class Parser:
                 raise framing_problem(err) from None
             if isinstance(req, PlanRequest):
                 specs = _specs_of("inputs", req.inputs, errors, binary)
-                grad_specs = None if req.grad_outputs is None else \
-                    _specs_of("grad_outputs", req.grad_outputs, errors, binary)
+                grad_specs = (
+                    None
+                    if req.grad_outputs is None
+                    else _specs_of("grad_outputs", req.grad_outputs, errors, binary)
+                )
             else:
                 inputs = _decode_all("inputs", req.inputs, errors, binary)
                 if isinstance(req, BackwardRequest) and req.grad_outputs is not None:
@@ -208,18 +218,37 @@ class Parser:
         budget = self._budget(req.memory_budget_bytes, no_grad)
         recompute = req.recompute == "auto"
         key = self.programs.program_key(
-            graph_id, _spec_key(inputs) if specs is None else _spec_tuple(specs),
+            graph_id,
+            _spec_key(inputs) if specs is None else _spec_tuple(specs),
             _spec_key(grad_outputs) if specs is None else _spec_tuple(grad_specs),
-            no_grad, backward, device, budget=budget if backward and recompute else None)
-        return Request(kind=kind, graph_id=graph_id, graph=graph, device=device,
-                       encoding=getattr(req, "encoding", "json"), inputs=inputs,
-                       grad_outputs=grad_outputs, no_grad=no_grad, backward=backward,
-                       budget=budget, recompute=recompute, program_key=key, started=started,
-                       graphs_evicted=evicted, input_specs=specs, grad_output_specs=grad_specs,
-                       path=path)
+            no_grad,
+            backward,
+            device,
+            budget=budget if backward and recompute else None,
+        )
+        return Request(
+            kind=kind,
+            graph_id=graph_id,
+            graph=graph,
+            device=device,
+            encoding=getattr(req, "encoding", "json"),
+            inputs=inputs,
+            grad_outputs=grad_outputs,
+            no_grad=no_grad,
+            backward=backward,
+            budget=budget,
+            recompute=recompute,
+            program_key=key,
+            started=started,
+            graphs_evicted=evicted,
+            input_specs=specs,
+            grad_output_specs=grad_specs,
+            path=path,
+        )
 
-    def _validated(self, envelope: Envelope, model: type[Body], tenant: str | None
-                   ) -> tuple[Any, Body, str, Graph | None, int]:
+    def _validated(
+        self, envelope: Envelope, model: type[Body], tenant: str | None
+    ) -> tuple[Any, Body, str, Graph | None, int]:
         """The document's data, validated as `model`, its graph's id, the graph (when
         parsed here), and how many graphs this process's cache evicted to hold it."""
         graph_bytes, raw_key = envelope.graph_bytes, envelope.raw_key
@@ -258,13 +287,18 @@ class Parser:
         for where in ("inputs", "grad_outputs"):
             tensors = data.get(where)
             if isinstance(tensors, dict) and len(tensors) > limits.max_inputs:
-                raise GraphError(f"the request has {len(tensors)} {where.replace('_', ' ')}; "
-                                 f"the limit is {limits.max_inputs}", loc=(where,))
+                raise GraphError(
+                    f"the request has {len(tensors)} {where.replace('_', ' ')}; "
+                    f"the limit is {limits.max_inputs}",
+                    loc=(where,),
+                )
         graph = data.get("graph")
         nodes = graph.get("nodes") if isinstance(graph, dict) else None
         if isinstance(nodes, list) and len(nodes) > limits.max_nodes:
-            raise GraphError(f"the graph has {len(nodes)} nodes; the limit is "
-                             f"{limits.max_nodes}", loc=("graph", "nodes"))
+            raise GraphError(
+                f"the graph has {len(nodes)} nodes; the limit is {limits.max_nodes}",
+                loc=("graph", "nodes"),
+            )
 
     def _budget(self, asked: int | None, no_grad: bool) -> int:
         """A request's memory budget: the server's for its path, or less if it asks; more
@@ -276,9 +310,11 @@ class Parser:
         if asked > server:
             path = "no_grad" if no_grad else "grad"
             raise ProblemError(
-                "invalid-request", f"memory_budget_bytes is {asked}, over this server's {path} "
+                "invalid-request",
+                f"memory_budget_bytes is {asked}, over this server's {path} "
                 f"budget of {server} bytes: a request may ask for less, never more",
-                errors=[{"loc": ["memory_budget_bytes"], "msg": f"at most {server}"}])
+                errors=[{"loc": ["memory_budget_bytes"], "msg": f"at most {server}"}],
+            )
         return asked
 
     def graph_of(self, request: Request) -> GraphLike:
@@ -300,8 +336,11 @@ def parse_json(document: bytes) -> Any:
     try:
         return codec.loads(document)
     except codec.JSONError as exc:
-        raise ProblemError("malformed-json", f"the body is not valid JSON: {exc}",
-                           errors=[{"loc": [], "msg": str(exc)}]) from None
+        raise ProblemError(
+            "malformed-json",
+            f"the body is not valid JSON: {exc}",
+            errors=[{"loc": [], "msg": str(exc)}],
+        ) from None
 
 
 def _validate(data: Any, model: type[W]) -> W:
@@ -316,8 +355,7 @@ def _parse_graph(canonical: bytes) -> Graph:
     return _validate(codec.loads(canonical), Graph)
 
 
-def _parse_members(members: Mapping[str, memoryview] | None, skip: str
-                   ) -> dict[str, Any] | None:
+def _parse_members(members: Mapping[str, memoryview] | None, skip: str) -> dict[str, Any] | None:
     """Every member but `skip` parsed as the full parse would, or None where that parse
     would refuse one (it then runs, and says what is wrong)."""
     if members is None:
@@ -338,39 +376,55 @@ def _check_id(req: Body, graph_id: str) -> None:
     given = req.graph_id
     if given is not None and given != graph_id:
         raise ProblemError(
-            "invalid-request", f"graph_id {quoted(given)} is not the id of the graph "
+            "invalid-request",
+            f"graph_id {quoted(given)} is not the id of the graph "
             f"sent with it ({graph_id}); send one or the other, or both matching",
-            errors=[{"loc": ["graph_id"], "msg": "does not match the graph"}])
+            errors=[{"loc": ["graph_id"], "msg": "does not match the graph"}],
+        )
 
 
 def graph_unknown(graph_id: str) -> ProblemError:
     return ProblemError(
-        "graph-unknown", f"this server does not hold graph {quoted(graph_id)} (a server "
+        "graph-unknown",
+        f"this server does not hold graph {quoted(graph_id)} (a server "
         "holds the graphs it was sent recently, in its program store, and with API keys only "
         "for the key that sent them): send the graph itself, which it then holds under that "
-        "id", errors=[{"loc": ["graph_id"], "msg": "unknown here"}])
+        "id",
+        errors=[{"loc": ["graph_id"], "msg": "unknown here"}],
+    )
 
 
 def framing_problem(err: FramingError) -> ProblemError:
-    return ProblemError("malformed-body", str(err),
-                        errors=[{"loc": list(err.loc), "msg": err.short}])
+    return ProblemError(
+        "malformed-body", str(err), errors=[{"loc": list(err.loc), "msg": err.short}]
+    )
 
 
-def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveError],
-                binary: Mapping[tuple[str, str], memoryview]) -> Decoded:
+def _decode_all(
+    where: str,
+    tensors: Mapping[str, Any],
+    errors: list[GradserveError],
+    binary: Mapping[tuple[str, str], memoryview],
+) -> Decoded:
     out: Decoded = {}
     for name, value in tensors.items():
         try:
             if isinstance(value, TensorIn):
                 array = codec.decode_tensor(
-                    (where, name), data=value.data, b64=value.b64,
-                    binary=binary.get((where, name)), dtype=value.dtype, shape=value.shape)
+                    (where, name),
+                    data=value.data,
+                    b64=value.b64,
+                    binary=binary.get((where, name)),
+                    dtype=value.dtype,
+                    shape=value.shape,
+                )
                 requires_grad = value.requires_grad
                 if requires_grad and value.dtype is None and array.dtype.kind == "i":
                     # JSON numbers that require grad take the default floating dtype, even
                     # written without a decimal point (as JavaScript and Go write 2.0).
                     array = codec.decode_tensor(
-                        (where, name), data=value.data, dtype=DEFAULT_FLOAT, shape=value.shape)
+                        (where, name), data=value.data, dtype=DEFAULT_FLOAT, shape=value.shape
+                    )
             else:
                 array = codec.decode_tensor((where, name), data=value)
                 requires_grad = False
@@ -381,8 +435,12 @@ def _decode_all(where: str, tensors: Mapping[str, Any], errors: list[GradserveEr
     return out
 
 
-def _specs_of(where: str, tensors: Mapping[str, Any], errors: list[GradserveError],
-              binary: Mapping[tuple[str, str], memoryview]) -> dict[str, TensorSpec]:
+def _specs_of(
+    where: str,
+    tensors: Mapping[str, Any],
+    errors: list[GradserveError],
+    binary: Mapping[tuple[str, str], memoryview],
+) -> dict[str, TensorSpec]:
     """A /plan request's tensors as specs: given as specs, or decoded from their data (in
     the JSON, or a binary body's tail)."""
     specs = {}
@@ -400,8 +458,10 @@ def _specs_of(where: str, tensors: Mapping[str, Any], errors: list[GradserveErro
 
 
 def _specs(decoded: Decoded) -> dict[str, TensorSpec]:
-    return {name: TensorSpec(shape=a.shape, dtype=codec.dtype_name(a), requires_grad=rg)
-            for name, (a, rg) in decoded.items()}
+    return {
+        name: TensorSpec(shape=a.shape, dtype=codec.dtype_name(a), requires_grad=rg)
+        for name, (a, rg) in decoded.items()
+    }
 
 
 def _spec_key(decoded: Decoded | None) -> Hashable:
@@ -415,6 +475,4 @@ def _spec_tuple(specs: Mapping[str, TensorSpec] | None) -> Hashable:
     """Specs keyed as `_spec_key` keys decoded arrays (so that /plan finds their programs)."""
     if specs is None:
         return None
-    return tuple([(name, t.shape, np.dtype(t.dtype), t.requires_grad)
-                  for name, t in specs.items()])
-
+    return tuple([(name, t.shape, np.dtype(t.dtype), t.requires_grad) for name, t in specs.items()])

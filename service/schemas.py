@@ -25,9 +25,11 @@ _NUMBER_OR_NONFINITE = {
 TensorData = Annotated[
     Any,
     WithJsonSchema(
-        {"anyOf": [_NUMBER_OR_NONFINITE, {"type": "array", "items": {}}],
-         "description": "a number, \"NaN\"/\"Infinity\"/\"-Infinity\" (strings: bare NaN and "
-                        "Infinity are not JSON), or nested lists of them"}
+        {
+            "anyOf": [_NUMBER_OR_NONFINITE, {"type": "array", "items": {}}],
+            "description": 'a number, "NaN"/"Infinity"/"-Infinity" (strings: bare NaN and '
+            "Infinity are not JSON), or nested lists of them",
+        }
     ),
 ]
 
@@ -55,23 +57,32 @@ _BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 _Base64 = Annotated[str, WithJsonSchema({"type": "string", "pattern": _BASE64})]
 # A declared shape as the codec takes it (`codec.check_shape`): NumPy's 64 dims at most,
 # and no dim of 2**63 or more, which no array's bytes can span.
-_Shape = Annotated[list[Annotated[int, Field(ge=0)]], WithJsonSchema({
-    "type": "array", "maxItems": 64,
-    "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}})]
+_Shape = Annotated[
+    list[Annotated[int, Field(ge=0)]],
+    WithJsonSchema(
+        {
+            "type": "array",
+            "maxItems": 64,
+            "items": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+        }
+    ),
+]
 
 # A count of a body's bytes: at most the server's body limit, a setting, so not the
 # models' own: `with_body_limit` puts it in the document (the framing refuses more).
 _BODY_LIMIT = "x-gradserve-body-limit"
-_BodyBytes = Annotated[int, Field(ge=0), WithJsonSchema(
-    {"type": "integer", "minimum": 0, _BODY_LIMIT: True})]
+_BodyBytes = Annotated[
+    int, Field(ge=0), WithJsonSchema({"type": "integer", "minimum": 0, _BODY_LIMIT: True})
+]
 
 
 def with_body_limit(schema: Any, max_body_bytes: int) -> Any:
     """`schema` (generated from these models) with each count of a body's bytes bounded by
     the body limit, `max_body_bytes`."""
     if isinstance(schema, dict):
-        bounded = {k: with_body_limit(v, max_body_bytes) for k, v in schema.items()
-                   if k != _BODY_LIMIT}
+        bounded = {
+            k: with_body_limit(v, max_body_bytes) for k, v in schema.items() if k != _BODY_LIMIT
+        }
         if schema.get(_BODY_LIMIT):
             bounded["maximum"] = max_body_bytes
         return bounded
@@ -113,8 +124,10 @@ class TensorIn(Wire):
     data: TensorData | None = None
     b64: _Base64 | None = None
     binary_data_size: _BodyBytes | None = Field(
-        None, description="in a binary body (Inference-Header-Content-Length): the tensor "
-                          "is the next this many bytes of the tail")
+        None,
+        description="in a binary body (Inference-Header-Content-Length): the tensor "
+        "is the next this many bytes of the tail",
+    )
     dtype: DType | None = None
     shape: _Shape | None = None
     requires_grad: bool = False
@@ -122,8 +135,7 @@ class TensorIn(Wire):
     @model_validator(mode="after")
     def _one_source(self) -> TensorIn:
         if sum(v is not None for v in (self.data, self.b64, self.binary_data_size)) != 1:
-            raise ValueError("a tensor needs exactly one of 'data', 'b64' and "
-                             "'binary_data_size'")
+            raise ValueError("a tensor needs exactly one of 'data', 'b64' and 'binary_data_size'")
         return self
 
 
@@ -148,20 +160,44 @@ class Node(Wire):
     """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` node
     also has `body` and `results`."""
 
-    model_config = _rules({"oneOf": [
-        # an infix expression: no op, args, attrs, body or results
-        {"required": ["expr"], "properties": {
-            "expr": _STRING, "op": _NULL, "args": _NULL, "attrs": _NULL, "body": _NULL,
-            "results": _NULL}},
-        # an op other than scan: no expr, body or results
-        {"required": ["op"], "properties": {
-            "op": {"type": "string", "not": {"const": "scan"}}, "expr": _NULL, "body": _NULL,
-            "results": _NULL}},
-        # a scan, with its body and results
-        {"required": ["op", "body", "results"], "properties": {
-            "op": {"const": "scan"}, "expr": _NULL, "body": _OBJECT,
-            "results": {"type": "object", "minProperties": 1}}},  # "at least one result"
-    ]})
+    model_config = _rules(
+        {
+            "oneOf": [
+                # an infix expression: no op, args, attrs, body or results
+                {
+                    "required": ["expr"],
+                    "properties": {
+                        "expr": _STRING,
+                        "op": _NULL,
+                        "args": _NULL,
+                        "attrs": _NULL,
+                        "body": _NULL,
+                        "results": _NULL,
+                    },
+                },
+                # an op other than scan: no expr, body or results
+                {
+                    "required": ["op"],
+                    "properties": {
+                        "op": {"type": "string", "not": {"const": "scan"}},
+                        "expr": _NULL,
+                        "body": _NULL,
+                        "results": _NULL,
+                    },
+                },
+                # a scan, with its body and results
+                {
+                    "required": ["op", "body", "results"],
+                    "properties": {
+                        "op": {"const": "scan"},
+                        "expr": _NULL,
+                        "body": _OBJECT,
+                        "results": {"type": "object", "minProperties": 1},
+                    },
+                },  # "at least one result"
+            ]
+        }
+    )
 
     id: str = Field(min_length=1)
     op: str | None = None
@@ -170,8 +206,10 @@ class Node(Wire):
     expr: _NotBlank | None = None
     body: Body | None = Field(None, description="scan only: the loop body")
     results: dict[str, _NonEmpty] | None = Field(
-        None, description="scan only: new id -> a carry name (its final value) or a body "
-                          "node id (its value at every step, stacked on a new dim 0)")
+        None,
+        description="scan only: new id -> a carry name (its final value) or a body "
+        "node id (its value at every step, stacked on a new dim 0)",
+    )
 
     @model_validator(mode="after")
     def _op_or_expr(self) -> Node:
@@ -204,13 +242,23 @@ class Graph(Wire):
     outputs: list[str] = Field(min_length=1)
 
 
-Recompute = Annotated[Literal["auto", "never"], Field(
-    description="auto: a /backward whose planned peak is over its memory budget recomputes "
-                "forward values in the backward (chosen by the planner) so that it fits; "
-                "never: it is refused with 422 memory-budget instead")]
-MemoryBudget = Annotated[int | None, Field(
-    None, ge=1, description="a memory budget for this request's planned peak, at most the "
-                            "server's for its path (more is a 422)")]
+Recompute = Annotated[
+    Literal["auto", "never"],
+    Field(
+        description="auto: a /backward whose planned peak is over its memory budget recomputes "
+        "forward values in the backward (chosen by the planner) so that it fits; "
+        "never: it is refused with 422 memory-budget instead"
+    ),
+]
+MemoryBudget = Annotated[
+    int | None,
+    Field(
+        None,
+        ge=1,
+        description="a memory budget for this request's planned peak, at most the "
+        "server's for its path (more is a 422)",
+    ),
+]
 
 
 # "a request needs 'graph' or 'graph_id'"
@@ -222,9 +270,11 @@ class _ComputeRequest(Wire):
 
     graph: Graph | None = None
     graph_id: str | None = Field(
-        None, description="instead of `graph`: the `meta.graph_id` of an earlier response "
-                          "(409 graph-unknown if this server does not hold it); with "
-                          "`graph`, it must be that graph's id")
+        None,
+        description="instead of `graph`: the `meta.graph_id` of an earlier response "
+        "(409 graph-unknown if this server does not hold it); with "
+        "`graph`, it must be that graph's id",
+    )
     inputs: dict[str, Tensor] = {}
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     encoding: Encoding = "json"
@@ -270,7 +320,8 @@ def _plan_tensor_form(value: Any) -> str:
 
 # A tensor for /plan: a spec (shape and dtype, no data), or any tensor /forward takes.
 PlanTensor = Annotated[
-    Annotated[TensorSpecIn, Tag("spec")] | Annotated[TensorIn, Tag("tensor")]
+    Annotated[TensorSpecIn, Tag("spec")]
+    | Annotated[TensorIn, Tag("tensor")]
     | Annotated[TensorData, Tag("value")],
     Discriminator(_plan_tensor_form),
 ]
@@ -280,19 +331,28 @@ class PlanRequest(Wire):
     """What /forward or /backward would take, with tensors as specs or data, and the path
     to plan."""
 
-    model_config = _rules(_GRAPH_OR_ID, {"anyOf": [  # "grad_outputs belongs to path 'backward'"
-        {"properties": {"grad_outputs": _NULL}}, {"properties": {"path": {"const": "backward"}}},
-    ]})
+    model_config = _rules(
+        _GRAPH_OR_ID,
+        {
+            "anyOf": [  # "grad_outputs belongs to path 'backward'"
+                {"properties": {"grad_outputs": _NULL}},
+                {"properties": {"path": {"const": "backward"}}},
+            ]
+        },
+    )
 
     graph: Graph | None = None
     graph_id: str | None = None
     inputs: dict[str, PlanTensor] = {}
     grad_outputs: dict[str, PlanTensor] | None = Field(
-        None, description="path backward: the upstream gradients, as specs or data")
+        None, description="path backward: the upstream gradients, as specs or data"
+    )
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     path: Literal["no_grad", "forward", "backward"] = Field(
-        "backward", description="no_grad: /forward with no_grad; forward: /forward with "
-                                "grad recording; backward: /backward")
+        "backward",
+        description="no_grad: /forward with no_grad; forward: /forward with "
+        "grad recording; backward: /backward",
+    )
     recompute: Recompute = "auto"
     memory_budget_bytes: MemoryBudget = None
 
@@ -311,8 +371,9 @@ class TensorOut(BaseModel):
     shape: list[int]
     data: TensorData | None = Field(None, description="with encoding json")
     b64: str | None = Field(None, description="with encoding base64")
-    binary_data_size: int | None = Field(None, description="with encoding binary: the "
-                                         "tensor's bytes in the body's tail, in order")
+    binary_data_size: int | None = Field(
+        None, description="with encoding binary: the tensor's bytes in the body's tail, in order"
+    )
 
 
 class OutputTensor(TensorOut):
@@ -338,19 +399,23 @@ class Meta(BaseModel):
     compute_cost: int = Field(description="the program's static cost, in cost units")
     program: Literal["process", "store", "lifted", "compiled"] = Field(
         description="where the program came from: this process's memory, the host's program "
-                    "store, the program of a graph that differs from this one only in float "
-                    "literals (with this graph's put in), or compiled for this request")
+        "store, the program of a graph that differs from this one only in float "
+        "literals (with this graph's put in), or compiled for this request"
+    )
     recompute: Recomputation | None = Field(
-        description="null: nothing is recomputed; the peak figures above are with it")
+        description="null: nothing is recomputed; the peak figures above are with it"
+    )
     tier: Literal["interpreter", "xla"] = Field(
         description="what ran the program: gradserve's interpreter, or its native tier "
-                    "(the program lowered to XLA once hot)")
+        "(the program lowered to XLA once hot)"
+    )
     tier_reason: str | None = Field(
         description="null with the native tier; else why the interpreter ran it: a word, "
-                    "or a word, a colon and the figures that decided: `off`, "
-                    "`unavailable`, `fast lane: ...`, `cold: ...`, `compiling: ...`, "
-                    "`small: ...`, `slower in XLA: ...`, or why the tier refused the "
-                    "program (e.g. an op without a lowering)")
+        "or a word, a colon and the figures that decided: `off`, "
+        "`unavailable`, `fast lane: ...`, `cold: ...`, `compiling: ...`, "
+        "`small: ...`, `slower in XLA: ...`, or why the tier refused the "
+        "program (e.g. an op without a lowering)"
+    )
     timings_ms: dict[str, float]
 
 
@@ -365,17 +430,21 @@ class BackwardResponse(ForwardResponse):
 
 class PlannedStep(BaseModel):
     step: int = Field(description="its place in the run, forward then backward")
-    id: str | None = Field(description="the client's node it serves (a derived step's, "
-                                       "the node it differentiates)")
+    id: str | None = Field(
+        description="the client's node it serves (a derived step's, the node it differentiates)"
+    )
     op: str
-    kind: str = Field(description="node, cast, constant, derived (grad/jvp), backward, or "
-                                  "recompute (a forward value computed again in the backward)")
+    kind: str = Field(
+        description="node, cast, constant, derived (grad/jvp), backward, or "
+        "recompute (a forward value computed again in the backward)"
+    )
     shape: list[int]
     dtype: str
     bytes: int
     cost: int = Field(description="cost units: flops plus 8 per byte moved")
-    freed_after: int | None = Field(description="the step after which its value is freed; "
-                                                "null: held to the end")
+    freed_after: int | None = Field(
+        description="the step after which its value is freed; null: held to the end"
+    )
 
 
 class PlanRecomputation(Recomputation):
@@ -384,20 +453,25 @@ class PlanRecomputation(Recomputation):
 
 class PlanResponse(BaseModel):
     planned_peak_bytes: int
-    memory_budget_bytes: int = Field(description="the request's: the server's for the path, "
-                                                 "or less if the request asks for less")
+    memory_budget_bytes: int = Field(
+        description="the request's: the server's for the path, or less if the request asks for less"
+    )
     compute_cost: int
     compute_budget: float
-    admitted: bool = Field(description="within both budgets: /forward or /backward would "
-                                       "run it (the in-flight memory allowing)")
+    admitted: bool = Field(
+        description="within both budgets: /forward or /backward would "
+        "run it (the in-flight memory allowing)"
+    )
     path: str
     graph_id: str
     nodes: list[PlannedStep]
     recompute: PlanRecomputation | None = Field(
-        description="how the planner fitted the budget by recomputation (null: it did not)")
+        description="how the planner fitted the budget by recomputation (null: it did not)"
+    )
     minimum_peak_bytes: int | None = Field(
         description="over budget even with the most recomputation: the smallest planned "
-                    "peak it reached (null otherwise)")
+        "peak it reached (null otherwise)"
+    )
 
 
 class Problem(BaseModel):

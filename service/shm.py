@@ -50,8 +50,11 @@ class Segment:
         """Segment `name`: a new one of `size` bytes (created sparse), or the one that
         exists (size None)."""
         create = size is not None
-        fd = os.open(os.path.join(SHM_DIR, name),
-                     os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        fd = os.open(
+            os.path.join(SHM_DIR, name),
+            os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0),
+            0o600,
+        )
         try:
             if size is None:
                 size = os.fstat(fd).st_size
@@ -69,8 +72,7 @@ class Segment:
         self._map.close()
 
 
-def pack(data: bytes | list[bytes | memoryview], name: str,
-         into: Segment | None = None) -> Payload:
+def pack(data: bytes | list[bytes | memoryview], name: str, into: Segment | None = None) -> Payload:
     """`data` (bytes, or parts written one after another) for another process: in a
     shared memory segment `name` when it is large (whoever made `name` is not who unlinks
     it: see `unlink`), or in segment `into` if it fits there and no part lies in it."""
@@ -88,7 +90,7 @@ def pack(data: bytes | list[bytes | memoryview], name: str,
         at = 0
         for part in parts:  # each straight into the segment: no joined copy
             raw = memoryview(part).cast("B")
-            buf[at:at + len(raw)] = raw
+            buf[at : at + len(raw)] = raw
             at += len(raw)
         del buf, raw
     finally:
@@ -238,8 +240,7 @@ def sweep_orphans() -> int:
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed += 1
     if removed:
-        log.info("removed %d directories and shared memory segments of servers that died",
-                 removed)
+        log.info("removed %d directories and shared memory segments of servers that died", removed)
     return removed
 
 

@@ -112,20 +112,23 @@ class Store:
         try:
             with open(self.directory / name, "rb") as f:
                 prefix = f.read(_PREFIX)
-                if len(prefix) < _PREFIX or prefix[:len(MAGIC)] != MAGIC:
+                if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
                     return None
                 (length,) = _HEADER_LENGTH.unpack_from(prefix, len(MAGIC))
                 header = orjson.loads(f.read(length))
         except (OSError, orjson.JSONDecodeError):
             return None
-        if not isinstance(header, dict) or header.get("name") != name or \
-                header.get("version") != self.version:
+        if (
+            not isinstance(header, dict)
+            or header.get("name") != name
+            or header.get("version") != self.version
+        ):
             return None
         meta = header.get("meta")
         return meta if isinstance(meta, dict) else {}
 
     def _check(self, name: str, data: bytes) -> tuple[memoryview, dict[str, Any]] | None:
-        if len(data) < _PREFIX or data[:len(MAGIC)] != MAGIC:
+        if len(data) < _PREFIX or data[: len(MAGIC)] != MAGIC:
             return None
         (length,) = _HEADER_LENGTH.unpack_from(data, len(MAGIC))
         start = _PREFIX + length
@@ -133,9 +136,12 @@ class Store:
             header = orjson.loads(data[_PREFIX:start])
         except orjson.JSONDecodeError:
             return None
-        if (not isinstance(header, dict) or header.get("name") != name
-                or header.get("version") != self.version
-                or header.get("length") != len(data) - start):
+        if (
+            not isinstance(header, dict)
+            or header.get("name") != name
+            or header.get("version") != self.version
+            or header.get("length") != len(data) - start
+        ):
             return None
         payload = memoryview(data)[start:]
         if header.get("crc") != zlib.crc32(payload):
@@ -157,8 +163,12 @@ class Store:
             os.utime(path)
 
     # ------------------------------------------------------------------ writing
-    def put(self, name: str, payload: bytes | memoryview | Sequence[bytes | memoryview],
-            meta: dict[str, Any] | None = None) -> bool:
+    def put(
+        self,
+        name: str,
+        payload: bytes | memoryview | Sequence[bytes | memoryview],
+        meta: dict[str, Any] | None = None,
+    ) -> bool:
         """Write entry `name` (replacing any), unless the store cannot be written now;
         whether it was written. Never raises for a store that fails."""
         if time.monotonic() < self._writable_after:
@@ -168,8 +178,15 @@ class Store:
         crc = 0
         for p in parts:
             crc = zlib.crc32(p, crc)
-        header = orjson.dumps({"name": name, "version": self.version, "length": length,
-                               "crc": crc, "meta": meta or {}})
+        header = orjson.dumps(
+            {
+                "name": name,
+                "version": self.version,
+                "length": length,
+                "crc": crc,
+                "meta": meta or {},
+            }
+        )
         size = _PREFIX + len(header) + length
         if size > self.max_bytes:
             return False  # it alone would take the whole store
@@ -240,8 +257,11 @@ class Store:
     def recent(self, kind: str, limit: int) -> list[str]:
         """The names of the `limit` entries of `kind` written or used last, newest first."""
         entries, _ = self._scan()
-        named = [(mtime, os.path.basename(path)) for path, _, mtime in entries
-                 if os.path.basename(path).startswith(f"{kind}-")]
+        named = [
+            (mtime, os.path.basename(path))
+            for path, _, mtime in entries
+            if os.path.basename(path).startswith(f"{kind}-")
+        ]
         named.sort(reverse=True)
         return [name for _, name in named[:limit]]
 
@@ -268,9 +288,13 @@ class Store:
         kind = f"{what}:{exc.errno}"
         if kind not in self._warned:
             self._warned.add(kind)
-            log.warning("program store %s: cannot %s (%s); the service runs without storing "
-                        "programs there for now (compiled programs stay in each process)",
-                        self.directory, what, exc.strerror or exc)
+            log.warning(
+                "program store %s: cannot %s (%s); the service runs without storing "
+                "programs there for now (compiled programs stay in each process)",
+                self.directory,
+                what,
+                exc.strerror or exc,
+            )
 
 
 def _is_entry(name: str) -> bool:
@@ -299,8 +323,11 @@ def version_key(array_library: str) -> str:
 
     h = hashlib.blake2b(digest_size=16)
     h.update(_gradserve_version().encode())
-    for package in (Path(engine.__file__).parent, Path(wire.__file__).parent,
-                    Path(__file__).parent):
+    for package in (
+        Path(engine.__file__).parent,
+        Path(wire.__file__).parent,
+        Path(__file__).parent,
+    ):
         for path in sorted(package.rglob("*.py")):
             h.update(path.relative_to(package.parent).as_posix().encode())
             h.update(path.read_bytes())

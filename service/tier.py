@@ -89,8 +89,11 @@ INTERPRETER, XLA = "interpreter", "xla"
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason and the
 # decisions' texts (`reason`).
 OFF, UNAVAILABLE, NO_STORE, FAST_LANE = (
-    "off", "unavailable", "no program store: no lowering process",
-    "fast lane: interpreted (the front process does not load XLA)")
+    "off",
+    "unavailable",
+    "no program store: no lowering process",
+    "fast lane: interpreted (the front process does not load XLA)",
+)
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,8 @@ def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
     return Prediction(
         interpreted_ms=executed * INTERPRETER_STEP_MS + cost / INTERPRETER_UNITS_MS,
         xla_ms=XLA_CALL_MS + executed * XLA_STEP_MS + cost / XLA_UNITS_MS,
-        compile_ms=(COMPILE_BASE_MS + compiled_steps(program) * COMPILE_STEP_MS)
-        * compile_scale)
+        compile_ms=(COMPILE_BASE_MS + compiled_steps(program) * COMPILE_STEP_MS) * compile_scale,
+    )
 
 
 @dataclass
@@ -136,8 +139,9 @@ class Tier:
 
     def __init__(self, settings: Settings, role: str, store: Store | None = None) -> None:
         self.settings = settings
-        self.off: str | None = FAST_LANE if role == "front" and settings.xla != "off" \
-            else off_reason(settings)
+        self.off: str | None = (
+            FAST_LANE if role == "front" and settings.xla != "off" else off_reason(settings)
+        )
         self.queue = None if self.off is not None or store is None else LoweringQueue(store)
         self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
@@ -150,8 +154,9 @@ class Tier:
         self._scale = 1.0  # this host's compile times against the model's, as seen
 
     # ------------------------------------------------------------------ a run
-    def choose(self, key: str, program: Program, device: str,
-               deadline: float) -> tuple[Lowered | None, str]:
+    def choose(
+        self, key: str, program: Program, device: str, deadline: float
+    ) -> tuple[Lowered | None, str]:
         """One run of program `key`: its lowered program, or None and why the interpreter
         answers this run. A program that pays on its first run is lowered first (this
         waits for the lowering process, within `deadline`)."""
@@ -194,8 +199,10 @@ class Tier:
             return refused
         saving = seen.fastest_ms - seen.prediction.xla_ms
         if saving < MIN_SAVING_MS:
-            reason = (f"small: XLA would save {max(saving, 0.0):.3f} ms a run at most "
-                      f"(interpreted in {seen.fastest_ms:.3f} ms)")
+            reason = (
+                f"small: XLA would save {max(saving, 0.0):.3f} ms a run at most "
+                f"(interpreted in {seen.fastest_ms:.3f} ms)"
+            )
             self._refused.put(key, reason)
             return reason
         if not seen.asked and saving * seen.runs >= seen.prediction.compile_ms:
@@ -212,11 +219,18 @@ class Tier:
         if saving <= 0:
             return f"cold: XLA predicted no faster ({p.xla_ms:.3f} ms a run)"
         runs = int(p.compile_ms / saving) + 1
-        return (f"cold: XLA would save ~{saving:.3f} ms a run; lowered once it has run "
-                f"{runs} times (a ~{p.compile_ms:.0f} ms compile)")
+        return (
+            f"cold: XLA would save ~{saving:.3f} ms a run; lowered once it has run "
+            f"{runs} times (a ~{p.compile_ms:.0f} ms compile)"
+        )
 
-    def run(self, key: str, lowered: Lowered, inputs: Mapping[str, np.ndarray],
-            grad_outputs: Mapping[str, np.ndarray] | None) -> tuple[RunResult | None, str]:
+    def run(
+        self,
+        key: str,
+        lowered: Lowered,
+        inputs: Mapping[str, np.ndarray],
+        grad_outputs: Mapping[str, np.ndarray] | None,
+    ) -> tuple[RunResult | None, str]:
         """Run a lowered program: its result and XLA, or None and why, when XLA failed
         where the interpreter would not (the program is refused from now on, and the
         caller interprets it)."""
@@ -263,13 +277,21 @@ class Tier:
         found = self.queue.result(key)
         if found is None:
             if seen.asked and now - seen.asked > 60 + 2 * seen.prediction.compile_ms / 1000:
-                self._refused.put(key, "compiling gave no answer in the time it could take "
-                                       "(the lowering process is gone, or its store full?)")
+                self._refused.put(
+                    key,
+                    "compiling gave no answer in the time it could take "
+                    "(the lowering process is gone, or its store full?)",
+                )
             return False
         return self._load(key, program, device, found)
 
-    def _load(self, key: str, program: Program, device: str,
-              found: tuple[bytes | None, dict[str, Any] | str]) -> bool:
+    def _load(
+        self,
+        key: str,
+        program: Program,
+        device: str,
+        found: tuple[bytes | None, dict[str, Any] | str],
+    ) -> bool:
         from gradserve.engine.graph import xla
 
         payload, meta = found
@@ -295,19 +317,20 @@ class Tier:
         self._lowered.put(key, lowered)
         return True
 
-    def _lower_first(self, key: str, program: Program, device: str, seen: _Seen,
-                     deadline: float) -> Lowered | None:
+    def _lower_first(
+        self, key: str, program: Program, device: str, seen: _Seen, deadline: float
+    ) -> Lowered | None:
         """A program that pays on its first run: asked for, and waited for (the predicted
         compile and WAIT_EXTRA_S, within the request's deadline)."""
         self._ask(key, program, seen, device)
-        until = min(deadline - 1.0, time.monotonic() + seen.prediction.compile_ms / 1000
-                    + WAIT_EXTRA_S)
+        until = min(
+            deadline - 1.0, time.monotonic() + seen.prediction.compile_ms / 1000 + WAIT_EXTRA_S
+        )
         assert self.queue is not None
         while time.monotonic() < until and self._refused.get(key) is None:
             found = self.queue.result(key)
             if found is not None:
-                return self._lowered.get(key) if self._load(key, program, device, found) \
-                    else None
+                return self._lowered.get(key) if self._load(key, program, device, found) else None
             time.sleep(0.02)
         return None
 
@@ -325,8 +348,7 @@ class Tier:
             self._outcomes.append(("xla", seen.prediction.xla_ms, min(trials)))
         interpreted = seen.fastest_ms if seen is not None else float("inf")
         if min(trials) > interpreted:
-            reason = (f"slower in XLA: {min(trials):.3f} ms against {interpreted:.3f} ms "
-                      "interpreted")
+            reason = f"slower in XLA: {min(trials):.3f} ms against {interpreted:.3f} ms interpreted"
             log.info("program %s goes back to the interpreter: %s", key, reason)
             self._lowered.pop(key, None)
             self._refused.put(key, reason)

@@ -90,8 +90,14 @@ _compute: Compute | None = None
 _ledger: Ledger | None = None
 
 
-def worker_main(conn: Connection, settings_json: str, ledger_path: str, slots: int,
-                limit: int, preload: tuple[str, ...] | None) -> None:
+def worker_main(
+    conn: Connection,
+    settings_json: str,
+    ledger_path: str,
+    slots: int,
+    limit: int,
+    preload: tuple[str, ...] | None,
+) -> None:
     """A worker process: warm up, say so, then run the tasks its pipe brings until told to
     stop (None) or the front process is gone.
 
@@ -180,8 +186,9 @@ def run_task(task: Task) -> Outcome:
             stats.rejected = "inflight_memory"
             raise overloaded(nbytes, ledger)
 
-    share_cores(task.slot, ledger.busy(compute.settings.max_concurrency),
-                compute.settings.max_concurrency)
+    share_cores(
+        task.slot, ledger.busy(compute.settings.max_concurrency), compute.settings.max_concurrency
+    )
     segment = None
     if task.header_length is None or isinstance(task.body, bytes):  # (parsed from bytes)
         body: bytes | memoryview = unpack(task.body, consume=True)
@@ -191,8 +198,16 @@ def run_task(task: Task) -> Outcome:
         body = segment.buf[:size]
     try:
         try:
-            reply = compute.serve(task.kind, body, task.header_length, task.tenant,
-                                  task.deadline, reserve, stats, raw_key=task.raw_key)
+            reply = compute.serve(
+                task.kind,
+                body,
+                task.header_length,
+                task.tenant,
+                task.deadline,
+                reserve,
+                stats,
+                raw_key=task.raw_key,
+            )
         finally:
             del body  # (the arrays viewing it went with the computation)
         # The answer goes into the body's own segment when it fits there (its pages are
@@ -238,8 +253,7 @@ def share_cores(slot: int, busy: list[int], compute_slots: int) -> None:
             os.sched_setaffinity(int(tid), cores)
 
 
-def cores_for(slot: int, busy: list[int], compute_slots: int, cpus: tuple[int, ...]
-              ) -> set[int]:
+def cores_for(slot: int, busy: list[int], compute_slots: int, cpus: tuple[int, ...]) -> set[int]:
     """A task's share of `cpus`: the cores over the compute slots busy now (`busy`, its own
     `slot` included), and never more cores than the compute slots free with its own. Alone
     on an idle machine, every core; under load, one. Side by side with the other busy

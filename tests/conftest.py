@@ -17,7 +17,8 @@ from tests.hooks.sitecustomize import install_no_jax
 # tests/hooks/sitecustomize.py: with GRADSERVE_TEST_NO_JAX=1, none of them can import jax,
 # nor can this one (CI's second run of the suite: gradserve without its `xla` extra).
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(Path(__file__).parent / "hooks"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    [str(Path(__file__).parent / "hooks"), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 if os.environ.get("GRADSERVE_TEST_NO_JAX") == "1":
     install_no_jax()
 

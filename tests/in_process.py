@@ -22,7 +22,10 @@ async def serving(**settings: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Fas
     The start-up may take 60 s too: the first app of a test process starts the forkserver
     its compute workers fork from (a second or two on a loaded machine)."""
     app = create_app(Settings(**settings))
-    async with LifespanManager(app, startup_timeout=60) as manager, httpx.AsyncClient(
-            transport=httpx.ASGITransport(manager.app), base_url="http://test",
-            timeout=60) as client:
+    async with (
+        LifespanManager(app, startup_timeout=60) as manager,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(manager.app), base_url="http://test", timeout=60
+        ) as client,
+    ):
         yield client, app

@@ -48,10 +48,14 @@ class Exchange(NamedTuple):
         body: Any = response.request.body or b""
         return cls(
             operation=case.operation.definition.raw,
-            headers={k.lower(): v.decode("latin-1") if isinstance(v, bytes) else v
-                     for k, v in response.request.headers.items()},
+            headers={
+                k.lower(): v.decode("latin-1") if isinstance(v, bytes) else v
+                for k, v in response.request.headers.items()
+            },
             body=body.encode() if isinstance(body, str) else bytes(body),
-            status=response.status_code, content=response.content)
+            status=response.status_code,
+            content=response.content,
+        )
 
 
 @schemathesis.hook
@@ -62,17 +66,20 @@ def before_call(context: HookContext, case: Case, **kwargs: Any) -> None:
     framing alone; framed, it tests the rest of the request. Negative cases stay as
     generated. The length is of the body as the transport spells it (requests' `json=`); a
     count that still misses is a framing refusal, which `binary_framing` drops."""
-    if (case.headers is None or BINARY_HEADER not in case.headers or case.meta is None
-            or case.meta.generation.mode is not GenerationMode.POSITIVE
-            or not (case.media_type or "").startswith("application/json")
-            or not isinstance(case.body, dict | list)):
+    if (
+        case.headers is None
+        or BINARY_HEADER not in case.headers
+        or case.meta is None
+        or case.meta.generation.mode is not GenerationMode.POSITIVE
+        or not (case.media_type or "").startswith("application/json")
+        or not isinstance(case.body, dict | list)
+    ):
         return
     case.headers[BINARY_HEADER] = str(len(requests.compat.json.dumps(case.body).encode()))
 
 
 @schemathesis.hook
-def filter_failure(context: HookContext, failure: Failure, case: Case,
-                   response: Response) -> bool:
+def filter_failure(context: HookContext, failure: Failure, case: Case, response: Response) -> bool:
     """Keep a failure unless it is a schema-valid request refused for one of the reasons
     below."""
     if not isinstance(failure, RejectedPositiveData):
@@ -110,15 +117,16 @@ def binary_framing(exchange: Exchange) -> bool:
     if exchange.status not in (400, 422) or not (sent is None or _is_count(sent)):
         return False
     if (sent is not None and not 1 <= int(sent) <= BODY_LIMIT) or any(
-            size > BODY_LIMIT for size in _binary_sizes(exchange)):
+        size > BODY_LIMIT for size in _binary_sizes(exchange)
+    ):
         return False
     if exchange.status == 422:
-        return octets and sent is not None and \
-            not _models_accept(exchange, _request(exchange))
+        return octets and sent is not None and not _models_accept(exchange, _request(exchange))
     problem = _problem_type(exchange)
     return problem == TYPE_PREFIX + "malformed-body" or (
-        problem == TYPE_PREFIX + "malformed-json" and (
-            octets or (sent is not None and int(sent) != len(exchange.body))))
+        problem == TYPE_PREFIX + "malformed-json"
+        and (octets or (sent is not None and int(sent) != len(exchange.body)))
+    )
 
 
 def _is_count(value: str) -> bool:
@@ -162,12 +170,16 @@ def integer_spelled_as_float(exchange: Exchange) -> bool:
     if exchange.status != 422:
         return False
     request = _request(exchange)
-    return not _models_accept(exchange, request) and \
-        _models_accept(exchange, _whole_floats_as_ints(request))
+    return not _models_accept(exchange, request) and _models_accept(
+        exchange, _whole_floats_as_ints(request)
+    )
 
 
 KINDS: tuple[Callable[[Exchange], bool], ...] = (
-    binary_framing, refused_for_its_meaning, integer_spelled_as_float)
+    binary_framing,
+    refused_for_its_meaning,
+    integer_spelled_as_float,
+)
 
 
 def _request(exchange: Exchange) -> Any:
@@ -176,7 +188,7 @@ def _request(exchange: Exchange) -> Any:
     sent = exchange.headers.get(BINARY_HEADER.lower())
     framed = sent is not None and _is_count(sent)
     try:
-        return codec.loads(exchange.body[:int(sent)] if framed else exchange.body)
+        return codec.loads(exchange.body[: int(sent)] if framed else exchange.body)
     except codec.JSONError:
         return _NOT_JSON
 
@@ -235,8 +247,11 @@ def _beyond_the_models(request: Any) -> bool:
         if isinstance(results, dict) and "" in results.values():
             return True
         if isinstance(body, dict):
-            names = [*_items(body.get("carry")), *_items(body.get("xs")),
-                     *(body.get("next") if isinstance(body.get("next"), dict) else ())]
+            names = [
+                *_items(body.get("carry")),
+                *_items(body.get("xs")),
+                *(body.get("next") if isinstance(body.get("next"), dict) else ()),
+            ]
             if "" in names:
                 return True
             stack.extend(_items(body.get("nodes")))

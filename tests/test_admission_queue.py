@@ -158,8 +158,10 @@ async def test_the_queue_is_first_come_first_served_and_loses_no_slot() -> None:
 
 
 async def test_the_queue_bounds_and_deadlines_directly() -> None:
-    admission = Admission(Settings(max_concurrency=1, max_queue_size=1, queue_timeout_s=5,
-                                   request_timeout_s=0.2), Metrics())
+    admission = Admission(
+        Settings(max_concurrency=1, max_queue_size=1, queue_timeout_s=5, request_timeout_s=0.2),
+        Metrics(),
+    )
     await admission.enter(time.monotonic() + 30)
     waiter = asyncio.create_task(admission.enter(time.monotonic() + 0.2))
     await asyncio.sleep(0)
@@ -175,11 +177,13 @@ async def test_16_clients_on_8_slots_all_wait_their_turn() -> None:
     """The soak's shape: 16 requests at once computing in workers, 8 slots, the default
     queue: every one is answered, none refused."""
     async with serving(max_concurrency=8) as (c, app):
-        replies = await asyncio.gather(*(c.post("/forward", json=worker_body(float(k)))
-                                         for k in range(16)))
+        replies = await asyncio.gather(
+            *(c.post("/forward", json=worker_body(float(k))) for k in range(16))
+        )
         assert [r.status_code for r in replies] == [200] * 16
         assert [r.json()["outputs"]["s"]["data"] for r in replies] == [
-            5000.0 * k for k in range(16)]
+            5000.0 * k for k in range(16)
+        ]
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, "gradserve_queue_wait_seconds_count") >= 1
         for reason in ("queue_full", "queue_timeout", "timeout", "inflight_memory"):
@@ -211,8 +215,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
         await _until_queued(c, 0)
         runner.admission.leave(slot)
         assert runner.admission.active == 0
-        assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] \
-            == -5.0
+        assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] == -5.0
 
 
 async def test_a_small_request_never_waits_behind_the_queue() -> None:
@@ -220,8 +223,9 @@ async def test_a_small_request_never_waits_behind_the_queue() -> None:
     compute slot, so it is answered at once while every slot is busy and others queue."""
     async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
         slot = await _hold_the_slot(app)
-        queued = [asyncio.create_task(c.post("/forward", json=worker_body(float(k))))
-                  for k in (1, 2)]
+        queued = [
+            asyncio.create_task(c.post("/forward", json=worker_body(float(k)))) for k in (1, 2)
+        ]
         await _until_queued(c, 2)
         for _ in range(5):
             t0 = time.perf_counter()

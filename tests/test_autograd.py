@@ -186,8 +186,10 @@ SECOND_ORDER = {
     "poly": lambda m, x: m.sum(x**3 * m.sin(x)),
     "div-exp-log": lambda m, x: m.sum(m.exp(x) / (1.0 + x * x) + m.log(x * x + 1.0)),
     "sigmoid-tanh": lambda m, x: m.sum(m.sigmoid(x) * m.tanh(x)),
-    "softplus-sqrt": lambda m, x: m.sum(m.nn.functional.softplus(x) if m is torch
-                                         else m.softplus(x)) + m.sum(m.sqrt(x * x + 1.0)),
+    "softplus-sqrt": lambda m, x: (
+        m.sum(m.nn.functional.softplus(x) if m is torch else m.softplus(x))
+        + m.sum(m.sqrt(x * x + 1.0))
+    ),
     "mean-max": lambda m, x: m.mean(m.maximum(x, x * 0.5) ** 2),
     "where-clamp": lambda m, x: m.sum(m.where(x > 0, x**2, m.clamp(x, min=-0.5) ** 3)),
 }
@@ -297,8 +299,14 @@ def test_python_api_surface() -> None:
     assert {x: 1}[x] == 1  # hashable by identity, though == builds an op
     assert engine.tensor(np.arange(3.0)).dtype == "float64"  # NumPy data keeps its dtype
     assert engine.tensor([1, 2]).dtype == "int64" and engine.tensor([True]).dtype == "bool"
-    for spelling in ("float64", engine.float64, np.float64, np.dtype("float64"), float,
-                     "torch.float64"):
+    for spelling in (
+        "float64",
+        engine.float64,
+        np.float64,
+        np.dtype("float64"),
+        float,
+        "torch.float64",
+    ):
         assert engine.tensor([1, 2], dtype=spelling).dtype == "float64"
     with pytest.raises(DTypeError, match="unknown dtype 'complex64'"):
         engine.tensor([1, 2], dtype="complex64")
@@ -309,8 +317,15 @@ def test_pytorch_spellings_indexing_and_varargs_sizes() -> None:
     a = np.arange(24.0).reshape(2, 3, 4)
     x = engine.tensor(a, requires_grad=True)
     t = torch.tensor(a, requires_grad=True)
-    keys = [0, -1, (1, 2), (slice(None), 1), (Ellipsis, 2), (0, slice(1, 3), slice(None, None, 2)),
-            slice(-1, None)]
+    keys = [
+        0,
+        -1,
+        (1, 2),
+        (slice(None), 1),
+        (Ellipsis, 2),
+        (0, slice(1, 3), slice(None, None, 2)),
+        slice(-1, None),
+    ]
     for key in keys:
         ours, ref = x[key], t[key]
         assert ours.shape == tuple(ref.shape), key

@@ -64,8 +64,10 @@ LOAD_MAX_S = 120.0
 SEED_INPUTS = {"x": 2.0, "y": 3.0}  # the client's /backward: every float input requires grad
 # The seed example as 30 graphs (ids), each giving the same answers: enough that every
 # replica is the home of some of them (each misses one with odds of (2/3)**30).
-SEED_GRAPHS = [{"nodes": [{"id": "z", "expr": f"(x + y) * (x - y) + {k} - {k}"}],
-                "outputs": ["z"]} for k in range(30)]
+SEED_GRAPHS = [
+    {"nodes": [{"id": "z", "expr": f"(x + y) * (x - y) + {k} - {k}"}], "outputs": ["z"]}
+    for k in range(30)
+]
 CELL_STEPS = 24
 
 
@@ -87,8 +89,17 @@ def _free_ports(n: int) -> list[int]:
 def haproxy_image(image: str) -> str:
     """The HAProxy image, on the same base image (after the gradserve image: it skips
     or fails first where Docker is missing)."""
-    _docker("build", "--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-            "-t", HAPROXY_TAG, str(ROOT / "docker" / "haproxy"), timeout=900)
+    _docker(
+        "build",
+        "--network",
+        "host",
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "-t",
+        HAPROXY_TAG,
+        str(ROOT / "docker" / "haproxy"),
+        timeout=900,
+    )
     return HAPROXY_TAG
 
 
@@ -102,13 +113,22 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.ports['haproxy']}"
 
-    def run(self, *args: str, timeout: float = 120, check: bool = True
-            ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([*self.compose, *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT, env=self.env)
+    def run(
+        self, *args: str, timeout: float = 120, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [*self.compose, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=self.env,
+        )
         if check and proc.returncode != 0:
-            pytest.fail(f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
-                        f"{proc.stderr[-3000:]}")
+            pytest.fail(
+                f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                f"{proc.stderr[-3000:]}"
+            )
         return proc
 
     def container(self, service: str) -> str:
@@ -125,8 +145,11 @@ class Cluster:
         r = httpx.get(f"http://127.0.0.1:{self.ports['stats']}/stats;csv", timeout=5)
         r.raise_for_status()
         rows = csv.DictReader(io.StringIO(r.text.removeprefix("# ")))
-        return {row["svname"]: row for row in rows
-                if row["pxname"] == "replicas" and row["svname"] in REPLICAS}
+        return {
+            row["svname"]: row
+            for row in rows
+            if row["pxname"] == "replicas" and row["svname"] in REPLICAS
+        }
 
     def stats(self, proxy: str = "replicas", server: str = "BACKEND") -> dict[str, str]:
         """A row of HAProxy's stats: a backend's, a frontend's or a server's."""
@@ -147,22 +170,30 @@ class Cluster:
             if self.status(service) == want:
                 return time.monotonic() - t0
             time.sleep(0.1)
-        pytest.fail(f"{service} not {want} behind HAProxy within {timeout} s "
-                    f"(now {self.status(service)!r}):\n{self.logs(service)}")
+        pytest.fail(
+            f"{service} not {want} behind HAProxy within {timeout} s "
+            f"(now {self.status(service)!r}):\n{self.logs(service)}"
+        )
 
     def metric(self, service: str, name: str, **labels: str) -> float:
         """A sample of the replica's own /metrics (its own port, not through HAProxy),
         summed over the labels not given."""
         r = httpx.get(f"http://127.0.0.1:{self.ports[service]}/metrics", timeout=10)
         r.raise_for_status()
-        return sum(s.value for family in text_string_to_metric_families(r.text)
-                   for s in family.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
     def served(self, service: str, status: str = "200") -> int:
         """The replica's `gradserve_requests_total` of POST /backward with `status`."""
-        return int(self.metric(service, "gradserve_requests_total", route="/backward",
-                               method="POST", status=status))
+        return int(
+            self.metric(
+                service, "gradserve_requests_total", route="/backward", method="POST", status=status
+            )
+        )
 
     def where(self, calls: Callable[[], None]) -> dict[str, int]:
         """The POST /backward 200s each replica served while `calls` ran."""
@@ -189,8 +220,11 @@ def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
         "GRADSERVE_LB_STATS_PORT": str(ports["stats"]),
         **{f"GRADSERVE_LB_API{i}_PORT": str(ports[s]) for i, s in enumerate(REPLICAS, 1)},
     }
-    c = Cluster([*compose, "-p", project, "-f", str(ROOT / "docker-compose.yml"),
-                 "--profile", "lb"], env, ports)
+    c = Cluster(
+        [*compose, "-p", project, "-f", str(ROOT / "docker-compose.yml"), "--profile", "lb"],
+        env,
+        ports,
+    )
     try:
         c.run("up", "-d", "--no-build", "haproxy", timeout=300)
         for service in REPLICAS:
@@ -198,11 +232,13 @@ def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
         yield c
     finally:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            c.run("down", "--volumes", "--timeout", "5", "--remove-orphans", timeout=120,
-                  check=False)
+            c.run(
+                "down", "--volumes", "--timeout", "5", "--remove-orphans", timeout=120, check=False
+            )
         # Whatever compose left (a failed `up` or `down`): only this project's containers.
-        left = _docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}",
-                       check=False).stdout.split()
+        left = _docker(
+            "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False
+        ).stdout.split()
         if left:
             _docker("rm", "-f", "-v", *left, check=False)
 
@@ -249,8 +285,9 @@ class Load:
 
     def _loop(self) -> None:
         deadline = time.monotonic() + self.max_s
-        with Client(self.url, timeout=30.0, retries=self.retries,
-                    reuse_graphs=self.reuse_graphs) as gs:
+        with Client(
+            self.url, timeout=30.0, retries=self.retries, reuse_graphs=self.reuse_graphs
+        ) as gs:
             for _ in range(self.max_requests):
                 if self._halt.is_set() or time.monotonic() > deadline:
                     return
@@ -264,8 +301,9 @@ class Load:
                         self.ok += 1
 
     def __enter__(self) -> Load:
-        self._threads = [threading.Thread(target=self._loop, daemon=True)
-                         for _ in range(self.clients)]
+        self._threads = [
+            threading.Thread(target=self._loop, daemon=True) for _ in range(self.clients)
+        ]
         for t in self._threads:
             t.start()
         return self
@@ -297,16 +335,28 @@ def _until(what: str, check: Callable[[], bool], timeout: float) -> None:
 
 
 def test_haproxy_image_and_config(haproxy_image: str) -> None:
-    out = _docker("run", "--rm", "--network", "host", "--entrypoint", "haproxy", haproxy_image,
-                  "-c", "-f", HAPROXY_CFG)
+    out = _docker(
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "--entrypoint",
+        "haproxy",
+        haproxy_image,
+        "-c",
+        "-f",
+        HAPROXY_CFG,
+    )
     assert "Configuration file is valid" in out.stdout + out.stderr
-    config = _docker("image", "inspect", "-f", "{{.Config.User}} {{.Config.StopSignal}}",
-                     haproxy_image).stdout.split()
+    config = _docker(
+        "image", "inspect", "-f", "{{.Config.User}} {{.Config.StopSignal}}", haproxy_image
+    ).stdout.split()
     assert config == ["haproxy", "SIGUSR1"], config
 
 
-def _raw_backward(http: httpx.Client, body: dict[str, Any],
-                  headers: dict[str, str] | None = None) -> dict[str, Any]:
+def _raw_backward(
+    http: httpx.Client, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A /backward as a client other than service.client sends it: JSON, no
     X-Gradserve-Graph unless given. Its answer's meta, checked."""
     r = http.post("/backward", json=body, headers=headers)
@@ -334,19 +384,25 @@ def test_repeats_of_a_graph_land_on_one_replica(cluster: Cluster) -> None:
     def by_header() -> None:
         with httpx.Client(base_url=cluster.url, timeout=30.0) as http:
             for _ in range(n):
-                _raw_backward(http, {"graph": graph, "inputs": inputs},
-                              headers={GRAPH_HEADER: graph_id})
+                _raw_backward(
+                    http, {"graph": graph, "inputs": inputs}, headers={GRAPH_HEADER: graph_id}
+                )
 
     def by_body_id() -> None:
         with httpx.Client(base_url=cluster.url, timeout=30.0) as http:
-            meta = _raw_backward(http, {"graph": graph, "graph_id": graph_id,
-                                        "inputs": inputs})
+            meta = _raw_backward(http, {"graph": graph, "graph_id": graph_id, "inputs": inputs})
             assert meta["graph_id"] == graph_id
             for _ in range(n - 1):
                 _raw_backward(http, {"graph_id": graph_id, "inputs": inputs})
 
-    placed = {how: cluster.where(calls) for how, calls in
-              (("client", by_client), ("header", by_header), ("body graph_id", by_body_id))}
+    placed = {
+        how: cluster.where(calls)
+        for how, calls in (
+            ("client", by_client),
+            ("header", by_header),
+            ("body graph_id", by_body_id),
+        )
+    }
     print(f"\n{n} repeats of one graph, by replica: {placed}")
     for how, served in placed.items():
         assert sorted(served.values()) == [0, 0, n], (how, served)
@@ -361,6 +417,7 @@ def test_different_graphs_spread_over_all_replicas(cluster: Cluster) -> None:
     homes: dict[str, int] = dict.fromkeys(REPLICAS, 0)
     with Client(cluster.url, timeout=30.0) as gs:
         for graph in SEED_GRAPHS:
+
             def repeats(graph: dict[str, Any] = graph) -> None:
                 for _ in range(3):
                     _seed_call(gs, graph)
@@ -402,15 +459,21 @@ def test_requests_without_a_graph_id_spread_over_all_replicas(cluster: Cluster) 
 
 
 # A graph of ~0.1 s of compute on a small body: three 400x400 matmuls.
-SLOW_GRAPH = {"nodes": [{"id": "a", "op": "full", "attrs": {"shape": [400, 400], "value": 0.001}},
-                        {"id": "b", "expr": "a @ a @ a @ a"},
-                        {"id": "z", "expr": "sum(b) * x"}], "outputs": ["z"]}
+SLOW_GRAPH = {
+    "nodes": [
+        {"id": "a", "op": "full", "attrs": {"shape": [400, 400], "value": 0.001}},
+        {"id": "b", "expr": "a @ a @ a @ a"},
+        {"id": "z", "expr": "sum(b) * x"},
+    ],
+    "outputs": ["z"],
+}
 
 
 def test_a_hot_graph_spills_over_to_other_replicas(cluster: Cluster) -> None:
     """One graph from 8 clients at once: its replica takes 4 at most (its maxconn), and
     hash-balance-factor sends the rest to the others rather than queueing them there.
     Sent one at a time, the same graph stays on its replica."""
+
     def alone() -> None:
         with Client(cluster.url, timeout=60.0) as gs:
             for _ in range(5):
@@ -425,8 +488,9 @@ def test_a_hot_graph_spills_over_to_other_replicas(cluster: Cluster) -> None:
             for _ in range(6):
                 try:
                     r = gs.backward(SLOW_GRAPH, {"x": 1.0})
-                    np.testing.assert_allclose(float(r.outputs["z"]), 160000 * 400**3 * 1e-12,
-                                               rtol=1e-3)
+                    np.testing.assert_allclose(
+                        float(r.outputs["z"]), 160000 * 400**3 * 1e-12, rtol=1e-3
+                    )
                 except Exception as e:  # collected, asserted below
                     errors.append(repr(e))
 
@@ -450,8 +514,10 @@ def test_the_body_limit_is_enforced_at_the_edge(cluster: Cluster) -> None:
     once, on the head alone (no replica sees it)."""
     limit = 64 * 1024 * 1024
     with socket.create_connection(("127.0.0.1", cluster.ports["haproxy"]), timeout=10) as s:
-        s.sendall(b"POST /forward HTTP/1.1\r\nHost: lb\r\nContent-Type: application/json\r\n"
-                  b"X-Request-ID: edge-413\r\nContent-Length: %d\r\n\r\n{" % (limit + 1))
+        s.sendall(
+            b"POST /forward HTTP/1.1\r\nHost: lb\r\nContent-Type: application/json\r\n"
+            b"X-Request-ID: edge-413\r\nContent-Length: %d\r\n\r\n{" % (limit + 1)
+        )
         answer = b""
         while b"}" not in answer:
             chunk = s.recv(4096)
@@ -474,9 +540,11 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
     stats0, front0 = cluster.stats(), cluster.stats("gradserve", "FRONTEND")
     # With retries: the seed example (HAProxy can resend it) and the recurrent cell sent
     # in full each time (it cannot: the client does). Without retries, for the record.
-    with Load(cluster.url) as load, \
-            Load(cluster.url, clients=2, call=_cell_call, reuse_graphs=False) as cells, \
-            Load(cluster.url, clients=1, retries=0) as bare:
+    with (
+        Load(cluster.url) as load,
+        Load(cluster.url, clients=2, call=_cell_call, reuse_graphs=False) as cells,
+        Load(cluster.url, clients=1, retries=0) as bare,
+    ):
         load.wait_ok(200)
         # (A cell takes ~0.25 s alone, and each replica lowers its program to XLA in the
         # background meanwhile: on 2 shared cores, tens of seconds for the first 10.)
@@ -503,13 +571,15 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
     retried = int(stats1["wretr"]) - int(stats0["wretr"])
     redispatched = int(stats1["wredis"]) - int(stats0["wredis"])
     answered_5xx = int(front1["hrsp_5xx"]) - int(front0["hrsp_5xx"])  # the client retried
-    print(f"\ndocker kill {victim}: with retries, {load.ok} seed calls ok, "
-          f"{len(load.failures)} failed, {cells.ok} recurrent-cell calls ok, "
-          f"{len(cells.failures)} failed; without retries {bare.ok} ok, {len(bare.failures)} "
-          f"failed {bare.failures[:3]}; {during_outage} ok between the kill and the restart; "
-          f"DOWN behind HAProxy after {down_s:.2f} s, UP {up_s:.2f} s after docker start; "
-          f"a cell in flight at the kill: {cell_in_flight}; HAProxy retried {retried} "
-          f"times ({redispatched} to another replica) and answered {answered_5xx} 5xx")
+    print(
+        f"\ndocker kill {victim}: with retries, {load.ok} seed calls ok, "
+        f"{len(load.failures)} failed, {cells.ok} recurrent-cell calls ok, "
+        f"{len(cells.failures)} failed; without retries {bare.ok} ok, {len(bare.failures)} "
+        f"failed {bare.failures[:3]}; {during_outage} ok between the kill and the restart; "
+        f"DOWN behind HAProxy after {down_s:.2f} s, UP {up_s:.2f} s after docker start; "
+        f"a cell in flight at the kill: {cell_in_flight}; HAProxy retried {retried} "
+        f"times ({redispatched} to another replica) and answered {answered_5xx} 5xx"
+    )
     assert load.failures == [], load.failures
     assert cells.failures == [], cells.failures
     assert during_outage >= 200
@@ -518,8 +588,7 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
 def test_rolling_restart_loses_nothing(cluster: Cluster) -> None:
     # Half the clients with retries off: a graceful stop behind HAProxy loses nothing
     # even for them (the replica drains; HAProxy retries what it refused).
-    with Load(cluster.url, clients=2) as retrying, \
-            Load(cluster.url, clients=2, retries=0) as bare:
+    with Load(cluster.url, clients=2) as retrying, Load(cluster.url, clients=2, retries=0) as bare:
         retrying.wait_ok(100)
         timings = []
         for service in REPLICAS:
@@ -532,16 +601,22 @@ def test_rolling_restart_loses_nothing(cluster: Cluster) -> None:
             # profile's `init: true`, gradserve is not PID 1, and uvicorn ends by raising
             # the SIGTERM it handled again: the init reports 143 (128 + SIGTERM).
             assert stopped < 10 and exit_code in ("0", "143"), (
-                f"{service} exited {exit_code} after {stopped:.1f} s:\n{cluster.logs(service)}")
+                f"{service} exited {exit_code} after {stopped:.1f} s:\n{cluster.logs(service)}"
+            )
             cluster.wait_status(service, "DOWN", timeout=15)
             _docker("start", cid)
             up = cluster.wait_status(service, "UP")
             timings.append(f"{service}: stopped in {stopped:.1f} s, UP {up:.1f} s after start")
             retrying.wait_ok(100)
         # Each replica has restarted: whatever it counts, it served after its restart.
-        _until("every restarted replica serves",
-               lambda: all(cluster.served(s) > 0 for s in REPLICAS), timeout=30)
-    print(f"\nrolling restart: {'; '.join(timings)}; clients with retries: {retrying.ok} ok, "
-          f"{len(retrying.failures)} failed; without: {bare.ok} ok, {len(bare.failures)} failed")
+        _until(
+            "every restarted replica serves",
+            lambda: all(cluster.served(s) > 0 for s in REPLICAS),
+            timeout=30,
+        )
+    print(
+        f"\nrolling restart: {'; '.join(timings)}; clients with retries: {retrying.ok} ok, "
+        f"{len(retrying.failures)} failed; without: {bare.ok} ok, {len(bare.failures)} failed"
+    )
     assert retrying.failures == [], retrying.failures
     assert bare.failures == [], bare.failures

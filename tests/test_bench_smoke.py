@@ -54,8 +54,10 @@ def test_objectives_are_the_tests_objectives(monkeypatch: pytest.MonkeyPatch) ->
     for name, (nodes, output, wrt) in bc.OBJECTIVES.items():
         theirs, their_output, their_wrt, _ = tests.OBJECTIVES[name]
         assert (output, wrt) == (their_output, their_wrt), name
-        ours = [(n["id"], n.get("op"), list(n.get("args", ())), n.get("attrs", {}),
-                 n.get("expr")) for n in nodes]
+        ours = [
+            (n["id"], n.get("op"), list(n.get("args", ())), n.get("attrs", {}), n.get("expr"))
+            for n in nodes
+        ]
         assert ours == [(n.id, n.op, list(n.args), dict(n.attrs), n.expr) for n in theirs], name
 
 
@@ -133,13 +135,24 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
     compute = Compute(Settings(program_store_bytes=0))
 
     def run(budget: int | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"graph": br.ode_graph(n, s), "inputs": {
-            "x": {"data": x.tolist(), "dtype": "float64", "requires_grad": True},
-            "m": {"data": m.tolist(), "dtype": "float64"}}}
+        body: dict[str, Any] = {
+            "graph": br.ode_graph(n, s),
+            "inputs": {
+                "x": {"data": x.tolist(), "dtype": "float64", "requires_grad": True},
+                "m": {"data": m.tolist(), "dtype": "float64"},
+            },
+        }
         if budget:
             body["memory_budget_bytes"] = budget
-        reply = compute.serve("backward", json.dumps(body).encode(), None, None,
-                              time.monotonic() + 60, lambda _: None, Stats())
+        reply = compute.serve(
+            "backward",
+            json.dumps(body).encode(),
+            None,
+            None,
+            time.monotonic() + 60,
+            lambda _: None,
+            Stats(),
+        )
         return json.loads(b"".join(bytes(p) for p in reply.parts))  # type: ignore[no-any-return]
 
     plain = run(None)
@@ -161,8 +174,14 @@ def test_the_native_tier_benchmark_agrees_with_jax() -> None:
     from bench import bench_xla as bx
 
     gs = bc.Gradserve()
-    for case in (bx.rnn_scan(20), bx.lse(100), bx.llsq(16, 4), bx.kmeans(20, 3, 2),
-                 bx.gmm(3, 4, 20), bx.ode(10, 4)):
+    for case in (
+        bx.rnn_scan(20),
+        bx.lse(100),
+        bx.llsq(16, 4),
+        bx.kmeans(20, 3, 2),
+        bx.gmm(3, 4, 20),
+        bx.ode(10, 4),
+    ):
         row = bx.bench_case(case, gs, rounds=1, budget_s=0.0)
         assert {"interp", "xla", "jax"} <= set(row.ms), (case.name, row.note)
         assert row.served_jax is not None or not row.gradbench, case.name
@@ -202,8 +221,9 @@ def _saddle_reference(x: np.ndarray) -> float:
     from bench import bench_xla as bx
 
     fx = float(np.sum(x * x))
-    y = bx.multivariate_argmin(lambda y: -(fx - float(np.sum(y * y))), lambda y: 2.0 * y,
-                               np.ones(2))
+    y = bx.multivariate_argmin(
+        lambda y: -(fx - float(np.sum(y * y))), lambda y: 2.0 * y, np.ones(2)
+    )
     return fx - float(np.sum(y * y))
 
 
@@ -215,17 +235,20 @@ def test_gradbench_particle_and_saddle_programs() -> None:
     from bench import bench_xla as bx
 
     gs = bc.Gradserve()
-    for ev, reference in ((bx.particle(16), lambda p: _particle_reference(float(p[0]))),
-                          (bx.saddle(16), _saddle_reference)):
+    for ev, reference in (
+        (bx.particle(16), lambda p: _particle_reference(float(p[0]))),
+        (bx.saddle(16), _saddle_reference),
+    ):
         server = bx.Server(ev, bx.interpreted(gs))
         value = server.objective(ev.start)
         assert server.bound > 16 and server.runs > 1, ev.name
         np.testing.assert_allclose(value, reference(ev.start), rtol=1e-10, err_msg=ev.name)
         h = 1e-6
-        central = [(server.objective(ev.start + h * e) - server.objective(ev.start - h * e))
-                   / (2 * h) for e in np.eye(ev.start.size)]
-        np.testing.assert_allclose(server.gradient(ev.start), central, rtol=1e-6,
-                                   err_msg=ev.name)
+        central = [
+            (server.objective(ev.start + h * e) - server.objective(ev.start - h * e)) / (2 * h)
+            for e in np.eye(ev.start.size)
+        ]
+        np.testing.assert_allclose(server.gradient(ev.start), central, rtol=1e-6, err_msg=ev.name)
 
 
 @pytest.mark.skipif(not xla.available(), reason="jax is not importable (the run without it)")
@@ -248,10 +271,20 @@ def test_gradbench_particle_and_saddle_evaluations() -> None:
         interp, native = bx.Server(ev, bx.interpreted(gs)), bx.Server(ev, bx.lowered)
         for at in (ev.start, result[: ev.start.size]):
             for k, v in native.outputs(at).items():
-                np.testing.assert_allclose(interp.outputs(at)[k], v, rtol=1e-9, atol=1e-12,
-                                           err_msg=f"{ev.name}: {k} at {at}")
-            np.testing.assert_allclose(interp.gradient(at), native.gradient(at), rtol=1e-9,
-                                       atol=1e-12, err_msg=f"{ev.name}: gradient at {at}")
+                np.testing.assert_allclose(
+                    interp.outputs(at)[k],
+                    v,
+                    rtol=1e-9,
+                    atol=1e-12,
+                    err_msg=f"{ev.name}: {k} at {at}",
+                )
+            np.testing.assert_allclose(
+                interp.gradient(at),
+                native.gradient(at),
+                rtol=1e-9,
+                atol=1e-12,
+                err_msg=f"{ev.name}: gradient at {at}",
+            )
 
 
 def test_the_gradbench_kmeans_dir_is_its_closed_form() -> None:
@@ -264,8 +297,7 @@ def test_the_gradbench_kmeans_dir_is_its_closed_form() -> None:
     case = bx.kmeans(30, 4, 3)
     P, C = case.inputs["P"], case.inputs["C"]
     nearest = np.argmin(((P[:, None, :] - C[None, :, :]) ** 2).sum(2), axis=1)
-    want = np.stack([(C[j] - P[nearest == j]).sum(0) / (nearest == j).sum()
-                     for j in range(len(C))])
+    want = np.stack([(C[j] - P[nearest == j]).sum(0) / (nearest == j).sum() for j in range(len(C))])
     program = bx.compile_program(case)
     assert not program.backward
     gs = bc.Gradserve()
@@ -331,8 +363,15 @@ def test_the_large_tensor_benchmark_agrees_with_torch() -> None:
         for binary in (False, True):
             body, headers = bench_large.gradserve_body(case, binary)
             length = dict(headers).get("Inference-Header-Content-Length")
-            reply = compute.serve("backward", body, None if length is None else int(length),
-                                  None, 1e18, lambda _: None, Stats())
+            reply = compute.serve(
+                "backward",
+                body,
+                None if length is None else int(length),
+                None,
+                1e18,
+                lambda _: None,
+                Stats(),
+            )
             content = b"".join(bytes(p) for p in reply.parts)
             if binary:
                 head, tail = split(content, reply.header_length or 0)

@@ -41,8 +41,7 @@ def checkpointed(program: Program) -> list[int]:
     return [body.every for body in loops(program) if body.every]
 
 
-def forced(spec: GraphSpec, inputs: Mapping[str, TensorSpec], every: int,
-           **kw: Any) -> Program:
+def forced(spec: GraphSpec, inputs: Mapping[str, TensorSpec], every: int, **kw: Any) -> Program:
     """`spec` compiled with each loop that may be checkpointed every `every` steps."""
     program = compile_graph(spec, inputs, **kw)
     assert checkpoint_every(program, every, ufuncs=_backend_ufuncs("cpu"))
@@ -83,15 +82,17 @@ class _Checkpointed:
         self.variants: dict[int, tuple[Program, list[Program]]] = {}
         self.checkpointed = 0
 
-    def compile_graph(self, spec: GraphSpec, inputs: Mapping[str, TensorSpec],
-                      **kw: Any) -> Program:
+    def compile_graph(
+        self, spec: GraphSpec, inputs: Mapping[str, TensorSpec], **kw: Any
+    ) -> Program:
         program = compile_graph(spec, inputs, **kw)
         if not kw.get("backward") or "limits" in kw:
             return program
         variants = []
         budget = least(spec, inputs, **kw)
-        variants.append(compile_graph(spec, inputs, limits=Limits(memory_budget_bytes=budget),
-                                      **kw))
+        variants.append(
+            compile_graph(spec, inputs, limits=Limits(memory_budget_bytes=budget), **kw)
+        )
         assert variants[-1].planned_peak_bytes <= budget
         every = compile_graph(spec, inputs, **kw)
         if checkpoint_every(every, 2, ufuncs=_backend_ufuncs("cpu")):
@@ -117,8 +118,12 @@ def twins(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Checkpointed]:
 
 
 def _tests(needs_backend: bool) -> list[str]:
-    return [name for name, fn in vars(test_transforms).items() if name.startswith("test_")
-            and ("backend_name" in inspect.signature(fn).parameters) == needs_backend]
+    return [
+        name
+        for name, fn in vars(test_transforms).items()
+        if name.startswith("test_")
+        and ("backend_name" in inspect.signature(fn).parameters) == needs_backend
+    ]
 
 
 @pytest.mark.parametrize("name", _tests(needs_backend=False))
@@ -128,7 +133,8 @@ def test_transform_tests_with_forced_checkpointing(name: str, twins: _Checkpoint
 
 @pytest.mark.parametrize("name", _tests(needs_backend=True))
 def test_transform_tests_with_forced_checkpointing_on_each_backend(
-        name: str, backend_name: str, twins: _Checkpointed) -> None:
+    name: str, backend_name: str, twins: _Checkpointed
+) -> None:
     """(a forward loop that runs backwards: the reverse loop of a `grad` node's, which the
     /backward differentiates)"""
     getattr(test_transforms, name)(backend_name)
@@ -150,31 +156,50 @@ def rnn(last_only: bool, carries: int = 1) -> GraphSpec:
     """An RNN over xs with `carries` states (each the next one's input), its loss on the
     final states only or on the stacked ones too."""
     names = [f"h{i}" for i in range(carries)]
-    nodes = [NodeSpec(f"n{i}", expr=f"tanh(x @ w + {h} @ u + {names[i - 1]} * 0.5 + b)")
-             for i, h in enumerate(names)]
-    body = BodySpec(carry=names, xs=["x"], nodes=nodes,
-                    next={h: f"n{i}" for i, h in enumerate(names)})
+    nodes = [
+        NodeSpec(f"n{i}", expr=f"tanh(x @ w + {h} @ u + {names[i - 1]} * 0.5 + b)")
+        for i, h in enumerate(names)
+    ]
+    body = BodySpec(
+        carry=names, xs=["x"], nodes=nodes, next={h: f"n{i}" for i, h in enumerate(names)}
+    )
     results = {f"{h}_end": h for h in names} | {"ns": "n0"}
     loss = " + ".join(f"sum({h}_end * {h}_end)" for h in names)
     if not last_only:
         loss += " + sum(ns * ns)"
-    return GraphSpec([NodeSpec("rnn", op="scan", args=[*(f"{h}0" for h in names), "xs"],
-                               body=body, results=results),
-                      NodeSpec("loss", expr=loss)], ["loss"])
+    return GraphSpec(
+        [
+            NodeSpec(
+                "rnn", op="scan", args=[*(f"{h}0" for h in names), "xs"], body=body, results=results
+            ),
+            NodeSpec("loss", expr=loss),
+        ],
+        ["loss"],
+    )
 
 
-def rnn_arrays(steps: int, carries: int = 1, batch: int = 2, d: int = 3, h: int = 4
-               ) -> dict[str, np.ndarray]:
-    return {"xs": RNG.standard_normal((steps, batch, d)), "w": RNG.standard_normal((d, h)),
-            "u": RNG.standard_normal((h, h)) * 0.5, "b": RNG.standard_normal(h),
-            **{f"h{i}0": RNG.standard_normal((batch, h)) for i in range(carries)}}
+def rnn_arrays(
+    steps: int, carries: int = 1, batch: int = 2, d: int = 3, h: int = 4
+) -> dict[str, np.ndarray]:
+    return {
+        "xs": RNG.standard_normal((steps, batch, d)),
+        "w": RNG.standard_normal((d, h)),
+        "u": RNG.standard_normal((h, h)) * 0.5,
+        "b": RNG.standard_normal(h),
+        **{f"h{i}0": RNG.standard_normal((batch, h)) for i in range(carries)},
+    }
 
 
 @settings(max_examples=40, deadline=None)
-@given(steps=st.integers(2, 30), k=st.integers(1, 30), carries=st.integers(1, 2),
-       last_only=st.booleans())
-def test_random_lengths_and_k_against_the_plain_loop(steps: int, k: int, carries: int,
-                                                     last_only: bool) -> None:
+@given(
+    steps=st.integers(2, 30),
+    k=st.integers(1, 30),
+    carries=st.integers(1, 2),
+    last_only=st.booleans(),
+)
+def test_random_lengths_and_k_against_the_plain_loop(
+    steps: int, k: int, carries: int, last_only: bool
+) -> None:
     arrays = rnn_arrays(steps, carries)
     spec, inputs = rnn(last_only, carries), specs(arrays, list(arrays))
     plain = compile_graph(spec, inputs, backward=True)
@@ -206,14 +231,25 @@ def test_nested_loops_checkpoint_the_outer_one() -> None:
     """A scan in a scan's body, through /backward: the outer loop is checkpointed (its
     replay runs the inner loop, which stacks its residuals for the inner reverse loop in
     the outer one's body); the inner one is not (it is not a step of the program)."""
-    inner = BodySpec(carry=["c"], xs=["r"], nodes=[NodeSpec("c2", expr="sin(c * r + a)")],
-                     next={"c": "c2"})
-    outer = BodySpec(carry=["a"], xs=["row"], nodes=[
-        NodeSpec("in", op="scan", args=["a", "row"], body=inner, results={"c_end": "c"}),
-        NodeSpec("a2", expr="a * 0.5 + c_end")], next={"a": "a2"})
-    spec = GraphSpec([NodeSpec("out", op="scan", args=["a0", "m"], body=outer,
-                               results={"a_end": "a"}),
-                      NodeSpec("loss", expr="sum(a_end * a_end)")], ["loss"])
+    inner = BodySpec(
+        carry=["c"], xs=["r"], nodes=[NodeSpec("c2", expr="sin(c * r + a)")], next={"c": "c2"}
+    )
+    outer = BodySpec(
+        carry=["a"],
+        xs=["row"],
+        nodes=[
+            NodeSpec("in", op="scan", args=["a", "row"], body=inner, results={"c_end": "c"}),
+            NodeSpec("a2", expr="a * 0.5 + c_end"),
+        ],
+        next={"a": "a2"},
+    )
+    spec = GraphSpec(
+        [
+            NodeSpec("out", op="scan", args=["a0", "m"], body=outer, results={"a_end": "a"}),
+            NodeSpec("loss", expr="sum(a_end * a_end)"),
+        ],
+        ["loss"],
+    )
     arrays = {"a0": RNG.standard_normal(2), "m": RNG.standard_normal((9, 4, 2))}
     inputs = specs(arrays, ["a0", "m"])
     expected = execute(compile_graph(spec, inputs, backward=True), arrays, verify=True)
@@ -235,10 +271,15 @@ def test_the_budget_chooses_k_and_what_it_cannot_fit_it_refuses() -> None:
     need = least(spec, inputs, backward=True)
     assert need < plain.planned_peak_bytes // 3
     ks = []
-    for budget in (need, (need + plain.planned_peak_bytes) // 2, plain.planned_peak_bytes - 1,
-                   plain.planned_peak_bytes):
-        program = compile_graph(spec, inputs, backward=True,
-                                limits=Limits(memory_budget_bytes=budget))
+    for budget in (
+        need,
+        (need + plain.planned_peak_bytes) // 2,
+        plain.planned_peak_bytes - 1,
+        plain.planned_peak_bytes,
+    ):
+        program = compile_graph(
+            spec, inputs, backward=True, limits=Limits(memory_budget_bytes=budget)
+        )
         assert program.planned_peak_bytes <= budget
         same_run(expected, execute(program, arrays, verify=True))
         ks.append(checkpointed(program))
@@ -251,7 +292,8 @@ def test_the_budget_chooses_k_and_what_it_cannot_fit_it_refuses() -> None:
     with pytest.raises(MemoryBudgetError, match=f"need at least {need} bytes"):
         compile_graph(spec, inputs, backward=True, limits=Limits(memory_budget_bytes=need - 1))
     with pytest.raises(MemoryBudgetError) as info:
-        compile_graph(spec, inputs, backward=True,
-                      limits=Limits(memory_budget_bytes=need, recompute=False))
+        compile_graph(
+            spec, inputs, backward=True, limits=Limits(memory_budget_bytes=need, recompute=False)
+        )
     assert "recomputation" not in str(info.value)
     assert info.value.planned_bytes == plain.planned_peak_bytes

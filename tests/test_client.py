@@ -79,7 +79,7 @@ class Sent:
 
     @property
     def tail(self) -> bytes:
-        return self.body[int(self.headers[BINARY_HEADER]):] if self.binary else b""
+        return self.body[int(self.headers[BINARY_HEADER]) :] if self.binary else b""
 
 
 class _Tap(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -114,8 +114,9 @@ class _Recording:
     def _route(self, request: httpx.Request) -> Sent:
         sent = Sent(request.url.path, request.headers)
         self.sent.append(sent)
-        request.url = request.url.copy_with(scheme=self.target.scheme, host=self.target.host,
-                                            port=self.target.port)
+        request.url = request.url.copy_with(
+            scheme=self.target.scheme, host=self.target.host, port=self.target.port
+        )
         request.stream = _Tap(request.stream, sent)
         return sent
 
@@ -123,13 +124,28 @@ class _Recording:
         """A response of our own, with the request read (and recorded), or None."""
         if self.busy:
             self.busy -= 1
-            return httpx.Response(503, headers={"Retry-After": "0"}, request=request,
-                                  json={"type": "urn:gradserve:problem:overloaded",
-                                        "title": "Server busy", "status": 503, "detail": ""})
+            return httpx.Response(
+                503,
+                headers={"Retry-After": "0"},
+                request=request,
+                json={
+                    "type": "urn:gradserve:problem:overloaded",
+                    "title": "Server busy",
+                    "status": 503,
+                    "detail": "",
+                },
+            )
         if self.refuse_ids and "graph_id" in sent.header:
-            return httpx.Response(409, request=request, json={
-                "type": GRAPH_UNKNOWN, "title": "Graph unknown", "status": 409,
-                "detail": "not here"})
+            return httpx.Response(
+                409,
+                request=request,
+                json={
+                    "type": GRAPH_UNKNOWN,
+                    "title": "Graph unknown",
+                    "status": 409,
+                    "detail": "not here",
+                },
+            )
         return None
 
     def _done(self, response: httpx.Response) -> httpx.Response:
@@ -195,9 +211,11 @@ def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     else:
         info = np.finfo(dtype)
         flat = (rng.standard_normal(n) * 1e3).astype(dtype)
-        specials = np.array([np.nan, np.inf, -np.inf, -0.0, info.max, info.smallest_subnormal,
-                             info.min], dtype=dtype)
-        flat[:len(specials)] = specials[:n]
+        specials = np.array(
+            [np.nan, np.inf, -np.inf, -0.0, info.max, info.smallest_subnormal, info.min],
+            dtype=dtype,
+        )
+        flat[: len(specials)] = specials[:n]
     return flat.reshape(shape)
 
 
@@ -205,8 +223,7 @@ def assert_exact(got: np.ndarray, want: np.ndarray) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape)
     if want.dtype.kind == "f":
         # Bit for bit: NaN, the infinities and -0.0 included.
-        np.testing.assert_array_equal(got.view(f"u{want.itemsize}"),
-                                      want.view(f"u{want.itemsize}"))
+        np.testing.assert_array_equal(got.view(f"u{want.itemsize}"), want.view(f"u{want.itemsize}"))
     else:
         np.testing.assert_array_equal(got, want)
 
@@ -248,8 +265,9 @@ def assert_arrays_of(result: Result, encoding: str) -> None:
 @pytest.mark.parametrize("request_form", list(REQUESTS))
 @pytest.mark.parametrize("encoding", ENCODINGS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_every_dtype_and_shape(server: Server, dtype: str, encoding: str,
-                                          request_form: str) -> None:
+def test_round_trip_every_dtype_and_shape(
+    server: Server, dtype: str, encoding: str, request_form: str
+) -> None:
     gs, rec = client(server, encoding=encoding, **REQUESTS[request_form])
     with gs:
         for k, shape in enumerate(SHAPES):
@@ -277,8 +295,10 @@ def test_defaults_mix_binary_and_json_in_one_request(server: Server) -> None:
     w = np.array([2.0, -1.0, 0.5], np.float32)  # JSON
     n = np.arange(64, dtype=np.int64).reshape(8, 8)  # binary (exactly the threshold)
     k = np.array(3, np.int32)  # JSON, 0-d
-    graph = {"nodes": [{"id": "y", "expr": "x * 2"}, {"id": "s", "expr": "sum(w) + 1"}],
-             "outputs": ["y", "s", "n", "k"]}
+    graph = {
+        "nodes": [{"id": "y", "expr": "x * 2"}, {"id": "s", "expr": "sum(w) + 1"}],
+        "outputs": ["y", "s", "n", "k"],
+    }
     gs, rec = client(server)
     with gs:
         assert gs.binary_threshold == 64 and gs.encoding == "binary"
@@ -313,12 +333,17 @@ def test_backward_with_binary_gradients_and_grad_outputs(server: Server) -> None
     graph = {"nodes": [{"id": "y", "expr": "x * w * s"}], "outputs": ["y"]}
     gs, rec = client(server)
     with gs:
-        r = gs.backward(graph, {"x": x, "w": w, "s": s}, grad_outputs={"y": g},
-                        requires_grad=["x", "s"])
+        r = gs.backward(
+            graph, {"x": x, "w": w, "s": s}, grad_outputs={"y": g}, requires_grad=["x", "s"]
+        )
         sent = rec.sent[-1]
         assert sent.header["grad_outputs"]["y"]["binary_data_size"] == g.nbytes
-        assert sent.header["inputs"]["s"] == {"dtype": "float64", "shape": [],
-                                              "data": 2.0, "requires_grad": True}
+        assert sent.header["inputs"]["s"] == {
+            "dtype": "float64",
+            "shape": [],
+            "data": 2.0,
+            "requires_grad": True,
+        }
         assert sent.tail == x.tobytes() + w.tobytes() + g.tobytes()
         assert r.grad_fn["y"] == "MulBackward" and r.requires_grad == {"y": True}
         assert r.gradients is not None and set(r.gradients) == {"x", "s"}
@@ -332,8 +357,12 @@ def test_backward_with_binary_gradients_and_grad_outputs(server: Server) -> None
             with Client(server.base, encoding=encoding) as other:
                 xb = np.repeat(x, 2).astype(">f8")[::2]
                 assert not xb.flags.c_contiguous
-                r2 = other.backward(graph, {"x": xb, "w": w, "s": s}, grad_outputs={"y": g},
-                                    requires_grad=["x", "s"])
+                r2 = other.backward(
+                    graph,
+                    {"x": xb, "w": w, "s": s},
+                    grad_outputs={"y": g},
+                    requires_grad=["x", "s"],
+                )
                 assert r2.gradients is not None
                 assert_exact(r2.gradients["x"], g * w * 2)
                 assert_arrays_of(r2, encoding)
@@ -360,8 +389,10 @@ def test_large_binary_body_goes_as_parts(server: Server) -> None:
 def test_errors_raise_with_the_problem(server: Server) -> None:
     gs, _ = client(server)
     with gs, pytest.raises(GradserveHTTPError) as info:
-        gs.forward({"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}],
-                    "outputs": ["z"]}, {"a": np.ones((30, 4)), "b": np.ones((5, 20))})
+        gs.forward(
+            {"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}], "outputs": ["z"]},
+            {"a": np.ones((30, 4)), "b": np.ones((5, 20))},
+        )
     err = info.value
     assert err.status == 422 and err.type == "urn:gradserve:problem:shape-mismatch"
     assert err.node == "z" and err.request_id and err.errors
@@ -398,12 +429,15 @@ def test_graph_sent_once_then_by_id(server: Server) -> None:
             assert again.outputs["z"].item() == (2.0 + i) ** 2 - 9
             assert again.gradients is not None and again.gradients["x"].item() == 2 * (2 + i)
         # The same graph with its keys in another order is the same graph.
-        gs.backward({"outputs": ["z"], "nodes": [{"expr": "(x + y) * (x - y)", "id": "z"}]},
-                    {"x": 1.0, "y": 1.0})
+        gs.backward(
+            {"outputs": ["z"], "nodes": [{"expr": "(x + y) * (x - y)", "id": "z"}]},
+            {"x": 1.0, "y": 1.0},
+        )
         assert rec.sent[-1].header.get("graph_id") == graph_id
         # Another graph is sent in full.
-        gs.forward({"nodes": [{"id": "z", "expr": "x + y"}], "outputs": ["z"]},
-                   {"x": 1.0, "y": 1.0})
+        gs.forward(
+            {"nodes": [{"id": "z", "expr": "x + y"}], "outputs": ["z"]}, {"x": 1.0, "y": 1.0}
+        )
         assert "graph" in rec.sent[-1].header
     assert rec.statuses == [200] * len(rec.sent)
 
@@ -419,13 +453,17 @@ def test_graph_sent_once_then_by_id(server: Server) -> None:
 # and negative ints, exponents, unicode ids, keys in any order.
 ROUTED_GRAPHS = [
     {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-    {"outputs": ["s"], "nodes": [
-        {"attrs": {"value": 0.1, "shape": [1]}, "op": "full", "id": "c"},
-        {"id": "p", "op": "mul", "args": ["x", "c"]},
-        {"id": "q", "op": "mul", "args": ["p", 1e-7]},
-        {"id": "r", "op": "add", "args": ["q", np.float32(1 / 3)]},
-        {"id": "ζ", "op": "add", "args": ["r", -9007199254740993]},
-        {"id": "s", "op": "add", "args": ["ζ", 1e16]}]},
+    {
+        "outputs": ["s"],
+        "nodes": [
+            {"attrs": {"value": 0.1, "shape": [1]}, "op": "full", "id": "c"},
+            {"id": "p", "op": "mul", "args": ["x", "c"]},
+            {"id": "q", "op": "mul", "args": ["p", 1e-7]},
+            {"id": "r", "op": "add", "args": ["q", np.float32(1 / 3)]},
+            {"id": "ζ", "op": "add", "args": ["r", -9007199254740993]},
+            {"id": "s", "op": "add", "args": ["ζ", 1e16]},
+        ],
+    },
 ]
 
 
@@ -537,8 +575,9 @@ def test_async_client(server: Server, tmp_path: Path) -> None:
             assert_arrays_of(r, "binary")
 
             # By id, concurrently; a 503 retried; then a miss on another server.
-            results = await asyncio.gather(*(gs.forward(graph, {"x": x + i, "w": w})
-                                             for i in range(4)))
+            results = await asyncio.gather(
+                *(gs.forward(graph, {"x": x + i, "w": w}) for i in range(4))
+            )
             for i, ri in enumerate(results):
                 assert_exact(ri.outputs["y"], (x + i) * 3)
             assert all(s.header.get("graph_id") == r.meta["graph_id"] for s in rec.sent[1:])

@@ -54,8 +54,9 @@ def _long(n: int, size: int = 2048) -> dict[str, Any]:
     size 2048."""
     full = f"full(shape=[{size}, {size}], value=0.001, dtype='float64')"
     nodes: list[dict[str, Any]] = [{"id": "a", "expr": full}]
-    nodes += [{"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(n)]
+    nodes += [
+        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]} for i in range(n)
+    ]
     nodes.append({"id": "s", "expr": f"sum(m{n - 1})"})
     return {"nodes": nodes, "outputs": ["s"]}
 
@@ -77,9 +78,16 @@ def _launch(tmp: Path, port: int, **env: str) -> Server:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
             cwd=ROOT,
-            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-                 "MKL_NUM_THREADS": "1", **env},
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={
+                **os.environ,
+                "OPENBLAS_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                **env,
+            },
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     return Server(f"http://127.0.0.1:{port}", port, proc, log)
 
@@ -140,8 +148,12 @@ class _Tapping:
             return None
         status, headers, slug = self.script.pop(0)
         self.outcomes.append(status)
-        return httpx.Response(status, headers=headers, request=request, json={
-            "type": slug, "title": "scripted", "status": status, "detail": "scripted"})
+        return httpx.Response(
+            status,
+            headers=headers,
+            request=request,
+            json={"type": slug, "title": "scripted", "status": status, "detail": "scripted"},
+        )
 
     def _forwarded(self, request: httpx.Request, body: bytes) -> None:
         request.stream = httpx.ByteStream(body)
@@ -209,8 +221,7 @@ def script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     _end(s)
 
 
-def _scripted(server: Server, script: list[Scripted],
-              retry: Retry | int) -> tuple[Client, Tap]:
+def _scripted(server: Server, script: list[Scripted], retry: Retry | int) -> tuple[Client, Tap]:
     """A client whose tap answers `script` first, and then lets `server` answer."""
     tap = Tap(script)
     return Client(server.base, transport=tap, retries=retry), tap
@@ -230,8 +241,11 @@ def test_the_policy_backs_off_with_full_jitter_and_honours_retry_after() -> None
         Retry(attempts=0)
     with pytest.raises(ValueError):
         Retry(deadline=0)
-    with Client("http://127.0.0.1:9") as gs, Client("http://127.0.0.1:9", retries=0) as off, \
-            Client("http://127.0.0.1:9", retries=4) as four:
+    with (
+        Client("http://127.0.0.1:9") as gs,
+        Client("http://127.0.0.1:9", retries=0) as off,
+        Client("http://127.0.0.1:9", retries=4) as four,
+    ):
         assert gs.retry == Retry() and off.retry.attempts == 1 and four.retry.attempts == 5
     with pytest.raises(TypeError):
         Client("http://127.0.0.1:9", retries=True)
@@ -239,8 +253,11 @@ def test_the_policy_backs_off_with_full_jitter_and_honours_retry_after() -> None
 
 def test_retry_after_as_seconds_or_a_date(script_server: Server) -> None:
     date = email.utils.formatdate(time.time() + 3, usegmt=True)  # (to the second)
-    gs, tap = _scripted(script_server, [_busy("0.4"), _busy(date), _busy("soon"), _busy(None)],
-                        Retry(attempts=5, deadline=10, backoff=0.01, max_backoff=0.01))
+    gs, tap = _scripted(
+        script_server,
+        [_busy("0.4"), _busy(date), _busy("soon"), _busy(None)],
+        Retry(attempts=5, deadline=10, backoff=0.01, max_backoff=0.01),
+    )
     with gs:
         assert gs.forward(SEED, {"x": 2.0, "y": 3.0}).outputs["z"].item() == -5.0
     gaps = np.diff(tap.times)
@@ -252,11 +269,14 @@ def test_retry_after_as_seconds_or_a_date(script_server: Server) -> None:
 
 # ------------------------------------------------------------------ what is retried
 def test_a_refused_connection_is_retried_until_a_server_starts(
-        tmp_path: Path, servers: list[Server]) -> None:
+    tmp_path: Path, servers: list[Server]
+) -> None:
     port = _free_port()  # nothing listens on it yet
     tap = Tap()
-    with Client(f"http://127.0.0.1:{port}", transport=tap, retries=QUICK) as gs, \
-            ThreadPoolExecutor(1) as pool:
+    with (
+        Client(f"http://127.0.0.1:{port}", transport=tap, retries=QUICK) as gs,
+        ThreadPoolExecutor(1) as pool,
+    ):
         t0 = time.monotonic()
         call = pool.submit(gs.backward, SEED, {"x": 2.0, "y": 3.0})
         time.sleep(0.5)
@@ -273,7 +293,8 @@ def test_a_refused_connection_is_retried_until_a_server_starts(
 
 
 def test_a_server_killed_mid_request_is_retried_on_its_successor(
-        tmp_path: Path, servers: list[Server]) -> None:
+    tmp_path: Path, servers: list[Server]
+) -> None:
     """SIGKILL to a server (and its workers) while a request computes; another is
     started on the same port: the call succeeds there, within its deadline."""
     n = 6
@@ -301,19 +322,30 @@ def test_a_server_killed_mid_request_is_retried_on_its_successor(
     assert len({*tap.bodies}) == 1
 
 
-def test_503_waits_for_retry_after_and_504_is_not_retried(servers: list[Server],
-                                                           tmp_path: Path) -> None:
+def test_503_waits_for_retry_after_and_504_is_not_retried(
+    servers: list[Server], tmp_path: Path
+) -> None:
     """One compute slot, taken by a request that runs past the 2 s time limit, and no
     queue for it: another request that needs a slot (too large for the front process's
     fast lane) gets 503 (Retry-After: 1) and is retried after a second or more until the
     slot is free; the long one gets 504, once: the same work would time out again."""
-    s = _ready(_launch(tmp_path, _free_port(), GRADSERVE_MAX_CONCURRENCY="1",
-                       GRADSERVE_MAX_QUEUE_SIZE="0", GRADSERVE_REQUEST_TIMEOUT_S="2"))
+    s = _ready(
+        _launch(
+            tmp_path,
+            _free_port(),
+            GRADSERVE_MAX_CONCURRENCY="1",
+            GRADSERVE_MAX_QUEUE_SIZE="0",
+            GRADSERVE_REQUEST_TIMEOUT_S="2",
+        )
+    )
     servers.append(s)
     long_tap, tap = Tap(), Tap()
     retry = Retry(attempts=20, deadline=30.0, backoff=0.02, max_backoff=0.1)
-    with Client(s.base, transport=long_tap, retries=retry) as slow, \
-            Client(s.base, transport=tap, retries=retry) as gs, ThreadPoolExecutor(1) as pool:
+    with (
+        Client(s.base, transport=long_tap, retries=retry) as slow,
+        Client(s.base, transport=tap, retries=retry) as gs,
+        ThreadPoolExecutor(1) as pool,
+    ):
         t0 = time.monotonic()
         call = pool.submit(slow.forward, _long(40), PAD, no_grad=True)
         assert long_tap.sent.wait(10)
@@ -330,9 +362,11 @@ def test_503_waits_for_retry_after_and_504_is_not_retried(servers: list[Server],
 
 
 def test_a_502_is_retried_and_a_503_past_the_deadline_is_not_waited_for(
-        script_server: Server) -> None:
-    gs, tap = _scripted(script_server, [(502, {}, "about:blank"), _busy("0")],
-                        Retry(attempts=3, backoff=0.01))
+    script_server: Server,
+) -> None:
+    gs, tap = _scripted(
+        script_server, [(502, {}, "about:blank"), _busy("0")], Retry(attempts=3, backoff=0.01)
+    )
     with gs:
         assert gs.forward(SEED, {"x": 1.0, "y": 1.0}).outputs["z"].item() == 0.0
     assert tap.outcomes == [502, 503, 200]
@@ -347,8 +381,11 @@ def test_a_502_is_retried_and_a_503_past_the_deadline_is_not_waited_for(
 
 @pytest.mark.parametrize("status", [400, 401, 404, 405, 413, 415, 422, 500, 504])
 def test_no_retry_on_4xx_500_or_504(script_server: Server, status: int) -> None:
-    gs, tap = _scripted(script_server, [(status, {"Retry-After": "0"}, "urn:gradserve:problem:x")],
-                        Retry(attempts=5, backoff=0.01))
+    gs, tap = _scripted(
+        script_server,
+        [(status, {"Retry-After": "0"}, "urn:gradserve:problem:x")],
+        Retry(attempts=5, backoff=0.01),
+    )
     with gs, pytest.raises(GradserveHTTPError) as info:
         gs.forward(SEED, {"x": 1.0, "y": 1.0})
     assert info.value.status == status and tap.outcomes == [status]
@@ -356,10 +393,14 @@ def test_no_retry_on_4xx_500_or_504(script_server: Server, status: int) -> None:
 
 def test_a_real_422_is_not_retried(script_server: Server) -> None:
     tap = Tap()
-    with Client(script_server.base, transport=tap, retries=QUICK) as gs, \
-            pytest.raises(GradserveHTTPError) as info:
-        gs.forward({"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}],
-                    "outputs": ["z"]}, {"a": np.ones((3, 4)), "b": np.ones((5, 2))})
+    with (
+        Client(script_server.base, transport=tap, retries=QUICK) as gs,
+        pytest.raises(GradserveHTTPError) as info,
+    ):
+        gs.forward(
+            {"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}], "outputs": ["z"]},
+            {"a": np.ones((3, 4)), "b": np.ones((5, 2))},
+        )
     assert info.value.status == 422 and tap.outcomes == [422]
 
 
@@ -385,15 +426,22 @@ def test_409_resends_the_graph_once_and_that_resend_is_retried(script_server: Se
 def test_the_attempt_limit_then_the_last_error() -> None:
     port = _free_port()
     tap = Tap()
-    with Client(f"http://127.0.0.1:{port}", transport=tap,
-                retries=Retry(attempts=3, deadline=10, backoff=0.01)) as gs, \
-            pytest.raises(httpx.ConnectError) as info:
+    with (
+        Client(
+            f"http://127.0.0.1:{port}",
+            transport=tap,
+            retries=Retry(attempts=3, deadline=10, backoff=0.01),
+        ) as gs,
+        pytest.raises(httpx.ConnectError) as info,
+    ):
         gs.forward(SEED, {"x": 1.0, "y": 1.0})
     assert tap.outcomes == ["ConnectError"] * 3
     assert "gave up after 3 attempt(s)" in "".join(getattr(info.value, "__notes__", []))
     off = Tap()
-    with Client(f"http://127.0.0.1:{port}", transport=off, retries=0) as gs, \
-            pytest.raises(httpx.ConnectError):
+    with (
+        Client(f"http://127.0.0.1:{port}", transport=off, retries=0) as gs,
+        pytest.raises(httpx.ConnectError),
+    ):
         gs.ops()
     assert off.outcomes == ["ConnectError"]
 
@@ -406,8 +454,10 @@ def test_the_deadline_bounds_the_call() -> None:
     tap = Tap()
     retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
     t0 = time.monotonic()
-    with Client(f"http://127.0.0.1:{port}", transport=tap, retries=retry) as gs, \
-            pytest.raises(httpx.ConnectError):
+    with (
+        Client(f"http://127.0.0.1:{port}", transport=tap, retries=retry) as gs,
+        pytest.raises(httpx.ConnectError),
+    ):
         gs.forward(SEED, {"x": 1.0, "y": 1.0})
     elapsed = time.monotonic() - t0
     assert 0.8 <= elapsed < 1.0 + 0.3, elapsed
@@ -418,8 +468,10 @@ def test_the_deadline_bounds_the_call() -> None:
         mute.listen(8)
         tap = Tap()
         t0 = time.monotonic()
-        with Client(f"http://127.0.0.1:{mute.getsockname()[1]}", transport=tap,
-                    retries=retry) as gs, pytest.raises(httpx.ReadTimeout):
+        with (
+            Client(f"http://127.0.0.1:{mute.getsockname()[1]}", transport=tap, retries=retry) as gs,
+            pytest.raises(httpx.ReadTimeout),
+        ):
             gs.forward(SEED, {"x": 1.0, "y": 1.0})
         elapsed = time.monotonic() - t0
     assert 0.9 <= elapsed < 1.0 + 0.3, elapsed
@@ -445,8 +497,9 @@ def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
             # A 503 and a 502 retried; a 422 and a 500 not; ops() retried too.
             big = np.arange(30_000, dtype=np.float32)  # a binary body in parts, sent again
             tap.script, tap.outcomes = [_busy("0"), (502, {}, "about:blank")], []
-            rb = await gs.forward({"nodes": [{"id": "y", "expr": "x + 1"}], "outputs": ["y"]},
-                                  {"x": big})
+            rb = await gs.forward(
+                {"nodes": [{"id": "y", "expr": "x + 1"}], "outputs": ["y"]}, {"x": big}
+            )
             assert tap.outcomes == [503, 502, 200] and len({*tap.bodies[-3:]}) == 1
             np.testing.assert_array_equal(rb.outputs["y"], big + 1)
             for status in (422, 500):
@@ -462,8 +515,9 @@ def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
         dead = AsyncTap()
         retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
         t0 = time.monotonic()
-        async with AsyncClient(f"http://127.0.0.1:{_free_port()}", transport=dead,
-                               retries=retry) as gd:
+        async with AsyncClient(
+            f"http://127.0.0.1:{_free_port()}", transport=dead, retries=retry
+        ) as gd:
             with pytest.raises(httpx.ConnectError):
                 await gd.forward(SEED, {"x": 1.0, "y": 1.0})
         assert 0.8 <= time.monotonic() - t0 < 1.3

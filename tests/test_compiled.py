@@ -24,9 +24,9 @@ from tests.op_samples import ERRORS, TORCH, Sample
 from tests.test_ops import _cases, _is_float_array, engine_args, run, torch_args
 
 
-def _program_inputs(name: str, sample: Sample, dtype: str) -> tuple[Builder, list[Any],
-                                                                       dict[str, Sym],
-                                                                       dict[str, np.ndarray]]:
+def _program_inputs(
+    name: str, sample: Sample, dtype: str
+) -> tuple[Builder, list[Any], dict[str, Sym], dict[str, np.ndarray]]:
     """A builder holding the sample's arrays as program inputs (floats in `dtype`), and the
     op's arguments: those inputs' Syms, and the literals as they are."""
     b = Builder()
@@ -46,8 +46,11 @@ def _program_inputs(name: str, sample: Sample, dtype: str) -> tuple[Builder, lis
 
 def _differentiable(name: str, sample: Sample, syms: dict[str, Sym]) -> list[str]:
     op = OPS[name]
-    return [k for k, s in syms.items()
-            if s.dtype.startswith("float") and op.arg_differentiable(int(k[1:]))]
+    return [
+        k
+        for k, s in syms.items()
+        if s.dtype.startswith("float") and op.arg_differentiable(int(k[1:]))
+    ]
 
 
 def _run(program: Any, arrays: dict[str, np.ndarray]) -> Any:
@@ -62,7 +65,11 @@ def _run(program: Any, arrays: dict[str, np.ndarray]) -> Any:
 def assert_same(got: Any, expected: Any) -> None:
     got, expected = np.asarray(got), np.asarray(expected)
     assert got.shape == expected.shape and got.dtype == expected.dtype, (
-        got.shape, got.dtype, expected.shape, expected.dtype)
+        got.shape,
+        got.dtype,
+        expected.shape,
+        expected.dtype,
+    )
     np.testing.assert_array_equal(got, expected)  # NaN equals NaN here
 
 
@@ -76,8 +83,9 @@ def forward_program(name: str, sample: Sample, dtype: str) -> tuple[Any, dict[st
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(("name", "sample"), _cases())
-def test_forward_is_the_eager_forward(name: str, sample: Sample, dtype: str,
-                                      backend_name: str) -> None:
+def test_forward_is_the_eager_forward(
+    name: str, sample: Sample, dtype: str, backend_name: str
+) -> None:
     """One step: the shape rule equals the forward's shape and dtype (`verify`), the value
     is the eager one bit for bit, and the planned peak is the measured one."""
     program, arrays = forward_program(name, sample, dtype)
@@ -87,8 +95,9 @@ def test_forward_is_the_eager_forward(name: str, sample: Sample, dtype: str,
     assert result.peak_bytes == result.planned_peak_bytes
 
 
-def with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str],
-                                                        np.ndarray]:
+def with_gradients(
+    name: str, sample: Sample
+) -> tuple[Any, dict[str, np.ndarray], list[str], np.ndarray]:
     """The op and its VJP with upstream `v` as one program, in float64."""
     op = OPS[name]
     b, args, syms, arrays = _program_inputs(name, sample, "float64")
@@ -98,8 +107,7 @@ def with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray
     out = b.emit(op, args, op.bind_attrs(sample.attrs))
     v = b.value(out.meta)
     grads = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt])
-    outputs = {"out": out, **{f"d{k}": g for k, g in zip(wrt, grads, strict=True)
-                              if g is not None}}
+    outputs = {"out": out, **{f"d{k}": g for k, g in zip(wrt, grads, strict=True) if g is not None}}
     program = assemble(b, {**syms, "v": v}, outputs)
     upstream = np.random.default_rng(7).standard_normal(out.shape).astype(out.dtype)
     arrays["v"] = upstream
@@ -107,8 +115,9 @@ def with_gradients(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray
 
 
 @pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
-def test_gradients_are_the_eager_gradients_and_torch(name: str, sample: Sample,
-                                                     backend_name: str) -> None:
+def test_gradients_are_the_eager_gradients_and_torch(
+    name: str, sample: Sample, backend_name: str
+) -> None:
     program, arrays, wrt, upstream = with_gradients(name, sample)
     result = _run(program, arrays)
     assert result.peak_bytes == result.planned_peak_bytes
@@ -124,14 +133,15 @@ def test_gradients_are_the_eager_gradients_and_torch(name: str, sample: Sample,
         got = result.outputs.get(f"d{k}", np.zeros(arrays[k].shape))
         # The same VJP rules: equal up to where the eager plain backward calls NumPy's
         # operators and the program the op's kernel (pow's literal -0.5 is rsqrt there).
-        np.testing.assert_allclose(got, eager_in[i].grad.numpy(), rtol=1e-14, atol=1e-300,
-                                   equal_nan=True)
-        np.testing.assert_allclose(got, ref_in[i].grad.numpy(), rtol=1e-7, atol=1e-9,
-                                   equal_nan=True)
+        np.testing.assert_allclose(
+            got, eager_in[i].grad.numpy(), rtol=1e-14, atol=1e-300, equal_nan=True
+        )
+        np.testing.assert_allclose(
+            got, ref_in[i].grad.numpy(), rtol=1e-7, atol=1e-9, equal_nan=True
+        )
 
 
-def differentiated_twice(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray],
-                                                         list[str]]:
+def differentiated_twice(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str]]:
     """d/dx ⟨∂f/∂x · v, w⟩ as a program (the derived backward differentiated again), its
     inputs, and the arguments it differentiates."""
     op = OPS[name]
@@ -143,14 +153,14 @@ def differentiated_twice(name: str, sample: Sample) -> tuple[Any, dict[str, np.n
     out = b.emit(op, args, op.bind_attrs(sample.attrs))
     v = b.value(out.meta)
     ws = {k: b.value(syms[k].meta) for k in wrt}
-    firsts = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt],
-                 create_graph=True)
+    firsts = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt], create_graph=True)
     total: Any = b.constant(0.0, "float64")
     for k, g in zip(wrt, firsts, strict=True):
         if g is not None:
             total = total + b.call("sum", g * ws[k])
-    seconds = vjp(b, list(b.steps), [(total.slot, b.constant(1.0, "float64"))],
-                  [syms[k].slot for k in wrt])
+    seconds = vjp(
+        b, list(b.steps), [(total.slot, b.constant(1.0, "float64"))], [syms[k].slot for k in wrt]
+    )
     outputs = {f"d{k}": g for k, g in zip(wrt, seconds, strict=True) if g is not None}
     if not outputs:
         outputs = {"total": total}
@@ -173,18 +183,33 @@ def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sa
     ref_in = torch_args(name, sample, "float64", True)
     ref = TORCH[name](torch, *ref_in, **sample.attrs)
     ref_wrt = [ref_in[int(k[1:])] for k in wrt]
-    ref_firsts = torch.autograd.grad(ref, ref_wrt, torch.tensor(arrays["v"]),
-                                     create_graph=True, allow_unused=True)
-    ref_total = sum((torch.sum(g * torch.tensor(arrays[f"w{k}"]))
-                     for g, k in zip(ref_firsts, wrt, strict=True)
-                     if g is not None and g.requires_grad), torch.tensor(0.0, dtype=torch.float64))
-    ref_seconds = (torch.autograd.grad(ref_total, ref_wrt, allow_unused=True)
-                   if ref_total.requires_grad else [None] * len(wrt))
+    ref_firsts = torch.autograd.grad(
+        ref, ref_wrt, torch.tensor(arrays["v"]), create_graph=True, allow_unused=True
+    )
+    ref_total = sum(
+        (
+            torch.sum(g * torch.tensor(arrays[f"w{k}"]))
+            for g, k in zip(ref_firsts, wrt, strict=True)
+            if g is not None and g.requires_grad
+        ),
+        torch.tensor(0.0, dtype=torch.float64),
+    )
+    ref_seconds = (
+        torch.autograd.grad(ref_total, ref_wrt, allow_unused=True)
+        if ref_total.requires_grad
+        else [None] * len(wrt)
+    )
     for k, ref_g in zip(wrt, ref_seconds, strict=True):
         expected = np.zeros(arrays[k].shape) if ref_g is None else ref_g.numpy(force=True)
         got = result.outputs.get(f"d{k}", np.zeros(arrays[k].shape))
-        np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
-                                   err_msg=f"second derivative w.r.t. {k}")
+        np.testing.assert_allclose(
+            got,
+            expected,
+            rtol=1e-7,
+            atol=1e-9,
+            equal_nan=True,
+            err_msg=f"second derivative w.r.t. {k}",
+        )
 
 
 # ---------------------------------------------------------------- the static rules, whole graphs
@@ -196,19 +221,26 @@ def _compile(nodes: list[NodeSpec], inputs: dict[str, TensorSpec], **kw: Any) ->
 
 def test_stack_gives_its_new_dim_the_operand_count() -> None:
     x = TensorSpec((2, 3), "float32", True)
-    program = _compile([NodeSpec("s", expr="stack(x, y, x, dim=1)")], {"x": x, "y": x},
-                       backward=True, grad_outputs={"s": TensorSpec((2, 3, 3), "float32")})
+    program = _compile(
+        [NodeSpec("s", expr="stack(x, y, x, dim=1)")],
+        {"x": x, "y": x},
+        backward=True,
+        grad_outputs={"s": TensorSpec((2, 3, 3), "float32")},
+    )
     assert program.metas[dict(program.outputs)["s"]].shape == (2, 3, 3)
-    program = _compile([NodeSpec("z", expr="transpose(stack(x, y), dim0=0, dim1=1) @ k")],
-                       {"x": x, "y": x, "k": TensorSpec((3, 4), "float32")})
+    program = _compile(
+        [NodeSpec("z", expr="transpose(stack(x, y), dim0=0, dim1=1) @ k")],
+        {"x": x, "y": x, "k": TensorSpec((3, 4), "float32")},
+    )
     assert program.metas[dict(program.outputs)["z"]].shape == (2, 2, 4)
 
 
 def test_stacking_many_copies_is_planned_at_its_size() -> None:
     """Fifty copies of a 4 MB tensor are 200 MB, in the plan and in the run."""
     n = 1 << 20
-    program = _compile([NodeSpec("s", "stack", ["x"] * 50)],
-                       {"x": TensorSpec((n,), "float32")}, no_grad=True)
+    program = _compile(
+        [NodeSpec("s", "stack", ["x"] * 50)], {"x": TensorSpec((n,), "float32")}, no_grad=True
+    )
     assert program.planned_peak_bytes == 51 * 4 * n
     result = execute(program, {"x": np.ones(n, np.float32)}, verify=True)
     assert result.peak_bytes == program.planned_peak_bytes
@@ -216,8 +248,11 @@ def test_stacking_many_copies_is_planned_at_its_size() -> None:
 
 def test_detach_is_its_input_array_and_counted_once() -> None:
     n = 1000
-    program = _compile([NodeSpec("d", "detach", ["x"]), NodeSpec("y", expr="d * 2")],
-                       {"x": TensorSpec((n,), "float64")}, no_grad=True)
+    program = _compile(
+        [NodeSpec("d", "detach", ["x"]), NodeSpec("y", expr="d * 2")],
+        {"x": TensorSpec((n,), "float64")},
+        no_grad=True,
+    )
     assert program.planned_peak_bytes == 2 * 8 * n
     result = execute(program, {"x": np.ones(n)}, verify=True)
     assert result.peak_bytes == program.planned_peak_bytes
@@ -226,8 +261,9 @@ def test_detach_is_its_input_array_and_counted_once() -> None:
 _OPERATORS = {"sub": "__sub__", "neg": "__neg__", "abs": "__abs__"}
 
 
-@pytest.mark.parametrize("name", sorted(n for n, op in OPS.items()
-                                        if op.check_args and n in _OPERATORS))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, op in OPS.items() if op.check_args and n in _OPERATORS)
+)
 def test_operators_and_functions_check_the_same(name: str) -> None:
     """`x - y` and `engine.sub(x, y)` run the same checks: each error sample of an op with
     its own argument checks fails the same way through the op's operator."""
@@ -245,10 +281,16 @@ def test_operators_and_functions_check_the_same(name: str) -> None:
 
 def test_a_hundred_thousand_node_chain_compiles_and_runs() -> None:
     nodes = [NodeSpec("n0", "mul", ["x", 1.0])]
-    nodes += [NodeSpec(f"n{i}", "add" if i % 2 else "mul", [f"n{i - 1}", 0.5 if i % 2 else 1.0])
-              for i in range(1, 100_000)]
-    program = _compile(nodes, {"x": TensorSpec((), "float64", True)}, backward=True,
-                       limits=Limits(max_nodes=100_000))
+    nodes += [
+        NodeSpec(f"n{i}", "add" if i % 2 else "mul", [f"n{i - 1}", 0.5 if i % 2 else 1.0])
+        for i in range(1, 100_000)
+    ]
+    program = _compile(
+        nodes,
+        {"x": TensorSpec((), "float64", True)},
+        backward=True,
+        limits=Limits(max_nodes=100_000),
+    )
     result = execute(program, {"x": np.float64(2.0)})
     assert result.outputs["n99999"] == 2.0 + 0.5 * 50_000
     assert result.gradients["x"] == 1.0 and result.nodes == 100_000
@@ -262,10 +304,17 @@ def test_a_zero_literal_keeps_its_sign_whatever_was_compiled_before() -> None:
     inputs = {"x": TensorSpec((3,), "float32", True)}
     for order in ((0.0, -0.0), (-0.0, 0.0)):
         for k in order:
-            spec = GraphSpec([NodeSpec("m", "mul", ["x", k]), NodeSpec("y", "div", [1.0, "m"]),
-                              NodeSpec("s", "sum", ["m"])], ["y", "s"])
-            program = compile_graph(spec, inputs, backward=True,
-                                    grad_outputs={"y": TensorSpec((3,), "float32")})
+            spec = GraphSpec(
+                [
+                    NodeSpec("m", "mul", ["x", k]),
+                    NodeSpec("y", "div", [1.0, "m"]),
+                    NodeSpec("s", "sum", ["m"]),
+                ],
+                ["y", "s"],
+            )
+            program = compile_graph(
+                spec, inputs, backward=True, grad_outputs={"y": TensorSpec((3,), "float32")}
+            )
             r = execute(program, {"x": x}, grad_outputs={"y": np.ones(3, np.float32)})
             want = x * np.float32(k)
             np.testing.assert_array_equal(np.signbit(r.outputs["y"]), np.signbit(1 / want))

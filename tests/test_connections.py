@@ -65,8 +65,9 @@ TRICKLED_HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
 TRICKLED_BODY = b" " * 1000
 
 
-def _trickle(socks: list[socket.socket], payloads: list[bytes], seconds: float,
-             every: float = 0.2) -> list[bytes]:
+def _trickle(
+    socks: list[socket.socket], payloads: list[bytes], seconds: float, every: float = 0.2
+) -> list[bytes]:
     """Send one byte of its payload a tick on each socket until the server answers (or
     `seconds` pass); return each socket's answer."""
     answers = [b""] * len(socks)
@@ -78,7 +79,7 @@ def _trickle(socks: list[socket.socket], payloads: list[bytes], seconds: float,
         for i, s in enumerate(socks):
             if not done[i]:
                 try:
-                    s.send(payloads[i][tick:tick + 1])
+                    s.send(payloads[i][tick : tick + 1])
                 except OSError:
                     done[i] = True
         waiting = [s for i, s in enumerate(socks) if not done[i]]
@@ -111,24 +112,38 @@ SLOW_BODY = SLOW_HEAD + b"Content-Length: 100000\r\n\r\n{"
 
 
 # ----------------------------------------------------------------------------- log lines
-@pytest.mark.parametrize(("raw", "logged"), [
-    ("/healthz", "/healthz"),
-    ("/ops/é", "/ops/é"),
-    ("/x\r\nERROR: forged\x1b[31m", "/x\\x0d\\x0aERROR: forged\\x1b[31m"),
-    ("/a\\x1b", "/a\\\\x1b"),  # a backslash typed by the client cannot pass as an escape
-    ('/"GET / HTTP/1.1" 200', "/\\x22GET / HTTP/1.1\\x22 200"),
-    ("/\x7f\x85\u202e\u2028\U000e0001", "/\\x7f\\x85\\u202e\\u2028\\U000e0001"),
-])
+@pytest.mark.parametrize(
+    ("raw", "logged"),
+    [
+        ("/healthz", "/healthz"),
+        ("/ops/é", "/ops/é"),
+        ("/x\r\nERROR: forged\x1b[31m", "/x\\x0d\\x0aERROR: forged\\x1b[31m"),
+        ("/a\\x1b", "/a\\\\x1b"),  # a backslash typed by the client cannot pass as an escape
+        ('/"GET / HTTP/1.1" 200', "/\\x22GET / HTTP/1.1\\x22 200"),
+        ("/\x7f\x85\u202e\u2028\U000e0001", "/\\x7f\\x85\\u202e\\u2028\\U000e0001"),
+    ],
+)
 def test_loggable_escapes_what_could_forge_a_line(raw: str, logged: str) -> None:
     assert loggable(raw) == logged
 
 
 # ----------------------------------------------------------------------------- middleware
 def _http_scope(method: str, path: str, headers: list[tuple[bytes, bytes]] | None = None) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
-            "query_string": b"", "root_path": "", "headers": headers or [],
-            "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 80), "state": {}}
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers or [],
+        "client": ("127.0.0.1", 5555),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
 
 
 async def _call(app: FastAPI, scope: dict, receive: Any) -> list[dict]:
@@ -145,8 +160,12 @@ def test_a_client_that_leaves_mid_upload_is_499_without_a_traceback(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     app = create_app(Settings())
-    messages = iter([{"type": "http.request", "body": b'{"graph"', "more_body": True},
-                     {"type": "http.disconnect"}])
+    messages = iter(
+        [
+            {"type": "http.request", "body": b'{"graph"', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
 
     async def receive() -> dict:
         return next(messages)
@@ -233,13 +252,19 @@ def test_the_open_file_limit_is_raised_to_what_the_cap_needs(
     monkeypatch.setattr(resource, "getrlimit", lambda _: limits["now"])
     monkeypatch.setattr(resource, "setrlimit", lambda _, value: limits.update(now=value))
     assert protocol.fit_open_file_limit(512, slots=8) == 512
-    overhead = (20 + protocol.FD_MARGIN + 8 * protocol.FDS_PER_SLOT + protocol.PROBE_RESERVE
-                + protocol.LINGER_MAX)
+    overhead = (
+        20
+        + protocol.FD_MARGIN
+        + 8 * protocol.FDS_PER_SLOT
+        + protocol.PROBE_RESERVE
+        + protocol.LINGER_MAX
+    )
     assert limits["now"] == (512 + overhead, 100_000)
 
 
 def test_a_cap_over_the_open_file_limit_is_lowered_with_a_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(protocol, "_open_fds", lambda: 20)
     monkeypatch.setattr(resource, "getrlimit", lambda _: (256, 300))
@@ -270,8 +295,15 @@ def test_uvicorn_takes_the_protocol_class() -> None:
 def _serve_in_thread(http: type, **settings: Any) -> Iterator[tuple[int, FastAPI]]:
     """A uvicorn server with `http` as its protocol, in a thread of this process."""
     app = create_app(Settings(**settings))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=http, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=http,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=1,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -308,8 +340,12 @@ def test_idle_and_slow_connections_are_answered_408_and_closed(http: type) -> No
             assert client.get("/healthz").status_code == 200
             metrics = client.get("/metrics").text
         assert _metric(metrics, 'gradserve_rejections_total{reason="request_timeout"}') == 11
-        assert _metric(metrics, 'gradserve_requests_total{method="POST",route="/forward",'
-                                'status="408"}') == 3
+        assert (
+            _metric(
+                metrics, 'gradserve_requests_total{method="POST",route="/forward",status="408"}'
+            )
+            == 3
+        )
 
 
 # A request head begun and not finished: a busy connection, until the head deadline.
@@ -379,9 +415,13 @@ def test_at_the_cap_the_longest_idle_connection_makes_room(http: type) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # Room for every connection and a compute slot for every slow upload (a slot is taken
     # before the body is read), so that each is refused for being slow and nothing else.
-    s = _start(tmp_path_factory.mktemp("connections"), GRADSERVE_HEADER_TIMEOUT_S="1",
-               GRADSERVE_BODY_TIMEOUT_S="1", GRADSERVE_MAX_CONNECTIONS="1024",
-               GRADSERVE_MAX_CONCURRENCY="32")
+    s = _start(
+        tmp_path_factory.mktemp("connections"),
+        GRADSERVE_HEADER_TIMEOUT_S="1",
+        GRADSERVE_BODY_TIMEOUT_S="1",
+        GRADSERVE_MAX_CONNECTIONS="1024",
+        GRADSERVE_MAX_CONCURRENCY="32",
+    )
     yield s
     _stop(s)
 
@@ -424,8 +464,12 @@ def test_20_uploads_cut_mid_body_are_499_not_500(server: Server) -> None:
     before = _metric(httpx.get(server.base + "/metrics", timeout=10).text, key)
     for i in range(20):
         with _connect(server.port) as s:
-            s.sendall(SLOW_HEAD + f"X-Request-ID: cut-{i}\r\nContent-Length: 100000\r\n\r\n"
-                      .encode() + b'{"graph": ' + b" " * 5000)
+            s.sendall(
+                SLOW_HEAD
+                + f"X-Request-ID: cut-{i}\r\nContent-Length: 100000\r\n\r\n".encode()
+                + b'{"graph": '
+                + b" " * 5000
+            )
             time.sleep(0.01)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -438,21 +482,27 @@ def test_20_uploads_cut_mid_body_are_499_not_500(server: Server) -> None:
     assert _log_has(server, "cut-19 ")
     log = server.log_text()
     assert "Traceback" not in log and "ClientDisconnect" not in log
-    assert all(re.search(rf'cut-{i} 127\.0\.0\.1:\d+ "POST /forward HTTP/1.1" 499 ', log)
-               for i in range(20))
+    assert all(
+        re.search(rf'cut-{i} 127\.0\.0\.1:\d+ "POST /forward HTTP/1.1" 499 ', log)
+        for i in range(20)
+    )
 
 
 @pytest.mark.integration
 def test_a_client_cannot_forge_log_lines(server: Server) -> None:
     with _connect(server.port) as s:
-        s.sendall(b"GET /x%0d%0aERROR:%20forged%1b%5b31m HTTP/1.1\r\nHost: x\r\n"
-                  b"X-Request-ID: forge-1\r\nConnection: close\r\n\r\n")
+        s.sendall(
+            b"GET /x%0d%0aERROR:%20forged%1b%5b31m HTTP/1.1\r\nHost: x\r\n"
+            b"X-Request-ID: forge-1\r\nConnection: close\r\n\r\n"
+        )
         assert _status(_read_all(s, 5)) == 404
     # The client address, which uvicorn takes from X-Forwarded-For when the peer is a
     # trusted proxy (127.0.0.1 by default); the parser lets C1 bytes through (CSI, NEL).
     with _connect(server.port) as s:
-        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-ID: forge-2\r\n"
-                  b"X-Forwarded-For: 10.0.0.1\x9b2J\x85x\r\nConnection: close\r\n\r\n")
+        s.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Request-ID: forge-2\r\n"
+            b"X-Forwarded-For: 10.0.0.1\x9b2J\x85x\r\nConnection: close\r\n\r\n"
+        )
         assert _status(_read_all(s, 5)) == 200
     assert _log_has(server, "forge-2")
     log = server.log_text()
@@ -490,8 +540,10 @@ def test_a_low_open_file_limit_lowers_the_cap(tmp_path: Path) -> None:
 def _long_graph(matmuls: int) -> dict[str, Any]:
     # A no_grad chain of 1000x1000 matmuls: seconds of BLAS work in a worker thread.
     nodes = [{"id": "a", "op": "full", "attrs": {"shape": [1000, 1000], "value": 0.001}}]
-    nodes += [{"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(matmuls)]
+    nodes += [
+        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+        for i in range(matmuls)
+    ]
     return {"graph": {"nodes": nodes, "outputs": [f"m{matmuls - 1}"]}, "no_grad": True}
 
 

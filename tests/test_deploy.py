@@ -107,8 +107,17 @@ def _dockerfile_env(name: str) -> str:
 def _quantity(value: object) -> Decimal:
     """A Kubernetes quantity ("7Gi", "500m", 5) as a number."""
     text = str(value)
-    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "m": Decimal("0.001"),
-                "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    suffixes = {
+        "Ki": 2**10,
+        "Mi": 2**20,
+        "Gi": 2**30,
+        "Ti": 2**40,
+        "m": Decimal("0.001"),
+        "k": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+        "T": 10**12,
+    }
     for suffix, factor in suffixes.items():
         if text.endswith(suffix):
             return Decimal(text[: -len(suffix)]) * Decimal(factor)
@@ -119,8 +128,7 @@ def _docker_bytes(value: object) -> int:
     """A Docker size ("512m", "7g"): binary units."""
     match = re.fullmatch(r"(\d+)([bkmg]?)b?", str(value).strip().lower())
     assert match, value
-    return int(match.group(1)) * {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[
-        match.group(2)]
+    return int(match.group(1)) * {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)]
 
 
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +149,11 @@ def _env_values(deployment: dict[str, Any]) -> dict[str, str]:
 def _effective(deployment: dict[str, Any]) -> Settings:
     """The settings a pod runs with: the Deployment's literal GRADSERVE_* values over the
     defaults (validated as the service validates them at start-up)."""
-    fields = {k.removeprefix("GRADSERVE_").lower(): v
-              for k, v in _env_values(deployment).items() if k.startswith("GRADSERVE_")}
+    fields = {
+        k.removeprefix("GRADSERVE_").lower(): v
+        for k, v in _env_values(deployment).items()
+        if k.startswith("GRADSERVE_")
+    }
     return Settings.model_validate(fields)
 
 
@@ -158,10 +169,13 @@ def _port_number(container: dict[str, Any], port: int | str) -> int:
 def test_the_manifests_are_there() -> None:
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in _all_documents())
     assert kinds == [
-        ("Deployment", "gradserve"), ("Deployment", "gradserve-gpu"),
+        ("Deployment", "gradserve"),
+        ("Deployment", "gradserve-gpu"),
         ("HorizontalPodAutoscaler", "gradserve"),
-        ("PodDisruptionBudget", "gradserve"), ("PodDisruptionBudget", "gradserve-gpu"),
-        ("Service", "gradserve"), ("Service", "gradserve-gpu"),
+        ("PodDisruptionBudget", "gradserve"),
+        ("PodDisruptionBudget", "gradserve-gpu"),
+        ("Service", "gradserve"),
+        ("Service", "gradserve-gpu"),
     ], kinds
 
 
@@ -174,8 +188,9 @@ def test_manifest_is_valid_kubernetes(path: Path) -> None:
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
             where = ".".join(str(p) for p in e.path)
-            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {where}: "
-                        f"{e.message}")
+            pytest.fail(
+                f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {where}: {e.message}"
+            )
 
 
 def test_the_validation_is_strict() -> None:
@@ -189,8 +204,9 @@ def test_the_validation_is_strict() -> None:
 
 # ---------------------------------------------------------------------- wiring between them
 def test_services_and_budgets_select_their_deployments_pods() -> None:
-    pod_labels = {name: d["spec"]["template"]["metadata"]["labels"]
-                  for name, d in DEPLOYMENTS.items()}
+    pod_labels = {
+        name: d["spec"]["template"]["metadata"]["labels"] for name, d in DEPLOYMENTS.items()
+    }
     for name, d in DEPLOYMENTS.items():
         assert d["spec"]["selector"]["matchLabels"].items() <= pod_labels[name].items()
     for kind in ("Service", "PodDisruptionBudget"):
@@ -209,8 +225,11 @@ def test_services_and_budgets_select_their_deployments_pods() -> None:
 def test_hpa_scales_the_cpu_deployment_on_cpu() -> None:
     (hpa,) = _of_kind("HorizontalPodAutoscaler")
     spec = hpa["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                      "name": "gradserve"}
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "gradserve",
+    }
     assert "replicas" not in DEPLOYMENTS["gradserve"]["spec"], "the HPA owns the count"
     (metric,) = spec["metrics"]
     assert metric["resource"]["name"] == "cpu"
@@ -263,8 +282,11 @@ def test_probes_hit_the_health_endpoints(deployment: dict[str, Any]) -> None:
     container = _container(deployment)
     paths = json.loads((ROOT / "openapi" / "openapi.json").read_text())["paths"]
     port = int(_env_values(deployment)["GRADSERVE_PORT"])
-    expected = {"startupProbe": "/healthz", "livenessProbe": "/healthz",
-                "readinessProbe": "/readyz"}
+    expected = {
+        "startupProbe": "/healthz",
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+    }
     for probe, path in expected.items():
         get = container[probe]["httpGet"]
         assert get["path"] == path
@@ -307,9 +329,11 @@ def test_resources_follow_the_memory_arithmetic(deployment: dict[str, Any]) -> N
     compose_limit = _compose_service(deployment)["deploy"]["resources"]["limits"]["memory"]
     assert limit == _docker_bytes(compose_limit)
     gpu = "nvidia.com/gpu" in resources["limits"]
-    needed = (settings.inflight_memory_bytes
-              + settings.max_concurrency * settings.max_body_bytes * DECODE_FACTOR
-              + RUNTIME_BYTES["gpu" if gpu else "cpu"])
+    needed = (
+        settings.inflight_memory_bytes
+        + settings.max_concurrency * settings.max_body_bytes * DECODE_FACTOR
+        + RUNTIME_BYTES["gpu" if gpu else "cpu"]
+    )
     assert needed <= limit, f"{needed / GiB:.2f} GiB needed, limit {limit / GiB} GiB"
     # One core per compute worker, one for the front process; request = limit.
     cpu = _quantity(resources["limits"]["cpu"])
@@ -373,6 +397,7 @@ def test_shutdown_outlasts_the_graceful_period(deployment: dict[str, Any]) -> No
     grace = pod["terminationGracePeriodSeconds"]
     assert grace >= pre_stop_s + settings.graceful_shutdown_s + EXIT_MARGIN_S, (
         f"terminationGracePeriodSeconds {grace} < preStop {pre_stop_s} + "
-        f"graceful_shutdown_s {settings.graceful_shutdown_s} + {EXIT_MARGIN_S}")
+        f"graceful_shutdown_s {settings.graceful_shutdown_s} + {EXIT_MARGIN_S}"
+    )
     # The image stops on SIGTERM, Kubernetes' signal.
     assert re.search(r"^STOPSIGNAL\s+SIGTERM\s*$", _dockerfile(), re.M)

@@ -85,14 +85,26 @@ def image() -> str:
     if _docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
         _unavailable(f"the base image {BASE_IMAGE!r} is not present")
     _docker(
-        "build", "--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
-        "-t", TAG, ".",
+        "build",
+        "--network",
+        "host",
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "-t",
+        TAG,
+        ".",
         timeout=BUILD_TIMEOUT_S,
     )
     # Earlier builds of the tag are left untagged: drop them (only gradserve's, only
     # untagged ones), so that a CI host does not fill up. The builder stages stay: cache.
-    _docker("image", "prune", "--force", "--filter",
-            "label=org.opencontainers.image.title=gradserve", check=False)
+    _docker(
+        "image",
+        "prune",
+        "--force",
+        "--filter",
+        "label=org.opencontainers.image.title=gradserve",
+        check=False,
+    )
     return TAG
 
 
@@ -116,12 +128,24 @@ class Container:
 def _start(image: str, *extra: str) -> Container:
     port = _free_port()
     proc = _docker(
-        "run", "-d", "--network", "host", "--name", f"gradserve-test-{uuid.uuid4().hex[:12]}",
+        "run",
+        "-d",
+        "--network",
+        "host",
+        "--name",
+        f"gradserve-test-{uuid.uuid4().hex[:12]}",
         # Loopback only: with host networking the image's 0.0.0.0 would bind every interface.
-        "-e", "GRADSERVE_HOST=127.0.0.1", "-e", f"GRADSERVE_PORT={port}",
+        "-e",
+        "GRADSERVE_HOST=127.0.0.1",
+        "-e",
+        f"GRADSERVE_PORT={port}",
         # Run the image's own HEALTHCHECK command every second instead of every 30 s.
-        "--health-interval", "1s", "--health-start-period", "30s",
-        *extra, image,
+        "--health-interval",
+        "1s",
+        "--health-start-period",
+        "30s",
+        *extra,
+        image,
     )
     return Container(proc.stdout.strip(), port)
 
@@ -237,20 +261,39 @@ def test_image_has_no_build_tools_pip_or_torch(image: str) -> None:
         "print(sys.prefix, [m for m in ('pip', 'setuptools', 'torch', 'pytest')"
         " if importlib.util.find_spec(m)])"
     )
-    out = _docker("run", "--rm", "--network", "host", "--entrypoint", "python3", image,
-                  "-c", script).stdout.strip()
+    out = _docker(
+        "run", "--rm", "--network", "host", "--entrypoint", "python3", image, "-c", script
+    ).stdout.strip()
     assert out == "/opt/venv []", out
-    tools = _docker("run", "--rm", "--network", "host", "--entrypoint", "sh", image, "-c",
-                    "for t in gcc cc g++ make; do command -v $t; done; true").stdout
+    tools = _docker(
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        "--entrypoint",
+        "sh",
+        image,
+        "-c",
+        "for t in gcc cc g++ make; do command -v $t; done; true",
+    ).stdout
     assert tools.strip() == "", f"compilers in the runtime image: {tools}"
     assert "serve" in _docker("run", "--rm", "--network", "host", image, "--help").stdout
 
 
 def test_docker_stop_ends_it_cleanly_within_10s(image: str) -> None:
     # The hardened settings of docker-compose.yml, to show the image runs under them.
-    c = _start(image, "--read-only", "--tmpfs", "/tmp", "--tmpfs",
-               "/home/gradserve:uid=10001,gid=10001,mode=0700",
-               "--cap-drop", "ALL", "--security-opt", "no-new-privileges:true")
+    c = _start(
+        image,
+        "--read-only",
+        "--tmpfs",
+        "/tmp",
+        "--tmpfs",
+        "/home/gradserve:uid=10001,gid=10001,mode=0700",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges:true",
+    )
     try:
         _wait_ready(c)
         t0 = time.monotonic()
@@ -276,8 +319,9 @@ def _long_request(n: int) -> dict[str, Any]:
 
 def test_docker_stop_with_a_request_in_flight(image: str) -> None:
     # A long request the compute budget lets through: the shutdown is what stops it.
-    c = _start(image, "-e", "GRADSERVE_REQUEST_TIMEOUT_S=600",
-               "-e", "GRADSERVE_COMPUTE_BUDGET=1e16")
+    c = _start(
+        image, "-e", "GRADSERVE_REQUEST_TIMEOUT_S=600", "-e", "GRADSERVE_COMPUTE_BUDGET=1e16"
+    )
     outcome: list[str] = []
 
     def client() -> None:
@@ -308,9 +352,13 @@ def test_docker_stop_with_a_request_in_flight(image: str) -> None:
 def _compose_command() -> list[str] | None:
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(
-        ["docker", "compose", "version"], capture_output=True, timeout=30
-    ).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    ):
         return ["docker", "compose"]
     return None
 

@@ -28,9 +28,13 @@ from tests.test_integration_service import Server, _start, _stop
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_FILES = ["index.html", *ASSETS]
 # A request whose first node's shapes do not match: /plan and /forward answer 422 naming it.
-BAD_MATMUL = {"graph": {"nodes": [{"id": "h", "expr": "x @ w"}, {"id": "y", "expr": "sum(h)"}],
-                        "outputs": ["y"]},
-              "inputs": {"x": [[1.0, 2.0]], "w": [[1.0, 2.0]]}}
+BAD_MATMUL = {
+    "graph": {
+        "nodes": [{"id": "h", "expr": "x @ w"}, {"id": "y", "expr": "sum(h)"}],
+        "outputs": ["y"],
+    },
+    "inputs": {"x": [[1.0, 2.0]], "w": [[1.0, 2.0]]},
+}
 SMALL_BUDGET = 20  # bytes: the seed example's planned peak on /backward is 28
 EXPLORER_KEY = "explorer-test-key"
 
@@ -67,8 +71,11 @@ async def test_the_page_is_served_with_a_self_only_policy_and_no_outside_urls() 
     # namespace (a name, never fetched); no @import, no url() in the style sheet.
     for name in PAGE_FILES:
         text = (STATIC / name).read_text()
-        outside = [w for w in text.replace('"', " ").replace("'", " ").split()
-                   if "://" in w and "www.w3.org/2000/svg" not in w]
+        outside = [
+            w
+            for w in text.replace('"', " ").replace("'", " ").split()
+            if "://" in w and "www.w3.org/2000/svg" not in w
+        ]
         assert not outside, (name, outside)
     css = (STATIC / "explorer.css").read_text()
     assert "@import" not in css and "url(" not in css
@@ -81,13 +88,24 @@ async def test_with_api_keys_the_page_loads_and_nothing_else_without_a_key() -> 
     page's own requests included, still needs one."""
     async with serving(api_keys=EXPLORER_KEY) as (client, _):
         assert sorted(PAGE_PATHS) == [
-            "/explorer", "/explorer/examples.json", "/explorer/explorer.css",
-            "/explorer/explorer.js", "/explorer/favicon.svg"]
+            "/explorer",
+            "/explorer/examples.json",
+            "/explorer/explorer.css",
+            "/explorer/explorer.js",
+            "/explorer/favicon.svg",
+        ]
         for path in PAGE_PATHS:
             r = await client.get(path)
             assert r.status_code == 200, (path, r.text)
-        for path in ("/explorer/app.py", "/explorer/", "/explorer/index.html", "/ops",
-                     "/docs", "/openapi.json", "/metrics"):
+        for path in (
+            "/explorer/app.py",
+            "/explorer/",
+            "/explorer/index.html",
+            "/ops",
+            "/docs",
+            "/openapi.json",
+            "/metrics",
+        ):
             r = await client.get(path)
             assert r.status_code == 401, (path, r.status_code)
         for path in ("/plan", "/backward", "/explorer"):
@@ -110,11 +128,16 @@ def _browser() -> tuple[str, str]:
     """Debian's chromium and chromedriver; a clear skip where they are not installed."""
     chromium = os.environ.get("GRADSERVE_TEST_CHROMIUM") or _which("chromium", "chromium-browser")
     driver = os.environ.get("GRADSERVE_TEST_CHROMEDRIVER") or _which("chromedriver")
-    missing = [what for what, path in (("chromium", chromium), ("chromedriver", driver))
-               if path is None or not os.access(path, os.X_OK)]
+    missing = [
+        what
+        for what, path in (("chromium", chromium), ("chromedriver", driver))
+        if path is None or not os.access(path, os.X_OK)
+    ]
     if missing:
-        why = (f"{' and '.join(missing)} not found (on Debian: apt-get install chromium "
-               "chromium-driver; .ci/run installs them)")
+        why = (
+            f"{' and '.join(missing)} not found (on Debian: apt-get install chromium "
+            "chromium-driver; .ci/run installs them)"
+        )
         if os.environ.get("GRADSERVE_TEST_REQUIRE_BROWSER") == "1":
             pytest.fail(f"GRADSERVE_TEST_REQUIRE_BROWSER=1 but {why}")
         pytest.skip(why)
@@ -128,27 +151,32 @@ def browser_paths() -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(browser_paths: tuple[str, str],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     s = _start(tmp_path_factory.mktemp("explorer"))
     yield s
     _stop(s)
 
 
 @pytest.fixture(scope="module")
-def small_budget_server(browser_paths: tuple[str, str],
-                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("explorer-budget"),
-               GRADSERVE_MEMORY_BUDGET_BYTES=str(SMALL_BUDGET))
+def small_budget_server(
+    browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    s = _start(
+        tmp_path_factory.mktemp("explorer-budget"), GRADSERVE_MEMORY_BUDGET_BYTES=str(SMALL_BUDGET)
+    )
     yield s
     _stop(s)
 
 
 @pytest.fixture(scope="module")
-def keyed_server(browser_paths: tuple[str, str],
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("explorer-keys"),
-               GRADSERVE_API_KEYS=f"another-key, {EXPLORER_KEY}")
+def keyed_server(
+    browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    s = _start(
+        tmp_path_factory.mktemp("explorer-keys"), GRADSERVE_API_KEYS=f"another-key, {EXPLORER_KEY}"
+    )
     yield s
     _stop(s)
 
@@ -156,16 +184,27 @@ def keyed_server(browser_paths: tuple[str, str],
 @pytest.fixture
 def driver(browser_paths: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     webdriver = pytest.importorskip(
-        "selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+        "selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')"
+    )
     from selenium.webdriver.chrome.service import Service
 
     chromium, chromedriver = browser_paths
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1500,1500", "--no-first-run", "--no-default-browser-check",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--disable-extensions", "--disable-features=Translate"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1500,1500",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--disable-features=Translate",
+    ):
         options.add_argument(arg)
     # The console (browser) and every request the page makes (performance: CDP's Network
     # domain).
@@ -188,9 +227,9 @@ def _wait(d: Any, predicate: Any, what: str, timeout: float = 30) -> Any:
     except Exception as err:
         state = d.execute_script("return document.body && document.body.dataset.state")
         status = d.execute_script(
-            "const s = document.querySelector('[data-testid=status]'); return s && s.textContent")
-        raise AssertionError(f"waited for {what}: page state {state!r}, status {status!r}") \
-            from err
+            "const s = document.querySelector('[data-testid=status]'); return s && s.textContent"
+        )
+        raise AssertionError(f"waited for {what}: page state {state!r}, status {status!r}") from err
 
 
 def _by(d: Any, testid: str, extra: str = "") -> list[Any]:
@@ -222,19 +261,26 @@ def _requests_with_headers(d: Any) -> list[tuple[str, dict[str, str]]]:
 def _console_errors(d: Any, allowed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Console entries of level SEVERE or WARNING, drained; `allowed`: substrings of
     messages expected (e.g. the 422 a problem comes with)."""
-    return [e for e in d.get_log("browser") if e["level"] in ("SEVERE", "WARNING")
-            and not any(a in e["message"] for a in allowed)]
+    return [
+        e
+        for e in d.get_log("browser")
+        if e["level"] in ("SEVERE", "WARNING") and not any(a in e["message"] for a in allowed)
+    ]
 
 
 def _assert_only_the_service(urls: list[str], base: str) -> None:
-    outside = [u for u in urls if not (u.startswith(base + "/") or u.startswith("data:")
-                                       or u == "about:blank")]
+    outside = [
+        u
+        for u in urls
+        if not (u.startswith(base + "/") or u.startswith("data:") or u == "about:blank")
+    ]
     assert not outside, f"requests outside the service: {outside}"
 
 
 @pytest.mark.integration
 def test_seed_example_plans_runs_and_stays_on_the_service(
-        driver: Any, server: Server, tmp_path: Path) -> None:
+    driver: Any, server: Server, tmp_path: Path
+) -> None:
     d = driver
     d.get(f"{server.base}/explorer?example=seed")
     _wait(d, lambda: _state(d) == "planned", "the seed example's plan")
@@ -245,8 +291,9 @@ def test_seed_example_plans_runs_and_stays_on_the_service(
     forward = _by(d, "node", '[data-phase="forward"]')
     assert sorted(n.get_attribute("data-node-id") for n in forward) == ["d", "s", "z"]
     assert all(n.get_attribute("data-kind") == "node" for n in forward)
-    assert sorted(n.get_attribute("data-node-id")
-                  for n in _by(d, "node", '[data-phase="input"]')) == ["x", "y"]
+    assert sorted(
+        n.get_attribute("data-node-id") for n in _by(d, "node", '[data-phase="input"]')
+    ) == ["x", "y"]
     assert len(_by(d, "node", '[data-phase="backward"]')) >= 3
     edges = _by(d, "edge")
     assert len(edges) >= 6 and {e.get_attribute("data-shape") for e in edges} == {"[]"}
@@ -271,9 +318,16 @@ def test_seed_example_plans_runs_and_stays_on_the_service(
     assert d.execute_script("return document.body.dataset.cspViolations") is None
     urls = _requests(d)
     _assert_only_the_service(urls, server.base)
-    paths = {u[len(server.base):] for u in urls}
-    assert {"/explorer?example=seed", "/explorer/explorer.js", "/explorer/explorer.css",
-            "/explorer/examples.json", "/plan", "/plan?format=dot", "/backward"} <= paths, paths
+    paths = {u[len(server.base) :] for u in urls}
+    assert {
+        "/explorer?example=seed",
+        "/explorer/explorer.js",
+        "/explorer/explorer.css",
+        "/explorer/examples.json",
+        "/plan",
+        "/plan?format=dot",
+        "/backward",
+    } <= paths, paths
     # The screenshot, as an artifact (and, when asked, the README's).
     shot = tmp_path / "explorer-seed.png"
     assert d.save_screenshot(str(shot))
@@ -284,7 +338,8 @@ def test_seed_example_plans_runs_and_stays_on_the_service(
 
 @pytest.mark.integration
 def test_over_budget_plan_shows_the_budget_line_crossed(
-        driver: Any, small_budget_server: Server, tmp_path: Path) -> None:
+    driver: Any, small_budget_server: Server, tmp_path: Path
+) -> None:
     d = driver
     d.get(f"{small_budget_server.base}/explorer?example=seed")
     _wait(d, lambda: _state(d) == "planned", "the plan")
@@ -313,7 +368,8 @@ def test_over_budget_plan_shows_the_budget_line_crossed(
 
 @pytest.mark.integration
 def test_recomputed_steps_are_marked_and_both_timelines_drawn(
-        driver: Any, server: Server, tmp_path: Path) -> None:
+    driver: Any, server: Server, tmp_path: Path
+) -> None:
     """A /backward over its memory budget that the planner fits by recomputation: its
     recomputed steps are marked in the graph and the timeline, and the timeline without
     recomputation is drawn below, crossing the budget that the program keeps to."""
@@ -337,8 +393,9 @@ def test_recomputed_steps_are_marked_and_both_timelines_drawn(
     without = _by(d, "timeline-without")[0]
     assert without.is_displayed()
     assert without.get_attribute("data-over-budget") == "true"
-    assert int(without.get_attribute("data-planned-peak-bytes")) == \
-        plain.json()["planned_peak_bytes"]
+    assert (
+        int(without.get_attribute("data-planned-peak-bytes")) == plain.json()["planned_peak_bytes"]
+    )
     _by(d, "run")[0].click()
     _wait(d, lambda: _state(d) == "ran", "the run")
     assert "POST /backward → 200" in _by(d, "results")[0].text
@@ -349,7 +406,8 @@ def test_recomputed_steps_are_marked_and_both_timelines_drawn(
 
 @pytest.mark.integration
 def test_a_problem_is_shown_on_the_node_that_caused_it(
-        driver: Any, server: Server, tmp_path: Path) -> None:
+    driver: Any, server: Server, tmp_path: Path
+) -> None:
     d = driver
     d.get(f"{server.base}/explorer?request={quote(json.dumps(BAD_MATMUL))}")
     _wait(d, lambda: _state(d) == "plan-error", "the plan's problem")
@@ -361,15 +419,24 @@ def test_a_problem_is_shown_on_the_node_that_caused_it(
     assert problem.get_attribute("data-node") == "h"
     assert "graph › nodes › 0" in problem.text  # errors[].loc
     assert not _by(d, "node", '[data-node-id="y"][data-error="true"]')
-    assert _console_errors(d, allowed=("/plan - Failed to load resource",
-                                       "/plan?format=dot - Failed to load resource")) == []
+    assert (
+        _console_errors(
+            d,
+            allowed=(
+                "/plan - Failed to load resource",
+                "/plan?format=dot - Failed to load resource",
+            ),
+        )
+        == []
+    )
     _assert_only_the_service(_requests(d), server.base)
     d.save_screenshot(str(tmp_path / "explorer-problem.png"))
 
 
 @pytest.mark.integration
 def test_with_api_keys_the_page_asks_for_the_key_and_sends_it(
-        driver: Any, keyed_server: Server, tmp_path: Path) -> None:
+    driver: Any, keyed_server: Server, tmp_path: Path
+) -> None:
     """Keys on: the page loads with no key, asks for one at the first 401, shows a wrong
     key's 401 problem and asks again, then plans and runs the seed example with the right
     key, which it sends with its API requests only and stores nowhere."""
@@ -384,8 +451,11 @@ def test_with_api_keys_the_page_asks_for_the_key_and_sends_it(
     # A wrong key: its 401 problem, and the form again.
     _by(d, "api-key")[0].send_keys("not-the-key")
     _by(d, "key-submit")[0].click()
-    _wait(d, lambda: _state(d) == "key-needed" and "refused" in _by(d, "key-note")[0].text,
-          "the wrong key's refusal")
+    _wait(
+        d,
+        lambda: _state(d) == "key-needed" and "refused" in _by(d, "key-note")[0].text,
+        "the wrong key's refusal",
+    )
     assert form.is_displayed()
     assert "401" in problem.text and "unauthorized" in problem.text
     assert "a valid API key is required" in _by(d, "problem-detail")[0].text
@@ -408,9 +478,13 @@ def test_with_api_keys_the_page_asks_for_the_key_and_sends_it(
     keys: dict[str, list[str | None]] = {}
     for url, headers in sent:
         given = {k.lower(): v for k, v in headers.items()}.get("x-api-key")
-        keys.setdefault(url[len(keyed_server.base):], []).append(given)
-    for path in ("/explorer?example=seed", "/explorer/explorer.js", "/explorer/explorer.css",
-                 "/explorer/examples.json"):
+        keys.setdefault(url[len(keyed_server.base) :], []).append(given)
+    for path in (
+        "/explorer?example=seed",
+        "/explorer/explorer.js",
+        "/explorer/explorer.css",
+        "/explorer/examples.json",
+    ):
         assert keys[path] == [None], (path, keys[path])
     assert keys["/plan"] == [None, "not-the-key", EXPLORER_KEY], keys["/plan"]
     assert keys["/backward"] == [EXPLORER_KEY], keys["/backward"]

@@ -53,26 +53,42 @@ class Result:
     timings_ms: dict[str, float]
 
 
-def run(spec: GraphSpec, inputs: dict[str, Any], *, no_grad: bool = False, backward: bool = False,
-        grad_outputs: dict[str, Any] | None = None, limits: Limits | None = None,
-        requires_grad: tuple[str, ...] = ()) -> Result:
+def run(
+    spec: GraphSpec,
+    inputs: dict[str, Any],
+    *,
+    no_grad: bool = False,
+    backward: bool = False,
+    grad_outputs: dict[str, Any] | None = None,
+    limits: Limits | None = None,
+    requires_grad: tuple[str, ...] = (),
+) -> Result:
     arrays = {k: engine.tensor(v).numpy() for k, v in inputs.items()}
     specs = {k: TensorSpec(a.shape, str(a.dtype), k in requires_grad) for k, a in arrays.items()}
     go = {k: engine.tensor(v).numpy() for k, v in (grad_outputs or {}).items()}
-    program = compile_graph(spec, specs, limits=limits, no_grad=no_grad, backward=backward,
-                            grad_outputs={k: TensorSpec(a.shape, str(a.dtype))
-                                          for k, a in go.items()})
+    program = compile_graph(
+        spec,
+        specs,
+        limits=limits,
+        no_grad=no_grad,
+        backward=backward,
+        grad_outputs={k: TensorSpec(a.shape, str(a.dtype)) for k, a in go.items()},
+    )
     r = execute(program, arrays, grad_outputs=go, verify=True)
     assert r.peak_bytes == r.planned_peak_bytes  # the plan is the run, on every graph here
     slots = dict(program.outputs)
     return Result(
         outputs={k: np.asarray(v) for k, v in r.outputs.items()},
-        gradients=None if r.gradients is None else {k: np.asarray(v)
-                                                     for k, v in r.gradients.items()},
+        gradients=None
+        if r.gradients is None
+        else {k: np.asarray(v) for k, v in r.gradients.items()},
         requires_grad={k: program.requires_grad[s] for k, s in slots.items()},
         grad_fn={k: program.grad_fn[s] for k, s in slots.items()},
-        nodes=r.nodes, peak_bytes=r.peak_bytes, planned_peak_bytes=r.planned_peak_bytes,
-        timings_ms=r.timings_ms)
+        nodes=r.nodes,
+        peak_bytes=r.peak_bytes,
+        planned_peak_bytes=r.planned_peak_bytes,
+        timings_ms=r.timings_ms,
+    )
 
 
 def errors_of(spec: GraphSpec, inputs: dict[str, TensorSpec], **kw: Any) -> list[Any]:
@@ -81,12 +97,19 @@ def errors_of(spec: GraphSpec, inputs: dict[str, TensorSpec], **kw: Any) -> list
     return info.value.errors
 
 
-SEED = graph(NodeSpec("s", "add", ["x", "y"]), NodeSpec("d", "sub", ["x", "y"]),
-             NodeSpec("z", "mul", ["s", "d"]), outputs=["z"])
+SEED = graph(
+    NodeSpec("s", "add", ["x", "y"]),
+    NodeSpec("d", "sub", ["x", "y"]),
+    NodeSpec("z", "mul", ["s", "d"]),
+    outputs=["z"],
+)
 
 
-@pytest.mark.parametrize("spec", [SEED, graph(NodeSpec("z", expr="(x + y) * (x - y)"),
-                                              outputs=["z"])], ids=["op-form", "expr"])
+@pytest.mark.parametrize(
+    "spec",
+    [SEED, graph(NodeSpec("z", expr="(x + y) * (x - y)"), outputs=["z"])],
+    ids=["op-form", "expr"],
+)
 def test_seed_example(spec: GraphSpec) -> None:
     result = run(spec, {"x": 2.0, "y": 3.0}, backward=True, requires_grad=("x", "y"))
     assert result.outputs["z"].item() == -5.0
@@ -96,24 +119,39 @@ def test_seed_example(spec: GraphSpec) -> None:
 
 
 def test_seed_example_no_grad() -> None:
-    result = run(graph(NodeSpec("B", expr="A ** 2 + 16"), outputs=["B", "A"]), {"A": [5.0]},
-                 no_grad=True, requires_grad=("A",))
+    result = run(
+        graph(NodeSpec("B", expr="A ** 2 + 16"), outputs=["B", "A"]),
+        {"A": [5.0]},
+        no_grad=True,
+        requires_grad=("A",),
+    )
     assert result.outputs["B"].tolist() == [41.0]
     assert not result.requires_grad["B"] and result.grad_fn["B"] is None
     assert result.requires_grad["A"] and result.gradients is None
 
 
 def test_duplicate_ids_and_input_collisions() -> None:
-    errs = errors_of(graph(NodeSpec("a", "neg", ["x"]), NodeSpec("a", "neg", ["x"]),
-                           NodeSpec("x", "neg", ["a"]), outputs=["a"]), {"x": SCALAR})
-    assert [str(e) for e in errs] == ["node 'a': duplicate node id 'a'",
-                                      "node 'x': node id 'x' is also the name of an input"]
+    errs = errors_of(
+        graph(
+            NodeSpec("a", "neg", ["x"]),
+            NodeSpec("a", "neg", ["x"]),
+            NodeSpec("x", "neg", ["a"]),
+            outputs=["a"],
+        ),
+        {"x": SCALAR},
+    )
+    assert [str(e) for e in errs] == [
+        "node 'a': duplicate node id 'a'",
+        "node 'x': node id 'x' is also the name of an input",
+    ]
     assert errs[0].loc == ("graph", "nodes", 1, "id") and errs[1].loc == ("graph", "nodes", 2, "id")
 
 
 def test_unknown_op_and_reference_name_the_referring_node() -> None:
-    errs = errors_of(graph(NodeSpec("a", "frobnicate", ["x"]), NodeSpec("b", "neg", ["q"]),
-                           outputs=["b"]), {"x": SCALAR})
+    errs = errors_of(
+        graph(NodeSpec("a", "frobnicate", ["x"]), NodeSpec("b", "neg", ["q"]), outputs=["b"]),
+        {"x": SCALAR},
+    )
     assert isinstance(errs[0], UnknownOpError) and errs[0].node == "a"
     assert errs[0].loc == ("graph", "nodes", 0, "op")
     assert isinstance(errs[1], GraphError)
@@ -122,9 +160,16 @@ def test_unknown_op_and_reference_name_the_referring_node() -> None:
 
 
 def test_cycle_lists_the_whole_cycle() -> None:
-    errs = errors_of(graph(NodeSpec("a", "neg", ["c"]), NodeSpec("b", "neg", ["a"]),
-                           NodeSpec("c", "neg", ["b"]), NodeSpec("out", "neg", ["x"]),
-                           outputs=["out"]), {"x": SCALAR})
+    errs = errors_of(
+        graph(
+            NodeSpec("a", "neg", ["c"]),
+            NodeSpec("b", "neg", ["a"]),
+            NodeSpec("c", "neg", ["b"]),
+            NodeSpec("out", "neg", ["x"]),
+            outputs=["out"],
+        ),
+        {"x": SCALAR},
+    )
     assert len(errs) == 1 and errs[0].node in {"a", "b", "c"}
     text = str(errs[0])
     cycle = text.split("cycle: ")[1].split(" -> ")
@@ -139,12 +184,16 @@ def test_self_loop_is_a_cycle() -> None:
 
 
 def test_arity_and_attribute_errors() -> None:
-    errs = errors_of(graph(
-        NodeSpec("a", "neg", ["x", "x"]),
-        NodeSpec("b", "sum", ["x"], {"axis": 0}),
-        NodeSpec("c", "sum", ["x"], {"dim": "0"}),
-        NodeSpec("d", "clamp", ["x"], {"min": 0.0, "max": [1]}),
-        outputs=["a"]), {"x": TensorSpec((3,), "float32")})
+    errs = errors_of(
+        graph(
+            NodeSpec("a", "neg", ["x", "x"]),
+            NodeSpec("b", "sum", ["x"], {"axis": 0}),
+            NodeSpec("c", "sum", ["x"], {"dim": "0"}),
+            NodeSpec("d", "clamp", ["x"], {"min": 0.0, "max": [1]}),
+            outputs=["a"],
+        ),
+        {"x": TensorSpec((3,), "float32")},
+    )
     assert isinstance(errs[0], ArityError) and errs[0].node == "a"
     assert "takes 1 tensor argument(s) (input), got 2" in str(errs[0])
     assert isinstance(errs[1], AttributeError_) and "unknown attribute 'axis'" in str(errs[1])
@@ -154,8 +203,10 @@ def test_arity_and_attribute_errors() -> None:
 
 
 def test_shape_error_is_reported_before_compute_with_node_and_shapes() -> None:
-    errs = errors_of(graph(NodeSpec("z", "add", ["a", "b"]), outputs=["z"]),
-                     {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((5,), "float32")})
+    errs = errors_of(
+        graph(NodeSpec("z", "add", ["a", "b"]), outputs=["z"]),
+        {"a": TensorSpec((3, 4), "float32"), "b": TensorSpec((5,), "float32")},
+    )
     assert isinstance(errs[0], ShapeError)
     assert str(errs[0]) == "node 'z' (add): shapes (3, 4) and (5,) cannot be broadcast together"
 
@@ -164,15 +215,19 @@ def test_all_errors_are_reported_not_only_the_first() -> None:
     nodes = [NodeSpec(f"n{i}", "neg", [f"missing{i}"]) for i in range(5)]
     errs = errors_of(graph(*nodes, outputs=["n0"]), {})
     assert [e.node for e in errs] == [f"n{i}" for i in range(5)]
-    capped = errors_of(graph(*[NodeSpec(f"m{i}", "neg", ["q"]) for i in range(100)],
-                             outputs=["m0"]), {}, limits=Limits(max_errors=7))
+    capped = errors_of(
+        graph(*[NodeSpec(f"m{i}", "neg", ["q"]) for i in range(100)], outputs=["m0"]),
+        {},
+        limits=Limits(max_errors=7),
+    )
     assert len(capped) == 7
 
 
 def test_downstream_of_an_error_is_not_reported_again() -> None:
-    errs = errors_of(graph(NodeSpec("z", "add", ["a", "b"]), NodeSpec("w", "exp", ["z"]),
-                           outputs=["w"]),
-                     {"a": TensorSpec((3,), "float32"), "b": TensorSpec((4,), "float32")})
+    errs = errors_of(
+        graph(NodeSpec("z", "add", ["a", "b"]), NodeSpec("w", "exp", ["z"]), outputs=["w"]),
+        {"a": TensorSpec((3,), "float32"), "b": TensorSpec((4,), "float32")},
+    )
     assert [e.node for e in errs] == ["z"]
 
 
@@ -187,17 +242,24 @@ def test_node_limit() -> None:
     nodes = [NodeSpec(f"n{i}", "neg", ["x"]) for i in range(11)]
     errs = errors_of(graph(*nodes, outputs=["n0"]), {"x": SCALAR}, limits=Limits(max_nodes=10))
     assert "the graph has 11 nodes; the limit is 10" in str(errs[0])
-    expanded = errors_of(graph(NodeSpec("z", expr="x + x + x + x"), outputs=["z"]),
-                         {"x": SCALAR}, limits=Limits(max_nodes=2))
+    expanded = errors_of(
+        graph(NodeSpec("z", expr="x + x + x + x"), outputs=["z"]),
+        {"x": SCALAR},
+        limits=Limits(max_nodes=2),
+    )
     assert "expands to 3 op nodes; the limit is 2" in str(expanded[0])
 
 
 def test_backward_needs_something_that_requires_grad() -> None:
-    errs = errors_of(SEED, {"x": TensorSpec((), "float32"), "y": TensorSpec((), "float32")},
-                     backward=True)
+    errs = errors_of(
+        SEED, {"x": TensorSpec((), "float32"), "y": TensorSpec((), "float32")}, backward=True
+    )
     assert isinstance(errs[0], BackwardError) and "no input has requires_grad" in str(errs[0])
-    errs = errors_of(graph(NodeSpec("z", expr="y * 2"), outputs=["z"]),
-                     {"x": SCALAR, "y": TensorSpec((), "float32")}, backward=True)
+    errs = errors_of(
+        graph(NodeSpec("z", expr="y * 2"), outputs=["z"]),
+        {"x": SCALAR, "y": TensorSpec((), "float32")},
+        backward=True,
+    )
     assert "no output depends on an input with requires_grad" in str(errs[0])
 
 
@@ -205,23 +267,36 @@ def test_non_scalar_output_needs_grad_outputs() -> None:
     vec = TensorSpec((3,), "float32", True)
     errs = errors_of(graph(NodeSpec("z", expr="x * 2"), outputs=["z"]), {"x": vec}, backward=True)
     assert errs[0].loc == ("grad_outputs", "z") and "give grad_outputs['z']" in str(errs[0])
-    errs = errors_of(graph(NodeSpec("z", expr="x * 2"), outputs=["z"]), {"x": vec}, backward=True,
-                     grad_outputs={"w": TensorSpec((3,), "float32"),
-                                   "z": TensorSpec((2,), "float32")})
+    errs = errors_of(
+        graph(NodeSpec("z", expr="x * 2"), outputs=["z"]),
+        {"x": vec},
+        backward=True,
+        grad_outputs={"w": TensorSpec((3,), "float32"), "z": TensorSpec((2,), "float32")},
+    )
     assert [e.loc for e in errs] == [("grad_outputs", "w"), ("grad_outputs", "z")]
 
 
 def test_grad_outputs_several_outputs_are_summed() -> None:
     spec = graph(NodeSpec("a", expr="x * 2"), NodeSpec("b", expr="x * x"), outputs=["a", "b"])
-    result = run(spec, {"x": [1.0, 2.0]}, backward=True, requires_grad=("x",),
-                 grad_outputs={"a": [1.0, 1.0], "b": [10.0, 10.0]})
+    result = run(
+        spec,
+        {"x": [1.0, 2.0]},
+        backward=True,
+        requires_grad=("x",),
+        grad_outputs={"a": [1.0, 1.0], "b": [10.0, 10.0]},
+    )
     assert result.gradients["x"].tolist() == [22.0, 42.0]
 
 
 def test_input_as_output_gets_its_own_grad_output_and_unused_input_gets_zeros() -> None:
     spec = graph(NodeSpec("y", expr="x * 3"), outputs=["y", "x"])
-    result = run(spec, {"x": [1.0, 2.0], "u": [[1.0]]}, backward=True, requires_grad=("x", "u"),
-                 grad_outputs={"y": [1.0, 1.0], "x": [5.0, 6.0]})
+    result = run(
+        spec,
+        {"x": [1.0, 2.0], "u": [[1.0]]},
+        backward=True,
+        requires_grad=("x", "u"),
+        grad_outputs={"y": [1.0, 1.0], "x": [5.0, 6.0]},
+    )
     assert result.gradients["x"].tolist() == [8.0, 9.0]
     assert result.gradients["u"].tolist() == [[0.0]] and result.gradients["u"].dtype == "float32"
 
@@ -232,22 +307,34 @@ def test_dead_nodes_are_validated_but_not_run() -> None:
 
 
 def test_alias_and_constant_expressions() -> None:
-    spec = graph(NodeSpec("a", expr="x"), NodeSpec("b", expr="a * 2"), NodeSpec("c", expr="2 + 3"),
-                 outputs=["a", "b", "c"])
+    spec = graph(
+        NodeSpec("a", expr="x"),
+        NodeSpec("b", expr="a * 2"),
+        NodeSpec("c", expr="2 + 3"),
+        outputs=["a", "b", "c"],
+    )
     result = run(spec, {"x": 4.0}, backward=False)
     assert result.outputs["a"].item() == 4.0 and result.outputs["b"].item() == 8.0
     assert result.outputs["c"].item() == 5 and result.outputs["c"].dtype == "int64"
 
 
 def test_alias_cycle_and_unknown() -> None:
-    errs = errors_of(graph(NodeSpec("a", expr="b"), NodeSpec("b", expr="a"),
-                           NodeSpec("c", expr="nowhere"), outputs=["c"]), {})
+    errs = errors_of(
+        graph(
+            NodeSpec("a", expr="b"),
+            NodeSpec("b", expr="a"),
+            NodeSpec("c", expr="nowhere"),
+            outputs=["c"],
+        ),
+        {},
+    )
     assert "cycle: a -> b -> a" in str(errs[0]) and "unknown reference 'nowhere'" in str(errs[1])
 
 
 def test_op_and_expr_are_exclusive() -> None:
-    errs = errors_of(graph(NodeSpec("a", "neg", ["x"], expr="x"), NodeSpec("b"), outputs=["a"]),
-                     {"x": SCALAR})
+    errs = errors_of(
+        graph(NodeSpec("a", "neg", ["x"], expr="x"), NodeSpec("b"), outputs=["a"]), {"x": SCALAR}
+    )
     assert all("exactly one of 'op' or 'expr'" in str(e) for e in errs) and len(errs) == 2
 
 
@@ -287,20 +374,22 @@ def test_expr_errors_name_the_offending_piece() -> None:
     assert str(err) == "node 'z': attribute access is not allowed in expr: 'exp(x).real'"
     err = errors_of(graph(NodeSpec("z", expr="system(x)"), outputs=["z"]), {"x": SCALAR})[0]
     assert "unknown op 'system'" in str(err)
-    err = errors_of(graph(NodeSpec("z", expr="y" * 1000 + "(x)"), outputs=["z"]),
-                    {"x": SCALAR})[0]
+    err = errors_of(graph(NodeSpec("z", expr="y" * 1000 + "(x)"), outputs=["z"]), {"x": SCALAR})[0]
     assert f"unknown op '{'y' * 64}'...(1000 characters)" in str(err)  # quoted, shortened
     assert len(str(err)) < 200
 
 
-@pytest.mark.parametrize(("spelling", "python"), [("true", "True"), ("false", "False"),
-                                                  ("null", "None")])
+@pytest.mark.parametrize(
+    ("spelling", "python"), [("true", "True"), ("false", "False"), ("null", "None")]
+)
 def test_json_spellings_of_constants_get_a_hint(spelling: str, python: str) -> None:
     spec = graph(NodeSpec("z", expr=f"sum(x, dim=1, keepdim={spelling})"), outputs=["z"])
     err = errors_of(spec, {"x": SCALAR})[0]
     assert isinstance(err, ExprError) and err.node == "z"
-    assert str(err) == ("node 'z': attribute values must be literals (numbers, strings, lists "
-                        f"of ints): '{spelling}'; did you mean {python}?")
+    assert str(err) == (
+        "node 'z': attribute values must be literals (numbers, strings, lists "
+        f"of ints): '{spelling}'; did you mean {python}?"
+    )
     # Python's spelling is the syntax; an input may still be called `true`.
     fine = graph(NodeSpec("z", expr="sum(x * true, dim=1, keepdim=True)"), outputs=["z"])
     assert run(fine, {"x": [[1.0, 2.0]], "true": 2.0}).outputs["z"].tolist() == [[6.0]]
@@ -310,10 +399,18 @@ def test_expr_limits() -> None:
     long = " + ".join(["x"] * 3000)
     err = errors_of(graph(NodeSpec("z", expr=long), outputs=["z"]), {"x": SCALAR})[0]
     assert "characters long; the limit is 10000" in str(err)
-    for deep in ["(" * 101 + "x" + ")" * 101, "-" * 500 + "x", "exp(" * 150 + "x" + ")" * 150,
-                 "(" * 300 + "x" + ")" * 300, " + ".join(["x"] * 2000)]:
-        err = errors_of(graph(NodeSpec("z", expr=deep), outputs=["z"]), {"x": SCALAR},
-                        limits=Limits(expr_max_chars=20_000))[0]
+    for deep in [
+        "(" * 101 + "x" + ")" * 101,
+        "-" * 500 + "x",
+        "exp(" * 150 + "x" + ")" * 150,
+        "(" * 300 + "x" + ")" * 300,
+        " + ".join(["x"] * 2000),
+    ]:
+        err = errors_of(
+            graph(NodeSpec("z", expr=deep), outputs=["z"]),
+            {"x": SCALAR},
+            limits=Limits(expr_max_chars=20_000),
+        )[0]
         assert "nested more than 100 levels deep" in str(err)
     ok = "(" * 100 + "x" + ")" * 100
     assert run(graph(NodeSpec("z", expr=ok), outputs=["z"]), {"x": 1.0}).outputs["z"].item() == 1
@@ -329,17 +426,23 @@ def test_nfkc_lookalike_identifiers_are_refused() -> None:
 
 
 def test_generated_ids_never_collide_with_client_ids() -> None:
-    spec = graph(NodeSpec("z#1", expr="x * 10"), NodeSpec("z", expr="(x + 1) * (x + 2)"),
-                 outputs=["z", "z#1"])
+    spec = graph(
+        NodeSpec("z#1", expr="x * 10"),
+        NodeSpec("z", expr="(x + 1) * (x + 2)"),
+        outputs=["z", "z#1"],
+    )
     result = run(spec, {"x": 1.0})
     assert result.outputs["z"].item() == 6.0 and result.outputs["z#1"].item() == 10.0
 
 
 def test_expr_keywords_and_comparisons() -> None:
-    spec = graph(NodeSpec("s", expr="sum(x * 2, dim=1, keepdim=True)"),
-                 NodeSpec("c", expr="clamp(x, min=-1, max=2.5)"),
-                 NodeSpec("m", expr="x >= 2"), NodeSpec("r", expr="reshape(x, shape=(-1,))"),
-                 outputs=["s", "c", "m", "r"])
+    spec = graph(
+        NodeSpec("s", expr="sum(x * 2, dim=1, keepdim=True)"),
+        NodeSpec("c", expr="clamp(x, min=-1, max=2.5)"),
+        NodeSpec("m", expr="x >= 2"),
+        NodeSpec("r", expr="reshape(x, shape=(-1,))"),
+        outputs=["s", "c", "m", "r"],
+    )
     result = run(spec, {"x": [[1.0, 2.0], [3.0, -4.0]]})
     assert result.outputs["s"].tolist() == [[6.0], [-2.0]]
     assert result.outputs["c"].tolist() == [[1.0, 2.0], [2.5, -1.0]]
@@ -397,18 +500,26 @@ def test_expr_and_op_form_agree(case: tuple[str, list[tuple[str, str, list[Any]]
     text, nodes = case
     inputs = {"x": [0.3, -1.2, 0.7], "y": [1.5, 0.2, -0.4]}
     go = {"out": [1.0, 2.0, 3.0]}
-    by_expr = run(graph(NodeSpec("out", expr=text), outputs=["out"]), inputs, backward=True,
-                  requires_grad=("x", "y"), grad_outputs=go)
+    by_expr = run(
+        graph(NodeSpec("out", expr=text), outputs=["out"]),
+        inputs,
+        backward=True,
+        requires_grad=("x", "y"),
+        grad_outputs=go,
+    )
     op_nodes = [NodeSpec(nid, op, args) for nid, op, args in nodes]
     last = op_nodes[-1]
     op_nodes[-1] = NodeSpec("out", last.op, last.args)
-    by_ops = run(graph(*op_nodes, outputs=["out"]), inputs, backward=True,
-                 requires_grad=("x", "y"), grad_outputs=go)
-    np.testing.assert_allclose(by_expr.outputs["out"], by_ops.outputs["out"],
-                               rtol=1e-6)
+    by_ops = run(
+        graph(*op_nodes, outputs=["out"]),
+        inputs,
+        backward=True,
+        requires_grad=("x", "y"),
+        grad_outputs=go,
+    )
+    np.testing.assert_allclose(by_expr.outputs["out"], by_ops.outputs["out"], rtol=1e-6)
     for name in ("x", "y"):
-        np.testing.assert_allclose(by_expr.gradients[name],
-                                   by_ops.gradients[name], rtol=1e-6)
+        np.testing.assert_allclose(by_expr.gradients[name], by_ops.gradients[name], rtol=1e-6)
     assert by_expr.nodes == by_ops.nodes
 
 
@@ -437,8 +548,9 @@ def test_no_grad_chain_peak_is_three_tensors_and_plan_matches() -> None:
 def test_grad_chain_holds_what_its_ops_save() -> None:
     x = np.random.default_rng(0).uniform(0, 0.1, MB8)
     spec = _chain(32)
-    grad = run(spec, {"x": x}, backward=True, requires_grad=("x",),
-               grad_outputs={"v31": np.ones(MB8)})
+    grad = run(
+        spec, {"x": x}, backward=True, requires_grad=("x",), grad_outputs={"v31": np.ones(MB8)}
+    )
     no_grad = run(spec, {"x": x}, no_grad=True, requires_grad=("x",))
     assert abs(grad.peak_bytes - grad.planned_peak_bytes) <= 0.1 * grad.peak_bytes
     # 32 ops each save one tensor (mul saves its intermediate; x is shared), plus x, the
@@ -454,30 +566,50 @@ def test_plan_matches_measured_on_a_branchy_graph(no_grad: bool) -> None:
         NodeSpec("h", expr="tanh(x * w + b)"),
         NodeSpec("g", expr="sigmoid(h) * h - exp(h * 0.1)"),
         NodeSpec("loss", expr="mean((g - t) ** 2) + mean(h * h) * 0.01"),
-        outputs=["loss", "h"])
-    inputs = {"x": rng.standard_normal((256, 64)), "w": rng.standard_normal(64),
-              "b": rng.standard_normal(64), "t": rng.standard_normal((256, 64))}
-    result = run(spec, inputs, no_grad=no_grad, backward=not no_grad,
-                 requires_grad=() if no_grad else ("w", "b"),
-                 grad_outputs=None if no_grad else {"h": np.ones((256, 64))})
+        outputs=["loss", "h"],
+    )
+    inputs = {
+        "x": rng.standard_normal((256, 64)),
+        "w": rng.standard_normal(64),
+        "b": rng.standard_normal(64),
+        "t": rng.standard_normal((256, 64)),
+    }
+    result = run(
+        spec,
+        inputs,
+        no_grad=no_grad,
+        backward=not no_grad,
+        requires_grad=() if no_grad else ("w", "b"),
+        grad_outputs=None if no_grad else {"h": np.ones((256, 64))},
+    )
     assert abs(result.peak_bytes - result.planned_peak_bytes) <= 0.1 * result.peak_bytes
 
 
 def test_memory_budget_is_checked_before_allocating() -> None:
     spec = _chain(4)
     with pytest.raises(MemoryBudgetError) as info:
-        compile_graph(spec, {"x": TensorSpec((MB8,), "float64", True)}, no_grad=True,
-                      limits=Limits(memory_budget_bytes=10_000_000))
+        compile_graph(
+            spec,
+            {"x": TensorSpec((MB8,), "float64", True)},
+            no_grad=True,
+            limits=Limits(memory_budget_bytes=10_000_000),
+        )
     assert info.value.planned_bytes == 24_000_000 and info.value.budget_bytes == 10_000_000
     assert "24000000 bytes" in str(info.value) and "no_grad budget is 10000000" in str(info.value)
 
 
 def test_twenty_thousand_node_chain_validates_and_runs() -> None:
     nodes = [NodeSpec("n0", "mul", ["x", 1.0])]
-    nodes += [NodeSpec(f"n{i}", "add" if i % 2 else "mul", [f"n{i-1}", 0.0 if i % 2 else 1.0])
-              for i in range(1, 20_000)]
-    result = run(GraphSpec(nodes=nodes[::-1], outputs=["n19999"]), {"x": 2.0}, backward=True,
-                 requires_grad=("x",))
+    nodes += [
+        NodeSpec(f"n{i}", "add" if i % 2 else "mul", [f"n{i - 1}", 0.0 if i % 2 else 1.0])
+        for i in range(1, 20_000)
+    ]
+    result = run(
+        GraphSpec(nodes=nodes[::-1], outputs=["n19999"]),
+        {"x": 2.0},
+        backward=True,
+        requires_grad=("x",),
+    )
     assert result.outputs["n19999"].item() == 2.0 and result.gradients["x"].item() == 1.0
     assert result.nodes == 20_000
 
@@ -485,8 +617,12 @@ def test_twenty_thousand_node_chain_validates_and_runs() -> None:
 def test_deadline_stops_a_run_and_frees_its_arrays() -> None:
     spec = _chain(64)
     x = np.ones(200_000)
-    program = compile_graph(spec, {"x": TensorSpec(x.shape, "float64", True)}, backward=True,
-                            grad_outputs={"v63": TensorSpec(x.shape, "float64")})
+    program = compile_graph(
+        spec,
+        {"x": TensorSpec(x.shape, "float64", True)},
+        backward=True,
+        grad_outputs={"v63": TensorSpec(x.shape, "float64")},
+    )
     go = {"v63": np.ones(200_000)}
     tracemalloc.start()
     try:
@@ -513,9 +649,15 @@ def test_cancel_stops_a_run_between_nodes() -> None:
 
 
 def test_integer_literals_past_int64_are_refused_with_their_place() -> None:
-    errs = errors_of(graph(NodeSpec("z", "sign", [1 << 63]), NodeSpec("w", expr=f"x + {1 << 63}"),
-                           NodeSpec("c", expr=f"clamp(x, min={-(1 << 63) - 1})"),
-                           outputs=["z", "w", "c"]), {"x": SCALAR})
+    errs = errors_of(
+        graph(
+            NodeSpec("z", "sign", [1 << 63]),
+            NodeSpec("w", expr=f"x + {1 << 63}"),
+            NodeSpec("c", expr=f"clamp(x, min={-(1 << 63) - 1})"),
+            outputs=["z", "w", "c"],
+        ),
+        {"x": SCALAR},
+    )
     assert [str(e) for e in errs] == [
         "node 'z' (sign): integer literal 9223372036854775808 is outside the int64 range",
         "node 'w' (add): integer literal 9223372036854775808 is outside the int64 range",
@@ -528,16 +670,26 @@ def test_integer_literals_past_int64_are_refused_with_their_place() -> None:
     compile_graph(ok, {"x": SCALAR})  # the int64 bounds themselves are fine
 
 
-@pytest.mark.parametrize("literal", [
-    "9" * 9000, str(10**30), "0x" + "f" * 9000, "0o1" + "0" * 22, "-0b1" + "0" * 64, "1_000" * 7,
-], ids=["9000-digits", "31-digits", "hex", "octal", "binary", "underscores"])
+@pytest.mark.parametrize(
+    "literal",
+    [
+        "9" * 9000,
+        str(10**30),
+        "0x" + "f" * 9000,
+        "0o1" + "0" * 22,
+        "-0b1" + "0" * 64,
+        "1_000" * 7,
+    ],
+    ids=["9000-digits", "31-digits", "hex", "octal", "binary", "underscores"],
+)
 def test_integer_literals_with_more_digits_than_int64_are_refused_from_their_text(
     literal: str,
 ) -> None:
     # Python would not convert the first (ast.parse suggests sys.set_int_max_str_digits);
     # none of them can be within int64, whatever their value.
-    errs = errors_of(graph(NodeSpec("w", expr=f"sum(x, dim={literal}) + 1"), outputs=["w"]),
-                     {"x": SCALAR})
+    errs = errors_of(
+        graph(NodeSpec("w", expr=f"sum(x, dim={literal}) + 1"), outputs=["w"]), {"x": SCALAR}
+    )
     assert len(errs) == 1 and isinstance(errs[0], ExprError)
     assert errs[0].node == "w" and errs[0].loc == ("graph", "nodes", 0, "expr")
     assert "is too long for int64 (PyTorch's integer range)" in str(errs[0])

@@ -43,10 +43,14 @@ def _matmuls(n: int, size: int, pad: int = 0) -> dict[str, Any]:
     """A no_grad chain of `n` size x size float64 matmuls (seconds of BLAS for 2048), with
     `pad` unused inputs to make the body large (a large body computes in a worker)."""
     nodes = [{"id": "a", "expr": f"full(shape=[{size}, {size}], value=0.001, dtype='float64')"}]
-    nodes += [{"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(n)]
-    return {"graph": {"nodes": nodes, "outputs": [f"m{n - 1}"]}, "no_grad": True,
-            "inputs": {f"pad{i}": 0.0 for i in range(pad)}}
+    nodes += [
+        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]} for i in range(n)
+    ]
+    return {
+        "graph": {"nodes": nodes, "outputs": [f"m{n - 1}"]},
+        "no_grad": True,
+        "inputs": {f"pad{i}": 0.0 for i in range(pad)},
+    }
 
 
 # ---------------------------------------------------------------- where a request computes
@@ -58,9 +62,10 @@ async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_work
         r = await c.post("/backward", json=SEED_OP)
         assert r.status_code == 200 and runner.pool.tasks == 0
         x = np.linspace(-1, 1, 5000)
-        body = {"graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}], "outputs": ["z"]},
-                "inputs": {"x": {"data": x.tolist(), "dtype": "float64",
-                                 "requires_grad": True}}}
+        body = {
+            "graph": {"nodes": [{"id": "z", "expr": "sum(sin(x) * x)"}], "outputs": ["z"]},
+            "inputs": {"x": {"data": x.tolist(), "dtype": "float64", "requires_grad": True}},
+        }
         assert len(json.dumps(body)) > NEW_MAX_DOCUMENT_BYTES
         r = await c.post("/backward", json=body)
         assert r.status_code == 200, r.text
@@ -103,9 +108,20 @@ async def test_the_compute_budget_refuses_before_anything_runs_naming_the_costli
 async def test_the_einsum_cpu_bomb_is_cheap() -> None:
     """`einsum('i,j->', ...)` on two 400,000-vectors is two sums and a product, as PyTorch
     computes it: priced and run as such, not as 1.6e11 products."""
-    bomb = {"graph": {"nodes": [{"id": "z", "expr": "einsum('i,j->', full(shape=[400000], "
-                                 "value=1.0), full(shape=[400000], value=1.0))"}],
-                      "outputs": ["z"]}, "inputs": {}, "no_grad": True}
+    bomb = {
+        "graph": {
+            "nodes": [
+                {
+                    "id": "z",
+                    "expr": "einsum('i,j->', full(shape=[400000], "
+                    "value=1.0), full(shape=[400000], value=1.0))",
+                }
+            ],
+            "outputs": ["z"],
+        },
+        "inputs": {},
+        "no_grad": True,
+    }
     async with serving(request_timeout_s=5.0) as (c, _):
         t0 = time.monotonic()
         r = await c.post("/forward", json=bomb)
@@ -134,8 +150,9 @@ def test_the_parse_reservation_bounds_what_parsing_takes() -> None:
         gc.collect()
         tracemalloc.start()
         try:
-            prepared = compute.parser.parse(open_envelope(body, None, compute.programs),
-                                            "forward", None)
+            prepared = compute.parser.parse(
+                open_envelope(body, None, compute.programs), "forward", None
+            )
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -144,8 +161,11 @@ def test_the_parse_reservation_bounds_what_parsing_takes() -> None:
 
 
 async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> None:
-    async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=1 << 20,
-                       inflight_memory_bytes=4 << 20) as (c, app):
+    async with serving(
+        memory_budget_bytes=1 << 20,
+        no_grad_memory_budget_bytes=1 << 20,
+        inflight_memory_bytes=4 << 20,
+    ) as (c, app):
         runner = app.state.front
         slot = await runner.admission.enter(time.monotonic() + 60)
         runner.ledger.reserve(slot, 3 << 20)  # another request holds 3 of the 4 MiB
@@ -157,12 +177,12 @@ async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> Non
                 streamed += 1
                 yield b" " * 32768
 
-        r = await c.post("/forward", content=body(),
-                         headers={"Content-Type": "application/json"})
+        r = await c.post("/forward", content=body(), headers={"Content-Type": "application/json"})
         assert_problem(r, 503, "overloaded", "in-flight memory is full")
         assert streamed < 64  # refused while it streamed in, not after
-        r = await c.post("/forward", content=b" " * (2 << 20),
-                         headers={"Content-Type": "application/json"})
+        r = await c.post(
+            "/forward", content=b" " * (2 << 20), headers={"Content-Type": "application/json"}
+        )
         assert_problem(r, 503, "overloaded", "in-flight memory is full")  # by Content-Length
         runner.ledger.release(slot)
         runner.admission.leave(slot)
@@ -170,10 +190,16 @@ async def test_a_body_counts_against_in_flight_memory_before_it_is_read() -> Non
 
 
 async def test_a_body_that_could_never_be_parsed_within_the_in_flight_memory_is_413() -> None:
-    async with serving(memory_budget_bytes=1 << 20, no_grad_memory_budget_bytes=1 << 20,
-                       inflight_memory_bytes=2 << 20) as (c, _):
-        body = {"graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
-                "inputs": {"x": [0] * 60_000}, "no_grad": True}
+    async with serving(
+        memory_budget_bytes=1 << 20,
+        no_grad_memory_budget_bytes=1 << 20,
+        inflight_memory_bytes=2 << 20,
+    ) as (c, _):
+        body = {
+            "graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
+            "inputs": {"x": [0] * 60_000},
+            "no_grad": True,
+        }
         r = await c.post("/forward", json=body)
         assert_problem(r, 413, "body-too-large", "send large tensors as base64")
 
@@ -188,8 +214,10 @@ async def test_too_many_inputs_are_refused_before_they_become_models() -> None:
 async def test_long_ids_are_refused_and_not_echoed() -> None:
     async with serving(max_id_chars=32) as (c, _):
         long_id = "n" * 5000
-        body = {"graph": {"nodes": [{"id": long_id, "expr": "x * 2"}], "outputs": [long_id]},
-                "inputs": {"x": 1.0}}
+        body = {
+            "graph": {"nodes": [{"id": long_id, "expr": "x * 2"}], "outputs": [long_id]},
+            "inputs": {"x": 1.0},
+        }
         r = await c.post("/forward", json=body)
         p = assert_problem(r, 422, "graph", "longer than 32 characters")
         assert len(r.content) < 2000 and "(5000 characters)" in p["detail"]
@@ -202,8 +230,10 @@ async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> N
     async with serving(program_cache_bytes=40_000) as (c, app):
         cache = app.state.front.compute.programs.memory
         for k in range(12):  # twelve distinct graphs of ~8 KB programs each
-            body = {"graph": {"nodes": [{"id": "z", "expr": f"(x + {k}) * (x - y)"}],
-                              "outputs": ["z"]}, "inputs": SEED_OP["inputs"]}
+            body = {
+                "graph": {"nodes": [{"id": "z", "expr": f"(x + {k}) * (x - y)"}], "outputs": ["z"]},
+                "inputs": SEED_OP["inputs"],
+            }
             assert (await c.post("/backward", json=body)).status_code == 200
             assert cache.bytes <= 40_000
         assert cache.evictions > 0 and len(cache) < 12
@@ -215,13 +245,23 @@ async def test_the_program_cache_is_bounded_in_bytes_and_counts_evictions() -> N
 async def test_the_cache_key_is_the_graph_whatever_its_key_order_and_spacing() -> None:
     async with serving() as (c, app):
         cache = app.state.front.compute.programs.memory
-        reordered = {"inputs": SEED_OP["inputs"], "graph": {
-            "outputs": ["z"], "nodes": [{"args": n["args"], "op": n["op"], "id": n["id"]}
-                                        for n in SEED_OP["graph"]["nodes"]]}}
+        reordered = {
+            "inputs": SEED_OP["inputs"],
+            "graph": {
+                "outputs": ["z"],
+                "nodes": [
+                    {"args": n["args"], "op": n["op"], "id": n["id"]}
+                    for n in SEED_OP["graph"]["nodes"]
+                ],
+            },
+        }
         assert (await c.post("/backward", json=SEED_OP)).status_code == 200
         size = len(cache)
-        r = await c.post("/backward", content=json.dumps(reordered, indent=3),
-                         headers={"Content-Type": "application/json"})
+        r = await c.post(
+            "/backward",
+            content=json.dumps(reordered, indent=3),
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 200 and len(cache) == size
 
 
@@ -256,8 +296,10 @@ def test_a_client_that_hangs_up_stops_its_computation(server: Server) -> None:
     the slot is free again."""
     body = json.dumps(_matmuls(40, 2048, pad=2000)).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         time.sleep(1.5)  # computing by now
     time.sleep(1.0)  # the worker is stopped within a few tenths of a second
     before = _tree_cpu(server.proc.pid)
@@ -288,14 +330,24 @@ def _compute_workers(server: Server) -> set[int]:
 def test_idle_workers_above_the_minimum_retire_and_the_pool_stays_warm(tmp_path: Path) -> None:
     """Two workers under load; idle, the one above the minimum exits and the other stays
     (for the life of the server): the first request after the idle time starts no process."""
-    server = _start(tmp_path, GRADSERVE_COMPUTE_WORKERS="2", GRADSERVE_MAX_CONCURRENCY="2",
-                    GRADSERVE_COMPUTE_WORKER_IDLE_S="1")
+    server = _start(
+        tmp_path,
+        GRADSERVE_COMPUTE_WORKERS="2",
+        GRADSERVE_MAX_CONCURRENCY="2",
+        GRADSERVE_COMPUTE_WORKER_IDLE_S="1",
+    )
     try:
         assert len(_compute_workers(server)) == 1  # warm before ready
         body = _matmuls(6, 512, pad=2000)  # a few tenths of a second each: they overlap
         with ThreadPoolExecutor(2) as threads:
-            codes = list(threads.map(lambda _: httpx.post(
-                server.base + "/forward", json=body, timeout=60).status_code, range(2)))
+            codes = list(
+                threads.map(
+                    lambda _: (
+                        httpx.post(server.base + "/forward", json=body, timeout=60).status_code
+                    ),
+                    range(2),
+                )
+            )
         assert codes == [200, 200]
         deadline = time.monotonic() + 30
         while len(_compute_workers(server)) > 1 and time.monotonic() < deadline:
@@ -334,15 +386,26 @@ async def test_a_hung_up_client_in_process_is_not_a_500() -> None:
         async def send(message: dict[str, Any]) -> None:
             received.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/forward", "raw_path": b"/forward",
-                 "headers": [(b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode())],
-                 "query_string": b"", "http_version": "1.1", "scheme": "http",
-                 "server": ("test", 80), "client": ("127.0.0.1", 1), "root_path": "",
-                 "app": app, "state": {}}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/forward",
+            "raw_path": b"/forward",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "query_string": b"",
+            "http_version": "1.1",
+            "scheme": "http",
+            "server": ("test", 80),
+            "client": ("127.0.0.1", 1),
+            "root_path": "",
+            "app": app,
+            "state": {},
+        }
         t0 = time.monotonic()
         await app(scope, receive, send)
         assert time.monotonic() - t0 < 5
-        assert not any(m["type"] == "http.response.start" and m["status"] >= 500
-                       for m in received)
+        assert not any(m["type"] == "http.response.start" and m["status"] >= 500 for m in received)
         assert runner.admission.active == 0 and runner.ledger.total() == 0

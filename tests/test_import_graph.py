@@ -16,9 +16,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The packages walked: the module name of each, and the folder that holds its source.
-PACKAGES = {"gradserve": ROOT / "gradserve", "gradserve.engine": ROOT / "engine",
-            "gradserve.service": ROOT / "service", "gradserve.client": ROOT / "client",
-            "gradserve.wire": ROOT / "wire"}
+PACKAGES = {
+    "gradserve": ROOT / "gradserve",
+    "gradserve.engine": ROOT / "engine",
+    "gradserve.service": ROOT / "service",
+    "gradserve.client": ROOT / "client",
+    "gradserve.wire": ROOT / "wire",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -36,7 +40,8 @@ def _modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
@@ -54,8 +59,9 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom,
-             known: dict[str, Path]) -> set[str]:
+def _targets(
+    module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: dict[str, Path]
+) -> set[str]:
     """The modules of the packages that an import statement imports."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
@@ -64,11 +70,10 @@ def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom,
         if node.level:
             anchor = module.split(".")
             anchor = anchor if is_package else anchor[:-1]
-            anchor = anchor[:len(anchor) - node.level + 1]
+            anchor = anchor[: len(anchor) - node.level + 1]
             base = ".".join([*anchor, *([base] if base else [])])
         # `from pkg import sub` imports the submodule pkg.sub; `from mod import name`, mod.
-        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                 for a in node.names]
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     return {n for n in names if n in known}
 
 
@@ -78,8 +83,9 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
-        graph[module] = set().union(*(_targets(module, is_package, n, known)
-                                      for n in _imports(tree))) - {module}
+        graph[module] = set().union(
+            *(_targets(module, is_package, n, known) for n in _imports(tree))
+        ) - {module}
     return graph
 
 
@@ -98,7 +104,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 state[path.pop()] = 2
                 stack.pop()
             elif state.get(nxt) == 1:
-                return [*path[path.index(nxt):], nxt]
+                return [*path[path.index(nxt) :], nxt]
             elif nxt not in state:
                 state[nxt] = 1
                 path.append(nxt)
@@ -109,8 +115,10 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_packages_import_without_a_cycle() -> None:
     graph = import_graph()
     assert len(graph) > 50
-    assert graph["gradserve.engine._tensor"] >= {"gradserve.engine.autograd",
-                                                 "gradserve.engine.rules"}
+    assert graph["gradserve.engine._tensor"] >= {
+        "gradserve.engine.autograd",
+        "gradserve.engine.rules",
+    }
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -160,6 +168,9 @@ def test_the_wire_format_imports_neither_side() -> None:
 
 
 def test_the_guards_see_an_import_that_crosses() -> None:
-    graph = {"gradserve.client.x": {"gradserve.wire.y"},
-             "gradserve.wire.y": {"gradserve.service.z"}, "gradserve.service.z": set()}
+    graph = {
+        "gradserve.client.x": {"gradserve.wire.y"},
+        "gradserve.wire.y": {"gradserve.service.z"},
+        "gradserve.service.z": set(),
+    }
     assert "gradserve.service.z" in reachable(graph, "gradserve.client")

@@ -54,8 +54,13 @@ def _start(tmp: Path, preexec_fn: Callable[[], None] | None = None, **env: str) 
             [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
             cwd=ROOT,
             # One BLAS thread: the long computation leaves a core to the event loop.
-            env={**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-                 "MKL_NUM_THREADS": "1", **env},
+            env={
+                **os.environ,
+                "OPENBLAS_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1",
+                **env,
+            },
             stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=preexec_fn,  # e.g. a lower open-file limit (tests/test_connections.py)
@@ -87,28 +92,40 @@ def _stop(server: Server) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("server"), GRADSERVE_MAX_BODY_BYTES=str(MAX_BODY),
-               GRADSERVE_MAX_CONCURRENCY="32")
+    s = _start(
+        tmp_path_factory.mktemp("server"),
+        GRADSERVE_MAX_BODY_BYTES=str(MAX_BODY),
+        GRADSERVE_MAX_CONCURRENCY="32",
+    )
     yield s
     _stop(s)
 
 
 def seed(x: float = 2.0, y: float = 3.0, form: str = "expr") -> dict:
     nodes = (
-        [{"id": "z", "expr": "(x + y) * (x - y)"}] if form == "expr" else [
+        [{"id": "z", "expr": "(x + y) * (x - y)"}]
+        if form == "expr"
+        else [
             {"id": "s", "op": "add", "args": ["x", "y"]},
             {"id": "d", "op": "sub", "args": ["x", "y"]},
             {"id": "z", "op": "mul", "args": ["s", "d"]},
         ]
     )
-    return {"graph": {"nodes": nodes, "outputs": ["z"]},
-            "inputs": {"x": {"data": x, "requires_grad": True},
-                       "y": {"data": y, "requires_grad": True}}}
+    return {
+        "graph": {"nodes": nodes, "outputs": ["z"]},
+        "inputs": {
+            "x": {"data": x, "requires_grad": True},
+            "y": {"data": y, "requires_grad": True},
+        },
+    }
 
 
 def no_grad_seed(a: float = 5.0) -> dict:
-    return {"graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B"]},
-            "inputs": {"A": {"data": [a], "requires_grad": True}}, "no_grad": True}
+    return {
+        "graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B"]},
+        "inputs": {"A": {"data": [a], "requires_grad": True}},
+        "no_grad": True,
+    }
 
 
 def assert_good(base: str) -> None:
@@ -133,17 +150,23 @@ def test_python_client(server: Server) -> None:
     with Client(server.base) as gs:
         r = gs.backward(graph, {"x": 2.0, "y": 3.0})
         assert (r.outputs["z"].item(), r.gradients["x"].item(), r.gradients["y"].item()) == (
-            -5.0, 4.0, -6.0)
+            -5.0,
+            4.0,
+            -6.0,
+        )
         assert r.grad_fn == {"z": "MulBackward"} and r.meta["nodes"] == 3
         # A large tensor goes as base64 (the body stays small enough for this server).
         x = np.linspace(-1, 1, 50_000, dtype=np.float32)
-        big = gs.forward({"nodes": [{"id": "y", "expr": "x * 2"}], "outputs": ["y"]},
-                         {"x": x}, no_grad=True)
+        big = gs.forward(
+            {"nodes": [{"id": "y", "expr": "x * 2"}], "outputs": ["y"]}, {"x": x}, no_grad=True
+        )
         np.testing.assert_array_equal(big.outputs["y"], x * 2)
         assert big.outputs["y"].dtype == np.float32 and big.requires_grad == {"y": False}
         with pytest.raises(GradserveHTTPError) as info:
-            gs.forward({"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}],
-                        "outputs": ["z"]}, {"a": np.ones((3, 4)), "b": np.ones((5, 2))})
+            gs.forward(
+                {"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}], "outputs": ["z"]},
+                {"a": np.ones((3, 4)), "b": np.ones((5, 2))},
+            )
         err = info.value
         assert err.status == 422 and err.node == "z" and err.request_id
         assert err.detail == "node 'z' (matmul): shapes (3, 4) and (5, 2) do not match"
@@ -164,8 +187,10 @@ def test_32_concurrent_mixed_requests(server: Server) -> None:
             b = r.json()["outputs"]["B"]
             assert (b["data"], b["requires_grad"], b["grad_fn"]) == ([i * i + 16.0], False, None)
         else:  # a larger body: the worker-thread path, with grad recorded
-            body = {"graph": {"nodes": [{"id": "s", "expr": "sum(x * x)"}], "outputs": ["s"]},
-                    "inputs": {"x": {"data": [float(i)] * 4000, "requires_grad": True}}}
+            body = {
+                "graph": {"nodes": [{"id": "s", "expr": "sum(x * x)"}], "outputs": ["s"]},
+                "inputs": {"x": {"data": [float(i)] * 4000, "requires_grad": True}},
+            }
             out = (await client.post("/forward", json=body)).json()["outputs"]["s"]
             assert out["data"] == 4000 * i * i
             assert (out["requires_grad"], out["grad_fn"]) == (True, "SumBackward")
@@ -181,8 +206,10 @@ def test_32_concurrent_mixed_requests(server: Server) -> None:
 def test_healthz_stays_fast_during_a_long_computation(server: Server) -> None:
     # A no_grad chain of 120 1000x1000 matmuls: seconds of BLAS work in a worker thread.
     nodes = [{"id": "a", "op": "full", "attrs": {"shape": [1000, 1000], "value": 0.001}}]
-    nodes += [{"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(120)]
+    nodes += [
+        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+        for i in range(120)
+    ]
     body = {"graph": {"nodes": nodes, "outputs": ["m119"]}, "no_grad": True}
 
     async def run() -> list[float]:
@@ -213,15 +240,19 @@ def test_healthz_stays_fast_during_a_long_computation(server: Server) -> None:
 def test_oversize_bodies_are_refused(server: Server) -> None:
     # Declared: refused from the headers alone, nothing of the body is sent.
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000000000\r\n\r\n")
+        sock.sendall(
+            b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000\r\n\r\n"
+        )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 413 ") and b"application/problem+json" in head
 
     # Chunked: refused once it crosses the limit, while the client is still sending.
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        sock.sendall(
+            b"POST /forward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         chunk = b"%x\r\n%s\r\n" % (64 * 1024, b" " * 64 * 1024)
         reply = b""
         sock.settimeout(0.05)
@@ -247,23 +278,46 @@ BAD_REQUESTS: list[tuple[str, bytes, int]] = [
     ("/forward", b"{not json", 400),
     ("/forward", b"[" * 100_000, 400),
     ("/forward", b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": "bad"}}', 422),
-    ("/backward", b'{"graph": {"nodes": [{"id": "z", "expr": "' + b"(" * 5000 + b'"}],'
-     b' "outputs": ["z"]}}', 422),
-    ("/forward", b'{"graph": {"nodes": [{"id": "z", "expr": "__import__(\'os\').system(\'id\')"}'
-     b'], "outputs": ["z"]}}', 422),
-    ("/forward", b'{"graph": {"nodes": [{"id": "z", "op": "reshape", "args": ["x"], "attrs":'
-     b' {"shape": [-5]}}], "outputs": ["z"]}, "inputs": {"x": [1.0]}}', 422),
-    ("/forward", b'{"graph": {"nodes": [{"id": "z", "op": "ones", "attrs": {"shape": '
-     b'[100000, 100000, 100000]}}], "outputs": ["z"]}}', 422),
-    ("/backward", b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": {"b64": "!!!!",'
-     b' "dtype": "float32", "shape": [1]}}}', 422),
+    (
+        "/backward",
+        b'{"graph": {"nodes": [{"id": "z", "expr": "' + b"(" * 5000 + b'"}], "outputs": ["z"]}}',
+        422,
+    ),
+    (
+        "/forward",
+        b'{"graph": {"nodes": [{"id": "z", "expr": "__import__(\'os\').system(\'id\')"}'
+        b'], "outputs": ["z"]}}',
+        422,
+    ),
+    (
+        "/forward",
+        b'{"graph": {"nodes": [{"id": "z", "op": "reshape", "args": ["x"], "attrs":'
+        b' {"shape": [-5]}}], "outputs": ["z"]}, "inputs": {"x": [1.0]}}',
+        422,
+    ),
+    (
+        "/forward",
+        b'{"graph": {"nodes": [{"id": "z", "op": "ones", "attrs": {"shape": '
+        b'[100000, 100000, 100000]}}], "outputs": ["z"]}}',
+        422,
+    ),
+    (
+        "/backward",
+        b'{"graph": {"nodes": [], "outputs": ["x"]}, "inputs": {"x": {"b64": "!!!!",'
+        b' "dtype": "float32", "shape": [1]}}}',
+        422,
+    ),
 ]
 
 
 @pytest.mark.parametrize("path, body, status", BAD_REQUESTS)
 def test_healthy_after_bad_input(server: Server, path: str, body: bytes, status: int) -> None:
-    r = httpx.post(server.base + path, content=body, timeout=30,
-                   headers={"Content-Type": "application/json", "X-Request-ID": "bad-input-1"})
+    r = httpx.post(
+        server.base + path,
+        content=body,
+        timeout=30,
+        headers={"Content-Type": "application/json", "X-Request-ID": "bad-input-1"},
+    )
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert "Traceback" not in r.text
@@ -275,7 +329,7 @@ def test_request_id_in_the_server_log(server: Server) -> None:
     deadline = time.monotonic() + 5
     while "find-me-in-the-log" not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert 'find-me-in-the-log 127.0.0.1' in server.log_text()
+    assert "find-me-in-the-log 127.0.0.1" in server.log_text()
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path: Path) -> None:

@@ -24,9 +24,12 @@ def _cell(steps: int, one: float, rate: float) -> GraphSpec:
     (`one`) in every copy and a step size (`rate`) in the loss."""
     nodes, h = [], "h0"
     for t in range(steps):
-        nodes += [NodeSpec(f"a{t}", expr=f"x{t} @ w + {h} @ u + b"),
-                  NodeSpec(f"h{t + 1}", expr=f"sigmoid(a{t} + {one!r}) * {h} "
-                                             f"+ sigmoid(a{t}) * tanh(a{t})")]
+        nodes += [
+            NodeSpec(f"a{t}", expr=f"x{t} @ w + {h} @ u + b"),
+            NodeSpec(
+                f"h{t + 1}", expr=f"sigmoid(a{t} + {one!r}) * {h} + sigmoid(a{t}) * tanh(a{t})"
+            ),
+        ]
         h = f"h{t + 1}"
     nodes.append(NodeSpec("loss", expr=f"sum({h} * {h}) * {rate!r}"))
     return GraphSpec(nodes, ["loss"])
@@ -34,25 +37,43 @@ def _cell(steps: int, one: float, rate: float) -> GraphSpec:
 
 def _cell_inputs(steps: int) -> tuple[dict[str, TensorSpec], dict[str, np.ndarray]]:
     data = {f"x{t}": RNG.standard_normal((2, 3)) for t in range(steps)}
-    data |= {"w": RNG.standard_normal((3, 3)) * 0.5, "u": RNG.standard_normal((3, 3)) * 0.5,
-             "b": RNG.standard_normal(3) * 0.1, "h0": RNG.standard_normal((2, 3))}
+    data |= {
+        "w": RNG.standard_normal((3, 3)) * 0.5,
+        "u": RNG.standard_normal((3, 3)) * 0.5,
+        "b": RNG.standard_normal(3) * 0.1,
+        "h0": RNG.standard_normal((2, 3)),
+    }
     return {k: TensorSpec(v.shape, str(v.dtype), True) for k, v in data.items()}, data
 
 
 def _steps(program: Program) -> list[tuple[Any, ...]]:
     """A program step for step, literals by value and sign (0.0 is not -0.0)."""
+
     def arg(a: Any) -> Any:
         return a if type(a) is int else (type(a.value), repr(a.value))
-    return [(s.op.name, tuple(arg(a) for a in s.args), repr(s.attrs), s.out, s.kind, s.origin)
-            for s in program.steps]
+
+    return [
+        (s.op.name, tuple(arg(a) for a in s.args), repr(s.attrs), s.out, s.kind, s.origin)
+        for s in program.steps
+    ]
 
 
-def assert_same_program(lifted: Program, compiled: Program, data: dict[str, np.ndarray]
-                        ) -> None:
+def assert_same_program(lifted: Program, compiled: Program, data: dict[str, np.ndarray]) -> None:
     """The same steps, plan and costs as its own compile, and the same bits out."""
     assert _steps(lifted) == _steps(compiled)
-    for field in ("frees", "reuse", "ufunc", "planned_peak_bytes", "flops", "bytes_moved",
-                  "cost_by_node", "requires_grad", "grad_fn", "outputs", "gradients"):
+    for field in (
+        "frees",
+        "reuse",
+        "ufunc",
+        "planned_peak_bytes",
+        "flops",
+        "bytes_moved",
+        "cost_by_node",
+        "requires_grad",
+        "grad_fn",
+        "outputs",
+        "gradients",
+    ):
         assert getattr(lifted, field) == getattr(compiled, field), field
     got, want = execute(lifted, data, verify=True), execute(compiled, data, verify=True)
     for k in want.outputs:
@@ -70,8 +91,7 @@ def test_a_cell_with_new_literals_takes_the_first_ones_program() -> None:
     for one, rate in ((1.5, 0.01), (-0.0, 2.5), (0.0, -0.0), (1e300, 1e-300), (1.25, 0.1)):
         lifted = compile_graph(_cell(6, one, rate), specs, backward=True, templates=templates)
         assert lifted.lifted, (one, rate)
-        assert_same_program(lifted, compile_graph(_cell(6, one, rate), specs, backward=True),
-                            data)
+        assert_same_program(lifted, compile_graph(_cell(6, one, rate), specs, backward=True), data)
     assert len(templates) == 1
 
 
@@ -87,8 +107,13 @@ def test_a_lifted_program_has_the_gradients_of_finite_differences_and_torch() ->
         u = RNG.standard_normal(x.shape)
         up = execute(lifted, data | {k: x + 1e-6 * u}).outputs["loss"]
         down = execute(lifted, data | {k: x - 1e-6 * u}).outputs["loss"]
-        np.testing.assert_allclose((up - down) / 2e-6, np.sum(result.gradients[k] * u),  # type: ignore[index]
-                                   rtol=1e-5, atol=1e-8, err_msg=k)
+        np.testing.assert_allclose(
+            (up - down) / 2e-6,
+            np.sum(result.gradients[k] * u),  # type: ignore[index]
+            rtol=1e-5,
+            atol=1e-8,
+            err_msg=k,
+        )
 
     t = {k: torch.tensor(v, requires_grad=True) for k, v in data.items()}
     h = t["h0"]
@@ -99,8 +124,13 @@ def test_a_lifted_program_has_the_gradients_of_finite_differences_and_torch() ->
     loss.backward()
     np.testing.assert_allclose(result.outputs["loss"], loss.detach().numpy(), rtol=1e-12)
     for k, v in t.items():
-        np.testing.assert_allclose(result.gradients[k], v.grad.numpy(), rtol=1e-10,  # type: ignore[index]
-                                   atol=1e-12, err_msg=k)
+        np.testing.assert_allclose(
+            result.gradients[k],
+            v.grad.numpy(),
+            rtol=1e-10,  # type: ignore[index]
+            atol=1e-12,
+            err_msg=k,
+        )
 
 
 # A float literal of an expr, not an attribute's (`min=-0.2`).
@@ -109,13 +139,22 @@ _FLOAT = re.compile(r"(?<![\w.=])(?<!=-)(\d+\.\d*(?:e[-+]?\d+)?|\d+e[-+]?\d+)")
 
 def _perturbed(nodes: list[NodeSpec], factor: float) -> list[NodeSpec]:
     """The nodes with every float literal of their exprs (not an attribute's) scaled."""
-    return [NodeSpec(n.id, n.op, n.args, n.attrs, None if n.expr is None else _FLOAT.sub(
-        lambda m: repr(float(m.group()) * factor), n.expr)) for n in nodes]
+    return [
+        NodeSpec(
+            n.id,
+            n.op,
+            n.args,
+            n.attrs,
+            None
+            if n.expr is None
+            else _FLOAT.sub(lambda m: repr(float(m.group()) * factor), n.expr),
+        )
+        for n in nodes
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_the_objectives_with_new_literals_are_bit_identical_to_their_own_compile(
-        name: str) -> None:
+def test_the_objectives_with_new_literals_are_bit_identical_to_their_own_compile(name: str) -> None:
     nodes, output, wrt, _ = OBJECTIVES[name]
     data = _data()
     specs = {k: TensorSpec(v.shape, str(v.dtype), k in wrt) for k, v in data.items()}
@@ -128,8 +167,9 @@ def test_the_objectives_with_new_literals_are_bit_identical_to_their_own_compile
         assert_same_program(program, compile_graph(graph, specs, backward=True), data)
 
 
-def _op_graph(name: str, args: list[Any], attrs: dict[str, Any], grad: bool
-              ) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray]]:
+def _op_graph(
+    name: str, args: list[Any], attrs: dict[str, Any], grad: bool
+) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray]]:
     data, refs = {}, []
     for i, a in enumerate(args):
         if isinstance(a, np.ndarray):
@@ -137,10 +177,13 @@ def _op_graph(name: str, args: list[Any], attrs: dict[str, Any], grad: bool
             refs.append(f"a{i}")
         else:
             refs.append(a)
-    specs = {k: TensorSpec(v.shape, str(v.dtype), grad and v.dtype.kind == "f")
-             for k, v in data.items()}
-    graph = GraphSpec([NodeSpec("y", name, refs, attrs),
-                       NodeSpec("loss", expr="sum(y * y)" if grad else "y")], ["loss"])
+    specs = {
+        k: TensorSpec(v.shape, str(v.dtype), grad and v.dtype.kind == "f") for k, v in data.items()
+    }
+    graph = GraphSpec(
+        [NodeSpec("y", name, refs, attrs), NodeSpec("loss", expr="sum(y * y)" if grad else "y")],
+        ["loss"],
+    )
     return graph, specs, data
 
 
@@ -155,9 +198,12 @@ def _literal_samples() -> list[Any]:
             for i, a in enumerate(args):
                 if type(a) is float:
                     cases.append(pytest.param(name, args, i, sample, id=f"{name}-{k}-{i}"))
-                elif isinstance(a, np.ndarray) and a.dtype.kind == "f" and any(
-                        isinstance(o, np.ndarray) for o in args[:i] + args[i + 1:]):
-                    made = [*args[:i], 0.7, *args[i + 1:]]
+                elif (
+                    isinstance(a, np.ndarray)
+                    and a.dtype.kind == "f"
+                    and any(isinstance(o, np.ndarray) for o in args[:i] + args[i + 1 :])
+                ):
+                    made = [*args[:i], 0.7, *args[i + 1 :]]
                     graph, specs, _ = _op_graph(name, made, sample.attrs, sample.grad)
                     try:
                         compile_graph(graph, specs, backward=sample.grad)
@@ -168,8 +214,9 @@ def _literal_samples() -> list[Any]:
 
 
 @pytest.mark.parametrize(("name", "args", "i", "sample"), _literal_samples())
-def test_every_op_with_a_new_literal_is_its_own_compile(name: str, args: list[Any], i: int,
-                                                         sample: Any) -> None:
+def test_every_op_with_a_new_literal_is_its_own_compile(
+    name: str, args: list[Any], i: int, sample: Any
+) -> None:
     grad = sample.grad
     graph, specs, data = _op_graph(name, args, sample.attrs, grad)
     templates = Templates()
@@ -177,7 +224,7 @@ def test_every_op_with_a_new_literal_is_its_own_compile(name: str, args: list[An
     value = args[i]
     lifted = []
     for new in (value * 1.37 + 0.11, -value, 0.0, -0.0):
-        changed = [*args[:i], new, *args[i + 1:]]
+        changed = [*args[:i], new, *args[i + 1 :]]
         graph, _, _ = _op_graph(name, changed, sample.attrs, grad)
         try:
             own = compile_graph(graph, specs, backward=grad)
@@ -221,8 +268,14 @@ def test_one_float_object_used_twice_is_lifted_only_with_one_value() -> None:
     templates = Templates()
 
     def graph(a: float, b: float) -> GraphSpec:
-        return GraphSpec([NodeSpec("p", "mul", ["x", a]), NodeSpec("q", "add", ["p", b]),
-                          NodeSpec("y", "sum", ["q"])], ["y"])
+        return GraphSpec(
+            [
+                NodeSpec("p", "mul", ["x", a]),
+                NodeSpec("q", "add", ["p", b]),
+                NodeSpec("y", "sum", ["q"]),
+            ],
+            ["y"],
+        )
 
     shared = 0.375
     compile_graph(graph(shared, shared), specs, backward=True, templates=templates)
@@ -232,8 +285,7 @@ def test_one_float_object_used_twice_is_lifted_only_with_one_value() -> None:
     assert_same_program(program, compile_graph(graph(both, both), specs, backward=True), data)
     program = compile_graph(graph(0.125, 0.875), specs, backward=True, templates=templates)
     assert not program.lifted
-    assert_same_program(program, compile_graph(graph(0.125, 0.875), specs, backward=True),
-                        data)
+    assert_same_program(program, compile_graph(graph(0.125, 0.875), specs, backward=True), data)
 
 
 def test_a_literal_equal_to_a_value_of_the_program_is_not_lifted() -> None:
@@ -259,16 +311,21 @@ def test_loops_and_flags_are_not_lifted_across() -> None:
     specs = {"x": TensorSpec((3,), "float64", True)}
     templates = Templates()
     for c in (0.5, 0.75):
-        loop = GraphSpec([NodeSpec("s", "scan", ["x"], {"length": 2}, body=_loop_body(c),
-                                   results={"last": "h"}), NodeSpec("y", "sum", ["last"])],
-                         ["y"])
+        loop = GraphSpec(
+            [
+                NodeSpec(
+                    "s", "scan", ["x"], {"length": 2}, body=_loop_body(c), results={"last": "h"}
+                ),
+                NodeSpec("y", "sum", ["last"]),
+            ],
+            ["y"],
+        )
         assert not compile_graph(loop, specs, backward=True, templates=templates).lifted
     plain = GraphSpec([NodeSpec("y", expr="sum(x * 0.5)")], ["y"])
     compile_graph(plain, specs, backward=True, templates=templates)
     other = GraphSpec([NodeSpec("y", expr="sum(x * 0.25)")], ["y"])
     assert not compile_graph(other, specs, backward=False, templates=templates).lifted
-    assert not compile_graph(other, specs, no_grad=True, backward=False,
-                             templates=templates).lifted
+    assert not compile_graph(other, specs, no_grad=True, backward=False, templates=templates).lifted
     assert compile_graph(other, specs, backward=True, templates=templates).lifted
 
 
@@ -282,12 +339,22 @@ def test_templates_keep_the_most_recently_used_shapes() -> None:
     specs = {"x": TensorSpec((3,), "float64", True)}
     templates = Templates(limit=2)
     for name in ("a", "b", "c"):
-        compile_graph(GraphSpec([NodeSpec(name, expr="sum(x * 0.5)")], [name]), specs,
-                      backward=True, templates=templates)
+        compile_graph(
+            GraphSpec([NodeSpec(name, expr="sum(x * 0.5)")], [name]),
+            specs,
+            backward=True,
+            templates=templates,
+        )
     assert len(templates) == 2
-    again = {name: compile_graph(GraphSpec([NodeSpec(name, expr="sum(x * 0.25)")], [name]),
-                                 specs, backward=True, templates=templates).lifted
-             for name in ("b", "c", "a")}
+    again = {
+        name: compile_graph(
+            GraphSpec([NodeSpec(name, expr="sum(x * 0.25)")], [name]),
+            specs,
+            backward=True,
+            templates=templates,
+        ).lifted
+        for name in ("b", "c", "a")
+    }
     assert again == {"b": True, "c": True, "a": False}
 
 
@@ -295,8 +362,12 @@ def test_templates_hold_programs_within_their_bytes() -> None:
     specs = {"x": TensorSpec((3,), "float64", True)}
 
     def compiled(name: str, c: float, templates: Templates) -> Program:
-        return compile_graph(GraphSpec([NodeSpec(name, expr=f"sum(x * {c!r})")], [name]),
-                             specs, backward=True, templates=templates)
+        return compile_graph(
+            GraphSpec([NodeSpec(name, expr=f"sum(x * {c!r})")], [name]),
+            specs,
+            backward=True,
+            templates=templates,
+        )
 
     size = compiled("a", 0.5, Templates()).estimated_bytes
     templates = Templates(max_bytes=2 * size)
@@ -312,9 +383,13 @@ def test_templates_hold_programs_within_their_bytes() -> None:
 
 def _body(graph: GraphSpec, data: dict[str, np.ndarray]) -> dict[str, Any]:
     nodes = [{"id": n.id, "expr": n.expr} for n in graph.nodes]
-    return {"graph": {"nodes": nodes, "outputs": list(graph.outputs)},
-            "inputs": {k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
-                       for k, v in data.items()}}
+    return {
+        "graph": {"nodes": nodes, "outputs": list(graph.outputs)},
+        "inputs": {
+            k: {"data": v.tolist(), "dtype": "float64", "requires_grad": True}
+            for k, v in data.items()
+        },
+    }
 
 
 @pytest.mark.anyio

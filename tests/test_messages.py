@@ -8,8 +8,11 @@ import pytest
 from gradserve.engine.errors import UnknownOpError, ValidationErrors
 from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
 
-INPUTS = {"x": TensorSpec((3, 4), "float32"), "w": TensorSpec((5, 2), "float32"),
-          "weights": TensorSpec((4,), "float32")}
+INPUTS = {
+    "x": TensorSpec((3, 4), "float32"),
+    "w": TensorSpec((5, 2), "float32"),
+    "weights": TensorSpec((4,), "float32"),
+}
 
 
 def message(node: NodeSpec) -> str:
@@ -19,15 +22,25 @@ def message(node: NodeSpec) -> str:
     return str(err)
 
 
-@pytest.mark.parametrize(("node", "expected"), [
-    (NodeSpec("z", expr="logsumexpp(x)"), "unknown op 'logsumexpp' (did you mean 'logsumexp'?)"),
-    (NodeSpec("z", op="softmx", args=["x"]), "unknown op 'softmx' (did you mean 'softmax'?)"),
-    (NodeSpec("z", expr="sum(x, keep_dim=True)"),
-     "unknown attribute 'keep_dim' (did you mean 'keepdim'?); sum takes: dim, keepdim"),
-    (NodeSpec("z", expr="x * weight"), "unknown reference 'weight' (did you mean 'weights'?)"),
-    (NodeSpec("z", op="neg", args=["wieghts"]),
-     "unknown reference 'wieghts' (did you mean 'weights'?)"),
-])
+@pytest.mark.parametrize(
+    ("node", "expected"),
+    [
+        (
+            NodeSpec("z", expr="logsumexpp(x)"),
+            "unknown op 'logsumexpp' (did you mean 'logsumexp'?)",
+        ),
+        (NodeSpec("z", op="softmx", args=["x"]), "unknown op 'softmx' (did you mean 'softmax'?)"),
+        (
+            NodeSpec("z", expr="sum(x, keep_dim=True)"),
+            "unknown attribute 'keep_dim' (did you mean 'keepdim'?); sum takes: dim, keepdim",
+        ),
+        (NodeSpec("z", expr="x * weight"), "unknown reference 'weight' (did you mean 'weights'?)"),
+        (
+            NodeSpec("z", op="neg", args=["wieghts"]),
+            "unknown reference 'wieghts' (did you mean 'weights'?)",
+        ),
+    ],
+)
 def test_unknown_names_suggest_the_closest(node: NodeSpec, expected: str) -> None:
     assert expected in message(node)
 

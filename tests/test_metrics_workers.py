@@ -46,8 +46,11 @@ def _families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def _route_total(samples: dict[str, list[tuple[dict[str, str], float]]]) -> float:
-    return sum(v for labels, v in samples.get("gradserve_requests_total", [])
-               if labels.get("route") == ROUTE)
+    return sum(
+        v
+        for labels, v in samples.get("gradserve_requests_total", [])
+        if labels.get("route") == ROUTE
+    )
 
 
 def _scrape(base: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -63,8 +66,9 @@ def _send(base: str, n: int) -> None:
     body = seed()
 
     def one(_: int) -> int:
-        return httpx.post(base + ROUTE, json=body, headers={"Connection": "close"},
-                          timeout=30).status_code
+        return httpx.post(
+            base + ROUTE, json=body, headers={"Connection": "close"}, timeout=30
+        ).status_code
 
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(one, range(n)))
@@ -84,8 +88,12 @@ def _front_processes(server: Server) -> list[psutil.Process]:
     return out
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout: float = 60,
-              state: Callable[[], object] = lambda: "") -> None:
+def _wait_for(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float = 60,
+    state: Callable[[], object] = lambda: "",
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
@@ -166,17 +174,30 @@ def test_every_scrape_sums_all_workers_and_survives_a_killed_one(workers_server:
 
     def replaced() -> bool:
         now = [p.pid for p in _front_processes(server)]
-        return (len(now) == WORKERS and victim not in now
-                and len(set(now) - before) == 1 and _files_up(directory, now))
+        return (
+            len(now) == WORKERS
+            and victim not in now
+            and len(set(now) - before) == 1
+            and _files_up(directory, now)
+        )
 
     # A spawned worker imports the service before it counts: slow on a loaded machine.
-    _wait_for("a replacement worker", replaced, timeout=150, state=lambda: (
-        victim, sorted(before), [p.pid for p in _front_processes(server)],
-        sorted(os.listdir(directory))))
+    _wait_for(
+        "a replacement worker",
+        replaced,
+        timeout=150,
+        state=lambda: (
+            victim,
+            sorted(before),
+            [p.pid for p in _front_processes(server)],
+            sorted(os.listdir(directory)),
+        ),
+    )
     scrape_all()  # still the first batch, victim's share included
     assert os.path.exists(os.path.join(directory, f"counter_{victim}.db"))
-    assert not [f for f in os.listdir(directory) if f.startswith("gauge_")
-                and f.endswith(f"_{victim}.db")]
+    assert not [
+        f for f in os.listdir(directory) if f.startswith("gauge_") and f.endswith(f"_{victim}.db")
+    ]
 
     _send(server.base, BATCH)
     sent += BATCH
@@ -203,8 +224,10 @@ def test_a_directory_the_user_chose_is_used_and_kept(tmp_path: Path) -> None:
     server = _start(tmp_path, GRADSERVE_WORKERS="2", PROMETHEUS_MULTIPROC_DIR=str(directory))
     try:
         _wait_for("2 front processes", lambda: len(_front_processes(server)) == 2)
-        _wait_for("their metrics", lambda: _files_up(
-            str(directory), [p.pid for p in _front_processes(server)]))
+        _wait_for(
+            "their metrics",
+            lambda: _files_up(str(directory), [p.pid for p in _front_processes(server)]),
+        )
         _send(server.base, 40)
         for _ in range(6):
             assert _route_total(_scrape(server.base)) == 40
@@ -246,8 +269,9 @@ def test_multiprocess_metrics_in_process(monkeypatch: pytest.MonkeyPatch, tmp_pa
     both; once the other is dead its gauges leave the sums and its counters stay."""
     monkeypatch.setenv(MULTIPROC_ENV, str(tmp_path))
     other = _dead_pid()  # a pid that ran and is gone: as a killed worker's
-    monkeypatch.setattr(prometheus_values, "ValueClass",
-                        prometheus_values.MultiProcessValue(lambda: other))
+    monkeypatch.setattr(
+        prometheus_values, "ValueClass", prometheus_values.MultiProcessValue(lambda: other)
+    )
     dead = Metrics()
     assert dead.multiproc_dir == str(tmp_path)
     dead.request_children(ROUTE, "POST", 200).requests.inc(3)

@@ -24,18 +24,32 @@ def test_the_modules_imported_are_the_ones_engine_graph_says() -> None:
     assert compiler.__file__.endswith(".py") != engine_graph.NATIVE
 
 
-@pytest.mark.skipif(not engine_graph.NATIVE, reason="the compiler runs from its source here: "
-                    "this whole run is the pure-Python one")
+@pytest.mark.skipif(
+    not engine_graph.NATIVE,
+    reason="the compiler runs from its source here: this whole run is the pure-Python one",
+)
 def test_the_compiled_program_tests_pass_on_the_python_source() -> None:
-    tests = ["tests/test_program_identity.py", "tests/test_graph.py", "tests/test_transforms.py",
-             "tests/test_compiled.py", "tests/test_messages.py"]
-    check = ("import gradserve.engine.graph as g, gradserve.engine.graph.compiler as c; "
-             "assert not g.NATIVE and c.__file__.endswith('.py')")
+    tests = [
+        "tests/test_program_identity.py",
+        "tests/test_graph.py",
+        "tests/test_transforms.py",
+        "tests/test_compiled.py",
+        "tests/test_messages.py",
+    ]
+    check = (
+        "import gradserve.engine.graph as g, gradserve.engine.graph.compiler as c; "
+        "assert not g.NATIVE and c.__file__.endswith('.py')"
+    )
     env = {**os.environ, "GRADSERVE_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, check=True, timeout=60)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p",
-                             "no:cacheprovider", *tests], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
@@ -50,30 +64,34 @@ def _package(tmp_path: Path, compiled: list[str], recorded: dict[str, str]) -> P
 
 
 def _hashes(path: Path) -> dict[str, str]:
-    return {m: hashlib.sha256((path / f"{m}.py").read_bytes()).hexdigest()
-            for m in _native.MODULES}
+    return {m: hashlib.sha256((path / f"{m}.py").read_bytes()).hexdigest() for m in _native.MODULES}
 
 
 def test_compiled_modules_built_from_the_sources_next_to_them_are_used(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_native, "HERE", tmp_path)
     _package(tmp_path, list(_native.MODULES), {})
     (tmp_path / "_native.json").write_text(json.dumps(_hashes(tmp_path)))
     assert _native._compiled() is None
     (tmp_path / "plan.py").write_text("# plan, edited since\n")
-    assert _native._compiled() == ("plan changed since they were compiled (reinstall to "
-                                   "compile them)")
+    assert _native._compiled() == (
+        "plan changed since they were compiled (reinstall to compile them)"
+    )
 
 
 def test_some_compiled_or_none_recorded_means_the_sources(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_native, "HERE", tmp_path)
     _package(tmp_path, [], {})
     assert _native._compiled() == ""  # (none compiled: nothing to say)
     (tmp_path / "builder.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     (tmp_path / "_native.json").write_text(json.dumps(_hashes(tmp_path)))
-    assert _native._compiled() == ("autodiff, compiler, facts, plan changed since they were "
-                                   "compiled (reinstall to compile them)")
+    assert _native._compiled() == (
+        "autodiff, compiler, facts, plan changed since they were "
+        "compiled (reinstall to compile them)"
+    )
     for name in _native.MODULES:
         (tmp_path / f"{name}.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     (tmp_path / "_native.json").unlink()

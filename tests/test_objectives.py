@@ -40,78 +40,130 @@ def _data() -> dict[str, np.ndarray]:
 # name -> (graph nodes, output, differentiable inputs, the same objective in torch)
 OBJECTIVES: dict[str, tuple[list[NodeSpec], str, list[str], Callable[..., Any]]] = {
     "least-squares": (
-        [NodeSpec("loss", expr="mean((X @ w + b - y) ** 2)")], "loss", ["w", "b"],
+        [NodeSpec("loss", expr="mean((X @ w + b - y) ** 2)")],
+        "loss",
+        ["w", "b"],
         lambda d: torch.mean((d["X"] @ d["w"] + d["b"] - d["y"]) ** 2),
     ),
     "logistic-regression-l2": (
-        [NodeSpec("margin", expr="-y * (X @ w + b)"),
-         NodeSpec("loss", expr="mean(softplus(margin)) + 0.01 * sum(w * w)")],
-        "loss", ["w", "b"],
-        lambda d: torch.mean(F.softplus(-d["y"] * (d["X"] @ d["w"] + d["b"])))
-        + 0.01 * torch.sum(d["w"] * d["w"]),
+        [
+            NodeSpec("margin", expr="-y * (X @ w + b)"),
+            NodeSpec("loss", expr="mean(softplus(margin)) + 0.01 * sum(w * w)"),
+        ],
+        "loss",
+        ["w", "b"],
+        lambda d: (
+            torch.mean(F.softplus(-d["y"] * (d["X"] @ d["w"] + d["b"])))
+            + 0.01 * torch.sum(d["w"] * d["w"])
+        ),
     ),
     "mlp-cross-entropy": (
-        [NodeSpec("h", expr="relu(X @ W1 + b1)"),
-         NodeSpec("logits", expr="h @ W2"),
-         NodeSpec("loss", expr="-mean(sum(onehot * log_softmax(logits, dim=1), dim=1))")],
-        "loss", ["W1", "b1", "W2"],
-        lambda d: F.cross_entropy(torch.relu(d["X"] @ d["W1"] + d["b1"]) @ d["W2"],
-                                  d["onehot"].argmax(dim=1)),
+        [
+            NodeSpec("h", expr="relu(X @ W1 + b1)"),
+            NodeSpec("logits", expr="h @ W2"),
+            NodeSpec("loss", expr="-mean(sum(onehot * log_softmax(logits, dim=1), dim=1))"),
+        ],
+        "loss",
+        ["W1", "b1", "W2"],
+        lambda d: F.cross_entropy(
+            torch.relu(d["X"] @ d["W1"] + d["b1"]) @ d["W2"], d["onehot"].argmax(dim=1)
+        ),
     ),
     "nll-by-gather": (
-        [NodeSpec("logp", expr="log_softmax(tanh(X @ W1) @ W2, dim=-1)"),
-         NodeSpec("picked", "gather", ["logp", "labels"], {"dim": 1}),
-         NodeSpec("loss", expr="-mean(picked)")],
-        "loss", ["W1", "W2"],
-        lambda d: -torch.mean(torch.gather(
-            torch.log_softmax(torch.tanh(d["X"] @ d["W1"]) @ d["W2"], dim=-1), 1,
-            d["labels"])),
+        [
+            NodeSpec("logp", expr="log_softmax(tanh(X @ W1) @ W2, dim=-1)"),
+            NodeSpec("picked", "gather", ["logp", "labels"], {"dim": 1}),
+            NodeSpec("loss", expr="-mean(picked)"),
+        ],
+        "loss",
+        ["W1", "W2"],
+        lambda d: (
+            -torch.mean(
+                torch.gather(
+                    torch.log_softmax(torch.tanh(d["X"] @ d["W1"]) @ d["W2"], dim=-1),
+                    1,
+                    d["labels"],
+                )
+            )
+        ),
     ),
     "attention": (
-        [NodeSpec("scores", expr="Q @ transpose(K, dim0=-2, dim1=-1) / 2.449489742783178"),
-         NodeSpec("out", expr="softmax(scores, dim=-1) @ V"),
-         NodeSpec("loss", expr="sum(out * out)")],
-        "loss", ["Q", "K", "V"],
-        lambda d: torch.sum((torch.softmax(d["Q"] @ d["K"].transpose(-2, -1)
-                                           / 2.449489742783178, dim=-1) @ d["V"]) ** 2),
+        [
+            NodeSpec("scores", expr="Q @ transpose(K, dim0=-2, dim1=-1) / 2.449489742783178"),
+            NodeSpec("out", expr="softmax(scores, dim=-1) @ V"),
+            NodeSpec("loss", expr="sum(out * out)"),
+        ],
+        "loss",
+        ["Q", "K", "V"],
+        lambda d: torch.sum(
+            (torch.softmax(d["Q"] @ d["K"].transpose(-2, -1) / 2.449489742783178, dim=-1) @ d["V"])
+            ** 2
+        ),
     ),
     "layer-norm": (
-        [NodeSpec("mu", expr="mean(X, dim=-1, keepdim=True)"),
-         NodeSpec("var", expr="var(X, dim=-1, keepdim=True, correction=0)"),
-         NodeSpec("n", expr="(X - mu) / sqrt(var + 1e-5) * gamma + beta"),
-         NodeSpec("loss", expr="sum(n ** 3)")],
-        "loss", ["X", "gamma", "beta"],
+        [
+            NodeSpec("mu", expr="mean(X, dim=-1, keepdim=True)"),
+            NodeSpec("var", expr="var(X, dim=-1, keepdim=True, correction=0)"),
+            NodeSpec("n", expr="(X - mu) / sqrt(var + 1e-5) * gamma + beta"),
+            NodeSpec("loss", expr="sum(n ** 3)"),
+        ],
+        "loss",
+        ["X", "gamma", "beta"],
         lambda d: torch.sum(F.layer_norm(d["X"], (5,), d["gamma"], d["beta"], eps=1e-5) ** 3),
     ),
     "logsumexp-softmax-margin": (
-        [NodeSpec("s", expr="X @ W1"),
-         NodeSpec("loss", expr="mean(logsumexp(s, dim=1) - max(s, dim=1))")],
-        "loss", ["W1"],
-        lambda d: torch.mean(torch.logsumexp(d["X"] @ d["W1"], dim=1)
-                             - torch.amax(d["X"] @ d["W1"], dim=1)),
+        [
+            NodeSpec("s", expr="X @ W1"),
+            NodeSpec("loss", expr="mean(logsumexp(s, dim=1) - max(s, dim=1))"),
+        ],
+        "loss",
+        ["W1"],
+        lambda d: torch.mean(
+            torch.logsumexp(d["X"] @ d["W1"], dim=1) - torch.amax(d["X"] @ d["W1"], dim=1)
+        ),
     ),
     "linear-system": (
-        [NodeSpec("x", expr="solve(A, t)"),
-         NodeSpec("loss", expr="sum(x * x) + log(abs(det(A))) + sum(inv(A) * A)")],
-        "loss", ["A", "t"],
-        lambda d: torch.sum(torch.linalg.solve(d["A"], d["t"]) ** 2)
-        + torch.log(torch.abs(torch.linalg.det(d["A"])))
-        + torch.sum(torch.inverse(d["A"]) * d["A"]),
+        [
+            NodeSpec("x", expr="solve(A, t)"),
+            NodeSpec("loss", expr="sum(x * x) + log(abs(det(A))) + sum(inv(A) * A)"),
+        ],
+        "loss",
+        ["A", "t"],
+        lambda d: (
+            torch.sum(torch.linalg.solve(d["A"], d["t"]) ** 2)
+            + torch.log(torch.abs(torch.linalg.det(d["A"])))
+            + torch.sum(torch.inverse(d["A"]) * d["A"])
+        ),
     ),
     "huber-with-where-and-clamp": (
-        [NodeSpec("r", expr="X @ w - 0.5"),
-         NodeSpec("loss", expr="mean(where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5))"
-                  " + sum(clamp(w, min=-0.2, max=0.2) ** 2)")],
-        "loss", ["w"],
-        lambda d: F.huber_loss(d["X"] @ d["w"] - 0.5, torch.zeros(16, dtype=torch.float64))
-        + torch.sum(torch.clamp(d["w"], -0.2, 0.2) ** 2),
+        [
+            NodeSpec("r", expr="X @ w - 0.5"),
+            NodeSpec(
+                "loss",
+                expr="mean(where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5))"
+                " + sum(clamp(w, min=-0.2, max=0.2) ** 2)",
+            ),
+        ],
+        "loss",
+        ["w"],
+        lambda d: (
+            F.huber_loss(d["X"] @ d["w"] - 0.5, torch.zeros(16, dtype=torch.float64))
+            + torch.sum(torch.clamp(d["w"], -0.2, 0.2) ** 2)
+        ),
     ),
     "einsum-bilinear": (
-        [NodeSpec("loss", expr='sum(einsum("bi,ij,bj->b", X, W1 @ transpose(W1, dim0=0, '
-                               'dim1=1), X) ** 2) / 100.0')],
-        "loss", ["W1"],
-        lambda d: torch.sum(torch.einsum("bi,ij,bj->b", d["X"], d["W1"] @ d["W1"].T, d["X"])
-                            ** 2) / 100.0,
+        [
+            NodeSpec(
+                "loss",
+                expr='sum(einsum("bi,ij,bj->b", X, W1 @ transpose(W1, dim0=0, '
+                "dim1=1), X) ** 2) / 100.0",
+            )
+        ],
+        "loss",
+        ["W1"],
+        lambda d: (
+            torch.sum(torch.einsum("bi,ij,bj->b", d["X"], d["W1"] @ d["W1"].T, d["X"]) ** 2) / 100.0
+        ),
     ),
 }
 
@@ -132,6 +184,7 @@ def test_objective_matches_torch(name: str) -> None:
     assert result.gradients is not None
     assert set(result.gradients) == set(wrt)
     for k in wrt:
-        np.testing.assert_allclose(result.gradients[k], ref_in[k].grad.numpy(),
-                                   rtol=1e-8, atol=1e-10, err_msg=k)
+        np.testing.assert_allclose(
+            result.gradients[k], ref_in[k].grad.numpy(), rtol=1e-8, atol=1e-10, err_msg=k
+        )
     assert result.peak_bytes == result.planned_peak_bytes

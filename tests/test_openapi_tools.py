@@ -49,18 +49,34 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_a_generated_client_runs_the_seed_backward(
-        server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # No post hooks: they would run ruff from PATH over the generated code, which is not ours.
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"post_hooks": []}))
     generated = subprocess.run(
-        [sys.executable, "-m", "openapi_python_client", "generate", "--path", str(SPEC),
-         "--config", str(config), "--meta", "none",
-         "--output-path", str(tmp_path / CLIENT_PACKAGE)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "openapi_python_client",
+            "generate",
+            "--path",
+            str(SPEC),
+            "--config",
+            str(config),
+            "--meta",
+            "none",
+            "--output-path",
+            str(tmp_path / CLIENT_PACKAGE),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     # It prints a warning for every part of the document it could not build, and goes on.
-    assert generated.returncode == 0 and "Warning" not in generated.stdout, \
+    assert generated.returncode == 0 and "Warning" not in generated.stdout, (
         generated.stdout + generated.stderr
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     api = importlib.import_module(CLIENT_PACKAGE)
     backward = importlib.import_module(f"{CLIENT_PACKAGE}.api.compute.backward")
@@ -80,32 +96,67 @@ def test_a_generated_client_runs_the_seed_backward(
 def test_schemathesis_finds_no_failure(server: Server) -> None:
     # From the repository root: the configuration names its hooks by a path from there.
     run = subprocess.run(
-        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(SCHEMATHESIS_CONFIG),
-         "run", str(SPEC), "--url", server.base, "--no-color"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "--config-file",
+            str(SCHEMATHESIS_CONFIG),
+            "run",
+            str(SPEC),
+            "--url",
+            server.base,
+            "--no-color",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-20_000:] + run.stderr[-5_000:]
     counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
     assert counts is not None and counts[1] == counts[2] and int(counts[1]) > 500, run.stdout
 
 
 def test_schemathesis_without_hooks_finds_nothing_the_document_could_say(
-        server: Server, tmp_path: Path) -> None:
+    server: Server, tmp_path: Path
+) -> None:
     # The run a user makes with the published document alone. Each failure it reports (its
     # NDJSON report has every case, request and answer) must be of one of the kinds that
     # no JSON Schema can express (tests/schemathesis_hooks.py: `KINDS`, each with its
     # reason); a failure of any other kind, or of any other check, fails the test.
     report = tmp_path / "run.ndjson"
     run = subprocess.run(
-        [sys.executable, "-m", "schemathesis.cli", "--config-file", str(SCHEMATHESIS_NO_HOOKS),
-         "run", str(SPEC), "--url", server.base, "--no-color", "--output-sanitize", "false",
-         "--report", "ndjson", "--report-ndjson-path", str(report)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "--config-file",
+            str(SCHEMATHESIS_NO_HOOKS),
+            "run",
+            str(SPEC),
+            "--url",
+            server.base,
+            "--no-color",
+            "--output-sanitize",
+            "false",
+            "--report",
+            "ndjson",
+            "--report-ndjson-path",
+            str(report),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = run.stdout[-20_000:] + run.stderr[-5_000:]
     assert run.returncode in (0, 1), output  # 1: it reported failures, sorted below
     events = [json.loads(line) for line in report.read_text().splitlines()]
     assert any("EngineFinished" in event for event in events), output
-    assert not [event for event in events
-                if {"NonFatalError", "FatalError", "Interrupted"} & event.keys()], output
+    assert not [
+        event for event in events if {"NonFatalError", "FatalError", "Interrupted"} & event.keys()
+    ], output
     spec = json.loads(SPEC.read_text())
 
     requests: Counter[str] = Counter()
@@ -125,8 +176,11 @@ def test_schemathesis_without_hooks_finds_nothing_the_document_could_say(
                 interaction = recorder["interactions"].get(case_id, {})
                 failure = (check.get("failure_info") or {}).get("failure", {})
                 kind = None
-                if check["status"] == "failure" and failure.get("code") == "ST202" and \
-                        interaction.get("response") is not None:
+                if (
+                    check["status"] == "failure"
+                    and failure.get("code") == "ST202"
+                    and interaction.get("response") is not None
+                ):
                     kind = kind_of(_exchange(spec, recorder["label"], interaction))
                 if kind is None:
                     unexcused.append((recorder["label"], check, interaction))
@@ -135,10 +189,13 @@ def test_schemathesis_without_hooks_finds_nothing_the_document_could_say(
     assert not unexcused, "\n\n".join(_describe(*failure) for failure in unexcused[:10])
     # A meaningful run: every operation tested, the compute routes many times over.
     assert len(requests) == 8 and sum(requests.values()) > 1000, requests
-    assert min(requests[f"POST /{kind}"] for kind in ("forward", "backward", "plan")) > 100, \
+    assert min(requests[f"POST /{kind}"] for kind in ("forward", "backward", "plan")) > 100, (
         requests
-    print(f"schemathesis without hooks: {sum(requests.values())} requests; failures of "
-          f"the kinds no document can express: {dict(kinds) or 'none'}")
+    )
+    print(
+        f"schemathesis without hooks: {sum(requests.values())} requests; failures of "
+        f"the kinds no document can express: {dict(kinds) or 'none'}"
+    )
 
 
 def _exchange(spec: dict[str, Any], label: str, interaction: dict[str, Any]) -> Exchange:
@@ -148,8 +205,10 @@ def _exchange(spec: dict[str, Any], label: str, interaction: dict[str, Any]) -> 
     return Exchange(
         operation=spec["paths"][path][method.lower()],
         headers={name.lower(): values[0] for name, values in request["headers"].items()},
-        body=_payload(request.get("body")), status=response["status_code"],
-        content=_payload(response.get("content")))
+        body=_payload(request.get("body")),
+        status=response["status_code"],
+        content=_payload(response.get("content")),
+    )
 
 
 def _payload(value: dict[str, str] | None) -> bytes:
@@ -158,9 +217,11 @@ def _payload(value: dict[str, str] | None) -> bytes:
 
 def _describe(label: str, check: dict[str, Any], interaction: dict[str, Any]) -> str:
     request, response = interaction.get("request", {}), interaction.get("response") or {}
-    return (f"{label}: {check['name']} {check['status']}: {check.get('failure_info')}\n"
-            f"  sent {request.get('headers')} {_payload(request.get('body'))[:500]!r}\n"
-            f"  got {response.get('status_code')} {_payload(response.get('content'))[:500]!r}")
+    return (
+        f"{label}: {check['name']} {check['status']}: {check.get('failure_info')}\n"
+        f"  sent {request.get('headers')} {_payload(request.get('body'))[:500]!r}\n"
+        f"  got {response.get('status_code')} {_payload(response.get('content'))[:500]!r}"
+    )
 
 
 # ------------------------------------------------------------------ the document's bounds
@@ -181,37 +242,68 @@ def test_the_document_states_the_apps_body_limit() -> None:
 def _scan(body: dict[str, Any], results: dict[str, str], *sequences: str) -> dict[str, Any]:
     """A /backward request of a scan node over carry `h` (from input `h0`), and `sequences`
     (inputs of 2 elements), and of node `z`; with an input named ""."""
-    return {"graph": {"nodes": [
-        {"id": "z", "expr": "h0 * 2"},
-        {"id": "s", "op": "scan", "args": ["h0", *sequences], "attrs": {"length": 2},
-         "body": {"carry": ["h"], "nodes": [{"id": "h2", "expr": "h * 2"}],
-                  "next": {"h": "h2"}, **body},
-         "results": results}], "outputs": ["z", *results]},
-        "inputs": {"h0": {"data": 1.0, "requires_grad": True}, "": {"data": 2.0},
-                   **{name: {"data": [1.0, 2.0]} for name in sequences}}}
+    return {
+        "graph": {
+            "nodes": [
+                {"id": "z", "expr": "h0 * 2"},
+                {
+                    "id": "s",
+                    "op": "scan",
+                    "args": ["h0", *sequences],
+                    "attrs": {"length": 2},
+                    "body": {
+                        "carry": ["h"],
+                        "nodes": [{"id": "h2", "expr": "h * 2"}],
+                        "next": {"h": "h2"},
+                        **body,
+                    },
+                    "results": results,
+                },
+            ],
+            "outputs": ["z", *results],
+        },
+        "inputs": {
+            "h0": {"data": 1.0, "requires_grad": True},
+            "": {"data": 2.0},
+            **{name: {"data": [1.0, 2.0]} for name in sequences},
+        },
+    }
 
 
 def _b64(text: str, shape: tuple[int, ...] = ()) -> dict[str, Any]:
-    return {"graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
-            "inputs": {"x": {"b64": text, "dtype": "float32", "shape": list(shape),
-                             "requires_grad": True}}}
+    return {
+        "graph": {"nodes": [{"id": "z", "expr": "x * 2"}], "outputs": ["z"]},
+        "inputs": {
+            "x": {"b64": text, "dtype": "float32", "shape": list(shape), "requires_grad": True}
+        },
+    }
 
 
 # Requests the document refuses beyond the wire models, each refused by the server for
 # what the document says: strings the compiler refuses empty (an expr, blank), base64 that
 # the codec does not decode, and shapes it does not take.
 REFUSED = {
-    "expr": ({"graph": {"nodes": [{"id": "z", "expr": ""}], "outputs": ["z"]}},
-             "expr must be a non-empty string"),
-    "blank expr": ({"graph": {"nodes": [{"id": "z", "expr": " \t\u3000"}], "outputs": ["z"]}},
-                   "expr must be a non-empty string"),
-    "body expr": (_scan({"nodes": [{"id": "h2", "expr": "\n"}]}, {"r": "h"}),
-                  "expr must be a non-empty string"),
-    "carry": (_scan({"carry": [""], "next": {"": "h2"}}, {"r": "h2"}),
-              "carry name '' must be a non-empty string"),
+    "expr": (
+        {"graph": {"nodes": [{"id": "z", "expr": ""}], "outputs": ["z"]}},
+        "expr must be a non-empty string",
+    ),
+    "blank expr": (
+        {"graph": {"nodes": [{"id": "z", "expr": " \t\u3000"}], "outputs": ["z"]}},
+        "expr must be a non-empty string",
+    ),
+    "body expr": (
+        _scan({"nodes": [{"id": "h2", "expr": "\n"}]}, {"r": "h"}),
+        "expr must be a non-empty string",
+    ),
+    "carry": (
+        _scan({"carry": [""], "next": {"": "h2"}}, {"r": "h2"}),
+        "carry name '' must be a non-empty string",
+    ),
     "xs": (_scan({"xs": [""]}, {"r": "h"}, "x0"), "xs name '' must be a non-empty string"),
-    "next key": (_scan({"next": {"h": "h2", "": "h2"}}, {"r": "h"}),
-                 "body.next names '', which is not a carry"),
+    "next key": (
+        _scan({"next": {"h": "h2", "": "h2"}}, {"r": "h"}),
+        "body.next names '', which is not a carry",
+    ),
     "results value": (_scan({}, {"r": ""}), "results['r'] is '', which is neither a carry"),
     "b64 alphabet": (_b64("AAAA-A=="), "invalid base64"),
     "b64 padding": (_b64("AACAPw"), "invalid base64"),
@@ -224,13 +316,16 @@ REFUSED = {
 # codec takes them.
 TAKEN = {
     "none empty": _scan({"xs": ["x"]}, {"r": "h"}, "x0"),  # (the requests above, mended)
-    "input name and output": {"graph": {"nodes": [], "outputs": [""]},
-                              "inputs": {"": {"data": 1.0, "requires_grad": True}}},
-    "arg": {"graph": {"nodes": [{"id": "z", "op": "mul", "args": ["x", ""]}], "outputs": ["z"]},
-            "inputs": {"x": {"data": 2.0, "requires_grad": True}, "": {"data": 3.0}}},
+    "input name and output": {
+        "graph": {"nodes": [], "outputs": [""]},
+        "inputs": {"": {"data": 1.0, "requires_grad": True}},
+    },
+    "arg": {
+        "graph": {"nodes": [{"id": "z", "op": "mul", "args": ["x", ""]}], "outputs": ["z"]},
+        "inputs": {"x": {"data": 2.0, "requires_grad": True}, "": {"data": 3.0}},
+    },
     "next value": _scan({"next": {"h": ""}}, {"r": "h"}),
-    "results key": {**_scan({}, {"": "h"}),
-                    "inputs": {"h0": {"data": 1.0, "requires_grad": True}}},
+    "results key": {**_scan({}, {"": "h"}), "inputs": {"h0": {"data": 1.0, "requires_grad": True}}},
     "b64": _b64("AACAPw=="),
     "64 dims": _b64("AACAPw==", (1,) * 64),
 }
@@ -260,14 +355,29 @@ def test_what_the_document_takes_the_server_takes(server: Server, where: str) ->
 
 
 def test_the_binary_header_and_sizes_are_bounded_as_the_document_says(server: Server) -> None:
-    document = json.dumps({**SEED_OP, "inputs": {
-        "x": {"binary_data_size": 4, "dtype": "float32", "shape": [],
-              "requires_grad": True}, "y": SEED_OP["inputs"]["y"]}}).encode()
+    document = json.dumps(
+        {
+            **SEED_OP,
+            "inputs": {
+                "x": {
+                    "binary_data_size": 4,
+                    "dtype": "float32",
+                    "shape": [],
+                    "requires_grad": True,
+                },
+                "y": SEED_OP["inputs"]["y"],
+            },
+        }
+    ).encode()
     tail = b"\x00\x00\x00\x40"  # 2.0
 
     def post(header: int | str, body: bytes) -> httpx.Response:
-        return httpx.post(server.base + "/backward", content=body, timeout=30, headers={
-            BINARY_HEADER: str(header), "Content-Type": "application/octet-stream"})
+        return httpx.post(
+            server.base + "/backward",
+            content=body,
+            timeout=30,
+            headers={BINARY_HEADER: str(header), "Content-Type": "application/octet-stream"},
+        )
 
     assert post(len(document), document + tail).status_code == 200
     for header in (0, BODY_LIMIT + 1):  # the document's minimum, and its maximum, passed

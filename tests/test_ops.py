@@ -29,7 +29,6 @@ reshape expand squeeze unsqueeze flatten cat stack slice index_select gather sca
 detach zeros ones full eye arange""".split()  # noqa: SIM905 - as docs/contract.md lists it
 
 
-
 def _cases(only_grad: bool = False, finite_differences: bool = False) -> list[Any]:
     out = []
     for name, samples in sorted(SAMPLES.items()):
@@ -49,9 +48,13 @@ def _is_float_array(a: Any) -> bool:
 def engine_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
     op = OPS[name]
     return [
-        engine.tensor(a, dtype=dtype if _is_float_array(a) else None,
-                      requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i))
-        if isinstance(a, np.ndarray) else a
+        engine.tensor(
+            a,
+            dtype=dtype if _is_float_array(a) else None,
+            requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i),
+        )
+        if isinstance(a, np.ndarray)
+        else a
         for i, a in enumerate(s.args)
     ]
 
@@ -59,9 +62,13 @@ def engine_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
 def torch_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
     op = OPS[name]
     return [
-        torch.tensor(a, dtype=getattr(torch, dtype) if _is_float_array(a) else None,
-                     requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i))
-        if isinstance(a, np.ndarray) else a
+        torch.tensor(
+            a,
+            dtype=getattr(torch, dtype) if _is_float_array(a) else None,
+            requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i),
+        )
+        if isinstance(a, np.ndarray)
+        else a
         for i, a in enumerate(s.args)
     ]
 
@@ -130,8 +137,9 @@ def _grads_vs_torch(name: str, sample: Sample) -> None:
         if isinstance(a, engine.Tensor) and a.requires_grad:
             assert a.grad is not None, "no gradient reached an input"
             assert a.grad.shape == a.shape and a.grad.dtype == a.dtype
-            np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-7, atol=1e-9,
-                                       equal_nan=True)
+            np.testing.assert_allclose(
+                a.grad.numpy(), b.grad.numpy(), rtol=1e-7, atol=1e-9, equal_nan=True
+            )
 
 
 @needs_torch
@@ -201,23 +209,48 @@ def test_second_order_matches_torch(name: str, sample: Sample) -> None:
     v = rng.standard_normal(ours.shape)
     ws = [rng.standard_normal(ours_in[i].shape) for i in wrt]
 
-    firsts = engine.grad(ours, [ours_in[i] for i in wrt], engine.tensor(v), create_graph=True,
-                         allow_unused=True)
-    total = sum((engine.sum(g * engine.tensor(w)) for g, w in zip(firsts, ws, strict=True)
-                 if g is not None and g.requires_grad), engine.tensor(0.0, dtype="float64"))
-    ref_firsts = torch.autograd.grad(ref, [ref_in[i] for i in wrt], torch.tensor(v),
-                                     create_graph=True, allow_unused=True)
-    ref_total = sum((torch.sum(g * torch.tensor(w)) for g, w in zip(ref_firsts, ws, strict=True)
-                     if g is not None and g.requires_grad), torch.tensor(0.0, dtype=torch.float64))
+    firsts = engine.grad(
+        ours, [ours_in[i] for i in wrt], engine.tensor(v), create_graph=True, allow_unused=True
+    )
+    total = sum(
+        (
+            engine.sum(g * engine.tensor(w))
+            for g, w in zip(firsts, ws, strict=True)
+            if g is not None and g.requires_grad
+        ),
+        engine.tensor(0.0, dtype="float64"),
+    )
+    ref_firsts = torch.autograd.grad(
+        ref, [ref_in[i] for i in wrt], torch.tensor(v), create_graph=True, allow_unused=True
+    )
+    ref_total = sum(
+        (
+            torch.sum(g * torch.tensor(w))
+            for g, w in zip(ref_firsts, ws, strict=True)
+            if g is not None and g.requires_grad
+        ),
+        torch.tensor(0.0, dtype=torch.float64),
+    )
     if not ref_total.requires_grad:
         assert not total.requires_grad or np.allclose(
-            [g.numpy() for g in engine.grad(total, [ours_in[i] for i in wrt], allow_unused=True)
-             if g is not None], 0)
+            [
+                g.numpy()
+                for g in engine.grad(total, [ours_in[i] for i in wrt], allow_unused=True)
+                if g is not None
+            ],
+            0,
+        )
         return
     seconds = engine.grad(total, [ours_in[i] for i in wrt], allow_unused=True)
     ref_seconds = torch.autograd.grad(ref_total, [ref_in[i] for i in wrt], allow_unused=True)
     for ours_g, ref_g, i in zip(seconds, ref_seconds, wrt, strict=True):
         expected = np.zeros(ours_in[i].shape) if ref_g is None else ref_g.numpy(force=True)
         got = np.zeros(ours_in[i].shape) if ours_g is None else ours_g.numpy()
-        np.testing.assert_allclose(got, expected, rtol=1e-7, atol=1e-9, equal_nan=True,
-                                   err_msg=f"second derivative w.r.t. argument {i}")
+        np.testing.assert_allclose(
+            got,
+            expected,
+            rtol=1e-7,
+            atol=1e-9,
+            equal_nan=True,
+            err_msg=f"second derivative w.r.t. argument {i}",
+        )

@@ -32,8 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DIST_INFO = "gradserve-0.1.0.dist-info"
 PAGE_FILES = ["index.html", "explorer.css", "explorer.js", "favicon.svg"]
 # What the `server` extra brings, by import name: none of it is in the base install.
-SERVER_ONLY = ("fastapi", "uvicorn", "starlette", "pebble", "pydantic", "pydantic_settings",
-               "msgspec", "prometheus_client")
+SERVER_ONLY = (
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "pebble",
+    "pydantic",
+    "pydantic_settings",
+    "msgspec",
+    "prometheus_client",
+)
 # The eager engine: the client traces with the rules alone.
 EAGER = ("gradserve.engine._tensor", "gradserve.engine.autograd", "gradserve.engine.functions")
 PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -53,9 +61,24 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copytree(ROOT / package, src / package, ignore=skip)
     shutil.copytree(ROOT / "gradserve", src / "gradserve", symlinks=True, ignore=skip)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--wheel-dir", str(tmp / "dist"), str(src)],
-        check=True, cwd=tmp, timeout=540, env=PIP_ENV)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--wheel-dir",
+            str(tmp / "dist"),
+            str(src),
+        ],
+        check=True,
+        cwd=tmp,
+        timeout=540,
+        env=PIP_ENV,
+    )
     (built,) = (tmp / "dist").glob("gradserve-*.whl")
     return built
 
@@ -67,8 +90,12 @@ def client_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("client") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(wheel)],
-                   check=True, timeout=540, env=PIP_ENV)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
+        check=True,
+        timeout=540,
+        env=PIP_ENV,
+    )
     return python
 
 
@@ -80,11 +107,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def test_every_exported_name_is_the_one_its_module_defines() -> None:
-    code = ("import gradserve, importlib, json; "
-            "print(json.dumps([n for n in gradserve.__all__ if getattr(gradserve, n) is not "
-            "getattr(importlib.import_module(gradserve._EXPORTS[n]), n)]))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    code = (
+        "import gradserve, importlib, json; "
+        "print(json.dumps([n for n in gradserve.__all__ if getattr(gradserve, n) is not "
+        "getattr(importlib.import_module(gradserve._EXPORTS[n]), n)]))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == []
     import gradserve
@@ -95,8 +125,13 @@ def test_every_exported_name_is_the_one_its_module_defines() -> None:
 
 
 def _run(python: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(python), "-c", code, *args], capture_output=True, text=True,
-                          timeout=120, cwd=python.parent)  # away from this checkout
+    return subprocess.run(
+        [str(python), "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=python.parent,
+    )  # away from this checkout
 
 
 def test_the_wheel_holds_one_top_level_name(wheel: Path) -> None:
@@ -107,22 +142,26 @@ def test_the_wheel_holds_one_top_level_name(wheel: Path) -> None:
     assert "gradserve/engine/ops/registry.py" in names
     assert "gradserve/py.typed" in names  # PEP 561: mypy reads the installed package's types
     # mypyc's modules and their shared library, where this machine compiled them
-    assert all(name.startswith("gradserve/engine/graph/") for name in names
-               if name.endswith(".so"))
+    assert all(name.startswith("gradserve/engine/graph/") for name in names if name.endswith(".so"))
 
 
 def test_installed_it_puts_gradserve_on_the_path_and_nothing_else(client_venv: Path) -> None:
-    listing = _run(client_venv, (
-        "import importlib.metadata as m, importlib.util as u, json; "
-        "files = m.files('gradserve'); "
-        "print(json.dumps({'top': sorted({f.parts[0] for f in files if f.parts[0] != '..'}), "
-        f"'server': [n for n in {SERVER_ONLY!r} if u.find_spec(n)]}}))"))
+    listing = _run(
+        client_venv,
+        (
+            "import importlib.metadata as m, importlib.util as u, json; "
+            "files = m.files('gradserve'); "
+            "print(json.dumps({'top': sorted({f.parts[0] for f in files if f.parts[0] != '..'}), "
+            f"'server': [n for n in {SERVER_ONLY!r} if u.find_spec(n)]}}))"
+        ),
+    )
     assert listing.returncode == 0, listing.stderr
     found = json.loads(listing.stdout)
     assert found == {"top": ["gradserve", DIST_INFO], "server": []}
 
-    serve = subprocess.run([str(client_venv.parent / "gradserve"), "serve"], capture_output=True,
-                           text=True, timeout=60)
+    serve = subprocess.run(
+        [str(client_venv.parent / "gradserve"), "serve"], capture_output=True, text=True, timeout=60
+    )
     assert serve.returncode == 2
     assert "pip install 'gradserve[server]'" in serve.stderr and "fastapi" in serve.stderr
 
@@ -160,8 +199,7 @@ def test_the_eager_engine_is_named_by_modules_that_exist() -> None:
 
 
 def test_the_client_alone_traces_and_runs_the_seed(client_venv: Path, server: Server) -> None:
-    run = _run(client_venv, LIGHT_CLIENT, server.base, json.dumps(SERVER_ONLY),
-               json.dumps(EAGER))
+    run = _run(client_venv, LIGHT_CLIENT, server.base, json.dumps(SERVER_ONLY), json.dumps(EAGER))
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     expected_graph = {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]}
@@ -176,8 +214,9 @@ def test_the_client_alone_traces_and_runs_the_seed(client_venv: Path, server: Se
     assert got["heavy"] == []
 
 
-def test_user_code_type_checks_against_the_installed_wheel(client_venv: Path,
-                                                          tmp_path: Path) -> None:
+def test_user_code_type_checks_against_the_installed_wheel(
+    client_venv: Path, tmp_path: Path
+) -> None:
     """mypy, strict, over tests/typecheck/user_code.py and a copy with MISTAKES, with
     gradserve found in the wheel's venv alone (tests/test_typing.py: the checkout's). mypy
     is this environment's, pointed at the venv's interpreter; it runs away from the
@@ -189,28 +228,48 @@ def test_user_code_type_checks_against_the_installed_wheel(client_venv: Path,
     broken = tmp_path / "broken_user_code.py"
     broken.write_text(code + "\n" + "\n".join(MISTAKES) + "\n")
     first = code.count("\n") + 2  # the line of the first mistake
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if p and not Path(p).resolve().is_relative_to(ROOT)]  # tests/hooks, the root
+    path = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not Path(p).resolve().is_relative_to(ROOT)
+    ]  # tests/hooks, the root
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
     env |= {"PYTHONPATH": os.pathsep.join(path)} if path else {}
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--verbose",
-         "--config-file", os.devnull, "--python-executable", str(client_venv),
-         USER_CODE.name, broken.name],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--verbose",
+            "--config-file",
+            os.devnull,
+            "--python-executable",
+            str(client_venv),
+            USER_CODE.name,
+            broken.name,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out, log = result.stdout, result.stderr  # the errors; --verbose's log
 
     assert "missing library stubs or py.typed marker" not in out, out
     assert "Cannot find implementation" not in out, out
     read = re.findall(r"^LOG: +Parsing (\S+) \(gradserve\)$", log, re.M)
     assert [Path(p).resolve() for p in read] == [
-        (client_venv.parent.parent / "lib" / f"python{sys.version_info.major}."
-         f"{sys.version_info.minor}" / "site-packages" / "gradserve" / "__init__.py").resolve()
+        (
+            client_venv.parent.parent / "lib" / f"python{sys.version_info.major}."
+            f"{sys.version_info.minor}" / "site-packages" / "gradserve" / "__init__.py"
+        ).resolve()
     ], read
     errors = re.findall(r"^(.+?):(\d+): error: (.*)$", out, re.M)
     assert not [e for e in errors if Path(e[0]).name == USER_CODE.name], out
-    found = {int(line): message for file, line, message in errors
-             if Path(file).name == broken.name}
+    found = {int(line): message for file, line, message in errors if Path(file).name == broken.name}
     assert set(found) == set(range(first, first + len(MISTAKES))), out
     for (line, message), expected in zip(sorted(found.items()), MISTAKES.values(), strict=True):
         assert expected in message, (line, message)

@@ -35,8 +35,11 @@ pytestmark = pytest.mark.anyio
 
 def worker_body(k: float = 1.0, n: int = 5000) -> dict[str, Any]:
     """A cheap request with a body over 16 KiB: it computes in a worker."""
-    return {"graph": {"nodes": [{"id": "s", "expr": f"sum(x * {k})"}], "outputs": ["s"]},
-            "inputs": {"x": [1.0] * n}, "no_grad": True}
+    return {
+        "graph": {"nodes": [{"id": "s", "expr": f"sum(x * {k})"}], "outputs": ["s"]},
+        "inputs": {"x": [1.0] * n},
+        "no_grad": True,
+    }
 
 
 async def _until(what: str, check: Callable[[], bool], timeout: float = 20) -> None:
@@ -71,8 +74,7 @@ async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch
     pool = app.state.front.pool
     seen: list[tuple[int, int]] = []
     manager = LifespanManager(app, startup_timeout=60)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app),
-                                 base_url="http://test") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as c:
         starting = asyncio.create_task(manager.__aenter__())
         while not starting.done():
             seen.append(((await c.get("/readyz")).status_code, pool.warm))
@@ -94,8 +96,7 @@ async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> No
         runner = app.state.front
         pool = runner.pool
         assert pool.warm == 1 and pool.starts == 1
-        replies = await asyncio.gather(*(c.post("/forward", json=worker_body(k))
-                                         for k in range(6)))
+        replies = await asyncio.gather(*(c.post("/forward", json=worker_body(k)) for k in range(6)))
         assert [r.status_code for r in replies] == [200] * 6
         await _until("a second worker", lambda: pool.starts == 2)
         deadline = time.monotonic() + 20
@@ -122,7 +123,8 @@ async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> No
 
 
 async def test_a_worker_over_its_rss_limit_is_replaced_after_its_replacement_is_warm(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every worker says it has grown by a GiB with each answer, so each is recycled after
     a task: its replacement is warm before it exits (and it exits cleanly, not killed); no
     request fails or waits."""
@@ -180,11 +182,20 @@ async def test_a_worker_killed_from_outside_is_replaced() -> None:
         assert pool.starts == starts and victim not in _served_by(app)
 
         # Killed while it computes: that request is a 500 (logged), the next one is served.
-        long = {"graph": {"nodes": [
-            {"id": "a", "expr": "full(shape=[1024, 1024], value=0.001, dtype='float64')"},
-            *({"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(200))], "outputs": ["m199"]}, "no_grad": True,
-            "inputs": {f"pad{i}": 0.0 for i in range(2000)}}
+        long = {
+            "graph": {
+                "nodes": [
+                    {"id": "a", "expr": "full(shape=[1024, 1024], value=0.001, dtype='float64')"},
+                    *(
+                        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+                        for i in range(200)
+                    ),
+                ],
+                "outputs": ["m199"],
+            },
+            "no_grad": True,
+            "inputs": {f"pad{i}": 0.0 for i in range(2000)},
+        }
         computing = asyncio.create_task(c.post("/forward", json=long))
         await _until("the long request in a worker", lambda: pool.tasks == 2)
         (busy,) = pool.pids()
@@ -203,11 +214,20 @@ async def test_a_worker_past_the_deadline_is_killed_and_replaced() -> None:
     async with serving(request_timeout_s=1.0) as (c, app):
         pool = app.state.front.pool
         (first,) = pool.pids()
-        long = {"graph": {"nodes": [
-            {"id": "a", "expr": "full(shape=[2048, 2048], value=0.001, dtype='float64')"},
-            *({"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
-              for i in range(40))], "outputs": ["m39"]}, "no_grad": True,
-            "inputs": {f"pad{i}": 0.0 for i in range(2000)}}
+        long = {
+            "graph": {
+                "nodes": [
+                    {"id": "a", "expr": "full(shape=[2048, 2048], value=0.001, dtype='float64')"},
+                    *(
+                        {"id": f"m{i}", "op": "matmul", "args": [f"m{i - 1}" if i else "a", "a"]}
+                        for i in range(40)
+                    ),
+                ],
+                "outputs": ["m39"],
+            },
+            "no_grad": True,
+            "inputs": {f"pad{i}": 0.0 for i in range(2000)},
+        }
         assert_problem(await c.post("/forward", json=long), 504, "timeout", "was stopped")
         await _until("a replacement", lambda: pool.warm == 1 and pool.pids() - {first})
         r = await c.post("/forward", json=worker_body(1.0))
@@ -225,9 +245,15 @@ BODIES = {"a": WARM_UP, "b": WARM_UP.replace(b"(x + y) * (x - y)", b"(x + y) * (
 
 
 def _task(pool: Pool, which: str, slot: int) -> Task:
-    return Task(kind="backward", body=BODIES[which], slot=slot, held=0,
-                deadline=time.monotonic() + 30, out_name=pool.segment() + "o",
-                request_id=f"affinity-{which}")
+    return Task(
+        kind="backward",
+        body=BODIES[which],
+        slot=slot,
+        held=0,
+        deadline=time.monotonic() + 30,
+        out_name=pool.segment() + "o",
+        request_id=f"affinity-{which}",
+    )
 
 
 async def test_a_program_goes_to_the_idle_worker_that_holds_it() -> None:
@@ -241,8 +267,9 @@ async def test_a_program_goes_to_the_idle_worker_that_holds_it() -> None:
         assert pool.warm == 2
         # Each worker said what it holds when warm (a CPU worker: ~45 MiB).
         assert all(16 << 20 < w.warm_rss < 256 << 20 for w in pool._workers)
-        a, b = await asyncio.gather(pool.submit(_task(pool, "a", 0)),
-                                    pool.submit(_task(pool, "b", 1)))
+        a, b = await asyncio.gather(
+            pool.submit(_task(pool, "a", 0)), pool.submit(_task(pool, "b", 1))
+        )
         keys = {"a": a.stats.program_key, "b": b.stats.program_key}
         holder = {"a": a.stats.pid, "b": b.stats.pid}
         assert holder["a"] != holder["b"] and None not in keys.values() != keys["b"]

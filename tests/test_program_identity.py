@@ -43,10 +43,13 @@ def _arg(a: Any) -> str:
 
 
 def _step(s: Step, out: list[str]) -> str:
-    attrs = ",".join(f"{k}=<{_body(v, out)}>" if k == "body" else f"{k}={v!r}"
-                     for k, v in s.attrs.items())
-    return (f"{s.op.name}({','.join(_arg(a) for a in s.args)})[{attrs}]->{s.out}+{s.more} "
-            f"{s.kind} {s.origin!r}")
+    attrs = ",".join(
+        f"{k}=<{_body(v, out)}>" if k == "body" else f"{k}={v!r}" for k, v in s.attrs.items()
+    )
+    return (
+        f"{s.op.name}({','.join(_arg(a) for a in s.args)})[{attrs}]->{s.out}+{s.more} "
+        f"{s.kind} {s.origin!r}"
+    )
 
 
 def _body(body: Body, out: list[str]) -> str:
@@ -54,15 +57,20 @@ def _body(body: Body, out: list[str]) -> str:
     if body.program is not None:
         _program(body.program, lines)
     # (what loops gained since the digests were recorded, where a loop has it)
-    since = "".join(f" {name}={getattr(body, name)}" for name in ("shifted", "every", "replayed")
-                    if getattr(body, name))
+    since = "".join(
+        f" {name}={getattr(body, name)}"
+        for name in ("shifted", "every", "replayed")
+        if getattr(body, name)
+    )
     if body.replay is not None:
         since += f" replay={body.replay.replayed}"
-    return (f"carries={body.carries} xs={body.xs} closures={body.closures} "
-            f"nexts={body.nexts} ys={body.ys} length={body.length} reverse={body.reverse} "
-            f"wanted={body.wanted}{since} "
-            f"steps=[{';'.join(_step(s, out) for s in body.steps)}] "
-            f"program=<{'|'.join(lines)}>")
+    return (
+        f"carries={body.carries} xs={body.xs} closures={body.closures} "
+        f"nexts={body.nexts} ys={body.ys} length={body.length} reverse={body.reverse} "
+        f"wanted={body.wanted}{since} "
+        f"steps=[{';'.join(_step(s, out) for s in body.steps)}] "
+        f"program=<{'|'.join(lines)}>"
+    )
 
 
 def _run(r: Run) -> str:
@@ -73,28 +81,40 @@ def _run(r: Run) -> str:
         # by its number, a stack by -1 - its number among those written)
         nc = len(body.carries)
         stacks = [k for k, _ in loop.ys]
-        results = [(slot, k if k < nc else -1 - stacks.index(k)) for slot, k in loop.results
-                   if k < nc or k in stacks]
-        rest = (f"loop args={loop.args} carries={nc} xs={len(body.xs)} "
-                f"nexts={body.nexts} ys={[(k - nc, y) for k, y in loop.ys]} "
-                f"results={results} sources={inner.sources} sizes={inner.sizes} "
-                f"given={inner.given} distinct={inner.distinct} "
-                f"runs=[{';'.join(_run(r) for r in inner.bound)}]")
+        results = [
+            (slot, k if k < nc else -1 - stacks.index(k))
+            for slot, k in loop.results
+            if k < nc or k in stacks
+        ]
+        rest = (
+            f"loop args={loop.args} carries={nc} xs={len(body.xs)} "
+            f"nexts={body.nexts} ys={[(k - nc, y) for k, y in loop.ys]} "
+            f"results={results} sources={inner.sources} sizes={inner.sizes} "
+            f"given={inner.given} distinct={inner.distinct} "
+            f"runs=[{';'.join(_run(r) for r in inner.bound)}]"
+        )
         if loop.replay is not None or any(loop.kept):
-            rest += (f" kept={loop.kept} all results={loop.results} replay runs="
-                     f"[{';'.join(_run(r) for r in loop.replay.bound) if loop.replay else ''}]")
+            rest += (
+                f" kept={loop.kept} all results={loop.results} replay runs="
+                f"[{';'.join(_run(r) for r in loop.replay.bound) if loop.replay else ''}]"
+            )
     return f"{code} {_fn(fn)} {out} {a0} {a1} {rest!r} {frees}"
 
 
 def _program(p: Program, out: list[str]) -> None:
     out.append(f"metas={[(m.shape, m.dtype, m.literal) for m in p.metas]}")
     out.extend(_step(s, out) for s in p.steps)
-    out.append(f"inputs={p.inputs} grad_inputs={p.grad_inputs} outputs={p.outputs} "
-               f"gradients={p.gradients}")
-    out.append(f"requires_grad={p.requires_grad} grad_fn={p.grad_fn} no_grad={p.no_grad} "
-               f"backward={p.backward} held={sorted(p.held)}")
-    out.append(f"frees={p.frees} reuse={p.reuse} ufunc={p.ufunc} nodes={p.nodes} "
-               f"peak={p.planned_peak_bytes} flops={p.flops} moved={p.bytes_moved}")
+    out.append(
+        f"inputs={p.inputs} grad_inputs={p.grad_inputs} outputs={p.outputs} gradients={p.gradients}"
+    )
+    out.append(
+        f"requires_grad={p.requires_grad} grad_fn={p.grad_fn} no_grad={p.no_grad} "
+        f"backward={p.backward} held={sorted(p.held)}"
+    )
+    out.append(
+        f"frees={p.frees} reuse={p.reuse} ufunc={p.ufunc} nodes={p.nodes} "
+        f"peak={p.planned_peak_bytes} flops={p.flops} moved={p.bytes_moved}"
+    )
     out.append(f"cost_by_node={sorted(p.cost_by_node.items())} step_costs={p.step_costs}")
     if p.run is not None:
         out.append(f"given={p.run.given}")
@@ -115,44 +135,69 @@ def _op(id_: str, op: str, *args: Any, **attrs: Any) -> NodeSpec:
 def _chain(steps: int) -> GraphSpec:
     nodes, h = [], "h0"
     for t in range(steps):
-        nodes += [_op(f"p{t}", "mul", h, "w"), _op(f"q{t}", "add", f"p{t}", "x"),
-                  _op(f"h{t + 1}", "tanh", f"q{t}")]
+        nodes += [
+            _op(f"p{t}", "mul", h, "w"),
+            _op(f"q{t}", "add", f"p{t}", "x"),
+            _op(f"h{t + 1}", "tanh", f"q{t}"),
+        ]
         h = f"h{t + 1}"
-    return GraphSpec([*nodes, _op("unused", "mul", "x", 3.0), _op("loss", "sum", h)],
-                     ["loss"])
+    return GraphSpec([*nodes, _op("unused", "mul", "x", 3.0), _op("loss", "sum", h)], ["loss"])
 
 
 def _cell(steps: int) -> GraphSpec:
     nodes, h = [], "h0"
     for t in range(steps):
         nodes += [
-            _op(f"xw{t}", "matmul", f"x{t}", "w"), _op(f"hu{t}", "matmul", h, "u"),
-            _op(f"s{t}", "add", f"xw{t}", f"hu{t}"), _op(f"a{t}", "add", f"s{t}", "b"),
-            _op(f"a1_{t}", "add", f"a{t}", 1.0), _op(f"f{t}", "sigmoid", f"a1_{t}"),
-            _op(f"fh{t}", "mul", f"f{t}", h), _op(f"g{t}", "sigmoid", f"a{t}"),
-            _op(f"c{t}", "tanh", f"a{t}"), _op(f"gc{t}", "mul", f"g{t}", f"c{t}"),
-            _op(f"h{t + 1}", "add", f"fh{t}", f"gc{t}")]
+            _op(f"xw{t}", "matmul", f"x{t}", "w"),
+            _op(f"hu{t}", "matmul", h, "u"),
+            _op(f"s{t}", "add", f"xw{t}", f"hu{t}"),
+            _op(f"a{t}", "add", f"s{t}", "b"),
+            _op(f"a1_{t}", "add", f"a{t}", 1.0),
+            _op(f"f{t}", "sigmoid", f"a1_{t}"),
+            _op(f"fh{t}", "mul", f"f{t}", h),
+            _op(f"g{t}", "sigmoid", f"a{t}"),
+            _op(f"c{t}", "tanh", f"a{t}"),
+            _op(f"gc{t}", "mul", f"g{t}", f"c{t}"),
+            _op(f"h{t + 1}", "add", f"fh{t}", f"gc{t}"),
+        ]
         h = f"h{t + 1}"
     return GraphSpec([*nodes, _op("hh", "mul", h, h), _op("loss", "sum", "hh")], ["loss"])
 
 
 def _rnn() -> list[NodeSpec]:
-    body = BodySpec(carry=["h"], xs=["x"], nodes=[NodeSpec("h2", expr="tanh(x @ w + h @ u + b)")],
-                    next={"h": "h2"})
-    return [NodeSpec("rnn", op="scan", args=["h0", "xs"], body=body,
-                     results={"h_last": "h", "hs": "h2"}),
-            NodeSpec("loss", expr="sum(hs * hs) + sum(h_last)")]
+    body = BodySpec(
+        carry=["h"],
+        xs=["x"],
+        nodes=[NodeSpec("h2", expr="tanh(x @ w + h @ u + b)")],
+        next={"h": "h2"},
+    )
+    return [
+        NodeSpec(
+            "rnn", op="scan", args=["h0", "xs"], body=body, results={"h_last": "h", "hs": "h2"}
+        ),
+        NodeSpec("loss", expr="sum(hs * hs) + sum(h_last)"),
+    ]
 
 
 def _nested() -> list[NodeSpec]:
-    inner = BodySpec(carry=["c"], xs=["r"], nodes=[NodeSpec("c2", expr="sin(c * r + a)")],
-                     next={"c": "c2"})
-    outer = BodySpec(carry=["a"], xs=["row"], nodes=[
-        NodeSpec("in", op="scan", args=["a", "row"], body=inner, results={"c_end": "c"}),
-        NodeSpec("a2", expr="a * 0.5 + c_end")], next={"a": "a2"})
-    return [NodeSpec("out", op="scan", args=["a0", "m"], body=outer, results={"a_end": "a"}),
-            NodeSpec("loss", expr="sum(a_end * a_end)"),
-            NodeSpec("g", expr="grad(loss, m)"), NodeSpec("hv", expr="grad(sum(g * v), m)")]
+    inner = BodySpec(
+        carry=["c"], xs=["r"], nodes=[NodeSpec("c2", expr="sin(c * r + a)")], next={"c": "c2"}
+    )
+    outer = BodySpec(
+        carry=["a"],
+        xs=["row"],
+        nodes=[
+            NodeSpec("in", op="scan", args=["a", "row"], body=inner, results={"c_end": "c"}),
+            NodeSpec("a2", expr="a * 0.5 + c_end"),
+        ],
+        next={"a": "a2"},
+    )
+    return [
+        NodeSpec("out", op="scan", args=["a0", "m"], body=outer, results={"a_end": "a"}),
+        NodeSpec("loss", expr="sum(a_end * a_end)"),
+        NodeSpec("g", expr="grad(loss, m)"),
+        NodeSpec("hv", expr="grad(sum(g * v), m)"),
+    ]
 
 
 def _f(*shape: int, grad: bool = True, dtype: str = "float64") -> TensorSpec:
@@ -160,17 +205,22 @@ def _f(*shape: int, grad: bool = True, dtype: str = "float64") -> TensorSpec:
 
 
 RNN_INPUTS = {"xs": _f(5, 2, 3), "w": _f(3, 4), "u": _f(4, 4), "b": _f(4), "h0": _f(2, 4)}
-MIXED = GraphSpec([
-    NodeSpec("k", expr="2 * 3 + 1"),                        # literals alone: constants
-    NodeSpec("y", expr="x * n + k"),                         # int input: promotion casts
-    NodeSpec("z", expr="sum(exp(y) / (1 + y ** 2), dim=0)"),
-    NodeSpec("m", expr="reshape(z, shape=[2, 2]) @ "
-                       "transpose(reshape(z, shape=[2, 2]), dim0=0, dim1=1)"),
-    NodeSpec("loss", expr="sum(m) + mean(where(y > 0, y, 0.5 * y))"),
-    NodeSpec("g", expr="grad(loss, x)"),
-    NodeSpec("j", expr="jvp(m, x, t)"),
-    NodeSpec("d", expr="detach(y) * 2"),
-], ["loss", "g", "j", "m"])
+MIXED = GraphSpec(
+    [
+        NodeSpec("k", expr="2 * 3 + 1"),  # literals alone: constants
+        NodeSpec("y", expr="x * n + k"),  # int input: promotion casts
+        NodeSpec("z", expr="sum(exp(y) / (1 + y ** 2), dim=0)"),
+        NodeSpec(
+            "m",
+            expr="reshape(z, shape=[2, 2]) @ transpose(reshape(z, shape=[2, 2]), dim0=0, dim1=1)",
+        ),
+        NodeSpec("loss", expr="sum(m) + mean(where(y > 0, y, 0.5 * y))"),
+        NodeSpec("g", expr="grad(loss, x)"),
+        NodeSpec("j", expr="jvp(m, x, t)"),
+        NodeSpec("d", expr="detach(y) * 2"),
+    ],
+    ["loss", "g", "j", "m"],
+)
 MIXED_INPUTS = {"x": _f(3, 4), "n": _f(3, 4, grad=False, dtype="int32"), "t": _f(3, 4, grad=False)}
 
 # name -> (graph, inputs, compile options)
@@ -178,23 +228,44 @@ CASES: dict[str, tuple[GraphSpec, Mapping[str, TensorSpec], dict[str, Any]]] = {
     "chain": (_chain(30), {n: _f(8) for n in ("h0", "w", "x")}, {"backward": True}),
     "chain-wide": (_chain(4), {n: _f(8192) for n in ("h0", "w", "x")}, {"backward": True}),
     "chain-no-grad": (_chain(30), {n: _f(8) for n in ("h0", "w", "x")}, {"no_grad": True}),
-    "cell": (_cell(3), {**{f"x{t}": _f(4, 16, dtype="float32") for t in range(3)},
-                        "w": _f(16, 16, dtype="float32"), "u": _f(16, 16, dtype="float32"),
-                        "b": _f(16, dtype="float32"), "h0": _f(4, 16, dtype="float32")},
-             {"backward": True}),
-    "cell-recorded": (_cell(3), {**{f"x{t}": _f(4, 16, dtype="float32") for t in range(3)},
-                                 "w": _f(16, 16, dtype="float32"),
-                                 "u": _f(16, 16, dtype="float32"),
-                                 "b": _f(16, dtype="float32"),
-                                 "h0": _f(4, 16, dtype="float32")}, {}),
-    "rnn": (GraphSpec(_rnn(), ["loss", "hs"]), RNN_INPUTS,
-            {"backward": True, "grad_outputs": {"hs": _f(5, 2, 4, grad=False)}}),
+    "cell": (
+        _cell(3),
+        {
+            **{f"x{t}": _f(4, 16, dtype="float32") for t in range(3)},
+            "w": _f(16, 16, dtype="float32"),
+            "u": _f(16, 16, dtype="float32"),
+            "b": _f(16, dtype="float32"),
+            "h0": _f(4, 16, dtype="float32"),
+        },
+        {"backward": True},
+    ),
+    "cell-recorded": (
+        _cell(3),
+        {
+            **{f"x{t}": _f(4, 16, dtype="float32") for t in range(3)},
+            "w": _f(16, 16, dtype="float32"),
+            "u": _f(16, 16, dtype="float32"),
+            "b": _f(16, dtype="float32"),
+            "h0": _f(4, 16, dtype="float32"),
+        },
+        {},
+    ),
+    "rnn": (
+        GraphSpec(_rnn(), ["loss", "hs"]),
+        RNN_INPUTS,
+        {"backward": True, "grad_outputs": {"hs": _f(5, 2, 4, grad=False)}},
+    ),
     "rnn-recorded": (GraphSpec(_rnn(), ["loss"]), RNN_INPUTS, {}),
-    "rnn-unused": (GraphSpec([*_rnn(), NodeSpec("j", expr="jvp(hs, h0, h0)")], ["hs"]),
-                   RNN_INPUTS, {}),  # (nodes no output needs: emitted last, in Kahn's order)
-    "nested": (GraphSpec(_nested(), ["loss", "g", "hv"]),
-               {"a0": _f(2, grad=False), "m": _f(3, 4, 2, grad=False),
-                "v": _f(3, 4, 2, grad=False)}, {}),
+    "rnn-unused": (
+        GraphSpec([*_rnn(), NodeSpec("j", expr="jvp(hs, h0, h0)")], ["hs"]),
+        RNN_INPUTS,
+        {},
+    ),  # (nodes no output needs: emitted last, in Kahn's order)
+    "nested": (
+        GraphSpec(_nested(), ["loss", "g", "hv"]),
+        {"a0": _f(2, grad=False), "m": _f(3, 4, 2, grad=False), "v": _f(3, 4, 2, grad=False)},
+        {},
+    ),
     "mixed": (MIXED, MIXED_INPUTS, {}),
     "mixed-backward": (GraphSpec(MIXED.nodes, ["loss", "d"]), MIXED_INPUTS, {"backward": True}),
 }

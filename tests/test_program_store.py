@@ -26,13 +26,21 @@ from tests.test_service_api import strict_json
 
 pytestmark = pytest.mark.anyio
 
-CHAIN = {"nodes": [{"id": f"n{i}", "expr": f"sin(n{i - 1}) * 0.5" if i else "sin(x) * 0.5"}
-                   for i in range(40)], "outputs": ["n39"]}
+CHAIN = {
+    "nodes": [
+        {"id": f"n{i}", "expr": f"sin(n{i - 1}) * 0.5" if i else "sin(x) * 0.5"} for i in range(40)
+    ],
+    "outputs": ["n39"],
+}
 
 
 def chain_body(x: list[float], **extra: Any) -> dict[str, Any]:
-    return {"graph": CHAIN, "inputs": {"x": {"data": x, "requires_grad": True}},
-            "grad_outputs": {"n39": {"data": [1.0] * len(x)}}, **extra}
+    return {
+        "graph": CHAIN,
+        "inputs": {"x": {"data": x, "requires_grad": True}},
+        "grad_outputs": {"n39": {"data": [1.0] * len(x)}},
+        **extra,
+    }
 
 
 def chain_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -43,8 +51,12 @@ def chain_numpy(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return h, g
 
 
-def run(compute: Compute, body: dict[str, Any] | bytes, kind: str = "backward",
-        tenant: str | None = None) -> tuple[dict[str, Any], Stats]:
+def run(
+    compute: Compute,
+    body: dict[str, Any] | bytes,
+    kind: str = "backward",
+    tenant: str | None = None,
+) -> tuple[dict[str, Any], Stats]:
     stats = Stats()
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     reply = compute.serve(kind, raw, None, tenant, 1e12, lambda _: None, stats)
@@ -57,7 +69,8 @@ def store_dir(tmp_path: Path) -> Iterator[str]:
 
 
 def test_a_cheap_program_is_stored_at_its_second_use_a_costly_one_at_once(
-        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    store_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A program that compiles in under STORE_AT_ONCE_MS is not worth its dump and write
     for a graph used once (define-by-run: a new graph every request); one used again is."""
     compute = Compute(Settings(program_store_dir=store_dir))
@@ -70,8 +83,15 @@ def test_a_cheap_program_is_stored_at_its_second_use_a_costly_one_at_once(
     # Every compile cheap, whatever this machine's speed (a first compile warms memos).
     monkeypatch.setattr("gradserve.service.programs.STORE_AT_ONCE_MS", math.inf)
     for k in range(3):  # three one-off graphs: none stored
-        run(compute, {"graph": {**CHAIN, "outputs": [f"n{30 + k}"]},
-                      "inputs": {"x": [0.5]}, "no_grad": True}, "forward")
+        run(
+            compute,
+            {
+                "graph": {**CHAIN, "outputs": [f"n{30 + k}"]},
+                "inputs": {"x": [0.5]},
+                "no_grad": True,
+            },
+            "forward",
+        )
         compute.programs.flush()
     assert programs() == 0
     run(compute, chain_body([0.5]))
@@ -94,7 +114,8 @@ def test_a_graph_with_a_null_graph_id_is_served(store_dir: str) -> None:
 
 
 def test_a_repeat_is_found_by_its_bytes_without_a_parse(
-        store_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    store_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     compute = Compute(Settings(program_store_dir=store_dir))
     first, stats = run(compute, chain_body([0.5, 1.0]))
     assert stats.program == "compiled" and first["meta"]["program"] == "compiled"
@@ -119,18 +140,22 @@ def test_a_repeat_is_found_by_its_bytes_without_a_parse(
     np.testing.assert_allclose(again["gradients"]["x"]["data"], grad, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bad", [
-    {"inputs": {"x": {"data": [1.0, True], "requires_grad": True}}},  # tensor data
-    {"inputs": {"x": {"dat": [1.0]}}},  # a misspelt field (schema)
-    {"encoding": "yaml"},
-    {"unknown": 1},
-    {"graph_id": "0" * 32},  # not the graph's id
-    {"graph_id": 12},
-    {"graph_id": None, "inputs": {"x": {"data": "one", "requires_grad": True}}},
-    {"grad_outputs": {"nope": [1.0, 2.0]}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"inputs": {"x": {"data": [1.0, True], "requires_grad": True}}},  # tensor data
+        {"inputs": {"x": {"dat": [1.0]}}},  # a misspelt field (schema)
+        {"encoding": "yaml"},
+        {"unknown": 1},
+        {"graph_id": "0" * 32},  # not the graph's id
+        {"graph_id": 12},
+        {"graph_id": None, "inputs": {"x": {"data": "one", "requires_grad": True}}},
+        {"grad_outputs": {"nope": [1.0, 2.0]}},
+    ],
+)
 def test_a_hit_refuses_what_a_miss_refuses_with_the_same_problem(
-        store_dir: str, bad: dict[str, Any]) -> None:
+    store_dir: str, bad: dict[str, Any]
+) -> None:
     """Bad members beside a known graph: the same problem as beside a new one."""
     body = {**chain_body([0.5, 1.0]), **bad}
 
@@ -140,8 +165,7 @@ def test_a_hit_refuses_what_a_miss_refuses_with_the_same_problem(
         err = info.value
         if isinstance(err, ProblemError):
             return {"slug": err.slug, "detail": err.detail, "errors": err.errors}
-        return {"type": type(err).__name__, "message": str(err),
-                "loc": getattr(err, "loc", None)}
+        return {"type": type(err).__name__, "message": str(err), "loc": getattr(err, "loc", None)}
 
     fresh = problem(Compute(Settings(program_store_dir=store_dir + "-fresh")))
     known = Compute(Settings(program_store_dir=store_dir))
@@ -160,9 +184,11 @@ def test_graphs_and_programs_are_shared_through_the_store(store_dir: str) -> Non
     again, stats = run(b, chain_body([0.5, 1.0]))
     assert stats.program == "store" and stats.compile_ms is None and stats.load_ms is not None
     assert again["outputs"] == first["outputs"] and again["gradients"] == first["gradients"]
-    by_id = {"graph_id": first["meta"]["graph_id"],
-             "inputs": {"x": {"data": [0.5, 1.0, 2.0], "requires_grad": True}},
-             "grad_outputs": {"n39": [1.0, 1.0, 1.0]}}
+    by_id = {
+        "graph_id": first["meta"]["graph_id"],
+        "inputs": {"x": {"data": [0.5, 1.0, 2.0], "requires_grad": True}},
+        "grad_outputs": {"n39": [1.0, 1.0, 1.0]},
+    }
     c = Compute(Settings(program_store_dir=store_dir))
     third, stats = run(c, by_id)  # (a new signature: compiled from the store's graph)
     assert stats.program == "compiled"
@@ -171,8 +197,7 @@ def test_graphs_and_programs_are_shared_through_the_store(store_dir: str) -> Non
 
 
 @pytest.mark.parametrize("graph_id", ["a\x00b", "../" + "0" * 32, "0" * 31, "A" * 32])
-def test_an_id_no_graph_can_have_is_unknown_not_a_file_name(store_dir: str,
-                                                           graph_id: str) -> None:
+def test_an_id_no_graph_can_have_is_unknown_not_a_file_name(store_dir: str, graph_id: str) -> None:
     # Found by schemathesis: a NUL in graph_id reached open() in the store (a 500).
     with pytest.raises(ProblemError) as info:
         run(Compute(Settings(program_store_dir=store_dir)), {"graph_id": graph_id}, "plan")
@@ -182,9 +207,11 @@ def test_an_id_no_graph_can_have_is_unknown_not_a_file_name(store_dir: str,
 def test_ids_are_scoped_to_the_key_that_sent_the_graph(store_dir: str) -> None:
     a, b = (Compute(Settings(program_store_dir=store_dir)) for _ in range(2))
     first, _ = run(a, chain_body([0.5, 1.0]), tenant="tenant-a")
-    by_id = {"graph_id": first["meta"]["graph_id"],
-             "inputs": {"x": {"data": [0.5, 1.0], "requires_grad": True}},
-             "grad_outputs": {"n39": [1.0, 1.0]}}
+    by_id = {
+        "graph_id": first["meta"]["graph_id"],
+        "inputs": {"x": {"data": [0.5, 1.0], "requires_grad": True}},
+        "grad_outputs": {"n39": [1.0, 1.0]},
+    }
     for compute in (a, b):  # (the same process, and another: the grant is in the store)
         with pytest.raises(ProblemError) as info:
             run(compute, by_id, tenant="tenant-b")
@@ -210,12 +237,11 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[: len(data) // 2])
     elif how == "flipped":
         middle = len(data) // 2
-        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1:])
+        path.write_bytes(data[:middle] + bytes([data[middle] ^ 0x40]) + data[middle + 1 :])
 
 
 @pytest.mark.parametrize("how", ["garbage", "truncated", "flipped", "version", "half"])
-async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(
-        tmp_path: Path, how: str) -> None:
+async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(tmp_path: Path, how: str) -> None:
     store = tmp_path / "store"
     body = chain_body([0.5, 1.0])
     async with serving(program_store_dir=str(store)) as (c, app):
@@ -233,25 +259,28 @@ async def test_a_damaged_store_gives_a_correct_answer_and_no_5xx(
             _damage(path, how)
     async with serving(program_store_dir=str(store)) as (c, _):
         again = strict_json(await c.post("/backward", json=body))
-        by_id = await c.post("/backward", json={"graph_id": first["meta"]["graph_id"],
-                                                **{k: body[k] for k in ("inputs",
-                                                                        "grad_outputs")}})
+        by_id = await c.post(
+            "/backward",
+            json={
+                "graph_id": first["meta"]["graph_id"],
+                **{k: body[k] for k in ("inputs", "grad_outputs")},
+            },
+        )
     assert again["meta"]["program"] == "compiled"
     assert again["outputs"] == first["outputs"] and again["gradients"] == first["gradients"]
     assert strict_json(by_id)["gradients"] == first["gradients"]
 
 
-async def test_an_unusable_store_directory_is_no_store(tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture
-                                                       ) -> None:
+async def test_an_unusable_store_directory_is_no_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     async with serving(program_store_dir=str(blocker / "store")) as (c, app):
         for x in ([0.5, 1.0], [0.25, 2.0]):
             r = await c.post("/backward", json=chain_body(x))
             _, grad = chain_numpy(np.array(x))
-            np.testing.assert_allclose(strict_json(r)["gradients"]["x"]["data"], grad,
-                                       rtol=1e-5)
+            np.testing.assert_allclose(strict_json(r)["gradients"]["x"]["data"], grad, rtol=1e-5)
         app.state.front.compute.programs.flush()
     assert sum("cannot create" in r.getMessage() for r in caplog.records) == 1
 
@@ -295,38 +324,54 @@ def test_client_errors_on_by_id_bodies_are_unchanged(store_dir: str) -> None:
 
 async def test_an_http_repeat_reports_where_its_program_came_from(store_dir: str) -> None:
     async with serving(program_store_dir=store_dir) as (c, _):
-        sources = [strict_json(await c.post("/backward", json=chain_body([0.5, 1.0])))
-                   ["meta"]["program"] for _ in range(2)]
+        sources = [
+            strict_json(await c.post("/backward", json=chain_body([0.5, 1.0])))["meta"]["program"]
+            for _ in range(2)
+        ]
     assert sources == ["compiled", "process"]
 
 
 async def test_over_http_an_id_resolves_only_for_the_key_that_sent_the_graph(
-        store_dir: str) -> None:
+    store_dir: str,
+) -> None:
     async with serving(program_store_dir=store_dir, api_keys="key-a,key-b") as (c, _):
         a, b = {"X-API-Key": "key-a"}, {"Authorization": "Bearer key-b"}
         first = strict_json(await c.post("/backward", json=chain_body([0.5, 1.0]), headers=a))
-        by_id = {"graph_id": first["meta"]["graph_id"],
-                 **{k: chain_body([0.5, 1.0])[k] for k in ("inputs", "grad_outputs")}}
-        unknown = {"graph_id": "0" * 32, "inputs": by_id["inputs"],
-                   "grad_outputs": by_id["grad_outputs"]}
+        by_id = {
+            "graph_id": first["meta"]["graph_id"],
+            **{k: chain_body([0.5, 1.0])[k] for k in ("inputs", "grad_outputs")},
+        }
+        unknown = {
+            "graph_id": "0" * 32,
+            "inputs": by_id["inputs"],
+            "grad_outputs": by_id["grad_outputs"],
+        }
         refused = await c.post("/backward", json=by_id, headers=b)
         never = await c.post("/backward", json=unknown, headers=b)
         assert refused.status_code == never.status_code == 409
         # B learns nothing: the same problem as for an id that does not exist.
-        assert refused.json()["detail"].replace(by_id["graph_id"], "0" * 32) == \
-            never.json()["detail"]
-        plan = await c.post("/plan", json={"graph_id": by_id["graph_id"],
-                                           "inputs": {"x": {"shape": [2], "dtype": "float32",
-                                                            "requires_grad": True}}},
-                            headers=b)
+        assert (
+            refused.json()["detail"].replace(by_id["graph_id"], "0" * 32) == never.json()["detail"]
+        )
+        plan = await c.post(
+            "/plan",
+            json={
+                "graph_id": by_id["graph_id"],
+                "inputs": {"x": {"shape": [2], "dtype": "float32", "requires_grad": True}},
+            },
+            headers=b,
+        )
         assert plan.status_code == 409 and "nodes" not in plan.text
         ok = strict_json(await c.post("/backward", json=by_id, headers=a))
         assert ok["gradients"] == first["gradients"]
         # B sends the graph itself: from then on the id is B's too.
-        assert (await c.post("/backward", json=chain_body([0.5, 1.0]), headers=b)
-                ).status_code == 200
-        assert strict_json(await c.post("/backward", json=by_id, headers=b))["gradients"] == \
-            first["gradients"]
+        assert (
+            await c.post("/backward", json=chain_body([0.5, 1.0]), headers=b)
+        ).status_code == 200
+        assert (
+            strict_json(await c.post("/backward", json=by_id, headers=b))["gradients"]
+            == first["gradients"]
+        )
 
 
 # ---------------------------------------------------------------- across worker processes
@@ -347,29 +392,42 @@ async def _worker_request(c: Any, x: list[float]) -> dict[str, Any]:
 def _holders(app: Any, graph_id: str) -> list[int]:
     """The workers that hold the graph's program (as the front process knows them)."""
     known = app.state.front.placement.known(graph_id)
-    return [w.pid for w in app.state.front.pool._workers
-            if known is not None and known.program_key in w.programs]
+    return [
+        w.pid
+        for w in app.state.front.pool._workers
+        if known is not None and known.program_key in w.programs
+    ]
 
 
 def _lookups(text: str, role: str = "worker") -> dict[str, float]:
-    return {source: float(text.split(
-        f'gradserve_program_lookups_total{{role="{role}",source="{source}"}} ')[1].split()[0])
-        for source in ("process", "store", "compiled")}
+    return {
+        source: float(
+            text.split(f'gradserve_program_lookups_total{{role="{role}",source="{source}"}} ')[
+                1
+            ].split()[0]
+        )
+        for source in ("process", "store", "compiled")
+    }
 
 
 async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: str) -> None:
     """Worker A compiles; while A is busy the same graph goes to worker B, which loads A's
     program from the store (no compile, as the metrics count); afterwards each holds it."""
     x = list(np.linspace(-1, 1, BIG))
-    async with serving(program_store_dir=store_dir, compute_workers=2,
-                       min_compute_workers=2) as (c, app):
+    async with serving(program_store_dir=store_dir, compute_workers=2, min_compute_workers=2) as (
+        c,
+        app,
+    ):
         first = await _worker_request(c, x)
         assert first["meta"]["program"] == "compiled"
         await _worker_request(c, x)  # (A again: its second use, and A stores it)
         await asyncio.sleep(0.5)  # (A writes the program to the store after its answer)
         big = 'full(shape=[1500, 1500], value=1.0, dtype="float64")'
-        slow = {"graph": {"nodes": [{"id": "m", "expr": f"sum({big} @ {big})"}],
-                          "outputs": ["m"]}, "inputs": {}, "no_grad": True}
+        slow = {
+            "graph": {"nodes": [{"id": "m", "expr": f"sum({big} @ {big})"}], "outputs": ["m"]},
+            "inputs": {},
+            "no_grad": True,
+        }
         holder = _holders(app, first["meta"]["graph_id"])
         assert len(holder) == 1
         # Keep A busy (affinity would send the graph to it when idle).
@@ -394,10 +452,13 @@ async def test_a_program_compiled_by_one_worker_is_loaded_by_another(store_dir: 
 
 
 async def test_after_a_worker_is_killed_the_next_request_loads_from_the_store(
-        store_dir: str) -> None:
+    store_dir: str,
+) -> None:
     x = list(np.linspace(-1, 1, BIG))
-    async with serving(program_store_dir=store_dir, compute_workers=1,
-                       min_compute_workers=1) as (c, app):
+    async with serving(program_store_dir=store_dir, compute_workers=1, min_compute_workers=1) as (
+        c,
+        app,
+    ):
         first = await _worker_request(c, x)
         await _worker_request(c, x)  # (its second use: stored)
         await asyncio.sleep(0.5)
@@ -414,14 +475,19 @@ async def test_a_recycled_workers_successor_takes_over_its_programs(store_dir: s
     """The successor loads its predecessor's programs before it says it is ready: the first
     request it serves finds the program in its memory, not in the store."""
     x = list(np.linspace(-1, 1, BIG))
-    async with serving(program_store_dir=store_dir, compute_workers=1, min_compute_workers=1,
-                       compute_worker_max_rss_growth_bytes=1 << 40) as (c, app):
+    async with serving(
+        program_store_dir=store_dir,
+        compute_workers=1,
+        min_compute_workers=1,
+        compute_worker_max_rss_growth_bytes=1 << 40,
+    ) as (c, app):
         first = await _worker_request(c, x)
         await asyncio.sleep(0.5)  # (the program is written to the store after the answer)
         pool = app.state.front.pool
         (old,) = pool._workers
         pool.settings = pool.settings.model_copy(
-            update={"compute_worker_max_rss_growth_bytes": 0})  # (recycle after the next)
+            update={"compute_worker_max_rss_growth_bytes": 0}
+        )  # (recycle after the next)
         await _worker_request(c, x)
         for _ in range(100):
             await asyncio.sleep(0.1)
@@ -430,13 +496,15 @@ async def test_a_recycled_workers_successor_takes_over_its_programs(store_dir: s
         (new,) = pool._workers
         assert new.pid != old.pid and _holders(app, first["meta"]["graph_id"]) == [new.pid]
         pool.settings = pool.settings.model_copy(
-            update={"compute_worker_max_rss_growth_bytes": 1 << 40})
+            update={"compute_worker_max_rss_growth_bytes": 1 << 40}
+        )
         again = await _worker_request(c, x)
     assert again["meta"]["program"] == "process"
 
 
 async def test_a_server_on_a_persistent_store_starts_with_its_recent_programs(
-        store_dir: str) -> None:
+    store_dir: str,
+) -> None:
     x = list(np.linspace(-1, 1, BIG))
     async with serving(program_store_dir=store_dir, compute_workers=1) as (c, _):
         first = await _worker_request(c, x)
@@ -449,20 +517,28 @@ async def test_a_server_on_a_persistent_store_starts_with_its_recent_programs(
 
 
 def _count(text: str, metric: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(metric) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(metric) and not line.startswith("#")
+    )
 
 
 async def test_a_program_is_compiled_once_on_the_host_across_recycles_and_a_restart(
-        store_dir: str) -> None:
+    store_dir: str,
+) -> None:
     """Two workers, each replaced after every task (an RSS limit of 0): the first compiles
     the program; each replacement is told to store what it holds first, and its successor
     loads it once before it is ready. A server restarted on the same store compiles it
     nowhere. The front process compiles and looks up nothing: these are workers' requests
     (the role label says who)."""
     x = list(np.linspace(-1, 1, BIG))
-    async with serving(program_store_dir=store_dir, compute_workers=2, min_compute_workers=2,
-                       compute_worker_max_rss_growth_bytes=0) as (c, app):
+    async with serving(
+        program_store_dir=store_dir,
+        compute_workers=2,
+        min_compute_workers=2,
+        compute_worker_max_rss_growth_bytes=0,
+    ) as (c, app):
         docs = [await _worker_request(c, x) for _ in range(6)]
         pool = app.state.front.pool
         for _ in range(100):  # (the last replacement, warm)

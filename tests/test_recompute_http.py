@@ -21,9 +21,11 @@ def chain(n: int = N, steps: int = STEPS, **extra: Any) -> dict[str, Any]:
     nodes = [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"} for i in range(1, steps + 1)]
     nodes.append({"id": "loss", "op": "sum", "args": [f"h{steps}"]})
     x = np.linspace(-1.0, 1.0, n)
-    return {"graph": {"nodes": nodes, "outputs": ["loss"]},
-            "inputs": {"h0": {"data": x.tolist(), "dtype": "float64", "requires_grad": True}},
-            **extra}
+    return {
+        "graph": {"nodes": nodes, "outputs": ["loss"]},
+        "inputs": {"h0": {"data": x.tolist(), "dtype": "float64", "requires_grad": True}},
+        **extra,
+    }
 
 
 async def _plain_peak(c: Any) -> int:
@@ -53,8 +55,7 @@ async def test_a_backward_over_its_budget_recomputes_and_fits_bit_for_bit() -> N
 async def test_never_refuses_as_before() -> None:
     async with serving() as (c, _):
         budget = await _plain_peak(c) // 3
-        r = await c.post("/backward", json=chain(memory_budget_bytes=budget,
-                                                 recompute="never"))
+        r = await c.post("/backward", json=chain(memory_budget_bytes=budget, recompute="never"))
     p = assert_problem(r, 422, "memory-budget")
     assert p["budget_bytes"] == budget and p["planned_bytes"] > budget
 
@@ -70,16 +71,20 @@ async def test_a_budget_that_not_even_recomputation_fits_names_what_it_needs() -
 
 
 async def test_a_request_may_ask_for_less_memory_never_more() -> None:
-    async with serving(memory_budget_bytes=10 << 20, no_grad_memory_budget_bytes=1 << 20,
-                       inflight_memory_bytes=64 << 20) as (c, _):
-        for path, body, server in (("/backward", chain(), 10 << 20),
-                                   ("/forward", {**chain(), "no_grad": True}, 1 << 20),
-                                   ("/plan", chain(), 10 << 20)):
+    async with serving(
+        memory_budget_bytes=10 << 20,
+        no_grad_memory_budget_bytes=1 << 20,
+        inflight_memory_bytes=64 << 20,
+    ) as (c, _):
+        for path, body, server in (
+            ("/backward", chain(), 10 << 20),
+            ("/forward", {**chain(), "no_grad": True}, 1 << 20),
+            ("/plan", chain(), 10 << 20),
+        ):
             r = await c.post(path, json={**body, "memory_budget_bytes": server + 1})
             p = assert_problem(r, 422, "invalid-request", "may ask for less")
             assert p["errors"][0]["loc"] == ["memory_budget_bytes"]
-        r = await c.post("/forward", json={**chain(), "no_grad": True,
-                                           "memory_budget_bytes": 1000})
+        r = await c.post("/forward", json={**chain(), "no_grad": True, "memory_budget_bytes": 1000})
         assert_problem(r, 422, "memory-budget")
         for bad in (0, -1, "1000", 1.5):
             r = await c.post("/backward", json={**chain(), "memory_budget_bytes": bad})
@@ -97,8 +102,9 @@ async def test_the_plan_shows_both_programs_and_its_figures_are_the_runs() -> No
     assert plan["planned_peak_bytes"] == run["meta"]["planned_peak_bytes"] <= budget
     assert plan["compute_cost"] == run["meta"]["compute_cost"]
     rec = plan["recompute"]
-    assert {k: rec[k] for k in ("peak_bytes_without", "added_cost", "steps")} == \
-        run["meta"]["recompute"]
+    assert {k: rec[k] for k in ("peak_bytes_without", "added_cost", "steps")} == run["meta"][
+        "recompute"
+    ]
     kinds = [n["kind"] for n in plan["nodes"]]
     assert kinds.count("recompute") == rec["steps"] > 0
     without = rec["nodes_without"]
@@ -109,8 +115,10 @@ async def test_the_plan_shows_both_programs_and_its_figures_are_the_runs() -> No
 async def test_programs_for_two_budgets_are_two_programs() -> None:
     async with serving() as (c, _):
         plain_peak = await _plain_peak(c)
-        answers = [strict_json(await c.post("/backward", json=chain(memory_budget_bytes=b)))
-                   for b in (plain_peak // 2, plain_peak // 4, plain_peak // 2)]
+        answers = [
+            strict_json(await c.post("/backward", json=chain(memory_budget_bytes=b)))
+            for b in (plain_peak // 2, plain_peak // 4, plain_peak // 2)
+        ]
     peaks = [a["meta"]["planned_peak_bytes"] for a in answers]
     assert peaks[0] <= plain_peak // 2 and peaks[1] <= plain_peak // 4 and peaks[2] == peaks[0]
     assert [a["meta"]["program"] for a in answers] == ["compiled", "compiled", "process"]

@@ -52,25 +52,28 @@ def _bits(a: Any) -> tuple[str, tuple[int, ...], bytes]:
     return str(a.dtype), a.shape, np.ascontiguousarray(a).tobytes()
 
 
-def check_forced(spec: GraphSpec, inputs: Mapping[str, TensorSpec],
-                 arrays: Mapping[str, np.ndarray],
-                 grad_outputs: Mapping[str, np.ndarray] | None = None,
-                 budget: int | None = None) -> tuple[Program, Program]:
+def check_forced(
+    spec: GraphSpec,
+    inputs: Mapping[str, TensorSpec],
+    arrays: Mapping[str, np.ndarray],
+    grad_outputs: Mapping[str, np.ndarray] | None = None,
+    budget: int | None = None,
+) -> tuple[Program, Program]:
     """Compile the backward of `spec` plain and within `budget` (default: just over the
     least peak reachable), run both, and hold the rematerialized one to its contract;
     the two programs."""
     kw: dict[str, Any] = {}
     if grad_outputs is not None:
-        kw["grad_outputs"] = {k: TensorSpec(v.shape, str(v.dtype)) for k, v in
-                              grad_outputs.items()}
+        kw["grad_outputs"] = {k: TensorSpec(v.shape, str(v.dtype)) for k, v in grad_outputs.items()}
     plain = compile_graph(spec, inputs, backward=True, **kw)
     p0 = plain.planned_peak_bytes
     least = least_peak(spec, inputs, **kw)
     assert least <= p0
     if budget is None:
         budget = least
-    program = compile_graph(spec, inputs, backward=True,
-                            limits=Limits(memory_budget_bytes=budget), **kw)
+    program = compile_graph(
+        spec, inputs, backward=True, limits=Limits(memory_budget_bytes=budget), **kw
+    )
     peak = program.planned_peak_bytes
     assert peak <= budget
     recomputes = sum(step.kind == RECOMPUTE for step in program.steps)
@@ -85,7 +88,8 @@ def check_forced(spec: GraphSpec, inputs: Mapping[str, TensorSpec],
     if not replayed:
         assert program.compute_cost == plain.compute_cost + program.recompute_cost
     assert program.recompute_cost == replayed + sum(
-        c for s, c in zip(program.steps, program.step_costs, strict=True) if s.kind == RECOMPUTE)
+        c for s, c in zip(program.steps, program.step_costs, strict=True) if s.kind == RECOMPUTE
+    )
     assert not any(s.op is SCAN for s in program.steps if s.kind == RECOMPUTE)
 
     expected = execute(plain, dict(arrays), grad_outputs=grad_outputs, verify=True)
@@ -98,16 +102,16 @@ def check_forced(spec: GraphSpec, inputs: Mapping[str, TensorSpec],
         for k in a:
             assert _bits(b[k]) == _bits(a[k]), (name, k)
     if recomputes:
-        run_both(program, round_trip(program), dict(arrays), grad_outputs=grad_outputs,
-                 verify=True)
+        run_both(program, round_trip(program), dict(arrays), grad_outputs=grad_outputs, verify=True)
     return plain, program
 
 
 # ---------------------------------------------------------------- every op sample
 
 
-def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, TensorSpec],
-                                                       dict[str, np.ndarray]] | None:
+def _sample_graph(
+    name: str, sample: Sample
+) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray]] | None:
     """The op on its sample's arrays (floats in float64), the ones it differentiates made
     by a forward step (x * 1.0, exact) so that its backward reads values that may be
     recomputed, and a tail whose backward runs while they are kept: sin twice, summed."""
@@ -129,8 +133,11 @@ def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, Tenso
         args.append(f"p{i}" if wrt else f"a{i}")
     if not any(t.requires_grad for t in inputs.values()):
         return None
-    nodes += [NodeSpec("y", name, args, sample.attrs), NodeSpec("t", expr="sin(sin(y))"),
-              NodeSpec("loss", "sum", ["t"])]
+    nodes += [
+        NodeSpec("y", name, args, sample.attrs),
+        NodeSpec("t", expr="sin(sin(y))"),
+        NodeSpec("loss", "sum", ["t"]),
+    ]
     return GraphSpec(nodes, ["loss"]), inputs, arrays
 
 
@@ -155,11 +162,13 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.compiled: dict[int, tuple[GraphSpec, Mapping[str, TensorSpec], Program]] = {}
-        self.ran: list[tuple[GraphSpec, Mapping[str, TensorSpec], Program, dict[str, Any],
-                             dict[str, Any], Any]] = []
+        self.ran: list[
+            tuple[GraphSpec, Mapping[str, TensorSpec], Program, dict[str, Any], dict[str, Any], Any]
+        ] = []
 
-    def compile_graph(self, spec: GraphSpec, inputs: Mapping[str, TensorSpec],
-                      **kw: Any) -> Program:
+    def compile_graph(
+        self, spec: GraphSpec, inputs: Mapping[str, TensorSpec], **kw: Any
+    ) -> Program:
         program = compile_graph(spec, inputs, **kw)
         self.compiled[id(program)] = (spec, inputs, program)
         return program
@@ -170,8 +179,11 @@ class _Recorder:
         self.ran.append((spec, inputs, program, dict(arrays), kw, result))
         return result
 
-    def backwards(self) -> Iterator[tuple[GraphSpec, dict[str, TensorSpec],
-                                          dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
+    def backwards(
+        self,
+    ) -> Iterator[
+        tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray], dict[str, np.ndarray] | None]
+    ]:
         """Each graph that ran, once, as a backward: every float input requiring grad, and
         an upstream gradient for each output of more than one element."""
         seen = set()
@@ -183,8 +195,10 @@ class _Recorder:
             if program.backward:
                 yield spec, dict(inputs), arrays, kw.get("grad_outputs")
                 continue
-            specs = {k: TensorSpec(t.shape, t.dtype, t.dtype.startswith("float"))
-                     for k, t in inputs.items()}
+            specs = {
+                k: TensorSpec(t.shape, t.dtype, t.dtype.startswith("float"))
+                for k, t in inputs.items()
+            }
             upstream = {}
             for name, slot in program.outputs:
                 meta = program.metas[slot]
@@ -205,8 +219,11 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Recorder]:
 def _check_recorded(recorder: _Recorder) -> int:
     checked = 0
     for spec, inputs, arrays, upstream in recorder.backwards():
-        specs = None if upstream is None else {
-            k: TensorSpec(v.shape, str(v.dtype)) for k, v in upstream.items()}
+        specs = (
+            None
+            if upstream is None
+            else {k: TensorSpec(v.shape, str(v.dtype)) for k, v in upstream.items()}
+        )
         try:
             compile_graph(spec, inputs, backward=True, grad_outputs=specs)
         except ValidationErrors:
@@ -216,9 +233,14 @@ def _check_recorded(recorder: _Recorder) -> int:
     return checked
 
 
-@pytest.mark.parametrize("name", [n for n, fn in vars(test_transforms).items()
-                                  if n.startswith("test_")
-                                  and not inspect.signature(fn).parameters])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n, fn in vars(test_transforms).items()
+        if n.startswith("test_") and not inspect.signature(fn).parameters
+    ],
+)
 def test_transform_graphs_recompute_bit_for_bit(name: str, recorder: _Recorder) -> None:
     """grad, jvp, scans (never recomputed: a loop is a unit), nested and differentiated
     scans: each graph that a test of tests/test_transforms.py runs, as a backward."""
@@ -253,18 +275,22 @@ def residual(blocks: int) -> GraphSpec:
         nodes.append(NodeSpec(f"h{i + 1}", expr=f"h{i} + tanh(h{i} * w) @ m"))
         if i == blocks // 2:
             nodes.append(NodeSpec("d", expr=f"detach(h{i + 1}) * h{i + 1}"))
-    nodes += [NodeSpec("mid", expr=f"sum(d * h{blocks // 3})"),
-              NodeSpec("loss", expr=f"sum(h{blocks} * h{blocks})")]
+    nodes += [
+        NodeSpec("mid", expr=f"sum(d * h{blocks // 3})"),
+        NodeSpec("loss", expr=f"sum(h{blocks} * h{blocks})"),
+    ]
     return GraphSpec(nodes, ["loss", "mid", f"h{blocks}"])
 
 
 def _residual_inputs(width: int) -> tuple[dict[str, TensorSpec], dict[str, np.ndarray]]:
     rng = np.random.default_rng(2)
-    arrays = {"x": rng.standard_normal((8, width)), "w": rng.standard_normal(width),
-              "m": rng.standard_normal((width, width)) / width,
-              "n": rng.integers(0, 3, (8, width), dtype=np.int64)}
-    inputs = {k: TensorSpec(a.shape, str(a.dtype), a.dtype.kind == "f")
-              for k, a in arrays.items()}
+    arrays = {
+        "x": rng.standard_normal((8, width)),
+        "w": rng.standard_normal(width),
+        "m": rng.standard_normal((width, width)) / width,
+        "n": rng.integers(0, 3, (8, width), dtype=np.int64),
+    }
+    inputs = {k: TensorSpec(a.shape, str(a.dtype), a.dtype.kind == "f") for k, a in arrays.items()}
     return inputs, arrays
 
 
@@ -277,15 +303,17 @@ def test_a_chain_recomputes_within_the_least_budget_and_others() -> None:
     # √n segments: far below the plain peak (201 values kept), about 2√n values.
     assert least.planned_peak_bytes <= 30 * values < plain.planned_peak_bytes // 6
     for fraction in (0.15, 0.5, 0.9):
-        _, program = check_forced(spec, inputs, arrays,
-                                  budget=int(plain.planned_peak_bytes * fraction))
+        _, program = check_forced(
+            spec, inputs, arrays, budget=int(plain.planned_peak_bytes * fraction)
+        )
         # Each value the backward reads that is not held where the forward ends is
         # recomputed once (two steps of the chain's): no more.
         held = program.planned_peak_bytes // values
         assert sum(s.kind == RECOMPUTE for s in program.steps) <= 2 * (200 - held + 8)
     # (the least budget recomputes about one forward: sin and mul per value)
-    assert least.recompute_cost <= sum(c for s, c in zip(plain.steps, plain.step_costs,
-                                                           strict=True) if s.kind == "node")
+    assert least.recompute_cost <= sum(
+        c for s, c in zip(plain.steps, plain.step_costs, strict=True) if s.kind == "node"
+    )
 
 
 def test_recompute_steps_write_into_dead_buffers_only() -> None:
@@ -296,8 +324,9 @@ def test_recompute_steps_write_into_dead_buffers_only() -> None:
     arrays = {"x": np.random.default_rng(1).standard_normal(8192)}
     for budget in (None, 20 * 8 * 8192):
         _, program = check_forced(spec, inputs, arrays, budget=budget)
-        assert any(program.reuse[i] >= 0 for i, s in enumerate(program.steps)
-                   if s.kind == RECOMPUTE)
+        assert any(
+            program.reuse[i] >= 0 for i, s in enumerate(program.steps) if s.kind == RECOMPUTE
+        )
 
 
 @pytest.mark.parametrize("blocks", [3, 40])
@@ -315,13 +344,16 @@ def test_over_the_budget_even_recomputing_names_what_it_would_need() -> None:
     inputs = {"x": TensorSpec((1000,), "float64", True)}
     least = least_peak(spec, inputs)
     with pytest.raises(MemoryBudgetError) as info:
-        compile_graph(spec, inputs, backward=True,
-                      limits=Limits(memory_budget_bytes=least - 1))
+        compile_graph(spec, inputs, backward=True, limits=Limits(memory_budget_bytes=least - 1))
     err = info.value
     assert err.planned_bytes == least and err.budget_bytes == least - 1
     assert f"would need at least {least} bytes even recomputing" in str(err)
-    assert compile_graph(spec, inputs, backward=True, limits=Limits(
-        memory_budget_bytes=least)).planned_peak_bytes <= least
+    assert (
+        compile_graph(
+            spec, inputs, backward=True, limits=Limits(memory_budget_bytes=least)
+        ).planned_peak_bytes
+        <= least
+    )
 
 
 def test_nothing_to_recompute_is_refused_with_the_plain_peak() -> None:
@@ -339,11 +371,14 @@ def test_recompute_false_and_no_budget_give_the_plain_program_and_refusal() -> N
     plain = compile_graph(spec, inputs, backward=True)
     budget = plain.planned_peak_bytes // 2
     with pytest.raises(MemoryBudgetError) as info:
-        compile_graph(spec, inputs, backward=True,
-                      limits=Limits(memory_budget_bytes=budget, recompute=False))
-    assert str(info.value) == (f"the planned peak memory of this request is "
-                               f"{plain.planned_peak_bytes} bytes; the grad budget is "
-                               f"{budget} bytes")
+        compile_graph(
+            spec, inputs, backward=True, limits=Limits(memory_budget_bytes=budget, recompute=False)
+        )
+    assert str(info.value) == (
+        f"the planned peak memory of this request is "
+        f"{plain.planned_peak_bytes} bytes; the grad budget is "
+        f"{budget} bytes"
+    )
     assert info.value.planned_bytes == plain.planned_peak_bytes
     for limits in (Limits(), Limits(memory_budget_bytes=plain.planned_peak_bytes)):
         program = compile_graph(spec, inputs, backward=True, limits=limits)
@@ -358,16 +393,16 @@ def test_the_compute_budget_counts_the_recomputation() -> None:
     inputs = {"x": TensorSpec((1000,), "float64", True)}
     plain = compile_graph(spec, inputs, backward=True)
     budget = plain.planned_peak_bytes // 3
-    program = compile_graph(spec, inputs, backward=True,
-                            limits=Limits(memory_budget_bytes=budget))
+    program = compile_graph(spec, inputs, backward=True, limits=Limits(memory_budget_bytes=budget))
     assert program.recompute_cost > 0
     limits = Limits(memory_budget_bytes=budget, compute_budget=program.compute_cost - 1)
     with pytest.raises(ComputeBudgetError):
         compile_graph(spec, inputs, backward=True, limits=limits)
 
 
-def random_dag(seed: int) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray],
-                                   dict[str, np.ndarray]]:
+def random_dag(
+    seed: int,
+) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """A random DAG of elementwise steps, each reading the value before it and, now and
     then, one made long before (residuals), with detaches, float32 round trips (casts),
     literals and constants; a loss at its end, and an output from its middle that gets an
@@ -380,17 +415,23 @@ def random_dag(seed: int) -> tuple[GraphSpec, dict[str, TensorSpec], dict[str, n
         a = values[-1]
         b = values[int(rng.integers(0, len(values)))]
         kind = int(rng.integers(0, 8))
-        expr = [f"sin({a}) * 0.9", f"tanh({a} * {b})", f"{a} + cos({b})", f"detach({a}) * {b}",
-                f"cast(cast({a}, dtype='float32') * 2, dtype='float64')",
-                f"{a} * (1 + 2 * 3) / 7", f"sin({a}) - {b} * {b}", f"exp(-{a} * {a}) + {b}"][kind]
+        expr = [
+            f"sin({a}) * 0.9",
+            f"tanh({a} * {b})",
+            f"{a} + cos({b})",
+            f"detach({a}) * {b}",
+            f"cast(cast({a}, dtype='float32') * 2, dtype='float64')",
+            f"{a} * (1 + 2 * 3) / 7",
+            f"sin({a}) - {b} * {b}",
+            f"exp(-{a} * {a}) + {b}",
+        ][kind]
         nodes.append(NodeSpec(f"v{i}", expr=expr))
         values.append(f"v{i}")
     mid = values[len(values) // 2]
     nodes.append(NodeSpec("loss", expr=f"sum({values[-1]} * {values[-2]})"))
     inputs = {"x": TensorSpec((n,), "float64", True), "w": TensorSpec((n,), "float64", True)}
     arrays = {"x": rng.standard_normal(n), "w": rng.standard_normal(n)}
-    return (GraphSpec(nodes, ["loss", mid]), inputs, arrays,
-            {mid: rng.standard_normal(n)})
+    return (GraphSpec(nodes, ["loss", mid]), inputs, arrays, {mid: rng.standard_normal(n)})
 
 
 @pytest.mark.parametrize("seed", range(16))
@@ -405,16 +446,22 @@ def test_random_dags_recompute_bit_for_bit(seed: int) -> None:
 def test_values_a_loop_reads_are_recomputed_but_never_the_loop() -> None:
     """A scan step is a unit: what it makes is kept, what it reads may be recomputed
     before the backward's loop that reads it."""
-    body = BodySpec(carry=["h"], xs=["x"], nodes=[
-        NodeSpec("h2", expr="tanh(x * w + h)")], next={"h": "h2"})
-    nodes = [NodeSpec("xs", expr="sin(seq) * 0.5"), NodeSpec("w", expr="cos(v) * 2"),
-             NodeSpec("rnn", op="scan", args=["h0", "xs"], body=body,
-                      results={"last": "h", "hs": "h2"}),
-             NodeSpec("t", expr="sin(sin(sin(sin(hs))))"),
-             NodeSpec("loss", expr="sum(t) + sum(last)")]
+    body = BodySpec(
+        carry=["h"], xs=["x"], nodes=[NodeSpec("h2", expr="tanh(x * w + h)")], next={"h": "h2"}
+    )
+    nodes = [
+        NodeSpec("xs", expr="sin(seq) * 0.5"),
+        NodeSpec("w", expr="cos(v) * 2"),
+        NodeSpec("rnn", op="scan", args=["h0", "xs"], body=body, results={"last": "h", "hs": "h2"}),
+        NodeSpec("t", expr="sin(sin(sin(sin(hs))))"),
+        NodeSpec("loss", expr="sum(t) + sum(last)"),
+    ]
     rng = np.random.default_rng(8)
-    arrays = {"seq": rng.standard_normal((6, 400)), "v": rng.standard_normal(400),
-              "h0": rng.standard_normal(400)}
+    arrays = {
+        "seq": rng.standard_normal((6, 400)),
+        "v": rng.standard_normal(400),
+        "h0": rng.standard_normal(400),
+    }
     inputs = {k: TensorSpec(a.shape, "float64", True) for k, a in arrays.items()}
     _, program = check_forced(GraphSpec(nodes, ["loss"]), inputs, arrays)
     # (the sequence the loop reads, recomputed for the backward's loop)
@@ -425,8 +472,12 @@ def test_a_stored_program_keeps_its_recomputation_and_checks_its_cost() -> None:
     spec = sin_chain(40)
     inputs = {"x": TensorSpec((100,), "float64", True)}
     plain = compile_graph(spec, inputs, backward=True)
-    program = compile_graph(spec, inputs, backward=True, limits=Limits(
-        memory_budget_bytes=plain.planned_peak_bytes // 3))
+    program = compile_graph(
+        spec,
+        inputs,
+        backward=True,
+        limits=Limits(memory_budget_bytes=plain.planned_peak_bytes // 3),
+    )
     loaded = round_trip(program)
     assert loaded.recompute_cost == program.recompute_cost > 0
     assert loaded.peak_without_recompute == plain.planned_peak_bytes
@@ -434,8 +485,11 @@ def test_a_stored_program_keeps_its_recomputation_and_checks_its_cost() -> None:
     # (its run's backward starts at its first step of the backward, as the compiled one's)
     assert len(loaded.run.forward) == len(program.run.forward) == 2 * 40 + 1
     header, columns = _split(dump_program(program))
-    for key, value in (("recompute_cost", program.recompute_cost - 1),
-                       ("recompute_cost", 0), ("peak_without_recompute", None)):
+    for key, value in (
+        ("recompute_cost", program.recompute_cost - 1),
+        ("recompute_cost", 0),
+        ("peak_without_recompute", None),
+    ):
         damaged = {**header, "programs": [{**header["programs"][0], key: value}]}
         _corrupt(_frame(damaged, columns))
 

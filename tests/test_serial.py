@@ -60,11 +60,32 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-_FIELDS = ("metas", "inputs", "grad_inputs", "outputs", "gradients", "requires_grad",
-           "grad_fn", "no_grad", "backward", "held", "frees", "reuse", "ufunc", "nodes",
-           "planned_peak_bytes", "flops", "bytes_moved", "cost_by_node", "step_costs",
-           "recompute_cost", "peak_without_recompute", "plan_ms", "estimated_bytes",
-           "compute_cost")
+_FIELDS = (
+    "metas",
+    "inputs",
+    "grad_inputs",
+    "outputs",
+    "gradients",
+    "requires_grad",
+    "grad_fn",
+    "no_grad",
+    "backward",
+    "held",
+    "frees",
+    "reuse",
+    "ufunc",
+    "nodes",
+    "planned_peak_bytes",
+    "flops",
+    "bytes_moved",
+    "cost_by_node",
+    "step_costs",
+    "recompute_cost",
+    "peak_without_recompute",
+    "plan_ms",
+    "estimated_bytes",
+    "compute_cost",
+)
 
 
 def assert_same_program(fresh: Program, loaded: Program) -> None:
@@ -93,8 +114,19 @@ def assert_same_step(a: Step, b: Step, i: int) -> None:
 
 
 def assert_same_body(a: Body, b: Body) -> None:
-    for name in ("carries", "xs", "closures", "nexts", "ys", "length", "reverse", "wanted",
-                 "shifted", "every", "replayed"):
+    for name in (
+        "carries",
+        "xs",
+        "closures",
+        "nexts",
+        "ys",
+        "length",
+        "reverse",
+        "wanted",
+        "shifted",
+        "every",
+        "replayed",
+    ):
         assert same(getattr(b, name), getattr(a, name)), name
     assert (a.replay is None) == (b.replay is None)
     if a.replay is not None and b.replay is not None:
@@ -135,13 +167,18 @@ def same_kernel(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, functools.partial):
-        return (same_kernel(a.func, b.func) and len(a.args) == len(b.args)
-                and all(map(_same_part, a.args, b.args)) and list(a.keywords) == list(b.keywords)
-                and all(_same_part(a.keywords[k], b.keywords[k]) for k in a.keywords))
+        return (
+            same_kernel(a.func, b.func)
+            and len(a.args) == len(b.args)
+            and all(map(_same_part, a.args, b.args))
+            and list(a.keywords) == list(b.keywords)
+            and all(_same_part(a.keywords[k], b.keywords[k]) for k in a.keywords)
+        )
     if inspect.isfunction(a):
         cells = zip(a.__closure__ or (), b.__closure__ or (), strict=True)
-        return a.__code__ is b.__code__ and all(_same_part(x.cell_contents, y.cell_contents)
-                                                 for x, y in cells)
+        return a.__code__ is b.__code__ and all(
+            _same_part(x.cell_contents, y.cell_contents) for x, y in cells
+        )
     return False
 
 
@@ -208,8 +245,16 @@ def run_both(fresh: Program, loaded: Program, inputs: dict[str, Any], **kw: Any)
 
 def _response(program: Program, result: Any) -> Any:
     """The response body /forward or /backward would send, without its timings."""
-    reply = encode_result(program, result, device="cpu", no_grad=program.no_grad,
-                          encoding="json", graph_id="g", source="store", tier="off")
+    reply = encode_result(
+        program,
+        result,
+        device="cpu",
+        no_grad=program.no_grad,
+        encoding="json",
+        graph_id="g",
+        source="store",
+        tier="off",
+    )
     body = orjson.loads(b"".join(bytes(p) for p in reply.parts))
     del body["meta"]["timings_ms"]
     return body
@@ -218,8 +263,7 @@ def _response(program: Program, result: Any) -> Any:
 # ---------------------------------------------------------------- every op sample
 
 
-def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, np.ndarray],
-                                                       list[str]]:
+def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, np.ndarray], list[str]]:
     """One node of the op on the sample's arrays (floats in float64) and literals; the
     inputs the op differentiates."""
     args: list[Any] = []
@@ -252,8 +296,12 @@ def test_every_op_sample_loads_as_compiled_on_every_path(name: str, sample: Samp
     for path in paths:
         grad_outputs = path.pop("grad_outputs", None)
         try:
-            fresh = compile_graph(spec, _specs(arrays, wrt), **path,
-                                  grad_outputs=grad_outputs and _specs(grad_outputs))
+            fresh = compile_graph(
+                spec,
+                _specs(arrays, wrt),
+                **path,
+                grad_outputs=grad_outputs and _specs(grad_outputs),
+            )
         except BackwardError:
             continue  # (an output that nothing differentiable flows into)
         loaded = round_trip(fresh)
@@ -294,8 +342,12 @@ def twins(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Twins]:
 
 
 def _tests(module: Any, needs_backend: bool) -> list[str]:
-    return [name for name, fn in vars(module).items() if name.startswith("test_")
-            and ("backend_name" in inspect.signature(fn).parameters) == needs_backend]
+    return [
+        name
+        for name, fn in vars(module).items()
+        if name.startswith("test_")
+        and ("backend_name" in inspect.signature(fn).parameters) == needs_backend
+    ]
 
 
 @pytest.mark.parametrize("name", _tests(test_transforms, needs_backend=False))
@@ -306,8 +358,9 @@ def test_transform_graphs_load_as_compiled(name: str, twins: _Twins) -> None:
 
 
 @pytest.mark.parametrize("name", _tests(test_transforms, needs_backend=True))
-def test_transform_graphs_load_as_compiled_on_each_backend(name: str, backend_name: str,
-                                                           twins: _Twins) -> None:
+def test_transform_graphs_load_as_compiled_on_each_backend(
+    name: str, backend_name: str, twins: _Twins
+) -> None:
     getattr(test_transforms, name)(backend_name)
     assert twins.loaded
 
@@ -332,8 +385,14 @@ def test_the_benchmark_workloads_load_as_compiled(workload: bc.Workload) -> None
 
 def test_steps_that_write_into_a_dead_buffer() -> None:
     """Large enough for the planner to let ufuncs write into their operands' buffers."""
-    spec = GraphSpec([NodeSpec("a", expr="sin(x) * 2.0"), NodeSpec("b", expr="exp(-a) + a"),
-                      NodeSpec("loss", expr="sum(b * b)")], ["loss"])
+    spec = GraphSpec(
+        [
+            NodeSpec("a", expr="sin(x) * 2.0"),
+            NodeSpec("b", expr="exp(-a) + a"),
+            NodeSpec("loss", expr="sum(b * b)"),
+        ],
+        ["loss"],
+    )
     arrays = {"x": np.linspace(-1, 1, 64 * 64).reshape(64, 64)}
     fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
     codes = {run[0] for run in fresh.run.forward + fresh.run.backward}
@@ -343,10 +402,16 @@ def test_steps_that_write_into_a_dead_buffer() -> None:
 
 def test_literals_that_json_cannot_hold_load_as_compiled() -> None:
     """Non-finite floats and -0.0 among a program's literals (stored tagged, or by bits)."""
-    spec = GraphSpec([NodeSpec("a", "mul", ["x", float("inf")]),
-                      NodeSpec("b", "add", ["x", float("nan")]),
-                      NodeSpec("c", "mul", ["x", -0.0]), NodeSpec("d", "mul", ["x", 0.0]),
-                      NodeSpec("loss", expr="sum(a + b + c + d)")], ["loss"])
+    spec = GraphSpec(
+        [
+            NodeSpec("a", "mul", ["x", float("inf")]),
+            NodeSpec("b", "add", ["x", float("nan")]),
+            NodeSpec("c", "mul", ["x", -0.0]),
+            NodeSpec("d", "mul", ["x", 0.0]),
+            NodeSpec("loss", expr="sum(a + b + c + d)"),
+        ],
+        ["loss"],
+    )
     arrays = {"x": np.linspace(-1, 1, 6)}
     fresh = compile_graph(spec, _specs(arrays, ["x"]), backward=True)
     run_both(fresh, round_trip(fresh), arrays)
@@ -356,16 +421,30 @@ def test_literals_that_json_cannot_hold_load_as_compiled() -> None:
 
 
 def _loop_graph(index: str) -> GraphSpec:
-    body = BodySpec(carry=["h"], xs=["x"], nodes=[
-        NodeSpec("p", "gather", ["h", index], {"dim": 0}),
-        NodeSpec("h2", expr="tanh(h * x + sum(p) * 0.5)")], next={"h": "h2"})
-    return GraphSpec([NodeSpec("loop", "scan", ["h0", "xs"], body=body, results={"hs": "h2"}),
-                      NodeSpec("d", "detach", ["hs"]),
-                      NodeSpec("loss", expr="sum(hs * hs) + sum(d)")], ["loss"])
+    body = BodySpec(
+        carry=["h"],
+        xs=["x"],
+        nodes=[
+            NodeSpec("p", "gather", ["h", index], {"dim": 0}),
+            NodeSpec("h2", expr="tanh(h * x + sum(p) * 0.5)"),
+        ],
+        next={"h": "h2"},
+    )
+    return GraphSpec(
+        [
+            NodeSpec("loop", "scan", ["h0", "xs"], body=body, results={"hs": "h2"}),
+            NodeSpec("d", "detach", ["hs"]),
+            NodeSpec("loss", expr="sum(hs * hs) + sum(d)"),
+        ],
+        ["loss"],
+    )
 
 
-LOOP_INPUTS = {"h0": np.linspace(-1, 1, 3), "xs": np.linspace(0.5, 1, 12).reshape(4, 3),
-               "i": np.array([2, 0])}
+LOOP_INPUTS = {
+    "h0": np.linspace(-1, 1, 3),
+    "xs": np.linspace(0.5, 1, 12).reshape(4, 3),
+    "i": np.array([2, 0]),
+}
 
 
 def _loop_program(**kw: Any) -> Program:
@@ -374,8 +453,7 @@ def _loop_program(**kw: Any) -> Program:
 
 
 @pytest.mark.parametrize("path", [{"no_grad": True}, {}, {"backward": True}])
-def test_an_error_names_the_node_and_op_the_compiled_program_names(path: dict[str, Any]
-                                                                   ) -> None:
+def test_an_error_names_the_node_and_op_the_compiled_program_names(path: dict[str, Any]) -> None:
     fresh = _loop_program(**path)
     loaded = round_trip(fresh)
     run_both(fresh, loaded, LOOP_INPUTS)  # (good indices: the same results)
@@ -397,8 +475,24 @@ def test_values_keep_their_exact_types() -> None:
     integers past 64 bits, tuples and lists, None, strings, dicts."""
     from gradserve.engine.graph.serial import _decode, _encode
 
-    values = [True, 0, 1, -0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-310,
-              2**70, -(2**63), None, "s", [1, [2.0, (3,)]], (), {"a": (1, None), 2: [False]}]
+    values = [
+        True,
+        0,
+        1,
+        -0.0,
+        0.0,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        1e-310,
+        2**70,
+        -(2**63),
+        None,
+        "s",
+        [1, [2.0, (3,)]],
+        (),
+        {"a": (1, None), 2: [False]},
+    ]
     for v in values:
         assert same(_decode(orjson.loads(orjson.dumps(_encode(v)))), v), v
     nan = struct.unpack("<d", bytes.fromhex("0100000000f8ff7f"))[0]
@@ -432,7 +526,7 @@ def _split(data: bytes) -> tuple[Any, bytes]:
     the columns."""
     (size,) = struct.unpack_from("<I", data, 24)
     base = 28 + size + (-(4 + size) % 8)
-    header = orjson.loads(data[28:28 + size])
+    header = orjson.loads(data[28 : 28 + size])
     header["signatures"] = [orjson.loads(text) for text in header["signatures"]]
     return header, data[base:]
 
@@ -440,8 +534,7 @@ def _split(data: bytes) -> tuple[Any, bytes]:
 def _frame(header: Any, columns: bytes) -> bytes:
     """Bytes of the format around `header` and `columns`, with a checksum that matches."""
     if isinstance(header, dict) and isinstance(header.get("signatures"), list):
-        header = {**header, "signatures": [orjson.dumps(s).decode()
-                                           for s in header["signatures"]]}
+        header = {**header, "signatures": [orjson.dumps(s).decode() for s in header["signatures"]]}
     text = orjson.dumps(header)
     rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
     return struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest
@@ -532,9 +625,32 @@ def _loads_or_corrupt(data: bytes) -> None:
 def test_any_header_value_loads_or_is_corrupt(small: bytes, data: st.DataObject) -> None:
     header, columns = _split(small)
     path = data.draw(st.sampled_from(list(_leaves(header))))
-    value = data.draw(st.sampled_from([None, True, False, 0, 1, -1, 2, 7, 10**6, 2**40, -2**63,
-                                       0.5, float("1e308"), "", "x", "scan", "float64", [],
-                                       [0], [1, 2]]))
+    value = data.draw(
+        st.sampled_from(
+            [
+                None,
+                True,
+                False,
+                0,
+                1,
+                -1,
+                2,
+                7,
+                10**6,
+                2**40,
+                -(2**63),
+                0.5,
+                float("1e308"),
+                "",
+                "x",
+                "scan",
+                "float64",
+                [],
+                [0],
+                [1, 2],
+            ]
+        )
+    )
     _loads_or_corrupt(_frame(_replace(header, path, value), columns))
 
 
@@ -545,8 +661,8 @@ def test_garbage_in_the_columns_loads_or_is_corrupt(small: bytes, data: st.DataO
     damaged = bytearray(columns)
     at = data.draw(st.integers(0, len(columns) - 1))
     garbage = data.draw(st.binary(min_size=1, max_size=16))
-    damaged[at:at + len(garbage)] = garbage
-    _loads_or_corrupt(_frame(header, bytes(damaged[:len(columns)])))
+    damaged[at : at + len(garbage)] = garbage
+    _loads_or_corrupt(_frame(header, bytes(damaged[: len(columns)])))
 
 
 def test_the_columns_all_garbage_is_corrupt(small: bytes) -> None:
@@ -566,34 +682,56 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     """Column `column` of the top program read in another format (the same size)."""
     table = header["programs"][0]["columns"]
     assert struct.calcsize(table[0][column]) == struct.calcsize(fmt)
-    table[0] = table[0][:column] + fmt + table[0][column + 1:]
+    table[0] = table[0][:column] + fmt + table[0][column + 1 :]
 
 
-@pytest.mark.parametrize("change", [
-    lambda h: h["signatures"][0].__setitem__(0, "no_such_op"),
-    lambda h: h["kinds"].__setitem__(0, "sideways"),
-    lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
-    lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
-    lambda h: h["programs"][0]["columns"][2].__setitem__(3, 10**9),
-    lambda h: _format_of(h, 3, "?"),
-    lambda h: _format_of(h, 3, "b"),
-    lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
-    lambda h: h["programs"][0].__setitem__("no_grad", 1),
-    lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
-    lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
-    lambda h: h["programs"][0]["loops"][1][2].__setitem__(0, h["programs"][0]["loops"][0][2][0]),
-    lambda h: h["programs"][1]["outputs"].pop(),
-    lambda h: h["programs"].append(h["programs"][1]),
-    lambda h: h["signatures"][0][4].append([[], "float64", False]),
-    lambda h: h["signatures"][0][4].append(2.5),
-    lambda h: h["signatures"].append(h["signatures"][0]),
-    lambda h: h.__setitem__("programs", []),
-    lambda h: h.pop("metas"),
-], ids=["unknown op", "unknown kind", "negative dim", "unknown dtype", "column past the end",
-        "column dtype", "column signed", "output slot", "flag type", "loop into itself",
-        "a body's closure not its input", "a loop's result twice", "a body's result not its output",
-        "body twice", "signature arity", "a literal more", "a signature no step has",
-        "no program", "no metas"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h: h["signatures"][0].__setitem__(0, "no_such_op"),
+        lambda h: h["kinds"].__setitem__(0, "sideways"),
+        lambda h: h["metas"].__setitem__(0, [[-1], "float64", False]),
+        lambda h: h["metas"].__setitem__(0, [[3], "float128", False]),
+        lambda h: h["programs"][0]["columns"][2].__setitem__(3, 10**9),
+        lambda h: _format_of(h, 3, "?"),
+        lambda h: _format_of(h, 3, "b"),
+        lambda h: h["programs"][0]["outputs"].__setitem__(0, ["loss", 10**6]),
+        lambda h: h["programs"][0].__setitem__("no_grad", 1),
+        lambda h: h["programs"][0]["loops"][0].__setitem__(1, 0),
+        lambda h: h["programs"][2]["body"]["closures"].__setitem__(1, 0),
+        lambda h: h["programs"][0]["loops"][1][2].__setitem__(
+            0, h["programs"][0]["loops"][0][2][0]
+        ),
+        lambda h: h["programs"][1]["outputs"].pop(),
+        lambda h: h["programs"].append(h["programs"][1]),
+        lambda h: h["signatures"][0][4].append([[], "float64", False]),
+        lambda h: h["signatures"][0][4].append(2.5),
+        lambda h: h["signatures"].append(h["signatures"][0]),
+        lambda h: h.__setitem__("programs", []),
+        lambda h: h.pop("metas"),
+    ],
+    ids=[
+        "unknown op",
+        "unknown kind",
+        "negative dim",
+        "unknown dtype",
+        "column past the end",
+        "column dtype",
+        "column signed",
+        "output slot",
+        "flag type",
+        "loop into itself",
+        "a body's closure not its input",
+        "a loop's result twice",
+        "a body's result not its output",
+        "body twice",
+        "signature arity",
+        "a literal more",
+        "a signature no step has",
+        "no program",
+        "no metas",
+    ],
+)
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
     _corrupt(_header_of(small, change))
 
@@ -611,31 +749,49 @@ def _body_of(header: Any, record: int) -> Any:
     return header["programs"][record]["body"]
 
 
-@pytest.mark.parametrize("change", [
-    lambda h: _body_of(h, 2).__setitem__("shifted", [[2, 0]]),
-    lambda h: _body_of(h, 2).__setitem__("shifted", [[9, 1]]),
-    lambda h: _body_of(h, 2).__setitem__("shifted", [[2]]),
-], ids=["shifted onto another meta", "shifted past the sequences", "shifted not a pair"])
-def test_a_shifted_sequence_that_is_wrong_is_corrupt(small: bytes,
-                                                     change: Callable[[Any], None]) -> None:
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h: _body_of(h, 2).__setitem__("shifted", [[2, 0]]),
+        lambda h: _body_of(h, 2).__setitem__("shifted", [[9, 1]]),
+        lambda h: _body_of(h, 2).__setitem__("shifted", [[2]]),
+    ],
+    ids=["shifted onto another meta", "shifted past the sequences", "shifted not a pair"],
+)
+def test_a_shifted_sequence_that_is_wrong_is_corrupt(
+    small: bytes, change: Callable[[Any], None]
+) -> None:
     _corrupt(_header_of(small, change))
 
 
-@pytest.mark.parametrize("change", [
-    lambda h: _body_of(h, 2).__setitem__("replay", -1),
-    lambda h: _body_of(h, 2).__setitem__("replay", 14),
-    lambda h: _body_of(h, 2).__setitem__("replay", True),
-    lambda h: _body_of(h, 1).__setitem__("every", 0),
-    lambda h: _body_of(h, 1).__setitem__("every", 3),
-    lambda h: _body_of(h, 1).__setitem__("every", 5),
-    lambda h: _body_of(h, 1)["replayed"].pop(),
-    lambda h: _body_of(h, 2).__setitem__("shifted", [[0, 0]]),
-    lambda h: _body_of(h, 2).__setitem__("reverse", False),
-], ids=["no replay", "replays itself", "replay not an int", "no segments",
-        "other segments", "segments past the end", "a value not replayed", "shifted too",
-        "the same way"])
-def test_a_checkpointed_loop_that_is_wrong_is_corrupt(checkpointed: bytes,
-                                                      change: Callable[[Any], None]) -> None:
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda h: _body_of(h, 2).__setitem__("replay", -1),
+        lambda h: _body_of(h, 2).__setitem__("replay", 14),
+        lambda h: _body_of(h, 2).__setitem__("replay", True),
+        lambda h: _body_of(h, 1).__setitem__("every", 0),
+        lambda h: _body_of(h, 1).__setitem__("every", 3),
+        lambda h: _body_of(h, 1).__setitem__("every", 5),
+        lambda h: _body_of(h, 1)["replayed"].pop(),
+        lambda h: _body_of(h, 2).__setitem__("shifted", [[0, 0]]),
+        lambda h: _body_of(h, 2).__setitem__("reverse", False),
+    ],
+    ids=[
+        "no replay",
+        "replays itself",
+        "replay not an int",
+        "no segments",
+        "other segments",
+        "segments past the end",
+        "a value not replayed",
+        "shifted too",
+        "the same way",
+    ],
+)
+def test_a_checkpointed_loop_that_is_wrong_is_corrupt(
+    checkpointed: bytes, change: Callable[[Any], None]
+) -> None:
     load_program(checkpointed)
     _corrupt(_header_of(checkpointed, change))
 
@@ -659,12 +815,13 @@ def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
         counts = _ints_of(header, columns, record, "nfrees")
         if max(counts) < 2:
             continue
-        first = sum(counts[:counts.index(max(counts))])
+        first = sum(counts[: counts.index(max(counts))])
         at, fmt, _ = _column(header, record, "frees")
         size = struct.calcsize(fmt)
         damaged = bytearray(columns)
-        damaged[at + size * (first + 1):at + size * (first + 2)] = \
-            columns[at + size * first:at + size * (first + 1)]
+        damaged[at + size * (first + 1) : at + size * (first + 2)] = columns[
+            at + size * first : at + size * (first + 1)
+        ]
         _corrupt(_frame(header, bytes(damaged)))
         return
     raise AssertionError("no step frees two slots")
@@ -698,8 +855,7 @@ def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:
     for value in (header["signatures"][0], None, 0):
         text = orjson.dumps({**header, "signatures": [value, *signatures[1:]]})
         rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
-        _corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest))
-                 + rest)
+        _corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest)
 
 
 def test_another_format_version_or_magic_is_corrupt(small: bytes) -> None:

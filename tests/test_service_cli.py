@@ -44,9 +44,9 @@ def uvicorn_run(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr("uvicorn.run", fake_run)
     # `serve` hands its flags to the workers through os.environ: keep that to this test.
-    monkeypatch.setattr(os, "environ", {
-        k: v for k, v in os.environ.items() if not k.startswith("GRADSERVE_")
-    })
+    monkeypatch.setattr(
+        os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("GRADSERVE_")}
+    )
     return seen
 
 

@@ -72,8 +72,11 @@ def test_declared_dtype_and_flat_shape() -> None:
         ({"b64": "AA AA", "dtype": "int32", "shape": [1]}, "b64", "base64"),
         ({"b64": "AAA", "dtype": "int32", "shape": [1]}, "b64", "base64"),
         ({"b64": "AAAAAAA=", "dtype": "int32", "shape": [1]}, "b64", "bytes"),
-        ({"b64": base64.b64encode(b"\x01\x03").decode(), "dtype": "bool", "shape": [2]},
-         "b64", "0 or 1"),
+        (
+            {"b64": base64.b64encode(b"\x01\x03").decode(), "dtype": "bool", "shape": [2]},
+            "b64",
+            "0 or 1",
+        ),
     ],
 )
 def test_errors_name_the_input(kwargs: dict, field: str, message: str) -> None:
@@ -100,8 +103,12 @@ def test_base64_is_little_endian_row_major(dtype: str) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays(st.sampled_from([np.float16, np.float32, np.float64]),
-              array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
+@given(
+    arrays(
+        st.sampled_from([np.float16, np.float32, np.float64]),
+        array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    )
+)
 def test_json_round_trip_is_exact_and_strict(array: np.ndarray) -> None:
     text = dumps(encode_tensor(array, "json"))
     wire = strict(text)
@@ -111,8 +118,12 @@ def test_json_round_trip_is_exact_and_strict(array: np.ndarray) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(arrays(st.sampled_from([np.int32, np.int64, np.bool_, np.float32]),
-              array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)))
+@given(
+    arrays(
+        st.sampled_from([np.int32, np.int64, np.bool_, np.float32]),
+        array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    )
+)
 def test_base64_round_trip(array: np.ndarray) -> None:
     wire = strict(dumps(encode_tensor(array, "base64")))
     assert isinstance(wire, dict)

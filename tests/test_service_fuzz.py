@@ -44,8 +44,9 @@ async def test_planned_bytes_past_64_bits_is_a_memory_budget_problem(
     client: httpx.AsyncClient,
 ) -> None:
     # float32 [2**31, 2**31] plans 2**64 bytes: orjson cannot write that int.
-    r = await client.post("/forward", json=_one(
-        {"op": "zeros", "attrs": {"shape": [1 << 31, 1 << 31]}}))
+    r = await client.post(
+        "/forward", json=_one({"op": "zeros", "attrs": {"shape": [1 << 31, 1 << 31]}})
+    )
     body = assert_problem(r, 422, "memory-budget", "18446744073709551616 bytes")
     assert body["planned_bytes"] == 1 << 64
     r = await client.post("/forward", json=_one({"expr": f"eye(n={INT64_END - 1})"}))
@@ -54,22 +55,33 @@ async def test_planned_bytes_past_64_bits_is_a_memory_budget_problem(
     assert_problem(r, 422, "attribute", "'n' is outside the int64 range")
 
 
-@pytest.mark.parametrize(("tensor", "detail"), [
-    # Dims whose product overflows what an array can address, even with a 0 among them.
-    ({"b64": "", "dtype": "float32", "shape": [0, 1 << 62]}, "too large for any tensor"),
-    ({"data": [], "shape": [0, 1 << 62]}, "too large for any tensor"),
-    ({"data": [], "shape": [1 << 64, 0]}, "too large for any tensor"),
-    ({"data": [1.0], "shape": [10**40]}, "too large for any tensor"),
-    # More dims than NumPy (and PyTorch) support.
-    ({"b64": "AA==", "dtype": "bool", "shape": [1] * 100}, "at most 64"),
-    ({"data": [], "shape": [0] * 65}, "at most 64"),
-], ids=["b64-zero-size", "data-zero-size", "dim-past-uint64", "huge-dim", "b64-100-dims",
-        "data-65-dims"])
+@pytest.mark.parametrize(
+    ("tensor", "detail"),
+    [
+        # Dims whose product overflows what an array can address, even with a 0 among them.
+        ({"b64": "", "dtype": "float32", "shape": [0, 1 << 62]}, "too large for any tensor"),
+        ({"data": [], "shape": [0, 1 << 62]}, "too large for any tensor"),
+        ({"data": [], "shape": [1 << 64, 0]}, "too large for any tensor"),
+        ({"data": [1.0], "shape": [10**40]}, "too large for any tensor"),
+        # More dims than NumPy (and PyTorch) support.
+        ({"b64": "AA==", "dtype": "bool", "shape": [1] * 100}, "at most 64"),
+        ({"data": [], "shape": [0] * 65}, "at most 64"),
+    ],
+    ids=[
+        "b64-zero-size",
+        "data-zero-size",
+        "dim-past-uint64",
+        "huge-dim",
+        "b64-100-dims",
+        "data-65-dims",
+    ],
+)
 async def test_unrepresentable_declared_shape(
     client: httpx.AsyncClient, tensor: dict[str, Any], detail: str
 ) -> None:
-    body = assert_problem(await client.post("/forward", json=_x(**tensor)), 422, "tensor-data",
-                          detail)
+    body = assert_problem(
+        await client.post("/forward", json=_x(**tensor)), 422, "tensor-data", detail
+    )
     assert body["errors"][0]["loc"] == ["inputs", "x", "shape"]
 
 
@@ -81,14 +93,21 @@ async def test_64_dims_are_still_fine(client: httpx.AsyncClient) -> None:
 
 async def test_data_nested_deeper_than_a_tensor_can_be(client: httpx.AsyncClient) -> None:
     deep = json.loads("[" * 70 + "1.0" + "]" * 70)
-    assert_problem(await client.post("/forward", json=_x(data=deep)), 422, "tensor-data",
-                   "nested deeper than the 64 dims")
+    assert_problem(
+        await client.post("/forward", json=_x(data=deep)),
+        422,
+        "tensor-data",
+        "nested deeper than the 64 dims",
+    )
 
 
-@pytest.mark.parametrize(("value", "dtype"), [
-    (9.223372036854775807e18, "int64"),  # == 2**63 as a float: it wrapped to -2**63
-    (2147483648.0, "int32"),
-])
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [
+        (9.223372036854775807e18, "int64"),  # == 2**63 as a float: it wrapped to -2**63
+        (2147483648.0, "int32"),
+    ],
+)
 async def test_float_data_at_the_int_bound_is_out_of_range(
     client: httpx.AsyncClient, value: float, dtype: str
 ) -> None:
@@ -98,13 +117,16 @@ async def test_float_data_at_the_int_bound_is_out_of_range(
     assert strict_json(ok)["outputs"]["x"]["data"] == [-int(value)]
 
 
-@pytest.mark.parametrize("node", [
-    {"op": "index_select", "args": [7, 1], "attrs": {"dim": 0}},
-    {"op": "index_select", "args": ["x", 1], "attrs": {"dim": 0}},
-    {"op": "gather", "args": [2.5, "i"], "attrs": {"dim": 0}},
-    {"expr": "scatter_add(x, i, 2.5, dim=0)"},
-    {"expr": "scatter_add(x, 0, x, dim=0)"},
-])
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"op": "index_select", "args": [7, 1], "attrs": {"dim": 0}},
+        {"op": "index_select", "args": ["x", 1], "attrs": {"dim": 0}},
+        {"op": "gather", "args": [2.5, "i"], "attrs": {"dim": 0}},
+        {"expr": "scatter_add(x, i, 2.5, dim=0)"},
+        {"expr": "scatter_add(x, 0, x, dim=0)"},
+    ],
+)
 async def test_number_literal_where_an_index_op_wants_a_tensor(
     client: httpx.AsyncClient, node: dict[str, Any]
 ) -> None:
@@ -114,11 +136,14 @@ async def test_number_literal_where_an_index_op_wants_a_tensor(
     assert body["node"] == "z"
 
 
-@pytest.mark.parametrize(("attrs", "detail"), [
-    ({"end": 1e308, "step": 1e-308}, "too many values"),
-    ({"end": 10**400}, "'end' is outside the int64 range"),
-    ({"end": 10**400, "dtype": "float32"}, "'end' is outside the int64 range"),
-])
+@pytest.mark.parametrize(
+    ("attrs", "detail"),
+    [
+        ({"end": 1e308, "step": 1e-308}, "too many values"),
+        ({"end": 10**400}, "'end' is outside the int64 range"),
+        ({"end": 10**400, "dtype": "float32"}, "'end' is outside the int64 range"),
+    ],
+)
 async def test_arange_whose_length_overflows(
     client: httpx.AsyncClient, attrs: dict[str, Any], detail: str
 ) -> None:
@@ -127,9 +152,11 @@ async def test_arange_whose_length_overflows(
 
 
 async def test_requests_after_hostile_ones_are_served(client: httpx.AsyncClient) -> None:
-    for body in (_one({"op": "zeros", "attrs": {"shape": [1 << 31, 1 << 31]}}),
-                 _x(data=[], shape=[0, 1 << 62]),
-                 _one({"op": "index_select", "args": [7, 1], "attrs": {"dim": 0}})):
+    for body in (
+        _one({"op": "zeros", "attrs": {"shape": [1 << 31, 1 << 31]}}),
+        _x(data=[], shape=[0, 1 << 62]),
+        _one({"op": "index_select", "args": [7, 1], "attrs": {"dim": 0}}),
+    ):
         assert (await client.post("/backward", json=body)).status_code == 422
     r = await client.post("/backward", json=SEED_OP)
     assert r.status_code == 200, r.text
@@ -149,13 +176,19 @@ INPUTS = {
 _INTS = st.sampled_from([0, 1, -1, 2, 5, -(1 << 63), (1 << 63) - 1, 1 << 63, 1 << 64, 10**30])
 _NUMBERS = _INTS | st.sampled_from([0.5, -2.5, 1e308, -1e308, 5e-324, 1e-300])
 # Number literals in `args`, past int64 too (refused as PyTorch refuses them).
-_LITERALS = st.sampled_from([0, 1, -1, 2, -(1 << 63), (1 << 63) - 1, 1 << 63, 10**30, 0.5, -2.5,
-                             1e308, 5e-324])
+_LITERALS = st.sampled_from(
+    [0, 1, -1, 2, -(1 << 63), (1 << 63) - 1, 1 << 63, 10**30, 0.5, -2.5, 1e308, 5e-324]
+)
 _SHAPES = st.lists(st.sampled_from([0, 1, 2, 3, 1 << 31, 1 << 62, 10**6]), max_size=4)
 _ATTR = {
-    "int": _INTS, "int|null": st.none() | _INTS, "int|ints|null": st.none() | _INTS
-    | st.lists(_INTS, max_size=3), "ints": st.lists(_INTS, max_size=3), "shape": _SHAPES,
-    "bool": st.booleans(), "number": _NUMBERS, "number|null": st.none() | _NUMBERS,
+    "int": _INTS,
+    "int|null": st.none() | _INTS,
+    "int|ints|null": st.none() | _INTS | st.lists(_INTS, max_size=3),
+    "ints": st.lists(_INTS, max_size=3),
+    "shape": _SHAPES,
+    "bool": st.booleans(),
+    "number": _NUMBERS,
+    "number|null": st.none() | _NUMBERS,
     "dtype": st.sampled_from(["float16", "float32", "float64", "int32", "int64", "bool"]),
     "str": st.sampled_from(["ij,jk->ik", "ii->i", "i,i->", "->", "ab", "i->j", "...->..."]),
 }
@@ -168,13 +201,17 @@ def _node(draw: st.DrawFn) -> dict[str, Any]:
     name = draw(st.sampled_from(sorted(OPS)))
     info = OPS[name]
     arity = len(info["args"]) + draw(st.integers(-1, 2) if info["variadic"] else st.just(0))
-    args = draw(st.lists(st.sampled_from(NAMES) | _LITERALS, min_size=max(arity, 0),
-                         max_size=max(arity, 0)))
+    args = draw(
+        st.lists(st.sampled_from(NAMES) | _LITERALS, min_size=max(arity, 0), max_size=max(arity, 0))
+    )
     attrs = {}
     for attr, spec in info["attrs"].items():
         if spec["required"] or draw(st.booleans()):
-            attrs[attr] = draw(_ATTR.get(spec["type"], _ANY) | _ANY) if draw(
-                st.integers(0, 9)) == 0 else draw(_ATTR.get(spec["type"], _ANY))
+            attrs[attr] = (
+                draw(_ATTR.get(spec["type"], _ANY) | _ANY)
+                if draw(st.integers(0, 9)) == 0
+                else draw(_ATTR.get(spec["type"], _ANY))
+            )
     return {"id": "z", "op": name, "args": args, "attrs": attrs}
 
 
@@ -186,8 +223,9 @@ def portal_client() -> Iterator[tuple[BlockingPortal, httpx.AsyncClient]]:
         async def start() -> tuple[LifespanManager, httpx.AsyncClient]:
             manager = LifespanManager(create_app(Settings()))
             await manager.__aenter__()
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(manager.app),
-                                       base_url="http://test")
+            client = httpx.AsyncClient(
+                transport=httpx.ASGITransport(manager.app), base_url="http://test"
+            )
             return manager, client
 
         manager, client = portal.call(start)
@@ -207,11 +245,16 @@ def _check(r: httpx.Response) -> None:
 
 
 @pytest.mark.anyio(False)  # a synchronous test: the portal runs the event loop
-@settings(max_examples=200, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(node=_node(), backward=st.booleans())
 def test_fuzz_op_nodes(
-    portal_client: tuple[BlockingPortal, httpx.AsyncClient], node: dict[str, Any],
+    portal_client: tuple[BlockingPortal, httpx.AsyncClient],
+    node: dict[str, Any],
     backward: bool,
 ) -> None:
     portal, client = portal_client

@@ -33,8 +33,10 @@ def _dead_pid() -> int:
 def test_what_a_dead_server_left_goes_and_a_live_ones_stays(tmp_path: Path) -> None:
     dead = _dead_pid()
     # A dead server's: its directories (their owner files held by no one) and segments.
-    orphans = [Path(SHM_DIR) / f"gradserve-{dead}-test",
-               Path(SHM_DIR) / f"gradserve-programs-{dead}-test"]
+    orphans = [
+        Path(SHM_DIR) / f"gradserve-{dead}-test",
+        Path(SHM_DIR) / f"gradserve-programs-{dead}-test",
+    ]
     for path in orphans:
         path.mkdir()
         (path / OWNER).write_bytes(b"")
@@ -68,17 +70,27 @@ def test_a_server_killed_mid_request_is_swept_by_the_next(tmp_path: Path) -> Non
     /dev/shm until the next server starts, which removes them and serves."""
     first = _start(tmp_path)
     pid = first.proc.pid
-    mine = lambda: sorted(p.name for p in Path(SHM_DIR).iterdir()
-                          if p.name.startswith((f"gradserve-{pid}-", f"gradserve-programs-{pid}-",
-                                                f"gs{pid}-")))
+    mine = lambda: sorted(
+        p.name
+        for p in Path(SHM_DIR).iterdir()
+        if p.name.startswith((f"gradserve-{pid}-", f"gradserve-programs-{pid}-", f"gs{pid}-"))
+    )
     try:
         x = np.ones(1 << 20, np.float32)  # 4 MiB: the body goes into a segment
-        header = (b'{"graph": {"nodes": [{"id": "s", "expr": "sum(x * x)"}], "outputs": ["s"]},'
-                  b' "inputs": {"x": {"binary_data_size": %d, "dtype": "float32", '
-                  b'"shape": [%d]}}, "no_grad": true}' % (x.nbytes, x.size))
-        r = httpx.post(first.base + "/forward", content=header + x.tobytes(), timeout=30,
-                       headers={"Content-Type": "application/octet-stream",
-                                "Inference-Header-Content-Length": str(len(header))})
+        header = (
+            b'{"graph": {"nodes": [{"id": "s", "expr": "sum(x * x)"}], "outputs": ["s"]},'
+            b' "inputs": {"x": {"binary_data_size": %d, "dtype": "float32", '
+            b'"shape": [%d]}}, "no_grad": true}' % (x.nbytes, x.size)
+        )
+        r = httpx.post(
+            first.base + "/forward",
+            content=header + x.tobytes(),
+            timeout=30,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Inference-Header-Content-Length": str(len(header)),
+            },
+        )
         assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == x.size
         left = mine()
         assert any(n.startswith(f"gradserve-{pid}-") for n in left), left
@@ -91,10 +103,20 @@ def test_a_server_killed_mid_request_is_swept_by_the_next(tmp_path: Path) -> Non
         second = _start(tmp_path)
         try:
             assert mine() == [], mine()
-            r = httpx.post(second.base + "/backward", timeout=30, json={
-                "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-                "inputs": {"x": {"data": 2.0, "requires_grad": True},
-                           "y": {"data": 3.0, "requires_grad": True}}})
+            r = httpx.post(
+                second.base + "/backward",
+                timeout=30,
+                json={
+                    "graph": {
+                        "nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}],
+                        "outputs": ["z"],
+                    },
+                    "inputs": {
+                        "x": {"data": 2.0, "requires_grad": True},
+                        "y": {"data": 3.0, "requires_grad": True},
+                    },
+                },
+            )
             assert r.json()["gradients"]["x"]["data"] == 4.0
         finally:
             _stop(second)

@@ -52,7 +52,7 @@ def _damaged(path: Path, how: str) -> None:
     elif how == "truncated":
         path.write_bytes(data[:-3])
     elif how == "header":
-        path.write_bytes(data[:len(MAGIC)] + b"\xff\xff\xff\x7f" + data[len(MAGIC) + 4:])
+        path.write_bytes(data[: len(MAGIC)] + b"\xff\xff\xff\x7f" + data[len(MAGIC) + 4 :])
     elif how == "payload":
         path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     elif how == "empty":
@@ -107,8 +107,9 @@ def test_concurrent_writers_of_one_key_leave_one_whole_entry(tmp_path: Path) -> 
     s = make(tmp_path, max_bytes=1 << 30)
     name = entry_name("p", "contended")
     ctx = multiprocessing.get_context("spawn")
-    writers = [ctx.Process(target=_write_many, args=(str(s.directory), name, tag, 40))
-               for tag in (1, 2, 3)]
+    writers = [
+        ctx.Process(target=_write_many, args=(str(s.directory), name, tag, 40)) for tag in (1, 2, 3)
+    ]
     for w in writers:
         w.start()
     seen = 0
@@ -152,8 +153,8 @@ def test_the_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC, errno.EACCES])
 def test_a_store_that_cannot_be_written_warns_once_and_keeps_working(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        code: int) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
     s = make(tmp_path)
     kept = entry_name("p", "kept")
     s.put(kept, b"written before")
@@ -176,7 +177,8 @@ def test_a_store_that_cannot_be_written_warns_once_and_keeps_working(
 
 
 def test_a_store_whose_directory_cannot_be_made_is_no_store(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with caplog.at_level(logging.WARNING, "gradserve.store"):
@@ -192,8 +194,10 @@ def test_a_real_full_file_system(tmp_path: Path) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
     if os.system(f"mount -t tmpfs -o size=64k tmpfs {mount} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN); the "
-                    "monkeypatched ENOSPC test covers the same path")
+        pytest.skip(
+            "cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN); the "
+            "monkeypatched ENOSPC test covers the same path"
+        )
     try:
         s = Store(mount / "store", 1 << 30, VERSION)  # (a bound far above the room)
         results = [s.put(entry_name("p", str(i)), b"x" * 20_000) for i in range(6)]

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _program(expr: str, **inputs: tuple[int, ...]) -> Any:
     spec = GraphSpec([NodeSpec("y", expr=expr)], ["y"])
-    return compile_graph(spec, {k: TensorSpec(s, "float64", True) for k, s in inputs.items()},
-                         backward=True)
+    return compile_graph(
+        spec, {k: TensorSpec(s, "float64", True) for k, s in inputs.items()}, backward=True
+    )
 
 
 def _chain(n: int) -> Any:
@@ -39,15 +40,34 @@ def _chain(n: int) -> Any:
 
 def _loop(steps: int) -> Any:
     """A scan RNN on 4 values, `steps` long, differentiated."""
-    body = {"carry": ["h"], "xs": ["x"], "next": {"h": "h2"},
-            "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}]}
+    body = {
+        "carry": ["h"],
+        "xs": ["x"],
+        "next": {"h": "h2"},
+        "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
+    }
     from gradserve.service.schemas import Graph
-    graph = Graph.model_validate({
-        "nodes": [{"id": "rnn", "op": "scan", "args": ["h0", "xs"], "body": body,
-                   "results": {"h_end": "h"}}, {"id": "loss", "expr": "sum(h_end * h_end)"}],
-        "outputs": ["loss"]})
-    return compile_graph(graph, {"h0": TensorSpec((4,), "float64", True),
-                                 "xs": TensorSpec((steps, 4), "float64", True)}, backward=True)
+
+    graph = Graph.model_validate(
+        {
+            "nodes": [
+                {
+                    "id": "rnn",
+                    "op": "scan",
+                    "args": ["h0", "xs"],
+                    "body": body,
+                    "results": {"h_end": "h"},
+                },
+                {"id": "loss", "expr": "sum(h_end * h_end)"},
+            ],
+            "outputs": ["loss"],
+        }
+    )
+    return compile_graph(
+        graph,
+        {"h0": TensorSpec((4,), "float64", True), "xs": TensorSpec((steps, 4), "float64", True)},
+        backward=True,
+    )
 
 
 # ------------------------------------------------------------------ the decisions
@@ -75,8 +95,10 @@ class _Queue:
 
     def request(self, key: str, program: Any, device: str, predicted_ms: float) -> bool:
         self.asked.append(key)
-        self.done[key] = (b"exe", {"device": device, "compile_ms": 7.0,
-                                   "predicted_ms": predicted_ms})
+        self.done[key] = (
+            b"exe",
+            {"device": device, "compile_ms": 7.0, "predicted_ms": predicted_ms},
+        )
         return True
 
     def result(self, key: str) -> Any:
@@ -99,13 +121,17 @@ class _FakeLowered:
 def _tier(monkeypatch: pytest.MonkeyPatch, speeds: dict[int, float]) -> tuple[Tier, _Queue]:
     tier = Tier(Settings(xla="auto", program_store_bytes=0), role="worker")
     tier.off, tier.queue = None, _Queue()  # type: ignore[assignment]
-    monkeypatch.setattr(xla.Lowered, "load", classmethod(
-        lambda cls, program, payload, meta: _FakeLowered(speeds[id(program)])))
+    monkeypatch.setattr(
+        xla.Lowered,
+        "load",
+        classmethod(lambda cls, program, payload, meta: _FakeLowered(speeds[id(program)])),
+    )
     return tier, tier.queue  # type: ignore[return-value]
 
 
 def test_a_program_that_pays_on_its_first_run_is_lowered_before_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     program = _loop(200_000)
     tier, queue = _tier(monkeypatch, {id(program): 0.0})
     lowered, why = tier.choose("loop", program, "cpu", time.monotonic() + 60)
@@ -123,7 +149,8 @@ def test_a_tiny_program_is_never_lowered(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_a_program_is_lowered_once_its_runs_would_have_paid(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each interpreted run says how many more it takes; at that run the lowering is asked
     for (in the background: that run is still interpreted), and a later run finds it."""
     program = _chain(8)
@@ -137,8 +164,11 @@ def test_a_program_is_lowered_once_its_runs_would_have_paid(
         reasons.append(tier.interpreted("chain", program, run_ms=run_ms))
         if queue.asked:
             break
-    assert re.fullmatch(r"cold: XLA would save ~1\.000 ms a run; lowered once it has run "
-                        r"\d+ times \(a ~\d+ ms compile\)", reasons[0]), reasons[0]
+    assert re.fullmatch(
+        r"cold: XLA would save ~1\.000 ms a run; lowered once it has run "
+        r"\d+ times \(a ~\d+ ms compile\)",
+        reasons[0],
+    ), reasons[0]
     assert reasons[-1].startswith("compiling: ") and len(reasons) == need
     deadline = time.monotonic() + 5
     while tier.choose("chain", program, "cpu", time.monotonic() + 60)[1] != "xla":
@@ -147,7 +177,8 @@ def test_a_program_is_lowered_once_its_runs_would_have_paid(
 
 
 def test_a_lowered_program_slower_than_the_interpreter_goes_back(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """After TRIALS runs, a lowered program slower than its fastest interpreted run is
     refused for good (it says why), and a faster one stays."""
     slow, fast = (_chain(n) for n in (8, 9))
@@ -171,8 +202,10 @@ def test_a_lowered_program_slower_than_the_interpreter_goes_back(
 
 def test_the_front_process_never_loads_xla() -> None:
     tier = Tier(Settings(xla="auto"), role="front")
-    assert tier.choose("k", _program("x * 2", x=()), "cpu", time.monotonic() + 60) == \
-        (None, tier_module.FAST_LANE)
+    assert tier.choose("k", _program("x * 2", x=()), "cpu", time.monotonic() + 60) == (
+        None,
+        tier_module.FAST_LANE,
+    )
 
 
 # ------------------------------------------------------------------ the lowering process
@@ -189,8 +222,9 @@ def _run_lowering(settings: Settings, until: Any, timeout: float = 120) -> list[
 
     context = multiprocessing.get_context("spawn")
     ours, child = context.Pipe()
-    proc = context.Process(target=lowering_main, args=(settings.model_dump_json(), child),
-                           daemon=True)
+    proc = context.Process(
+        target=lowering_main, args=(settings.model_dump_json(), child), daemon=True
+    )
     proc.start()
     child.close()
     outcomes = []
@@ -212,7 +246,8 @@ def _run_lowering(settings: Settings, until: Any, timeout: float = 120) -> list[
 
 @needs_jax
 def test_the_lowering_process_lowers_once_and_every_process_loads_it(
-        store_settings: Settings) -> None:
+    store_settings: Settings,
+) -> None:
     program = _loop(50)
     programs = Programs(store_settings)
     queue = LoweringQueue(programs.store)  # type: ignore[arg-type]
@@ -246,17 +281,21 @@ def test_a_lowering_cut_off_is_answered_with_why(store_settings: Settings) -> No
     assert queue.result("d" * 32) == (None, GONE)
 
 
-def test_a_damaged_executable_is_refused_not_served(store_settings: Settings,
-                                                    tmp_path: Path) -> None:
+def test_a_damaged_executable_is_refused_not_served(
+    store_settings: Settings, tmp_path: Path
+) -> None:
     programs = Programs(store_settings)
     store = programs.store
     assert store is not None
     program = _program("sum(x * 2)", x=(3,))
-    store.put("x-" + "e" * 32, b"not an executable", {"device": "cpu", "compile_ms": 1.0,
-                                                       "memory_bytes": 8, "checks": [],
-                                                       "jax": "0"})
-    tier = Tier(Settings(xla="auto", program_store_dir=str(tmp_path / "store")),
-                role="worker", store=store)
+    store.put(
+        "x-" + "e" * 32,
+        b"not an executable",
+        {"device": "cpu", "compile_ms": 1.0, "memory_bytes": 8, "checks": [], "jax": "0"},
+    )
+    tier = Tier(
+        Settings(xla="auto", program_store_dir=str(tmp_path / "store")), role="worker", store=store
+    )
     if tier.off is not None:
         pytest.skip(f"the tier is {tier.off} here")
     assert tier.choose("e" * 32, program, "cpu", time.monotonic() + 5)[0] is None
@@ -265,7 +304,8 @@ def test_a_damaged_executable_is_refused_not_served(store_settings: Settings,
 
 
 def test_a_store_that_cannot_be_written_keeps_the_interpreter(
-        store_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store_settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A full disk (the store's writes fail, as on ENOSPC) or a queue that cannot be
     written: no lowering is asked for, and the program stays interpreted, saying why."""
     programs = Programs(store_settings)
@@ -304,7 +344,12 @@ def test_what_jax_brought_is_frozen_after_the_first_load() -> None:
         assert not any(o is sys.modules["jax"] for o in gc.get_objects())
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False, cwd=ROOT, timeout=180)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=180,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-

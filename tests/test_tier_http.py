@@ -31,9 +31,13 @@ TIER_UP_S = 120  # (a compile on a loaded 2-core machine, after jax's import)
 
 def seed(x: float = 2.0, y: float = 3.0) -> dict[str, Any]:
     """The contract's seed in float64: answered in the front process (a tiny request)."""
-    return {"graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-            "inputs": {"x": {"data": x, "dtype": "float64", "requires_grad": True},
-                       "y": {"data": y, "dtype": "float64", "requires_grad": True}}}
+    return {
+        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+        "inputs": {
+            "x": {"data": x, "dtype": "float64", "requires_grad": True},
+            "y": {"data": y, "dtype": "float64", "requires_grad": True},
+        },
+    }
 
 
 def rnn(steps: int = 1000) -> dict[str, Any]:
@@ -41,16 +45,35 @@ def rnn(steps: int = 1000) -> dict[str, Any]:
     steps ~13,000 steps executed (~11 ms interpreted), computed in a worker; its predicted
     saving in XLA (~10 ms a run) pays for its compile (~200 ms) after ~20 runs."""
     rng = np.random.default_rng(0)
-    body = {"carry": ["h"], "xs": ["x"], "next": {"h": "h2"},
-            "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}]}
-    return {"graph": {"nodes": [{"id": "rnn", "op": "scan", "args": ["h0", "xs"],
-                                 "body": body, "results": {"h_end": "h"}},
-                                {"id": "loss", "expr": "sum(h_end * h_end)"}],
-                      "outputs": ["loss"]},
-            "inputs": {"h0": {"data": rng.normal(size=4).tolist(), "dtype": "float64",
-                              "requires_grad": True},
-                       "xs": {"data": rng.normal(size=(steps, 4)).tolist(),
-                              "dtype": "float64", "requires_grad": True}}}
+    body = {
+        "carry": ["h"],
+        "xs": ["x"],
+        "next": {"h": "h2"},
+        "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(x + 1.1 * h)"}],
+    }
+    return {
+        "graph": {
+            "nodes": [
+                {
+                    "id": "rnn",
+                    "op": "scan",
+                    "args": ["h0", "xs"],
+                    "body": body,
+                    "results": {"h_end": "h"},
+                },
+                {"id": "loss", "expr": "sum(h_end * h_end)"},
+            ],
+            "outputs": ["loss"],
+        },
+        "inputs": {
+            "h0": {"data": rng.normal(size=4).tolist(), "dtype": "float64", "requires_grad": True},
+            "xs": {
+                "data": rng.normal(size=(steps, 4)).tolist(),
+                "dtype": "float64",
+                "requires_grad": True,
+            },
+        },
+    }
 
 
 NOT_LOWERED = "sin"  # (in the servers here: tests/hooks/sitecustomize.py)
@@ -60,15 +83,31 @@ def long_loop(steps: int = 200_000) -> dict[str, Any]:
     """A loop of `steps` over 4 values and no sequences (a small body: GradBench's
     descents), differentiated in its parameter `a`: ~3 s interpreted, so its first run
     alone pays for a compile."""
-    body = {"carry": ["h"], "next": {"h": "h2"},
-            "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(1.1 * h + a)"}]}
-    return {"graph": {"nodes": [{"id": "rnn", "op": "scan", "args": ["h0"], "body": body,
-                                 "results": {"h_end": "h"}, "attrs": {"length": steps}},
-                                {"id": "loss", "expr": "sum(h_end * h_end)"}],
-                      "outputs": ["loss"]},
-            "inputs": {"h0": {"data": [0.1, 0.2, 0.3, 0.4], "dtype": "float64",
-                              "requires_grad": True},
-                       "a": {"data": 0.3, "dtype": "float64", "requires_grad": True}}}
+    body = {
+        "carry": ["h"],
+        "next": {"h": "h2"},
+        "nodes": [{"id": "h2", "expr": "0.95 * h + 0.05 * tanh(1.1 * h + a)"}],
+    }
+    return {
+        "graph": {
+            "nodes": [
+                {
+                    "id": "rnn",
+                    "op": "scan",
+                    "args": ["h0"],
+                    "body": body,
+                    "results": {"h_end": "h"},
+                    "attrs": {"length": steps},
+                },
+                {"id": "loss", "expr": "sum(h_end * h_end)"},
+            ],
+            "outputs": ["loss"],
+        },
+        "inputs": {
+            "h0": {"data": [0.1, 0.2, 0.3, 0.4], "dtype": "float64", "requires_grad": True},
+            "a": {"data": 0.3, "dtype": "float64", "requires_grad": True},
+        },
+    }
 
 
 def refused() -> dict[str, Any]:
@@ -104,14 +143,18 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
         for name in a[part]:
             x, y = a[part][name], b[part][name]
             assert (x["dtype"], x["shape"]) == (y["dtype"], y["shape"])
-            np.testing.assert_allclose(np.asarray(x["data"]), np.asarray(y["data"]),
-                                       rtol=1e-12, atol=0)
+            np.testing.assert_allclose(
+                np.asarray(x["data"]), np.asarray(y["data"]), rtol=1e-12, atol=0
+            )
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("tier"), GRADSERVE_MAX_BODY_BYTES=str(1 << 20),
-               GRADSERVE_TEST_NOT_LOWERED=NOT_LOWERED)
+    s = _start(
+        tmp_path_factory.mktemp("tier"),
+        GRADSERVE_MAX_BODY_BYTES=str(1 << 20),
+        GRADSERVE_TEST_NOT_LOWERED=NOT_LOWERED,
+    )
     yield s
     _stop(s)
 
@@ -125,8 +168,11 @@ def test_a_program_tiers_up_once_its_runs_would_have_paid(server: Server) -> Non
     body = rnn(1000)
     first = post(server, body)
     assert first["meta"]["tier"] == "interpreter"
-    found = re.fullmatch(r"cold: XLA would save ~[\d.]+ ms a run; lowered once it has run "
-                         r"(\d+) times \(a ~\d+ ms compile\)", first["meta"]["tier_reason"])
+    found = re.fullmatch(
+        r"cold: XLA would save ~[\d.]+ ms a run; lowered once it has run "
+        r"(\d+) times \(a ~\d+ ms compile\)",
+        first["meta"]["tier_reason"],
+    )
     assert found, first["meta"]
     assert 2 <= int(found[1]) <= 200
     tiered = until_xla(server, body)
@@ -148,22 +194,25 @@ def test_a_one_off_long_loop_is_lowered_before_its_first_run(server: Server) -> 
     from gradserve.engine.graph import TensorSpec, compile_graph, execute
     from gradserve.service.schemas import Graph
 
-    program = compile_graph(Graph.model_validate(body["graph"]),
-                            {"h0": TensorSpec((4,), "float64", True),
-                             "a": TensorSpec((), "float64", True)}, backward=True)
+    program = compile_graph(
+        Graph.model_validate(body["graph"]),
+        {"h0": TensorSpec((4,), "float64", True), "a": TensorSpec((), "float64", True)},
+        backward=True,
+    )
     local = execute(program, {"h0": np.array([0.1, 0.2, 0.3, 0.4]), "a": np.array(0.3)})
-    np.testing.assert_allclose(got["outputs"]["loss"]["data"], local.outputs["loss"],
-                               rtol=1e-12)
+    np.testing.assert_allclose(got["outputs"]["loss"]["data"], local.outputs["loss"], rtol=1e-12)
     assert abs(float(local.gradients["a"])) > 0.1
-    np.testing.assert_allclose(got["gradients"]["a"]["data"], local.gradients["a"],
-                               rtol=1e-9)  # (a sum of 200,000 terms, XLA's and NumPy's)
+    np.testing.assert_allclose(
+        got["gradients"]["a"]["data"], local.gradients["a"], rtol=1e-9
+    )  # (a sum of 200,000 terms, XLA's and NumPy's)
 
 
 def test_the_front_process_keeps_tiny_programs_interpreted(server: Server) -> None:
     """The seed runs in the front process's fast lane, which never loads XLA."""
     metas = [post(server, seed())["meta"] for _ in range(5)]
     assert {(m["tier"], m["tier_reason"]) for m in metas} == {
-        ("interpreter", "fast lane: interpreted (the front process does not load XLA)")}
+        ("interpreter", "fast lane: interpreted (the front process does not load XLA)")
+    }
 
 
 @needs_jax
@@ -184,8 +233,11 @@ def test_an_op_without_a_lowering_stays_interpreted_and_says_why(server: Server)
 def test_off_never_tiers(tmp_path: Path) -> None:
     s = _start(tmp_path, GRADSERVE_XLA="off", GRADSERVE_MAX_BODY_BYTES=str(1 << 20))
     try:
-        metas = [post(s, body)["meta"] for body in (seed(), rnn(1000), long_loop(20_000))
-                 for _ in range(3)]
+        metas = [
+            post(s, body)["meta"]
+            for body in (seed(), rnn(1000), long_loop(20_000))
+            for _ in range(3)
+        ]
         assert {(m["tier"], m["tier_reason"]) for m in metas} == {("interpreter", "off")}
     finally:
         _stop(s)
@@ -207,8 +259,13 @@ def test_a_deadline_during_an_xla_execution_kills_the_worker(tmp_path: Path) -> 
     """The worker of a lowered program that runs past the deadline is killed, as one of
     the interpreter is: 504, and the server keeps answering (the next request, on a new
     worker, is interpreted: the tier is per process)."""
-    s = _start(tmp_path, GRADSERVE_TEST_SLOW_XLA="30", GRADSERVE_REQUEST_TIMEOUT_S="5",
-               GRADSERVE_MAX_BODY_BYTES=str(1 << 20), GRADSERVE_COMPUTE_WORKERS="1")
+    s = _start(
+        tmp_path,
+        GRADSERVE_TEST_SLOW_XLA="30",
+        GRADSERVE_REQUEST_TIMEOUT_S="5",
+        GRADSERVE_MAX_BODY_BYTES=str(1 << 20),
+        GRADSERVE_COMPUTE_WORKERS="1",
+    )
     try:
         body = rnn()
         deadline = time.monotonic() + TIER_UP_S
@@ -235,8 +292,10 @@ def test_a_second_server_loads_the_executables_from_the_store(tmp_path: Path) ->
     """Two servers in turn on one store directory: the first lowers the program once (its
     lowering process), the second lowers nothing and answers its first request in XLA,
     from the executable the first left in the store."""
-    env = {"GRADSERVE_PROGRAM_STORE_DIR": str(tmp_path / "store"),
-           "GRADSERVE_MAX_BODY_BYTES": str(1 << 20)}
+    env = {
+        "GRADSERVE_PROGRAM_STORE_DIR": str(tmp_path / "store"),
+        "GRADSERVE_MAX_BODY_BYTES": str(1 << 20),
+    }
     lowerings, firsts = [], []
     for name in ("first", "second"):
         os.makedirs(tmp_path / name)

@@ -45,8 +45,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(11)
 
 
-def compile_run(graph: Mapping[str, Any], arrays: Mapping[str, np.ndarray], *,
-                wrt: tuple[str, ...] | list[str] = (), backward: bool = False) -> RunResult:
+def compile_run(
+    graph: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    *,
+    wrt: tuple[str, ...] | list[str] = (),
+    backward: bool = False,
+) -> RunResult:
     """The graph JSON parsed as the server parses it, compiled and run in-process."""
     spec = Graph.model_validate(graph)
     specs = {k: TensorSpec(a.shape, str(a.dtype), k in wrt) for k, a in arrays.items()}
@@ -60,8 +65,11 @@ def specs_of(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ every op
 def _op_inputs(sample: Sample) -> dict[str, np.ndarray]:
-    return {f"a{i}": a.astype("float64") if _is_float_array(a) else a
-            for i, a in enumerate(sample.args) if isinstance(a, np.ndarray)}
+    return {
+        f"a{i}": a.astype("float64") if _is_float_array(a) else a
+        for i, a in enumerate(sample.args)
+        if isinstance(a, np.ndarray)
+    }
 
 
 def _call_forms(name: str, sample: Sample) -> dict[str, Callable[..., Any]]:
@@ -77,6 +85,7 @@ def _call_forms(name: str, sample: Sample) -> dict[str, Callable[..., Any]]:
 
     forms = {"keywords": keywords}
     if not op.variadic:
+
         def positional(**inputs: TracedTensor) -> Any:
             given = dict(zip(op.args, args_of(inputs), strict=True))
             given.update(sample.attrs)
@@ -90,6 +99,7 @@ def _call_forms(name: str, sample: Sample) -> dict[str, Callable[..., Any]]:
         forms["positional"] = positional
         self_index = op.args.index(op.self_arg) if op.args else -1
         if self_index >= 0 and isinstance(sample.args[self_index], np.ndarray):
+
             def method(**inputs: TracedTensor) -> Any:
                 args = args_of(inputs)
                 this = args.pop(self_index)
@@ -172,7 +182,7 @@ def layer_norm(X: Any, gamma: Any, beta: Any, **_: Any) -> Any:
     mu = X.mean(dim=-1, keepdim=True)
     var = X.var(dim=-1, keepdim=True, correction=0)
     n = (X - mu) / (var + 1e-5).sqrt() * gamma + beta
-    return {"loss": (n ** 3).sum()}
+    return {"loss": (n**3).sum()}
 
 
 def logsumexp_softmax_margin(X: Any, W1: Any, **_: Any) -> Any:
@@ -187,7 +197,7 @@ def linear_system(A: Any, t: Any, **_: Any) -> Any:
 
 def huber_with_where_and_clamp(X: Any, w: Any, **_: Any) -> Any:
     r = X @ w - 0.5
-    huber = F.where(r.abs() < 1.0, 0.5 * r ** 2, r.abs() - 0.5)
+    huber = F.where(r.abs() < 1.0, 0.5 * r**2, r.abs() - 0.5)
     return {"loss": huber.mean() + (w.clamp(-0.2, 0.2) ** 2).sum()}
 
 
@@ -211,7 +221,8 @@ PYTHON_OBJECTIVES: dict[str, Callable[..., Any]] = {
 EXPECTED_DIFFERENCES = {
     "huber-with-where-and-clamp": {
         "loss": "mean(huber) + sum(clamp(w, min=-0.2, max=0.2) ** 2)",
-        "huber": "where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5)"},
+        "huber": "where(abs(r) < 1.0, 0.5 * r ** 2, abs(r) - 0.5)",
+    },
     "linear-system": {"loss": "sum(x * x) + log(abs(det(A))) + sum(inv(A) * A)"},
 }
 
@@ -219,12 +230,16 @@ EXPECTED_DIFFERENCES = {
 def node_text(node: Mapping[str, Any] | NodeSpec) -> tuple[str, str]:
     """(id, what it computes as expr text): an op-form node written as its call."""
     if isinstance(node, NodeSpec):
-        node = {"id": node.id, "op": node.op, "args": list(node.args),
-                "attrs": dict(node.attrs), "expr": node.expr}
+        node = {
+            "id": node.id,
+            "op": node.op,
+            "args": list(node.args),
+            "attrs": dict(node.attrs),
+            "expr": node.expr,
+        }
     if node.get("expr"):
         return node["id"], node["expr"]
-    parts = [*map(str, node["args"]),
-             *(f"{k}={v!r}" for k, v in (node.get("attrs") or {}).items())]
+    parts = [*map(str, node["args"]), *(f"{k}={v!r}" for k, v in (node.get("attrs") or {}).items())]
     return node["id"], f"{node['op']}({', '.join(parts)})"
 
 
@@ -248,24 +263,33 @@ def test_objective_traced_equals_the_hand_written_graph(name: str) -> None:
     theirs.update(EXPECTED_DIFFERENCES.get(name, {}))
     assert graph["outputs"] == [output]
     assert {k: same_math(v) for k, v in ours.items()} == {
-        k: same_math(v) for k, v in theirs.items()}, (ours, theirs)
+        k: same_math(v) for k, v in theirs.items()
+    }, (ours, theirs)
     # Values and gradients: the same as the hand-written graph's, and PyTorch's.
-    hand = compile_run({"nodes": [{k: v for k, v in vars(n).items() if v not in (None, (), {})}
-                                  for n in nodes], "outputs": [output]},
-                       data, wrt=wrt, backward=True)
+    hand = compile_run(
+        {
+            "nodes": [{k: v for k, v in vars(n).items() if v not in (None, (), {})} for n in nodes],
+            "outputs": [output],
+        },
+        data,
+        wrt=wrt,
+        backward=True,
+    )
     traced = compile_run(graph, data, wrt=wrt, backward=True)
     np.testing.assert_allclose(traced.outputs[output], hand.outputs[output], rtol=1e-13)
     assert traced.gradients is not None and hand.gradients is not None
     for k in wrt:
-        np.testing.assert_allclose(traced.gradients[k], hand.gradients[k], rtol=1e-12,
-                                   atol=1e-14, err_msg=k)
+        np.testing.assert_allclose(
+            traced.gradients[k], hand.gradients[k], rtol=1e-12, atol=1e-14, err_msg=k
+        )
     ref_in = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in data.items()}
     ref = reference(ref_in)
     ref.backward()
     np.testing.assert_allclose(traced.outputs[output], ref.detach().numpy(), rtol=1e-9)
     for k in wrt:
-        np.testing.assert_allclose(traced.gradients[k], ref_in[k].grad.numpy(), rtol=1e-8,
-                                   atol=1e-10, err_msg=k)
+        np.testing.assert_allclose(
+            traced.gradients[k], ref_in[k].grad.numpy(), rtol=1e-8, atol=1e-10, err_msg=k
+        )
 
 
 # ------------------------------------------------------------------ grad, jvp, scan
@@ -276,31 +300,46 @@ def hvp(w: Any, x: Any, v: Any) -> Any:
     return {"g": g, "hv": hv}
 
 
-HVP_GRAPH = {"nodes": [
-    {"id": "loss", "expr": "sum(exp(w) * x) + sum(w * w * w) / 3"},
-    {"id": "g", "expr": "grad(loss, w)"},
-    {"id": "hv", "expr": "grad(sum(g * v), w)"}], "outputs": ["g", "hv"]}
-HVP_INPUTS = {"w": np.array([0.5, -1.0, 2.0]), "x": np.array([1.0, 2.0, 3.0]),
-              "v": np.array([1.0, 0.0, -1.0])}
+HVP_GRAPH = {
+    "nodes": [
+        {"id": "loss", "expr": "sum(exp(w) * x) + sum(w * w * w) / 3"},
+        {"id": "g", "expr": "grad(loss, w)"},
+        {"id": "hv", "expr": "grad(sum(g * v), w)"},
+    ],
+    "outputs": ["g", "hv"],
+}
+HVP_INPUTS = {
+    "w": np.array([0.5, -1.0, 2.0]),
+    "x": np.array([1.0, 2.0, 3.0]),
+    "v": np.array([1.0, 0.0, -1.0]),
+}
 
 
 def newton(A: Any, b: Any, w: Any, e0: Any, e1: Any) -> Any:
-    loss = ((A @ w - b) ** 2).sum() / 2 + (w ** 4).sum() / 4
+    loss = ((A @ w - b) ** 2).sum() / 2 + (w**4).sum() / 4
     g = grad(loss, w)
     H = F.stack([grad(g, w, e0), grad(g, w, e1)])
     return {"w_next": w - F.solve(H, g)}
 
 
-NEWTON_GRAPH = {"nodes": [
-    {"id": "loss", "expr": "sum((A @ w - b) ** 2) / 2 + sum(w ** 4) / 4"},
-    {"id": "g", "expr": "grad(loss, w)"},
-    {"id": "H", "op": "stack", "args": ["h0", "h1"]},
-    {"id": "h0", "expr": "grad(g, w, e0)"},
-    {"id": "h1", "expr": "grad(g, w, e1)"},
-    {"id": "w_next", "expr": "w - solve(H, g)"}], "outputs": ["w_next"]}
-NEWTON_INPUTS = {"A": np.array([[2.0, 1.0], [1.0, 3.0], [0.0, 1.0]]),
-                 "b": np.array([1.0, 2.0, 3.0]), "w": np.array([0.5, -0.5]),
-                 "e0": np.array([1.0, 0.0]), "e1": np.array([0.0, 1.0])}
+NEWTON_GRAPH = {
+    "nodes": [
+        {"id": "loss", "expr": "sum((A @ w - b) ** 2) / 2 + sum(w ** 4) / 4"},
+        {"id": "g", "expr": "grad(loss, w)"},
+        {"id": "H", "op": "stack", "args": ["h0", "h1"]},
+        {"id": "h0", "expr": "grad(g, w, e0)"},
+        {"id": "h1", "expr": "grad(g, w, e1)"},
+        {"id": "w_next", "expr": "w - solve(H, g)"},
+    ],
+    "outputs": ["w_next"],
+}
+NEWTON_INPUTS = {
+    "A": np.array([[2.0, 1.0], [1.0, 3.0], [0.0, 1.0]]),
+    "b": np.array([1.0, 2.0, 3.0]),
+    "w": np.array([0.5, -0.5]),
+    "e0": np.array([1.0, 0.0]),
+    "e1": np.array([0.0, 1.0]),
+}
 
 
 def jacobian(M: Any, x: Any, e0: Any, e1: Any) -> Any:
@@ -308,14 +347,21 @@ def jacobian(M: Any, x: Any, e0: Any, e1: Any) -> Any:
     return {"J": F.stack([jvp(y, x, e0), jvp(y, x, e1)], dim=1)}
 
 
-JACOBIAN_GRAPH = {"nodes": [
-    {"id": "y", "expr": "tanh(M @ x) * sum(x)"},
-    {"id": "J", "op": "stack", "args": ["c0", "c1"], "attrs": {"dim": 1}},
-    {"id": "c0", "expr": "jvp(y, x, e0)"},
-    {"id": "c1", "expr": "jvp(y, x, e1)"}], "outputs": ["J"]}
-JACOBIAN_INPUTS = {"M": np.array([[1.0, 2.0], [0.5, -1.0], [0.0, 3.0]]),
-                   "x": np.array([0.3, -0.2]), "e0": np.array([1.0, 0.0]),
-                   "e1": np.array([0.0, 1.0])}
+JACOBIAN_GRAPH = {
+    "nodes": [
+        {"id": "y", "expr": "tanh(M @ x) * sum(x)"},
+        {"id": "J", "op": "stack", "args": ["c0", "c1"], "attrs": {"dim": 1}},
+        {"id": "c0", "expr": "jvp(y, x, e0)"},
+        {"id": "c1", "expr": "jvp(y, x, e1)"},
+    ],
+    "outputs": ["J"],
+}
+JACOBIAN_INPUTS = {
+    "M": np.array([[1.0, 2.0], [0.5, -1.0], [0.0, 3.0]]),
+    "x": np.array([0.3, -0.2]),
+    "e0": np.array([1.0, 0.0]),
+    "e1": np.array([0.0, 1.0]),
+}
 
 
 def rnn(h0: Any, xs: Any, w: Any, u: Any, b: Any) -> Any:
@@ -335,15 +381,32 @@ def rnn_unrolled(h0: Any, xs: Any, w: Any, u: Any, b: Any) -> Any:
     return {"loss": (h * h).sum() + F.stack(hs).sum() / 10}
 
 
-RNN_GRAPH = {"nodes": [
-    {"id": "rnn", "op": "scan", "args": ["h0", "xs"],
-     "body": {"carry": ["h"], "xs": ["x"],
-              "nodes": [{"id": "h2", "expr": "tanh(x @ w + h @ u + b)"}], "next": {"h": "h2"}},
-     "results": {"h_last": "h", "hs": "h2"}, "attrs": {"length": None}},
-    {"id": "loss", "expr": "sum(h_last * h_last) + sum(hs) / 10"}], "outputs": ["loss"]}
-RNN_INPUTS = {"xs": np.array([[[1.0, 0.5]], [[0.0, -1.0]], [[2.0, 0.1]]]),
-              "h0": np.array([[0.0, 0.0]]), "w": np.array([[0.5, -0.2], [0.1, 0.4]]),
-              "u": np.array([[0.3, 0.0], [-0.1, 0.2]]), "b": np.array([0.1, -0.1])}
+RNN_GRAPH = {
+    "nodes": [
+        {
+            "id": "rnn",
+            "op": "scan",
+            "args": ["h0", "xs"],
+            "body": {
+                "carry": ["h"],
+                "xs": ["x"],
+                "nodes": [{"id": "h2", "expr": "tanh(x @ w + h @ u + b)"}],
+                "next": {"h": "h2"},
+            },
+            "results": {"h_last": "h", "hs": "h2"},
+            "attrs": {"length": None},
+        },
+        {"id": "loss", "expr": "sum(h_last * h_last) + sum(hs) / 10"},
+    ],
+    "outputs": ["loss"],
+}
+RNN_INPUTS = {
+    "xs": np.array([[[1.0, 0.5]], [[0.0, -1.0]], [[2.0, 0.1]]]),
+    "h0": np.array([[0.0, 0.0]]),
+    "w": np.array([[0.5, -0.2], [0.1, 0.4]]),
+    "u": np.array([[0.3, 0.0], [-0.1, 0.2]]),
+    "b": np.array([0.1, -0.1]),
+}
 
 TRANSFORM_CASES = {
     "hvp": (hvp, HVP_GRAPH, HVP_INPUTS, ()),
@@ -372,11 +435,16 @@ def test_helpers_write_the_nodes_a_person_would() -> None:
     assert trace(hvp, CATALOG, **HVP_INPUTS) == HVP_GRAPH
     graph = trace(newton, CATALOG, **NEWTON_INPUTS)
     assert [node_text(n) for n in graph["nodes"]] == [
-        ("loss", "sum((A @ w - b) ** 2) / 2 + sum(w ** 4) / 4"), ("g", "grad(loss, w)"),
-        ("H", "stack(grad(g, w, e0), grad(g, w, e1))"), ("w_next", "w - solve(H, g)")]
+        ("loss", "sum((A @ w - b) ** 2) / 2 + sum(w ** 4) / 4"),
+        ("g", "grad(loss, w)"),
+        ("H", "stack(grad(g, w, e0), grad(g, w, e1))"),
+        ("w_next", "w - solve(H, g)"),
+    ]
     graph = trace(jacobian, CATALOG, **JACOBIAN_INPUTS)
     assert [node_text(n) for n in graph["nodes"]] == [
-        ("y", "tanh(M @ x) * sum(x)"), ("J", "stack(jvp(y, x, e0), jvp(y, x, e1), dim=1)")]
+        ("y", "tanh(M @ x) * sum(x)"),
+        ("J", "stack(jvp(y, x, e0), jvp(y, x, e1), dim=1)"),
+    ]
     graph = trace(rnn, CATALOG, **RNN_INPUTS)
     expected = orjson.loads(orjson.dumps(RNN_GRAPH))
     expected["nodes"][0]["id"] = "cell"  # the body function's name
@@ -391,7 +459,8 @@ def test_helpers_write_the_nodes_a_person_would() -> None:
         ("h_1", "tanh(x_1 @ w + h @ u + b)"),
         ("x_2", "squeeze(slice(xs, dim=0, start=2, stop=3), dim=0)"),
         ("h_2", "tanh(x_2 @ w + h_1 @ u + b)"),
-        ("loss", "sum(h_2 * h_2) + sum(stack(h, h_1, h_2)) / 10")]
+        ("loss", "sum(h_2 * h_2) + sum(stack(h, h_1, h_2)) / 10"),
+    ]
 
 
 def lstm_like(c0: Any, h0: Any, xs: Any, zs: Any, w: Any) -> Any:
@@ -410,8 +479,13 @@ def lstm_like(c0: Any, h0: Any, xs: Any, zs: Any, w: Any) -> Any:
         return (c2, h2 + inner * 0.01, k + 1.0), (h2, c, w, 2.0, slope)
 
     (c_last, h_last, k_last), (hs, cs, ws, twos, slopes) = scan(step, (c0, h0, 0.0), (xs, zs))
-    return {"loss": hs.sum() + cs.sum() + c_last.sum() * h_last.sum(), "steps": k_last,
-            "ws": ws, "twos": twos, "slopes": slopes}
+    return {
+        "loss": hs.sum() + cs.sum() + c_last.sum() * h_last.sum(),
+        "steps": k_last,
+        "ws": ws,
+        "twos": twos,
+        "slopes": slopes,
+    }
 
 
 def lstm_like_unrolled(c0: Any, h0: Any, xs: Any, zs: Any, w: Any) -> Any:
@@ -429,22 +503,29 @@ def lstm_like_unrolled(c0: Any, h0: Any, xs: Any, zs: Any, w: Any) -> Any:
         slopes.append(grad((h2 * h2).sum(), c2))
         c, h, k = c2, h2 + acc * 0.01, k + 1.0
     n = len(hs)
-    return {"loss": F.stack(hs).sum() + F.stack(cs).sum() + c.sum() * h.sum(),
-            "steps": F.full([], k, dtype="float32"), "ws": F.stack([w] * n),
-            "twos": F.full([n], 2.0), "slopes": F.stack(slopes)}
+    return {
+        "loss": F.stack(hs).sum() + F.stack(cs).sum() + c.sum() * h.sum(),
+        "steps": F.full([], k, dtype="float32"),
+        "ws": F.stack([w] * n),
+        "twos": F.full([n], 2.0),
+        "slopes": F.stack(slopes),
+    }
 
 
 def test_scan_structures_closures_nesting_and_grad_in_a_body() -> None:
-    arrays = {"c0": RNG.standard_normal((2, 3)), "h0": RNG.standard_normal((2, 3)),
-              "xs": RNG.standard_normal((4, 2, 3)), "zs": RNG.standard_normal((4, 2, 3)),
-              "w": RNG.standard_normal((3, 3))}
+    arrays = {
+        "c0": RNG.standard_normal((2, 3)),
+        "h0": RNG.standard_normal((2, 3)),
+        "xs": RNG.standard_normal((4, 2, 3)),
+        "zs": RNG.standard_normal((4, 2, 3)),
+        "w": RNG.standard_normal((3, 3)),
+    }
     graph = trace(lstm_like, CATALOG, **arrays)
     (loop,) = [n for n in graph["nodes"] if n.get("op") == "scan"]
     assert loop["id"] == "step" and loop["args"] == ["c0", "h0", 0.0, "xs", "zs"]
     assert loop["body"]["carry"] == ["c", "h", "k"] and loop["body"]["xs"] == ["x_t", "z_t"]
     # Results take the outputs' names first (`steps`), then the variables'.
-    assert set(loop["results"]) == {"c_last", "h_last", "steps", "hs", "cs", "ws", "twos",
-                                    "slopes"}
+    assert set(loop["results"]) == {"c_last", "h_last", "steps", "hs", "cs", "ws", "twos", "slopes"}
     assert "cs" not in [n["id"] for n in loop["body"]["nodes"]]
     (inner,) = [n for n in loop["body"]["nodes"] if n.get("op") == "scan"]
     assert inner["attrs"] == {"length": 2}
@@ -453,15 +534,17 @@ def test_scan_structures_closures_nesting_and_grad_in_a_body() -> None:
     for k in graph["outputs"]:
         np.testing.assert_allclose(ours.outputs[k], theirs.outputs[k], rtol=1e-12, err_msg=k)
     ours = compile_run({**graph, "outputs": ["loss"]}, arrays, wrt=["w", "c0"], backward=True)
-    theirs = compile_run({**loop_free, "outputs": ["loss"]}, arrays, wrt=["w", "c0"],
-                         backward=True)
+    theirs = compile_run({**loop_free, "outputs": ["loss"]}, arrays, wrt=["w", "c0"], backward=True)
     for k in ("w", "c0"):
         np.testing.assert_allclose(ours.gradients[k], theirs.gradients[k], rtol=1e-10)  # type: ignore[index]
 
 
 def test_scan_without_sequences_and_gradient_descent_as_a_loop() -> None:
-    arrays = {"w0": np.array([1.0, -2.0]), "A": np.array([[3.0, 1.0], [1.0, 2.0]]),
-              "b": np.array([1.0, 1.0])}
+    arrays = {
+        "w0": np.array([1.0, -2.0]),
+        "A": np.array([[3.0, 1.0], [1.0, 2.0]]),
+        "b": np.array([1.0, 1.0]),
+    }
 
     def descend(w0: Any, A: Any, b: Any) -> Any:
         def step(w: Any, _: None) -> Any:
@@ -472,8 +555,9 @@ def test_scan_without_sequences_and_gradient_descent_as_a_loop() -> None:
         return {"w": w_final, "losses": losses}
 
     result = compile_run(trace(descend, CATALOG, **arrays), arrays)
-    np.testing.assert_allclose(result.outputs["w"], np.linalg.solve(arrays["A"], arrays["b"]),
-                               atol=1e-3)
+    np.testing.assert_allclose(
+        result.outputs["w"], np.linalg.solve(arrays["A"], arrays["b"]), atol=1e-3
+    )
     assert result.outputs["losses"].shape == (60,)
     assert np.all(np.diff(result.outputs["losses"]) <= 1e-12)
 
@@ -504,14 +588,18 @@ def test_scan_errors() -> None:
     def returns_one_thing(xs: Any) -> Any:
         return scan(lambda c, x: c, xs[0], xs)
 
-    for fn, match in [(length_missing, "length="), (wrong_structure, "structure"),
-                      (carry_changes, r"carry 0 is \(3,\) float64 .* \(\) float64"),
-                      (literal_carry_promoted, r"\(\) float32 .* \(\) float64.*cast"),
-                      (leaked, "inside a scan body is used outside"),
-                      (returns_one_thing, r"must return \(new_carry, y\)")]:
+    for fn, match in [
+        (length_missing, "length="),
+        (wrong_structure, "structure"),
+        (carry_changes, r"carry 0 is \(3,\) float64 .* \(\) float64"),
+        (literal_carry_promoted, r"\(\) float32 .* \(\) float64.*cast"),
+        (leaked, "inside a scan body is used outside"),
+        (returns_one_thing, r"must return \(new_carry, y\)"),
+    ]:
         with pytest.raises(TraceError, match=match):
-            trace(fn, CATALOG, **{"xs" if "xs" in fn.__code__.co_varnames else "x":
-                                  ((3,), "float64")})
+            trace(
+                fn, CATALOG, **{"xs" if "xs" in fn.__code__.co_varnames else "x": ((3,), "float64")}
+            )
 
 
 # ------------------------------------------------------------------ readable graphs
@@ -525,16 +613,25 @@ def test_ids_come_from_variables_outputs_from_keys() -> None:
         return {"loss": loss, "z": z, "again": z, "x": x, "x_too": x}
 
     graph = trace(fn, CATALOG, x=((3, 2), "float32"), w=((2,), "float32"), y=((3,), "float32"))
-    assert graph == {"nodes": [
-        {"id": "z", "expr": "x @ w"},
-        {"id": "pred", "expr": "z + 1.0"},
-        {"id": "pred_1", "expr": "z * 2"},
-        {"id": "loss", "expr": "mean((pred - y) ** 2) + mean((pred_1 - y) ** 2)"},
-        {"id": "again", "expr": "z"},
-        {"id": "x_too", "expr": "x"}],
-        "outputs": ["loss", "z", "again", "x", "x_too"]}
-    compile_run(graph, {"x": np.ones((3, 2), np.float32), "w": np.ones(2, np.float32),
-                        "y": np.zeros(3, np.float32)})
+    assert graph == {
+        "nodes": [
+            {"id": "z", "expr": "x @ w"},
+            {"id": "pred", "expr": "z + 1.0"},
+            {"id": "pred_1", "expr": "z * 2"},
+            {"id": "loss", "expr": "mean((pred - y) ** 2) + mean((pred_1 - y) ** 2)"},
+            {"id": "again", "expr": "z"},
+            {"id": "x_too", "expr": "x"},
+        ],
+        "outputs": ["loss", "z", "again", "x", "x_too"],
+    }
+    compile_run(
+        graph,
+        {
+            "x": np.ones((3, 2), np.float32),
+            "w": np.ones(2, np.float32),
+            "y": np.zeros(3, np.float32),
+        },
+    )
 
 
 def test_names_nearer_the_traced_function_win_and_other_tracers_still_run() -> None:
@@ -556,14 +653,17 @@ def test_names_nearer_the_traced_function_win_and_other_tracers_still_run() -> N
     before = sys.gettrace()
     sys.settrace(debugger)
     try:
-        graph = trace(fn, CATALOG, x=((2, 3), "float32"), w1=((3, 3), "float32"),
-                      w2=((3, 3), "float32"))
+        graph = trace(
+            fn, CATALOG, x=((2, 3), "float32"), w1=((3, 3), "float32"), w2=((3, 3), "float32")
+        )
     finally:
         sys.settrace(before)
-    assert graph["nodes"] == [{"id": "h1", "expr": "relu(x @ w1)"},
-                              {"id": "h2", "expr": "relu(h1 @ w2)"},
-                              {"id": "out", "expr": "relu(h2 @ w1)"},
-                              {"id": "loss", "expr": "sum(out)"}]
+    assert graph["nodes"] == [
+        {"id": "h1", "expr": "relu(x @ w1)"},
+        {"id": "h2", "expr": "relu(h1 @ w2)"},
+        {"id": "out", "expr": "relu(h2 @ w1)"},
+        {"id": "loss", "expr": "sum(out)"},
+    ]
     assert "line" in events and "call" in events  # the debugger's trace function still ran
 
 
@@ -572,28 +672,34 @@ def test_unnamed_shared_values_tuples_and_one_output() -> None:
         return (F.exp(x) + 1) * (F.exp(x) + 1), x.sum()  # two exp: no variable, no sharing
 
     graph = trace(fn, CATALOG, x=((2,), "float32"))
-    assert graph == {"nodes": [{"id": "out0", "expr": "(exp(x) + 1) * (exp(x) + 1)"},
-                               {"id": "out1", "expr": "sum(x)"}], "outputs": ["out0", "out1"]}
+    assert graph == {
+        "nodes": [
+            {"id": "out0", "expr": "(exp(x) + 1) * (exp(x) + 1)"},
+            {"id": "out1", "expr": "sum(x)"},
+        ],
+        "outputs": ["out0", "out1"],
+    }
 
     def shared(x: Any) -> Any:
         return F.exp(x + 1) * F.exp(x + 1).sum() * (x + 1)  # `x + 1` is not shared either
 
     graph = trace(shared, CATALOG, x=((2,), "float32"))
-    assert graph["nodes"] == [{"id": "out",
-                               "expr": "exp(x + 1) * sum(exp(x + 1)) * (x + 1)"}]
+    assert graph["nodes"] == [{"id": "out", "expr": "exp(x + 1) * sum(exp(x + 1)) * (x + 1)"}]
 
     def reused(x: Any) -> Any:
         return [(lambda e: e * e.sum())(F.exp(x + 1))]  # one value used twice: a node
 
     graph = trace(reused, CATALOG, x=((2,), "float32"))
-    assert graph["nodes"] == [{"id": "e", "expr": "exp(x + 1)"},
-                              {"id": "out0", "expr": "e * sum(e)"}]
+    assert graph["nodes"] == [
+        {"id": "e", "expr": "exp(x + 1)"},
+        {"id": "out0", "expr": "e * sum(e)"},
+    ]
 
 
 def test_operators_precedence_and_literals_round_trip() -> None:
     def fn(a: Any, b: Any) -> Any:
         return {
-            "p": -(a ** 2) + (-a) ** 2 + a ** -b + 2 ** a + (a ** b) ** 2 + a ** b ** 2,
+            "p": -(a**2) + (-a) ** 2 + a**-b + 2**a + (a**b) ** 2 + a**b**2,
             "q": (a - (b - a)) - (a + b) / (a * b) - a / (a / b) + -(-a) + a - -2.5,  # noqa: B002
             "r": F.where((a < b) == (b >= a), 1e-05, a @ b),
             "s": (a > 0.5) != (b <= 1),
@@ -605,10 +711,10 @@ def test_operators_precedence_and_literals_round_trip() -> None:
         "p": "-a ** 2 + (-a) ** 2 + a ** -b + 2 ** a + (a ** b) ** 2 + a ** b ** 2",
         "q": "a - (b - a) - (a + b) / (a * b) - a / (a / b) + -(-a) + a - -2.5",
         "r": "where((a < b) == (b >= a), 1e-05, a @ b)",
-        "s": "(a > 0.5) != (b <= 1)"}
+        "s": "(a > 0.5) != (b <= 1)",
+    }
     ours = compile_run(graph, {"a": a, "b": b}).outputs
-    assert np.allclose(ours["p"], -(a ** 2) + (-a) ** 2 + a ** -b + 2 ** a + (a ** b) ** 2
-                       + a ** b ** 2)
+    assert np.allclose(ours["p"], -(a**2) + (-a) ** 2 + a**-b + 2**a + (a**b) ** 2 + a**b**2)
     assert np.allclose(ours["q"], (a - (b - a)) - (a + b) / (a * b) - a / (a / b) + a + a + 2.5)
     assert np.allclose(ours["r"], np.where((a < b) == (b >= a), 1e-05, a @ b))
     assert list(ours["s"]) == [True, False]
@@ -652,14 +758,28 @@ def test_pytorch_spellings_indexing_and_shapes() -> None:
     result = compile_run(graph, {"x": x, "idx": idx}).outputs
     t = torch.tensor(x)
     expected = {
-        "first": t[0], "last": t[-1, :, 1:3], "every_other": t[..., ::2],
-        "new_axis": t[:, None, 1], "picked": t[:, torch.tensor(idx)], "T": t[0].T,
-        "mT": t.mT, "view": t.view(6, 4), "reshape": t.reshape(-1),
-        "permute": t.permute(2, 0, 1), "float": t.float(), "to": t.to(torch.float32),
-        "narrow": t.narrow(2, 1, 2), "clip": t.clip(-0.5, 0.5), "amax": t.amax(dim=(0, 2)),
-        "zeros": torch.zeros(2, 3), "arange": torch.arange(5), "cat": torch.cat([t, t], 1),
-        "stack": torch.stack([t[0], t[1]], dim=-1), "sum_all": t.sum(),
-        "sum_kept": t.sum(1, True)}
+        "first": t[0],
+        "last": t[-1, :, 1:3],
+        "every_other": t[..., ::2],
+        "new_axis": t[:, None, 1],
+        "picked": t[:, torch.tensor(idx)],
+        "T": t[0].T,
+        "mT": t.mT,
+        "view": t.view(6, 4),
+        "reshape": t.reshape(-1),
+        "permute": t.permute(2, 0, 1),
+        "float": t.float(),
+        "to": t.to(torch.float32),
+        "narrow": t.narrow(2, 1, 2),
+        "clip": t.clip(-0.5, 0.5),
+        "amax": t.amax(dim=(0, 2)),
+        "zeros": torch.zeros(2, 3),
+        "arange": torch.arange(5),
+        "cat": torch.cat([t, t], 1),
+        "stack": torch.stack([t[0], t[1]], dim=-1),
+        "sum_all": t.sum(),
+        "sum_kept": t.sum(1, True),
+    }
     for k, want in expected.items():
         got = np.asarray(result[k])
         assert shapes[k] == (got.shape, str(got.dtype)), k
@@ -737,8 +857,22 @@ def test_what_needs_data_raises_trace_error() -> None:
             trace(fn, CATALOG, x=((3,), "float32"))
         message = str(info.value)
         assert message, what
-        if what in ("if", "while", "assert", "and", "not", "float", "int", "range", "index",
-                    "item", "tolist", "numpy", "builtin max", "asarray"):
+        if what in (
+            "if",
+            "while",
+            "assert",
+            "and",
+            "not",
+            "float",
+            "int",
+            "range",
+            "index",
+            "item",
+            "tolist",
+            "numpy",
+            "builtin max",
+            "asarray",
+        ):
             assert "where(cond, a, b)" in message and "scan" in message, (what, message)
     # What shapes answer statically works: len, .shape, loops over range(len(x)).
     graph = trace(lambda x: sum(x[i] * i for i in range(len(x))), CATALOG, x=((3,), "float32"))
@@ -763,30 +897,67 @@ def test_misuse_outside_a_trace_and_across_traces() -> None:
 # ------------------------------------------------------------------ another catalog
 def _modified_catalog() -> list[dict[str, Any]]:
     ops = [dict(o) for o in CATALOG if o["name"] not in ("softmax", "add", "grad")]
-    ops.append({"name": "gelu", "group": "elementwise", "args": ["input"], "variadic": False,
-                "attrs": {"approximate": {"type": "str", "default": "none",
-                                          "required": False}},
-                "differentiable": True, "doc": "GELU."})
-    ops.append({"name": "hypot", "group": "arithmetic", "args": ["input", "other"],
-                "variadic": False, "attrs": {}, "differentiable": True, "doc": "sqrt(a²+b²)"})
-    ops.append({"name": "fft_norm", "group": "spectral", "args": ["input"], "variadic": False,
-                "attrs": {"n": {"type": "int", "default": None, "required": False}},
-                "differentiable": False, "doc": "A new kind."})
-    ops.append({"name": "hcat", "group": "shape", "args": ["tensors"], "variadic": True,
-                "attrs": {"axis": {"type": "int", "default": 0, "required": False}},
-                "differentiable": True, "doc": "A variadic op."})
+    ops.append(
+        {
+            "name": "gelu",
+            "group": "elementwise",
+            "args": ["input"],
+            "variadic": False,
+            "attrs": {"approximate": {"type": "str", "default": "none", "required": False}},
+            "differentiable": True,
+            "doc": "GELU.",
+        }
+    )
+    ops.append(
+        {
+            "name": "hypot",
+            "group": "arithmetic",
+            "args": ["input", "other"],
+            "variadic": False,
+            "attrs": {},
+            "differentiable": True,
+            "doc": "sqrt(a²+b²)",
+        }
+    )
+    ops.append(
+        {
+            "name": "fft_norm",
+            "group": "spectral",
+            "args": ["input"],
+            "variadic": False,
+            "attrs": {"n": {"type": "int", "default": None, "required": False}},
+            "differentiable": False,
+            "doc": "A new kind.",
+        }
+    )
+    ops.append(
+        {
+            "name": "hcat",
+            "group": "shape",
+            "args": ["tensors"],
+            "variadic": True,
+            "attrs": {"axis": {"type": "int", "default": 0, "required": False}},
+            "differentiable": True,
+            "doc": "A variadic op.",
+        }
+    )
     return ops
 
 
 def test_a_catalog_that_differs() -> None:
     catalog = _modified_catalog()
-    for fn, missing in [(lambda x: F.softmax(x, dim=0), "softmax"),
-                        (lambda x: x.softmax(0), "softmax"),
-                        (lambda x: x + x, "add"),
-                        (lambda x: grad(x.sum(), x), "grad"),
-                        (lambda x: F.grad(x.sum(), x), "grad")]:
-        with pytest.raises(AttributeError, match=f"'{missing}' is not in this server's op "
-                                                  r"catalog \(GET /ops\)"):
+    for fn, missing in [
+        (lambda x: F.softmax(x, dim=0), "softmax"),
+        (lambda x: x.softmax(0), "softmax"),
+        (lambda x: x + x, "add"),
+        (lambda x: grad(x.sum(), x), "grad"),
+        (lambda x: F.grad(x.sum(), x), "grad"),
+    ]:
+        with pytest.raises(
+            AttributeError,
+            match=f"'{missing}' is not in this server's op "
+            r"catalog \(GET /ops\)",
+        ):
             trace(fn, catalog, x=((3,), "float32"))
     with pytest.raises(AttributeError, match=r"'softmax'.*did you mean 'log_softmax'"):
         Functional(catalog).softmax  # noqa: B018
@@ -805,28 +976,48 @@ def test_a_catalog_that_differs() -> None:
         {"id": "g", "expr": 'hypot(gelu(x) * gelu(y, approximate="tanh"), 2.0)'},
         {"id": "spectral", "expr": "fft_norm(g, n=4)"},
         {"id": "out", "expr": "hcat(spectral, x) - 1"},
-        {"id": "also", "expr": "hcat(x, y)"}]
+        {"id": "also", "expr": "hcat(x, y)"},
+    ]
     assert seen["g"].shape == (3,) and seen["g"].dtype == "float64"  # the group's rule
     with pytest.raises(TraceError, match="'fft_norm' has no shape rule"):
         seen["spectral"].shape  # noqa: B018
 
 
 # What the light client may not load: the server's dependencies and the eager engine.
-HEAVY = ("fastapi", "starlette", "uvicorn", "pebble", "pydantic_settings", "prometheus_client",
-         *(f"gradserve.{m}" for m in ("engine._tensor", "engine.autograd", "engine.functions",
-                                      "engine.ops.dispatch", "engine.tensor", "engine.graph",
-                                      "engine.backends", "service.app")))
+HEAVY = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pebble",
+    "pydantic_settings",
+    "prometheus_client",
+    *(
+        f"gradserve.{m}"
+        for m in (
+            "engine._tensor",
+            "engine.autograd",
+            "engine.functions",
+            "engine.ops.dispatch",
+            "engine.tensor",
+            "engine.graph",
+            "engine.backends",
+            "service.app",
+        )
+    ),
+)
 
 
 def test_the_client_and_tracer_load_the_rules_and_nothing_heavy() -> None:
     """The tracer's shapes are the engine's rules (engine.rules), which import without the
     eager engine; the client and tracer load no server dependency either, not even to trace
     on the standard catalog."""
-    code = ("import sys, gradserve.client.http, gradserve.client.trace as t; "
-            "g = t.trace(lambda x: x.sum(1), x=((2, 3), 'float32')); "
-            "assert g['nodes'] == [{'id': 'out', 'expr': 'sum(x, dim=1)'}], g; "
-            f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]; "
-            "assert not heavy, heavy; assert 'gradserve.engine.rules' in sys.modules")
+    code = (
+        "import sys, gradserve.client.http, gradserve.client.trace as t; "
+        "g = t.trace(lambda x: x.sum(1), x=((2, 3), 'float32')); "
+        "assert g['nodes'] == [{'id': 'out', 'expr': 'sum(x, dim=1)'}], g; "
+        f"heavy = [m for m in sys.modules if m.startswith({HEAVY!r})]; "
+        "assert not heavy, heavy; assert 'gradserve.engine.rules' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
@@ -847,15 +1038,24 @@ def test_traced_functions_and_their_hand_written_json_agree_over_http(server: An
     data = objective_data()
     with Client(server.base) as gs:
         for name, (nodes, output, wrt, _) in sorted(OBJECTIVES.items()):
-            hand = {"nodes": [{k: v for k, v in vars(n).items() if v not in (None, (), {})}
-                              for n in nodes], "outputs": [output]}
+            hand = {
+                "nodes": [
+                    {k: v for k, v in vars(n).items() if v not in (None, (), {})} for n in nodes
+                ],
+                "outputs": [output],
+            }
             ours = gs.backward(PYTHON_OBJECTIVES[name], data, requires_grad=wrt)
             theirs = gs.backward(hand, data, requires_grad=wrt)
             np.testing.assert_array_equal(ours.outputs[output], theirs.outputs[output])
             assert ours.gradients is not None and theirs.gradients is not None
             for k in wrt:
-                np.testing.assert_allclose(ours.gradients[k], theirs.gradients[k],
-                                           rtol=1e-14, atol=1e-15, err_msg=f"{name} {k}")
+                np.testing.assert_allclose(
+                    ours.gradients[k],
+                    theirs.gradients[k],
+                    rtol=1e-14,
+                    atol=1e-15,
+                    err_msg=f"{name} {k}",
+                )
         for name, (fn, graph, inputs, wrt) in sorted(TRANSFORM_CASES.items()):
             if wrt:
                 ours = gs.backward(fn, inputs, requires_grad=wrt)
@@ -864,11 +1064,15 @@ def test_traced_functions_and_their_hand_written_json_agree_over_http(server: An
                 ours = gs.forward(fn, inputs, no_grad=True)
                 theirs = gs.forward(graph, inputs, no_grad=True)
             for k in graph["outputs"]:
-                np.testing.assert_allclose(ours.outputs[k], theirs.outputs[k], rtol=1e-14,
-                                           err_msg=f"{name} {k}")
+                np.testing.assert_allclose(
+                    ours.outputs[k], theirs.outputs[k], rtol=1e-14, err_msg=f"{name} {k}"
+                )
             for k in wrt:
-                np.testing.assert_allclose(ours.gradients[k], theirs.gradients[k],  # type: ignore[index]
-                                           rtol=1e-14)
+                np.testing.assert_allclose(
+                    ours.gradients[k],
+                    theirs.gradients[k],  # type: ignore[index]
+                    rtol=1e-14,
+                )
 
 
 @pytest.mark.integration
@@ -878,6 +1082,7 @@ def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
     calls = []
 
     with Client(server.base) as gs:
+
         def model(x: Any, w: Any) -> Any:
             calls.append(1)
             return {"y": gs.F.relu(x @ w).sum(dim=-1)}
@@ -885,7 +1090,9 @@ def test_client_trace_f_and_the_trace_cache(server: Any) -> None:
         x, w = RNG.standard_normal((4, 3)), RNG.standard_normal((3, 2))
         assert gs.trace(model, x=x, w=w) == trace(model, gs.ops(), x=x, w=w)
         assert gs.trace(model, x=x, w=w) == {
-            "nodes": [{"id": "y", "expr": "sum(relu(x @ w), dim=-1)"}], "outputs": ["y"]}
+            "nodes": [{"id": "y", "expr": "sum(relu(x @ w), dim=-1)"}],
+            "outputs": ["y"],
+        }
         calls.clear()
         r1 = gs.forward(model, {"x": x, "w": w})
         r2 = gs.forward(model, {"x": x * 2, "w": w})
@@ -918,4 +1125,3 @@ def test_async_client_traces(server: Any) -> None:
             assert graph == {"nodes": [{"id": "out", "expr": "relu(x)"}], "outputs": ["out"]}
 
     asyncio.run(go())
-

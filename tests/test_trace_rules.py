@@ -27,21 +27,34 @@ def _cases() -> list[Any]:
         given += [(f"error{k}", e.args, e.attrs) for k, e in enumerate(ERRORS.get(name, []))]
         for label, args, attrs in given:
             for dtype in ("float64", "float32"):
-                out.append(pytest.param(name, args, attrs, dtype, label.startswith("error"),
-                                        id=f"{name}-{label}-{dtype}"))
+                out.append(
+                    pytest.param(
+                        name,
+                        args,
+                        attrs,
+                        dtype,
+                        label.startswith("error"),
+                        id=f"{name}-{label}-{dtype}",
+                    )
+                )
     return out
 
 
 @pytest.mark.parametrize(("name", "args", "attrs", "dtype", "is_error"), _cases())
-def test_traced_shapes_are_the_compilers(name: str, args: list[Any], attrs: dict[str, Any],
-                                          dtype: str, is_error: bool) -> None:
-    arrays = {f"a{i}": a.astype(dtype) if a.dtype.kind == "f" else a
-              for i, a in enumerate(args) if isinstance(a, np.ndarray)}
+def test_traced_shapes_are_the_compilers(
+    name: str, args: list[Any], attrs: dict[str, Any], dtype: str, is_error: bool
+) -> None:
+    arrays = {
+        f"a{i}": a.astype(dtype) if a.dtype.kind == "f" else a
+        for i, a in enumerate(args)
+        if isinstance(a, np.ndarray)
+    }
     seen: list[TracedTensor] = []
 
     def fn(**inputs: TracedTensor) -> Any:
-        seen.append(getattr(F, name)(*[inputs.get(f"a{i}", a) for i, a in enumerate(args)],
-                                     **attrs))
+        seen.append(
+            getattr(F, name)(*[inputs.get(f"a{i}", a) for i, a in enumerate(args)], **attrs)
+        )
         return seen[-1]
 
     try:

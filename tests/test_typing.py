@@ -29,9 +29,20 @@ MISTAKES = {
 
 def _mypy(*files: Path) -> str:
     result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent",
-         "--no-incremental", *map(str, files)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--follow-imports=silent",
+            "--no-incremental",
+            *map(str, files),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return result.stdout + result.stderr
 
 
@@ -43,8 +54,7 @@ def test_user_code_type_checks_and_mistakes_are_caught(tmp_path: Path) -> None:
 
     errors = re.findall(r"^(.+?):(\d+): error: (.*)$", out, re.M)
     assert not [e for e in errors if Path(e[0]).name == USER_CODE.name], out
-    found = {int(line): message for path, line, message in errors
-             if Path(path).name == broken.name}
+    found = {int(line): message for path, line, message in errors if Path(path).name == broken.name}
     assert set(found) == set(range(first, first + len(MISTAKES))), out
     for (line, message), expected in zip(sorted(found.items()), MISTAKES.values(), strict=True):
         assert expected in message, (line, message)

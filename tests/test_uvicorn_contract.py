@@ -40,8 +40,14 @@ OVERRIDES = {e.name for e in UVICORN_ATTRIBUTES if e.owner == "protocol" and e.u
 # The values held by a connection's protocol whose own attributes the adapter reads.
 NESTED = {e.owner for e in UVICORN_ATTRIBUTES} - {"protocol"}
 
-App = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
-                Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+App = Callable[
+    [
+        dict[str, Any],
+        Callable[[], Awaitable[dict[str, Any]]],
+        Callable[[dict[str, Any]], Awaitable[None]],
+    ],
+    Awaitable[None],
+]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -56,8 +62,9 @@ class FakeTransport(asyncio.Transport):
         self.eof = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("127.0.0.1", 50000),
-                "sockname": ("127.0.0.1", 8000)}.get(name, default)
+        return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default
+        )
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.written += data
@@ -84,12 +91,12 @@ class FakeTransport(asyncio.Transport):
 def _connection(cls: type, app: App) -> tuple[Any, FakeTransport, ServerState]:
     """A connection made on a protocol of class `cls` serving `app`, created as uvicorn's
     server creates it (server.py, `create_protocol`: by keyword); call in a running loop."""
-    config = uvicorn.Config(app, http=cls, ws="none", lifespan="off", log_config=None,
-                            access_log=False)
+    config = uvicorn.Config(
+        app, http=cls, ws="none", lifespan="off", log_config=None, access_log=False
+    )
     config.load()
     state = ServerState()
-    conn = cls(config=config, server_state=state, app_state={},
-               _loop=asyncio.get_running_loop())
+    conn = cls(config=config, server_state=state, app_state={}, _loop=asyncio.get_running_loop())
     transport = FakeTransport()
     conn.connection_made(transport)
     return conn, transport, state
@@ -97,6 +104,7 @@ def _connection(cls: type, app: App) -> tuple[Any, FakeTransport, ServerState]:
 
 async def _until(condition: Callable[[], bool], seconds: float = 5) -> None:
     """Let the loop run (the request's task) until `condition` holds."""
+
     async def wait() -> None:
         while not condition():
             await asyncio.sleep(0.001)
@@ -114,8 +122,13 @@ async def _echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", b"%d" % len(body))]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"%d" % len(body))],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -129,11 +142,16 @@ GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 # ----------------------------------------------------------------------------- the pin
 def test_the_installed_uvicorn_is_the_pinned_one() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = [r for r in project["optional-dependencies"]["server"]
-            if r.replace(" ", "").startswith(("uvicorn=", "uvicorn>", "uvicorn<", "uvicorn~"))]
+    pins = [
+        r
+        for r in project["optional-dependencies"]["server"]
+        if r.replace(" ", "").startswith(("uvicorn=", "uvicorn>", "uvicorn<", "uvicorn~"))
+    ]
     assert pins == [f"uvicorn=={version('uvicorn')}"], (
         "the adapter is checked against the installed uvicorn: pin that version "
-        "(pyproject.toml, the server extra), and run this test after any bump", pins)
+        "(pyproject.toml, the server extra), and run this test after any bump",
+        pins,
+    )
 
 
 # ----------------------------------------------------------------------------- the entries
@@ -143,14 +161,16 @@ def test_each_entry_exists_with_its_kind(cls: type) -> None:
         conn, transport, state = _connection(cls, _echo)
         assert conn.cycle is None  # no request yet
         conn.data_received(_post(10) + b"01234")  # a head, and half the body
-        owners = {"protocol": conn, "cycle": conn.cycle, "flow": conn.flow,
-                  "server_state": state}
+        owners = {"protocol": conn, "cycle": conn.cycle, "flow": conn.flow, "server_state": state}
         for entry in UVICORN_ATTRIBUTES:
             if entry.params is not None:  # a method the adapter overrides
                 method = getattr(cls, entry.name, None)
                 assert callable(method), entry
-                assert any(entry.name in vars(k) for k in cls.__mro__
-                           if k.__module__.startswith("uvicorn.")), (entry, "not uvicorn's own")
+                assert any(
+                    entry.name in vars(k)
+                    for k in cls.__mro__
+                    if k.__module__.startswith("uvicorn.")
+                ), (entry, "not uvicorn's own")
                 params = list(inspect.signature(method).parameters)
                 assert params[0] == "self" and tuple(params[1:]) == entry.params, (entry, params)
                 continue
@@ -306,6 +326,7 @@ def test_shutdown_closes_an_idle_connection_and_lets_a_busy_one_finish(cls: type
 # ----------------------------------------------------------------------------- the source
 def _nodes(tree: ast.AST) -> Iterator[tuple[str | None, ast.AST]]:
     """Each node, with the name of the innermost class it is in (None: none)."""
+
     def visit(node: ast.AST, cls: str | None) -> Iterator[tuple[str | None, ast.AST]]:
         for child in ast.iter_child_nodes(node):
             yield cls, child
@@ -316,9 +337,13 @@ def _nodes(tree: ast.AST) -> Iterator[tuple[str | None, ast.AST]]:
 
 def _protocol_classes() -> set[str]:
     """The module's classes that are connection protocols (through the adapter)."""
-    return {name for name, value in vars(protocol).items()
-            if isinstance(value, type) and issubclass(value, protocol._Uvicorn)
-            and value is not protocol._Uvicorn}
+    return {
+        name
+        for name, value in vars(protocol).items()
+        if isinstance(value, type)
+        and issubclass(value, protocol._Uvicorn)
+        and value is not protocol._Uvicorn
+    }
 
 
 def _is_self(node: ast.AST) -> bool:
@@ -326,8 +351,9 @@ def _is_self(node: ast.AST) -> bool:
 
 
 def _is_super(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "super")
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
 
 
 def _outside_the_adapter(tree: ast.AST, protocols: set[str]) -> list[str]:
@@ -341,17 +367,26 @@ def _outside_the_adapter(tree: ast.AST, protocols: set[str]) -> list[str]:
             continue
         in_protocol = cls in protocols
         line = getattr(node, "lineno", "?")
-        if isinstance(node, ast.Attribute) and node.attr in NAMES and (
-                in_protocol or not _is_self(node.value)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in NAMES
+            and (in_protocol or not _is_self(node.value))
+        ):
             found.append(f"line {line}: {ast.unparse(node)}")
-        elif in_protocol and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and (
-                node.name in NAMES):
+        elif (
+            in_protocol
+            and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and (node.name in NAMES)
+        ):
             found.append(f"line {line}: def {node.name} (overrides uvicorn's)")
         elif in_protocol and _is_super(node):
             found.append(f"line {line}: super() (reaches uvicorn's methods)")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in {"getattr", "setattr", "hasattr", "delattr"}
-              and any(isinstance(a, ast.Constant) and a.value in NAMES for a in node.args)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in {"getattr", "setattr", "hasattr", "delattr"}
+            and any(isinstance(a, ast.Constant) and a.value in NAMES for a in node.args)
+        ):
             found.append(f"line {line}: {ast.unparse(node)}")
     return found
 
@@ -368,10 +403,13 @@ def _adapter_uses(tree: ast.AST) -> dict[tuple[str, str], set[str]]:
             uses["protocol", fn.name].add("override")
         aliases = {  # a local name for a value held by the protocol: `cycle = self.cycle`
             target.id: value.attr
-            for node in ast.walk(fn) if isinstance(node, ast.Assign)
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Assign)
             for target, value in [(node.targets[0], node.value)]
-            if isinstance(target, ast.Name) and isinstance(value, ast.Attribute)
-            and _is_self(value.value) and value.attr in NESTED
+            if isinstance(target, ast.Name)
+            and isinstance(value, ast.Attribute)
+            and _is_self(value.value)
+            and value.attr in NESTED
         }
         for node in ast.walk(fn):
             if not isinstance(node, ast.Attribute):
@@ -383,8 +421,11 @@ def _adapter_uses(tree: ast.AST) -> dict[tuple[str, str], set[str]]:
             elif _is_super(value):
                 assert node.attr == fn.name, f"{fn.name} calls uvicorn's {node.attr}"
                 uses["protocol", node.attr].add("override")
-            elif isinstance(value, ast.Attribute) and _is_self(value.value) and (
-                    value.attr in NESTED):
+            elif (
+                isinstance(value, ast.Attribute)
+                and _is_self(value.value)
+                and (value.attr in NESTED)
+            ):
                 uses[value.attr, node.attr].add(use)
             elif isinstance(value, ast.Name) and value.id in aliases:
                 uses[aliases[value.id], node.attr].add(use)
@@ -395,8 +436,11 @@ def test_nothing_outside_the_adapter_touches_uvicorn() -> None:
     protocols = _protocol_classes()
     assert {"_Guard", "HttpToolsGuard", "H11Guard"} <= protocols
     found = _outside_the_adapter(ast.parse(SOURCE), protocols)
-    assert not found, ("service/protocol.py touches uvicorn outside its adapter (`_Uvicorn`): "
-                       "go through an `_uv_...` method or an `_on_...` hook", found)
+    assert not found, (
+        "service/protocol.py touches uvicorn outside its adapter (`_Uvicorn`): "
+        "go through an `_uv_...` method or an `_on_...` hook",
+        found,
+    )
 
 
 def test_the_check_finds_what_it_looks_for() -> None:
@@ -436,8 +480,10 @@ def test_the_adapter_declares_all_it_touches_and_nothing_more() -> None:
 
 
 def test_the_guard_classes_put_the_adapter_between_policy_and_uvicorn() -> None:
-    for guard, base in [(protocol.HttpToolsGuard, HttpToolsProtocol),
-                        (protocol.H11Guard, H11Protocol)]:
+    for guard, base in [
+        (protocol.HttpToolsGuard, HttpToolsProtocol),
+        (protocol.H11Guard, H11Protocol),
+    ]:
         mro = guard.__mro__
         assert mro.index(protocol._Guard) < mro.index(protocol._Uvicorn) < mro.index(base)
     assert protocol.GradserveProtocol in (protocol.HttpToolsGuard, protocol.H11Guard)
@@ -452,8 +498,13 @@ def test_no_name_of_ours_shadows_one_of_uvicorns(cls: type) -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.name in {ADAPTER, "_Guard"}:
             ours |= set(vars(getattr(protocol, node.name)))
-            ours |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-                     and isinstance(n.ctx, ast.Store) and _is_self(n.value)}
+            ours |= {
+                n.attr
+                for n in ast.walk(node)
+                if isinstance(n, ast.Attribute)
+                and isinstance(n.ctx, ast.Store)
+                and _is_self(n.value)
+            }
     ours = {n for n in ours if not (n.startswith("__") and n.endswith("__"))} - NAMES
 
     async def uvicorns() -> set[str]:

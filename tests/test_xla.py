@@ -36,8 +36,9 @@ UNBOUNDED = 1 << 60
 TOLERANCE = {"float64": 1e-12, "float32": 1e-6, "float16": 1e-3}
 
 
-def assert_equivalent(got: Any, expected: Any, what: str = "",
-                      tolerance: Mapping[str, float] = TOLERANCE) -> None:
+def assert_equivalent(
+    got: Any, expected: Any, what: str = "", tolerance: Mapping[str, float] = TOLERANCE
+) -> None:
     """Shape and dtype exact; floats to the dtype's tolerance (relative, and absolute for
     values that cancel: XLA sums in another order), NaN and inf where the interpreter has
     them; everything else exact."""
@@ -47,12 +48,10 @@ def assert_equivalent(got: Any, expected: Any, what: str = "",
     if tol is None:
         np.testing.assert_array_equal(got, expected, err_msg=what)
     else:
-        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, equal_nan=True,
-                                   err_msg=what)
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, equal_nan=True, err_msg=what)
 
 
-def assert_same_run(got: Any, expected: Any,
-                    tolerance: Mapping[str, float] = TOLERANCE) -> None:
+def assert_same_run(got: Any, expected: Any, tolerance: Mapping[str, float] = TOLERANCE) -> None:
     """Two results of one program (RunResults) agree: outputs and gradients."""
     assert got.outputs.keys() == expected.outputs.keys()
     for name, value in expected.outputs.items():
@@ -62,8 +61,11 @@ def assert_same_run(got: Any, expected: Any,
         assert_equivalent(got.gradients[name], value, f"gradient {name!r}", tolerance)
 
 
-def through_both(program: Any, arrays: Mapping[str, np.ndarray],
-                 grad_outputs: Mapping[str, np.ndarray] | None = None) -> None:
+def through_both(
+    program: Any,
+    arrays: Mapping[str, np.ndarray],
+    grad_outputs: Mapping[str, np.ndarray] | None = None,
+) -> None:
     expected = execute(program, arrays, grad_outputs=grad_outputs)
     assert_same_run(lower(program, budget=UNBOUNDED).run(arrays, grad_outputs), expected)
 
@@ -104,30 +106,35 @@ CUDA_TOLERANCE = {"float16": 1e-2, "float32": 1e-4, "float64": 1e-9}
 def _cuda_cases() -> list[Any]:
     """Every op sample forward (float32 and float64), and backward and second order where
     the op has a derivative: (what, name, sample)."""
-    return [pytest.param(what, *case.values, id=f"{what}-{case.id}")
-            for what, cases in (("forward", _cases()), ("derivatives", _cases(only_grad=True)))
-            for case in cases]
+    return [
+        pytest.param(what, *case.values, id=f"{what}-{case.id}")
+        for what, cases in (("forward", _cases()), ("derivatives", _cases(only_grad=True)))
+        for case in cases
+    ]
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _jax_has_a_gpu(),
-                    reason="JAX has no GPU here (the gpu extra's jax[cuda12], on a CUDA host)")
+@pytest.mark.skipif(
+    not _jax_has_a_gpu(), reason="JAX has no GPU here (the gpu extra's jax[cuda12], on a CUDA host)"
+)
 @pytest.mark.parametrize(("what", "name", "sample"), _cuda_cases())
 def test_the_op_samples_through_the_tier_on_cuda(what: str, name: str, sample: Sample) -> None:
     """Lowered for cuda:0, against the interpreter on the CPU."""
-    runs = ([forward_program(name, sample, dtype) for dtype in ("float32", "float64")]
-            if what == "forward" else
-            [with_gradients(name, sample)[:2], differentiated_twice(name, sample)[:2]])
+    runs = (
+        [forward_program(name, sample, dtype) for dtype in ("float32", "float64")]
+        if what == "forward"
+        else [with_gradients(name, sample)[:2], differentiated_twice(name, sample)[:2]]
+    )
     for program, arrays in runs:
         expected = execute(program, arrays)
-        assert_same_run(lower(program, "cuda:0", budget=UNBOUNDED).run(arrays), expected,
-                        CUDA_TOLERANCE)
+        assert_same_run(
+            lower(program, "cuda:0", budget=UNBOUNDED).run(arrays), expected, CUDA_TOLERANCE
+        )
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
 @pytest.mark.parametrize("source", ["float32", "float64"])
-def test_floats_out_of_an_integer_range_cast_as_on_the_interpreter(source: str,
-                                                                   dtype: str) -> None:
+def test_floats_out_of_an_integer_range_cast_as_on_the_interpreter(source: str, dtype: str) -> None:
     """NaN, infinities and values out of range give the most negative integer, as NumPy
     and PyTorch on the CPU (XLA saturates, and gives 0 for NaN); not among the op samples,
     as CUDA converts them otherwise."""
@@ -144,8 +151,12 @@ def test_floats_out_of_an_integer_range_cast_as_on_the_interpreter(source: str,
 def seed_program(n: int = 3) -> Any:
     spec = GraphSpec([NodeSpec("z", expr="(x + y) * (x - y)")], ["z"])
     vector = TensorSpec((n,), "float64", True)
-    return compile_graph(spec, {"x": vector, "y": vector}, backward=True,
-                         grad_outputs={"z": TensorSpec((n,), "float64")})
+    return compile_graph(
+        spec,
+        {"x": vector, "y": vector},
+        backward=True,
+        grad_outputs={"z": TensorSpec((n,), "float64")},
+    )
 
 
 def test_the_seed_forward_and_backward_within_the_plan() -> None:
@@ -160,9 +171,11 @@ def test_the_seed_forward_and_backward_within_the_plan() -> None:
     assert result.peak_bytes == lowered.memory_bytes
     assert result.planned_peak_bytes == program.planned_peak_bytes
     # An input that is not what was compiled: the interpreter's error, word for word.
-    for wrong, upstream_given in (({"x": np.arange(3), "y": np.ones(3)}, upstream),
-                                  ({"x": np.ones(4), "y": np.ones(3)}, upstream),
-                                  (arrays, {})):
+    for wrong, upstream_given in (
+        ({"x": np.arange(3), "y": np.ones(3)}, upstream),
+        ({"x": np.ones(4), "y": np.ones(3)}, upstream),
+        (arrays, {}),
+    ):
         with pytest.raises(ShapeError) as interpreted:
             execute(program, wrong, grad_outputs=upstream_given)
         with pytest.raises(ShapeError) as tiered:
@@ -181,7 +194,8 @@ def test_memory_over_the_plan_is_refused() -> None:
 
 
 def test_an_op_without_a_lowering_keeps_its_program_interpreted(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(OPS["sub"], "lower", NOT_LOWERED)
     with pytest.raises(NotLowerable, match="op 'sub' has no lowering") as info:
         lower(seed_program())
@@ -189,7 +203,8 @@ def test_an_op_without_a_lowering_keeps_its_program_interpreted(
 
 
 def test_a_forward_that_does_not_trace_is_refused_naming_its_op(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def reads_the_data(xp: Any, a: Any, b: Any) -> Any:
         return a + b if bool(xp.all(a > 0)) else a - b
 
@@ -201,14 +216,20 @@ def test_a_forward_that_does_not_trace_is_refused_naming_its_op(
 def test_an_index_out_of_range_is_the_interpreters_error_in_a_loop_too() -> None:
     """The range check reads the index: the tier defers it to the host, after the run."""
     pick = [NodeSpec("y", "index_select", ["x", "i"], {"dim": 0})]
-    body = BodySpec(carry=["h"], xs=["j"], nodes=[
-        NodeSpec("r", "index_select", ["x", "j"], {"dim": 0}), NodeSpec("h2", expr="h + r")],
-        next={"h": "h2"})
+    body = BodySpec(
+        carry=["h"],
+        xs=["j"],
+        nodes=[NodeSpec("r", "index_select", ["x", "j"], {"dim": 0}), NodeSpec("h2", expr="h + r")],
+        next={"h": "h2"},
+    )
     loop = [NodeSpec("s", op="scan", args=["h0", "i"], body=body, results={"y": "h"})]
     x = np.arange(6.0).reshape(3, 2)
     for nodes, i in ((pick, np.array([2, 0])), (loop, np.array([[2], [0]]))):
-        inputs = {"x": TensorSpec((3, 2), "float64"), "i": TensorSpec(i.shape, "int64"),
-                  "h0": TensorSpec((1, 2), "float64")}
+        inputs = {
+            "x": TensorSpec((3, 2), "float64"),
+            "i": TensorSpec(i.shape, "int64"),
+            "h0": TensorSpec((1, 2), "float64"),
+        }
         program = compile_graph(GraphSpec(nodes, ["y"]), inputs)
         arrays = {"x": x, "i": i, "h0": np.zeros((1, 2))}
         through_both(program, arrays)
@@ -220,8 +241,10 @@ def test_an_index_out_of_range_is_the_interpreters_error_in_a_loop_too() -> None
             with pytest.raises(ShapeError) as tiered:
                 lowered.run(arrays)
             assert str(tiered.value) == str(interpreted.value)
-            assert (tiered.value.node, tiered.value.op) == (interpreted.value.node,
-                                                            interpreted.value.op)
+            assert (tiered.value.node, tiered.value.op) == (
+                interpreted.value.node,
+                interpreted.value.op,
+            )
 
 
 def test_recomputed_values_are_the_plans() -> None:
@@ -230,8 +253,12 @@ def test_recomputed_values_are_the_plans() -> None:
     spec = sin_chain(40)
     inputs = {"x": TensorSpec((1000,), "float64", True)}
     plain = compile_graph(spec, inputs, backward=True)
-    program = compile_graph(spec, inputs, backward=True, limits=Limits(
-        memory_budget_bytes=plain.planned_peak_bytes // 3))
+    program = compile_graph(
+        spec,
+        inputs,
+        backward=True,
+        limits=Limits(memory_budget_bytes=plain.planned_peak_bytes // 3),
+    )
     assert any(step.kind == RECOMPUTE for step in program.steps)
     lowered = lower(program)
     assert lowered.memory_bytes <= program.planned_peak_bytes < plain.planned_peak_bytes
@@ -253,8 +280,9 @@ def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
     got, expected = lowered.run(cell.inputs), execute(program, cell.inputs)
     assert_equivalent(got.outputs["loss"], expected.outputs["loss"])
     for name, value in expected.gradients.items():  # (24 steps in float32: to their scale)
-        np.testing.assert_allclose(got.gradients[name], value, rtol=1e-5,
-                                   atol=1e-5 * np.abs(value).max(), err_msg=name)
+        np.testing.assert_allclose(
+            got.gradients[name], value, rtol=1e-5, atol=1e-5 * np.abs(value).max(), err_msg=name
+        )
 
 
 def test_gradbenchs_gmm_tiers_up_within_the_plan() -> None:
@@ -313,8 +341,9 @@ def test_gradserve_imports_and_runs_without_jax() -> None:
         print("ok")
     """)
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=False, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert available()
 
@@ -326,13 +355,17 @@ def _suite_tests() -> dict[str, Any]:
     """The whole-graph tests of the compiled, objectives and transforms suites (not the op
     samples', which run above): each runs here again with every program it executes also
     run twice through the tier (`tier_too`)."""
-    per_sample = {"test_forward_is_the_eager_forward",
-                  "test_gradients_are_the_eager_gradients_and_torch",
-                  "test_second_order_by_differentiating_the_program_twice"}
-    return {f"{name}_twice_through_the_tier": fn
-            for module in (test_compiled, test_objectives, test_transforms)
-            for name, fn in vars(module).items()
-            if name.startswith("test_") and callable(fn) and name not in per_sample}
+    per_sample = {
+        "test_forward_is_the_eager_forward",
+        "test_gradients_are_the_eager_gradients_and_torch",
+        "test_second_order_by_differentiating_the_program_twice",
+    }
+    return {
+        f"{name}_twice_through_the_tier": fn
+        for module in (test_compiled, test_objectives, test_transforms)
+        for name, fn in vars(module).items()
+        if name.startswith("test_") and callable(fn) and name not in per_sample
+    }
 
 
 globals().update(_suite_tests())
@@ -346,12 +379,20 @@ def interpreter_then_tier(lowered: dict[int, Any]) -> Any:
     interpreter alone answers it), or for a program the interpreter fails too (the error
     is what the service answers)."""
 
-    def both(program: Any, inputs: Mapping[str, Any], *,
-             grad_outputs: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+    def both(
+        program: Any,
+        inputs: Mapping[str, Any],
+        *,
+        grad_outputs: Mapping[str, Any] | None = None,
+        **kw: Any,
+    ) -> Any:
         backend = program.run.backend
         host = {k: np.asarray(backend.to_host(a)) for k, a in inputs.items()}
-        host_grads = None if grad_outputs is None else {
-            k: np.asarray(backend.to_host(a)) for k, a in grad_outputs.items()}
+        host_grads = (
+            None
+            if grad_outputs is None
+            else {k: np.asarray(backend.to_host(a)) for k, a in grad_outputs.items()}
+        )
         if id(program) not in lowered:
             try:
                 lowered[id(program)] = (program, lower(program, budget=UNBOUNDED))
@@ -372,11 +413,11 @@ def interpreter_then_tier(lowered: dict[int, Any]) -> Any:
             raise
         first, second = tier.run(host, host_grads), tier.run(host, host_grads)
         interpreted = type(result)(**{**vars(result)})
-        interpreted.outputs = {k: np.asarray(backend.to_host(v))
-                               for k, v in result.outputs.items()}
+        interpreted.outputs = {k: np.asarray(backend.to_host(v)) for k, v in result.outputs.items()}
         if result.gradients is not None:
-            interpreted.gradients = {k: np.asarray(backend.to_host(v))
-                                     for k, v in result.gradients.items()}
+            interpreted.gradients = {
+                k: np.asarray(backend.to_host(v)) for k, v in result.gradients.items()
+            }
         assert_same_run(first, interpreted)
         for name, value in first.outputs.items():
             assert value.tobytes() == second.outputs[name].tobytes()

@@ -28,8 +28,13 @@ from tests.test_xla import interpreter_then_tier  # (skips this module, as it, w
 
 pytestmark = pytest.mark.anyio
 
-SUITES = (test_service_api, test_binary, test_transforms_http, test_recompute_http,
-          test_service_fuzz)
+SUITES = (
+    test_service_api,
+    test_binary,
+    test_transforms_http,
+    test_recompute_http,
+    test_service_fuzz,
+)
 portal_client = test_service_fuzz.portal_client  # (the fuzz tests' app, a fixture)
 
 # A run of this module sees 358 distinct programs, and lowers all but 2 (a checkpointed
@@ -39,10 +44,12 @@ AT_LEAST_PROGRAMS = 100
 
 
 def _suite_tests() -> dict[str, Any]:
-    return {f"{name}_twice_through_the_tier": fn
-            for module in SUITES
-            for name, fn in vars(module).items()
-            if name.startswith("test_") and callable(fn)}
+    return {
+        f"{name}_twice_through_the_tier": fn
+        for module in SUITES
+        for name, fn in vars(module).items()
+        if name.startswith("test_") and callable(fn)
+    }
 
 
 globals().update(_suite_tests())
@@ -65,4 +72,5 @@ def most_programs_were_seen() -> Iterator[None]:
     yield
     lowered = sum(not isinstance(tier, NotLowerable) for _, tier in _lowered.values())
     assert lowered >= AT_LEAST_PROGRAMS, (
-        f"only {lowered} programs went through the tier ({len(_lowered)} seen)")
+        f"only {lowered} programs went through the tier ({len(_lowered)} seen)"
+    )

@@ -41,14 +41,17 @@ def split(body: bytes | memoryview, header_length: int) -> tuple[memoryview, mem
     """A binary body's JSON header and its tail, as views (no copy)."""
     view = memoryview(body)
     if not 0 <= header_length <= len(view):
-        raise FramingError(f"{BINARY_HEADER} is {header_length}, past the body's "
-                           f"{len(view)} bytes", ("headers", BINARY_HEADER.lower()),
-                           "past the body")
+        raise FramingError(
+            f"{BINARY_HEADER} is {header_length}, past the body's {len(view)} bytes",
+            ("headers", BINARY_HEADER.lower()),
+            "past the body",
+        )
     return view[:header_length], view[header_length:]
 
 
-def tensor_bytes(header: Any, tail: memoryview | None, sections: Sequence[str]
-                 ) -> dict[tuple[str, str], memoryview]:
+def tensor_bytes(
+    header: Any, tail: memoryview | None, sections: Sequence[str]
+) -> dict[tuple[str, str], memoryview]:
     """Each tensor of `sections` that gives `binary_data_size`, by (section, name): its
     bytes of the tail, in the order the header lists them. The sizes must add up to the
     tail exactly; `tail` None: the body was not binary, and no tensor may give a size."""
@@ -63,22 +66,35 @@ def tensor_bytes(header: Any, tail: memoryview | None, sections: Sequence[str]
                 continue
             loc = (section, name, "binary_data_size")
             if tail is None:
-                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size, but the body "
-                                   f"is not binary (no {BINARY_HEADER} header)", loc,
-                                   "needs a binary body")
+                raise FramingError(
+                    f"{section}[{quoted(name)}] has binary_data_size, but the body "
+                    f"is not binary (no {BINARY_HEADER} header)",
+                    loc,
+                    "needs a binary body",
+                )
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size {size!r}, not "
-                                   "a byte count", loc, "not a byte count")
+                raise FramingError(
+                    f"{section}[{quoted(name)}] has binary_data_size {size!r}, not a byte count",
+                    loc,
+                    "not a byte count",
+                )
             if offset + size > len(tail):
-                raise FramingError(f"{section}[{quoted(name)}] has binary_data_size {size}, but "
-                                   f"the binary tail has {len(tail) - offset} bytes left", loc,
-                                   "past the end of the body")
-            found[(section, name)] = tail[offset:offset + size]
+                raise FramingError(
+                    f"{section}[{quoted(name)}] has binary_data_size {size}, but "
+                    f"the binary tail has {len(tail) - offset} bytes left",
+                    loc,
+                    "past the end of the body",
+                )
+            found[(section, name)] = tail[offset : offset + size]
             offset += size
     if tail is not None and offset != len(tail):
-        raise FramingError(f"the binary tail has {len(tail) - offset} bytes after the last "
-                           f"tensor's ({offset} of {len(tail)} are given a tensor by "
-                           "binary_data_size)", ("body",), "bytes left over")
+        raise FramingError(
+            f"the binary tail has {len(tail) - offset} bytes after the last "
+            f"tensor's ({offset} of {len(tail)} are given a tensor by "
+            "binary_data_size)",
+            ("body",),
+            "bytes left over",
+        )
     return found
 
 
@@ -116,6 +132,9 @@ def header_length_of(value: str | None) -> int | None:
         return None
     count = value.strip()
     if not (count.isascii() and count.isdigit()):
-        raise FramingError(f"{BINARY_HEADER} must be a byte count, not {value[:64]!r}",
-                           ("headers", BINARY_HEADER.lower()), "not a count")
+        raise FramingError(
+            f"{BINARY_HEADER} must be a byte count, not {value[:64]!r}",
+            ("headers", BINARY_HEADER.lower()),
+            "not a count",
+        )
     return int(count)

@@ -38,13 +38,21 @@ class OpInfo:
     @classmethod
     def from_json(cls, item: dict[str, Any]) -> OpInfo:
         """An op as `GET /ops` writes it (what a newer server adds is ignored)."""
-        attrs = {k: AttrInfo(str(a.get("type", "")), a.get("default"),
-                             bool(a.get("required", False)))
-                 for k, a in (item.get("attrs") or {}).items()}
-        return cls(str(item["name"]), str(item.get("group", "")), tuple(item.get("args", ())),
-                   bool(item.get("variadic", False)), attrs,
-                   bool(item.get("differentiable", True)), str(item.get("doc", "")),
-                   item.get("min_args"), item.get("fields"))
+        attrs = {
+            k: AttrInfo(str(a.get("type", "")), a.get("default"), bool(a.get("required", False)))
+            for k, a in (item.get("attrs") or {}).items()
+        }
+        return cls(
+            str(item["name"]),
+            str(item.get("group", "")),
+            tuple(item.get("args", ())),
+            bool(item.get("variadic", False)),
+            attrs,
+            bool(item.get("differentiable", True)),
+            str(item.get("doc", "")),
+            item.get("min_args"),
+            item.get("fields"),
+        )
 
     # How PyTorch calls it (the tracer's calling convention, read from the catalog):
     @property
@@ -52,8 +60,9 @@ class OpInfo:
         """A variadic op's required string attribute, written first (einsum's equation)."""
         if not self.variadic:
             return None
-        return next((k for k, a in self.attrs.items()
-                     if a.required and a.type.split("|")[0] == "str"), None)
+        return next(
+            (k for k, a in self.attrs.items() if a.required and a.type.split("|")[0] == "str"), None
+        )
 
     @property
     def order(self) -> tuple[str, ...]:

@@ -52,7 +52,8 @@ class Backend:
         self._names = {self.xp.empty((0,), dtype=v).dtype: k for k, v in self._dtypes.items()}
         self._dtypes = {k: self.xp.empty((0,), dtype=v).dtype for k, v in self._dtypes.items()}
         self.float_dtypes = frozenset(
-            self._dtypes[k] for k in ("float16", "float32", "float64") if k in self._dtypes)
+            self._dtypes[k] for k in ("float16", "float32", "float64") if k in self._dtypes
+        )
 
     def dtype(self, name: str) -> Any:
         return self._dtypes[name]

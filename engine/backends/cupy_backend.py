@@ -40,8 +40,10 @@ def make_cupy_backend(index: int) -> Backend:
             # NumPy's indices(sparse=True), which CuPy lacks: one arange per dim, shaped to
             # broadcast against the others.
             ndim = len(index_.shape)
-            grid = [cupy.arange(n).reshape([n if k == d else 1 for k in range(ndim)])
-                    for d, n in enumerate(index_.shape)]
+            grid = [
+                cupy.arange(n).reshape([n if k == d else 1 for k in range(ndim)])
+                for d, n in enumerate(index_.shape)
+            ]
             grid[dim] = index_
             cupy.add.at(out, tuple(grid), src[tuple(slice(0, n) for n in index_.shape)])
             return out

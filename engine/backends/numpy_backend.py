@@ -25,5 +25,11 @@ def make_numpy_backend() -> Backend:
     )
     # A graph run on the CPU computes as PyTorch does: inf and NaN results without
     # RuntimeWarnings (NumPy's error state is per context, so this touches no other code).
-    return Backend(device="cpu", xp=xp, to_host=np.asarray, from_host=lambda a: a,
-                   activate=lambda: np.errstate(all="ignore"), ufuncs=np)
+    return Backend(
+        device="cpu",
+        xp=xp,
+        to_host=np.asarray,
+        from_host=lambda a: a,
+        activate=lambda: np.errstate(all="ignore"),
+        ufuncs=np,
+    )

@@ -31,8 +31,9 @@ PACKAGE = __name__.rpartition(".")[0]
 class _Sources(importlib.abc.MetaPathFinder):
     """Finds the modules' Python source ahead of their compiled form."""
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         package, _, name = fullname.rpartition(".")
         if package != PACKAGE or name not in MODULES:
             return None
@@ -49,8 +50,12 @@ def _compiled() -> str | None:
         built = json.loads((HERE / "_native.json").read_text())
     except (OSError, ValueError):
         return "their build left no record of its sources (_native.json)"
-    stale = [m for m in MODULES if m not in found or built.get(m) != hashlib.sha256(
-        (HERE / f"{m}.py").read_bytes()).hexdigest()]
+    stale = [
+        m
+        for m in MODULES
+        if m not in found
+        or built.get(m) != hashlib.sha256((HERE / f"{m}.py").read_bytes()).hexdigest()
+    ]
     if stale:
         return f"{', '.join(stale)} changed since they were compiled (reinstall to compile them)"
     return None
@@ -64,8 +69,11 @@ def _choose() -> bool:
     if why is None:
         return True
     if why:
-        warnings.warn(f"gradserve.engine.graph: running the compiler from its Python source: {why}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"gradserve.engine.graph: running the compiler from its Python source: {why}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         sys.meta_path.insert(0, _Sources())
     return False
 

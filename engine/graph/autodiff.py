@@ -85,9 +85,15 @@ def vjp_all(
     return _derive(b, steps, cotangents, floating, floating, create_graph, kind)
 
 
-def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, Sym]],
-            active: set[int], wanted: set[int], create_graph: bool,
-            kind: str) -> dict[int, Sym]:
+def _derive(
+    b: Builder,
+    steps: Sequence[Step],
+    cotangents: Sequence[tuple[int, Sym]],
+    active: set[int],
+    wanted: set[int],
+    create_graph: bool,
+    kind: str,
+) -> dict[int, Sym]:
     # Cotangents are held as slots (a Sym is made only for the ones a VJP rule reads).
     captured: dict[int, int] = {}
     pending: dict[int, int] = {}
@@ -100,11 +106,15 @@ def _derive(b: Builder, steps: Sequence[Step], cotangents: Sequence[tuple[int, S
             if step.op is SCAN:
                 cts = [pending.pop(o, None) for o in step.outs]
                 if any(g is not None for g in cts):
-                    captured.update((o, g) for o, g in zip(step.outs, cts, strict=True)
-                                    if g is not None and o in wanted)
+                    captured.update(
+                        (o, g)
+                        for o, g in zip(step.outs, cts, strict=True)
+                        if g is not None and o in wanted
+                    )
                     b.origin = step.origin
-                    for slot, sym in _scan_vjp(b, step, [None if g is None else syms[g]
-                                                         for g in cts], active):
+                    for slot, sym in _scan_vjp(
+                        b, step, [None if g is None else syms[g] for g in cts], active
+                    ):
                         _accumulate(b, pending, slot, sym.slot)
                 continue
             out = step.out
@@ -126,12 +136,18 @@ def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], li
     and the step's results that do."""
     body: Body = step.attrs["body"]
     bb, metas = body.b, body.b.metas
-    inner_wrt = {inner for inner, outer in zip(body.inputs, step.args, strict=True)
-                 if outer in active and metas[inner].dtype in FLOATS}
+    inner_wrt = {
+        inner
+        for inner, outer in zip(body.inputs, step.args, strict=True)
+        if outer in active and metas[inner].dtype in FLOATS
+    }
     while True:
         inner = active_slots(bb, body.steps, inner_wrt)
-        more = {c for c, n in zip(body.carries, body.nexts, strict=True)
-                if n in inner and c not in inner_wrt and metas[c].dtype in FLOATS}
+        more = {
+            c
+            for c, n in zip(body.carries, body.nexts, strict=True)
+            if n in inner and c not in inner_wrt and metas[c].dtype in FLOATS
+        }
         if not more:
             break
         inner_wrt |= more
@@ -141,8 +157,9 @@ def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], li
     return inner_wrt, outs
 
 
-def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
-              active: set[int]) -> list[tuple[int, Sym]]:
+def _scan_vjp(
+    b: Builder, step: Step, cts: list[Sym | None], active: set[int]
+) -> list[tuple[int, Sym]]:
     """The VJP of a scan step: a scan the other way over the VJP of its body, emitted on
     `b` (engine.graph.scan). Its carries are the carries' cotangents and a running sum of
     each closure's; per step it reads the results' cotangents, the sequences, and the body
@@ -155,28 +172,43 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     wanted_args = [a in active and b.metas[a].dtype in FLOATS for a in args]
     if not any(wanted_args):
         return []
-    inner_wrt, _ = _scan_active(b, step, {a for a, w in zip(args, wanted_args, strict=True)
-                                          if w})
+    inner_wrt, _ = _scan_active(b, step, {a for a, w in zip(args, wanted_args, strict=True) if w})
     inner = active_slots(bb, body.steps, inner_wrt)
     first = len(bb.steps)
-    ct_carries = {k: bb.value(bb.metas[c]) for k, c in enumerate(body.carries)
-                  if c in inner_wrt}
-    ct_ys = {j: bb.value(bb.metas[y]) for j, y in enumerate(body.ys)
-             if cts[nc + j] is not None and y in inner}
-    found = _derive(bb, body.steps,
-                    [*((body.nexts[k], g) for k, g in ct_carries.items()),
-                     *((body.ys[j], g) for j, g in ct_ys.items())],
-                    inner, inner_wrt, b.create_graph, b.kind)
+    ct_carries = {k: bb.value(bb.metas[c]) for k, c in enumerate(body.carries) if c in inner_wrt}
+    ct_ys = {
+        j: bb.value(bb.metas[y])
+        for j, y in enumerate(body.ys)
+        if cts[nc + j] is not None and y in inner
+    }
+    found = _derive(
+        bb,
+        body.steps,
+        [
+            *((body.nexts[k], g) for k, g in ct_carries.items()),
+            *((body.ys[j], g) for j, g in ct_ys.items()),
+        ],
+        inner,
+        inner_wrt,
+        b.create_graph,
+        b.kind,
+    )
     closures = [i for i in range(len(body.closures)) if wanted_args[nc + nx + i]]
     xs = [i for i in range(nx) if wanted_args[nc + i]]
     with derived(bb, create_graph=b.create_graph, kind=b.kind):
         sums = {i: bb.value(bb.metas[body.closures[i]]) for i in closures}
-        nexts = [found[c] if c in found else bb.zeros_like(bb.syms[c])
-                 for c in (body.carries[k] for k in ct_carries)]
-        nexts += [sums[i] + found[body.closures[i]] if body.closures[i] in found else sums[i]
-                  for i in closures]
-        ys = [found[body.xs[i]] if body.xs[i] in found else bb.zeros_like(bb.syms[body.xs[i]])
-              for i in xs]
+        nexts = [
+            found[c] if c in found else bb.zeros_like(bb.syms[c])
+            for c in (body.carries[k] for k in ct_carries)
+        ]
+        nexts += [
+            sums[i] + found[body.closures[i]] if body.closures[i] in found else sums[i]
+            for i in closures
+        ]
+        ys = [
+            found[body.xs[i]] if body.xs[i] in found else bb.zeros_like(bb.syms[body.xs[i]])
+            for i in xs
+        ]
     steps = bb.steps[first:]
     # What the VJP reads of the forward: a sequence's slice and a closure are given as
     # they are; any other value (a carry, a value the body computed) is stacked.
@@ -199,16 +231,22 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
             shifted.append((first_x + n, len(closure_args)))
             closure_args.append(syms[args[body.carries.index(slot)]])
     reverse = Body(
-        b=bb, steps=steps,
+        b=bb,
+        steps=steps,
         carries=[*(g.slot for g in ct_carries.values()), *(g.slot for g in sums.values())],
         xs=[*(g.slot for g in ct_ys.values()), *residuals, *(body.xs[i] for i in read_xs)],
-        closures=[*(body.closures[i] for i in read_closures),
-                  *(bb.value(bb.metas[slot]).slot for slot in residuals if slot in shifts)],
-        nexts=[g.slot for g in nexts], ys=[g.slot for g in ys], length=body.length,
-        reverse=not body.reverse, shifted=shifted,
-        vjp_of=None if b.create_graph else step)
-    inits = [cts[k] if cts[k] is not None else b.zeros_like(syms[step.outs[k]])
-             for k in ct_carries]
+        closures=[
+            *(body.closures[i] for i in read_closures),
+            *(bb.value(bb.metas[slot]).slot for slot in residuals if slot in shifts),
+        ],
+        nexts=[g.slot for g in nexts],
+        ys=[g.slot for g in ys],
+        length=body.length,
+        reverse=not body.reverse,
+        shifted=shifted,
+        vjp_of=None if b.create_graph else step,
+    )
+    inits = [cts[k] if cts[k] is not None else b.zeros_like(syms[step.outs[k]]) for k in ct_carries]
     inits += [b.zeros_like(syms[args[nc + nx + i]]) for i in closures]
     sequences = [cts[nc + j] for j in ct_ys]
     sequences += stacked(b, step, [shifts.get(slot, slot) for slot in residuals])
@@ -218,10 +256,13 @@ def _scan_vjp(b: Builder, step: Step, cts: list[Sym | None],
     for k, out in zip(ct_carries, outs, strict=False):
         if wanted_args[k]:
             grads.append((args[k], out))
-    grads += [(args[nc + nx + i], out) for i, out in zip(closures, outs[len(ct_carries):],
-                                                       strict=False)]
-    grads += [(args[nc + i], out) for i, out in zip(xs, outs[len(ct_carries) + len(closures):],
-                                                   strict=True)]
+    grads += [
+        (args[nc + nx + i], out) for i, out in zip(closures, outs[len(ct_carries) :], strict=False)
+    ]
+    grads += [
+        (args[nc + i], out)
+        for i, out in zip(xs, outs[len(ct_carries) + len(closures) :], strict=True)
+    ]
     return grads
 
 
@@ -230,8 +271,11 @@ def _shifts(body: Body, residuals: list[int]) -> dict[int, int]:
     stacked too, as a residual or a result: carry slot -> that value's slot."""
     made = {o for st in body.steps for o in st.outs}
     wanted = set(residuals) | set(body.ys)
-    return {c: n for c, n in zip(body.carries, body.nexts, strict=True)
-            if c in residuals and n in wanted and n in made}
+    return {
+        c: n
+        for c, n in zip(body.carries, body.nexts, strict=True)
+        if c in residuals and n in wanted and n in made
+    }
 
 
 def _accumulate(b: Builder, pending: dict[int, int], slot: int, g: int) -> None:
@@ -273,11 +317,23 @@ def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[in
         facts = b.facts[step] = facts_of(step, metas)
     if len(args) == 2 and facts.slots_only:  # (the most, and the key of each is its own)
         a0, a1 = args
-        key: tuple[Any, ...] = (facts, metas[g], b.create_graph, b.kind, a0 in active,
-                                a1 in active, a0 == a1)
+        key: tuple[Any, ...] = (
+            facts,
+            metas[g],
+            b.create_graph,
+            b.kind,
+            a0 in active,
+            a1 in active,
+            a0 == a1,
+        )
     else:
-        key = (facts, metas[g], b.create_graph, b.kind,
-               *[(a in active, args.index(a)) for a in args if type(a) is int])
+        key = (
+            facts,
+            metas[g],
+            b.create_graph,
+            b.kind,
+            *[(a in active, args.index(a)) for a in args if type(a) is int],
+        )
     template = _TEMPLATES.get(key)
     if template is None:
         given: list[int] = [g, *step.slots, step.out]
@@ -289,8 +345,14 @@ def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[in
         return [(slot, grad.slot) for slot, grad in grads]
     slot = base = len(metas)
     metas.extend(template.metas)
-    values = [g, *(args if facts.slots_only else step.slots), step.out,  # (what it was given)
-              *range(base, len(metas)), *template.literals, *args]
+    values = [
+        g,
+        *(args if facts.slots_only else step.slots),
+        step.out,  # (what it was given)
+        *range(base, len(metas)),
+        *template.literals,
+        *args,
+    ]
     value = values.__getitem__
     steps, known, origin = b.steps, b.facts, b.origin
     for op, refs, attrs, kind, facts in template.steps:
@@ -302,8 +364,14 @@ def _step_vjp(b: Builder, step: Step, g: int, active: set[int]) -> list[tuple[in
     return [(args[i], values[r]) for i, r in template.grads]  # type: ignore[misc]
 
 
-def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
-            grads: list[tuple[int, Sym]], args: tuple[Any, ...]) -> _Template | None:
+def _record(
+    b: Builder,
+    first_slot: int,
+    first_step: int,
+    given: list[int],
+    grads: list[tuple[int, Sym]],
+    args: tuple[Any, ...],
+) -> _Template | None:
     """The template of the steps just emitted, or None if one reads a value it was not
     given (it would not replay elsewhere)."""
     made = len(b.metas) - first_slot
@@ -326,14 +394,17 @@ def _record(b: Builder, first_slot: int, first_step: int, given: list[int],
     if [s.out for s in emitted] != list(range(first_slot, len(b.metas))):
         return None  # (a slot made without a step, or a step out of order: not replayable)
     try:
-        coded = [(s.op, [code(a) for a in s.args], s.attrs, s.kind, b.facts.get(s))
-                 for s in emitted]
+        coded = [
+            (s.op, [code(a) for a in s.args], s.attrs, s.kind, b.facts.get(s)) for s in emitted
+        ]
         codes = tuple((args.index(slot), code(g.slot)) for slot, g in grads)
     except ValueError:
         return None
     first_own = len(given) + made + len(literals)
-    steps = tuple((op, tuple([c - mine + first_own if c >= mine else c for c in refs]), attrs,
-                   kind, facts) for op, refs, attrs, kind, facts in coded)
+    steps = tuple(
+        (op, tuple([c - mine + first_own if c >= mine else c for c in refs]), attrs, kind, facts)
+        for op, refs, attrs, kind, facts in coded
+    )
     return _Template(steps, tuple(b.metas[first_slot:]), tuple(literals), codes)
 
 

@@ -113,8 +113,10 @@ class Sym:
         return self.b.call("ne", self, o)
 
     def _data(self) -> NoReturn:
-        raise DataDependent("a value of a graph cannot be read while the graph is compiled; "
-                            "the decision must depend on shapes, dtypes or attributes only")
+        raise DataDependent(
+            "a value of a graph cannot be read while the graph is compiled; "
+            "the decision must depend on shapes, dtypes or attributes only"
+        )
 
     # (one method each: mypyc compiles no chained assignment in a class body)
     def __bool__(self) -> bool:
@@ -181,8 +183,11 @@ class Builder:
         metas and literal values, and the attributes: it is remembered by that signature,
         so a graph that repeats a layer (an unrolled loop) works it out once."""
         if attrs:
-            key = (op, *[a.meta if type(a) is Sym else literal_key(a) for a in args],
-                   *attr_values(attrs))
+            key = (
+                op,
+                *[a.meta if type(a) is Sym else literal_key(a) for a in args],
+                *attr_values(attrs),
+            )
         else:
             key = (op, *[a.meta if type(a) is Sym else literal_key(a) for a in args])
         decided = _DECISIONS.get(key)
@@ -214,11 +219,12 @@ class Builder:
         """`emit` with a step's arguments (slots and literals), as the slot of its result:
         made without a Sym where the decision is known and inserts no cast."""
         metas = self.metas
-        sig = [metas[a] if type(a) is int else literal_key(a.value)  # type: ignore[union-attr]
-               for a in args]
+        sig = [
+            metas[a] if type(a) is int else literal_key(a.value)  # type: ignore[union-attr]
+            for a in args
+        ]
         decided = _DECISIONS.get((op, *sig, *attr_values(attrs)) if attrs else (op, *sig))
-        if (decided is None or decided[1] or decided[3] is None
-                or (decided[2] and self.simplify)):
+        if decided is None or decided[1] or decided[3] is None or (decided[2] and self.simplify):
             return self.emit(op, self.values(args), attrs).slot
         slot = len(metas)
         metas.append(decided[0])
@@ -333,11 +339,13 @@ def _decide(op: OpDef, args: Sequence[Value], attrs: dict[str, Any]) -> list[Any
     if op.promote:
         promoted = op.promoted(len(args))
         target = promoted_dtype([metas[i] for i in promoted], op.float_result)
-        casts = [(i, target) for i in promoted
-                 if type(args[i]) is Sym and metas[i].dtype != target]
+        casts = [(i, target) for i in promoted if type(args[i]) is Sym and metas[i].dtype != target]
     elif op.float_result:
-        casts = [(i, DEFAULT_FLOAT) for i, a in enumerate(args)
-                 if type(a) is Sym and a.dtype not in FLOATS]
+        casts = [
+            (i, DEFAULT_FLOAT)
+            for i, a in enumerate(args)
+            if type(a) is Sym and a.dtype not in FLOATS
+        ]
     same = op.name in _IDENTITY_WHEN_SAME_META and out == metas[0]
     return [out, tuple(casts), same, None]
 

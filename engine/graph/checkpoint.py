@@ -54,8 +54,9 @@ class _Pair:
     least: int  # the k of least memory
 
 
-def checkpoint_loops(program: Program, budget: int, *, ufuncs: bool,
-                     facts: Mapping[Step, Facts] | None = None) -> int | None:
+def checkpoint_loops(
+    program: Program, budget: int, *, ufuncs: bool, facts: Mapping[Step, Facts] | None = None
+) -> int | None:
     """Checkpoint `program`'s differentiated loops (planned, and planned again as they
     change) so that its planned peak fits `budget`, recomputing as little as that allows.
     Returns None when it fits, else the least planned peak it reaches (the program is
@@ -95,8 +96,9 @@ def checkpoint_loops(program: Program, budget: int, *, ufuncs: bool,
     return None
 
 
-def checkpoint_every(program: Program, every: int, *, ufuncs: bool,
-                     facts: Mapping[Step, Facts] | None = None) -> int:
+def checkpoint_every(
+    program: Program, every: int, *, ufuncs: bool, facts: Mapping[Step, Facts] | None = None
+) -> int:
     """Checkpoint each of `program`'s loops that may be every `every` steps (at most its
     length), whatever the budget, and plan it again (tests and benchmarks); how many."""
     pairs = _pairs(program)
@@ -126,8 +128,16 @@ def _pairs(program: Program) -> list[_Pair]:
         buffers = [_slot(metas, metas[0]) for _ in probe.buffered()]
         carry = sum(size_of(body.b.metas[c]) for c in body.carries)
         row = sum(size_of(body.b.metas[r]) for r in probe.buffered())
-        pairs.append(_Pair(forward, reverse, (forward, reverse), checkpoints, buffers,
-                           _least(body.length, carry, row)))
+        pairs.append(
+            _Pair(
+                forward,
+                reverse,
+                (forward, reverse),
+                checkpoints,
+                buffers,
+                _least(body.length, carry, row),
+            )
+        )
     return pairs
 
 
@@ -139,8 +149,9 @@ def _residuals(forward: Body, reverse: Body) -> list[int]:
 
 def _residual_bytes(forward: Step, reverse: Step) -> int:
     body: Body = forward.attrs["body"]
-    return body.length * sum(size_of(body.b.metas[r])
-                             for r in _residuals(body, reverse.attrs["body"]))
+    return body.length * sum(
+        size_of(body.b.metas[r]) for r in _residuals(body, reverse.attrs["body"])
+    )
 
 
 def _least(length: int, carry: int, row: int) -> int:
@@ -180,8 +191,15 @@ def _checkpointed(metas: list[Meta], pair: _Pair, every: int) -> tuple[Step, Ste
         metas[slot] = Meta((kept.segments, *inner[c].shape), inner[c].dtype)
     for slot, r in zip(pair.buffers, kept.buffered(), strict=True):
         metas[slot] = Meta((kept.every, *inner[r].shape), inner[r].dtype)
-    new_forward = Step(forward.op, forward.args, {"body": kept}, forward.out, forward.kind,
-                       forward.origin, (*forward.more, *pair.checkpoints, *pair.buffers))
+    new_forward = Step(
+        forward.op,
+        forward.args,
+        {"body": kept},
+        forward.out,
+        forward.kind,
+        forward.origin,
+        (*forward.more, *pair.checkpoints, *pair.buffers),
+    )
     # The reverse loop reads the residuals from the replay, not as sequences, and no
     # initial carry for a shifted one.
     nc, nx = len(rbody.carries), len(rbody.xs)
@@ -191,12 +209,31 @@ def _checkpointed(metas: list[Meta], pair: _Pair, every: int) -> tuple[Step, Ste
     closures = [j for j in range(len(rbody.closures)) if j not in dropped]
     fc, fx = len(fbody.carries), len(fbody.xs)
     given = forward.slots
-    body = replace(rbody, xs=[rbody.xs[i] for i in xs],
-                   closures=[rbody.closures[j] for j in closures], shifted=[], replay=kept,
-                   vjp_of=None, wanted=[], program=None)
-    new_reverse = Step(reverse.op, (*args[:nc], *(args[nc + i] for i in xs),
-                                    *(args[nc + nx + j] for j in closures),
-                                    *pair.checkpoints, *pair.buffers, *given[fc:fc + fx],
-                                    *given[fc + fx:]),
-                       {"body": body}, reverse.out, reverse.kind, reverse.origin, reverse.more)
+    body = replace(
+        rbody,
+        xs=[rbody.xs[i] for i in xs],
+        closures=[rbody.closures[j] for j in closures],
+        shifted=[],
+        replay=kept,
+        vjp_of=None,
+        wanted=[],
+        program=None,
+    )
+    new_reverse = Step(
+        reverse.op,
+        (
+            *args[:nc],
+            *(args[nc + i] for i in xs),
+            *(args[nc + nx + j] for j in closures),
+            *pair.checkpoints,
+            *pair.buffers,
+            *given[fc : fc + fx],
+            *given[fc + fx :],
+        ),
+        {"body": body},
+        reverse.out,
+        reverse.kind,
+        reverse.origin,
+        reverse.more,
+    )
     return new_forward, new_reverse

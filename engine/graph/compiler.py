@@ -182,13 +182,19 @@ def compile_graph(
     before, one of which this graph may take with its own float literals put in
     (engine.graph.lifting; the program says `lifted`)."""
     with collector.paused():  # (engine.collector: a compile's objects all live to its end)
-        return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device,
-                        templates)
+        return _compile(spec, inputs, limits, no_grad, backward, grad_outputs, device, templates)
 
 
-def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits | None,
-             no_grad: bool, backward: bool, grad_outputs: Mapping[str, TensorSpec] | None,
-             device: str, templates: Templates | None) -> Program:
+def _compile(
+    spec: GraphLike,
+    inputs: Mapping[str, TensorSpec],
+    limits: Limits | None,
+    no_grad: bool,
+    backward: bool,
+    grad_outputs: Mapping[str, TensorSpec] | None,
+    device: str,
+    templates: Templates | None,
+) -> Program:
     started = time.perf_counter()
     limits = limits or Limits()
     errors = _Errors(limits.max_errors)
@@ -199,15 +205,22 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     for name, tspec in inputs.items():
         scope.names[name] = resolver.new_key()
         if tspec.requires_grad and tspec.dtype not in FLOATS:
-            errors.add(GradserveError(
-                f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
-                "can require gradients; give it a floating dtype (\"dtype\": \"float32\" "
-                "or \"float64\")", loc=("inputs", name, "requires_grad")))
+            errors.add(
+                GradserveError(
+                    f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
+                    'can require gradients; give it a floating dtype ("dtype": "float32" '
+                    'or "float64")',
+                    loc=("inputs", name, "requires_grad"),
+                )
+            )
     graph = resolver.graph(spec.nodes, scope, ordered=False)
     named_outputs = _outputs(spec.outputs, scope, resolver, errors)
     errors.raise_if_any()
-    lifting = None if templates is None else _shape(
-        graph, named_outputs, inputs, grad_outputs, no_grad, backward, device, limits)
+    lifting = (
+        None
+        if templates is None
+        else _shape(graph, named_outputs, inputs, grad_outputs, no_grad, backward, device, limits)
+    )
     if lifting is not None:
         lifted = templates.instantiate(*lifting)  # type: ignore[union-attr]
         if lifted is not None:
@@ -218,8 +231,9 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     slots: dict[int, int] = {}  # by key
     for name, tspec in inputs.items():
         slots[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype)).slot
-    grad_syms = {name: b.value(Meta(tuple(t.shape), t.dtype))
-                 for name, t in (grad_outputs or {}).items()}
+    grad_syms = {
+        name: b.value(Meta(tuple(t.shape), t.dtype)) for name, t in (grad_outputs or {}).items()
+    }
     _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), slots, errors)
     errors.raise_if_any()
 
@@ -234,10 +248,16 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
         for name, tspec in inputs.items():
             requires_grad[input_slots[name]] = bool(tspec.requires_grad)
     program = Program(
-        metas=b.metas, steps=b.steps, inputs=input_slots,
+        metas=b.metas,
+        steps=b.steps,
+        inputs=input_slots,
         grad_inputs={name: sym.slot for name, sym in grad_syms.items()},
-        outputs=outputs, gradients=[], requires_grad=requires_grad,
-        grad_fn=_grad_fns(b, requires_grad), no_grad=no_grad, backward=backward,
+        outputs=outputs,
+        gradients=[],
+        requires_grad=requires_grad,
+        grad_fn=_grad_fns(b, requires_grad),
+        no_grad=no_grad,
+        backward=backward,
     )
     if backward:
         roots = _check_backward(program, inputs, grad_outputs or {}, errors)
@@ -247,8 +267,7 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     bound_on = _backend_ufuncs(device)
     plan(program, ufuncs=bound_on, record=not no_grad and not backward, facts=b.facts)
     budget = limits.memory_budget_bytes
-    if backward and limits.recompute and budget is not None and \
-            program.planned_peak_bytes > budget:
+    if backward and limits.recompute and budget is not None and program.planned_peak_bytes > budget:
         # Loops first (their stacked residuals, checkpointed within them), then the top
         # level's values (recomputed in the backward); the second names the least peak
         # reached when nothing fits.
@@ -264,10 +283,16 @@ def _compile(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits |
     return program
 
 
-def _shape(graph: list[_Node], outputs: list[tuple[str, int]],
-           inputs: Mapping[str, TensorSpec], grad_outputs: Mapping[str, TensorSpec] | None,
-           no_grad: bool, backward: bool, device: str, limits: Limits
-           ) -> tuple[tuple[Any, ...], list[GraphLiteral]] | None:
+def _shape(
+    graph: list[_Node],
+    outputs: list[tuple[str, int]],
+    inputs: Mapping[str, TensorSpec],
+    grad_outputs: Mapping[str, TensorSpec] | None,
+    no_grad: bool,
+    backward: bool,
+    device: str,
+    limits: Limits,
+) -> tuple[tuple[Any, ...], list[GraphLiteral]] | None:
     """A resolved graph's shape for constant lifting (engine.graph.lifting): all that
     decides its program but the values of its float literals, and those literals in
     order. None for a graph with loops (a body is a program of its own)."""
@@ -286,12 +311,12 @@ def _shape(graph: list[_Node], outputs: list[tuple[str, int]],
                 args.append(float)
             else:
                 args.append(literal_key(a.value))  # type: ignore[union-attr]
-        nodes.append((node.id, node.origin, node.index, node.key, op.name, tuple(args),
-                      repr(node.attrs)))
+        nodes.append(
+            (node.id, node.origin, node.index, node.key, op.name, tuple(args), repr(node.attrs))
+        )
     specs = tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in inputs.items())
     given = tuple((n, tuple(t.shape), t.dtype) for n, t in (grad_outputs or {}).items())
-    return (tuple(nodes), tuple(outputs), specs, given, no_grad, backward, device,
-            limits), literals
+    return (tuple(nodes), tuple(outputs), specs, given, no_grad, backward, device, limits), literals
 
 
 def _grad_fns(b: Builder, requires_grad: list[bool]) -> list[str | None]:
@@ -308,22 +333,34 @@ def _grad_fns(b: Builder, requires_grad: list[bool]) -> list[str | None]:
             nc = len(body.carries)
             for k, slot in enumerate(step.outs):
                 if requires_grad[slot]:
-                    grad_fn[slot] = (made.get(body.nexts[k]) if k < nc and body.length
-                                     else "StackBackward" if k >= nc else None)
+                    grad_fn[slot] = (
+                        made.get(body.nexts[k])
+                        if k < nc and body.length
+                        else "StackBackward"
+                        if k >= nc
+                        else None
+                    )
         elif requires_grad[step.out]:
             grad_fn[step.out] = step.op.grad_fn_name
     return grad_fn
 
 
-def assemble(b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], *,
-             device: str = "cpu") -> Program:
+def assemble(
+    b: Builder, inputs: Mapping[str, Sym], outputs: Mapping[str, Sym], *, device: str = "cpu"
+) -> Program:
     """A program from steps emitted by hand on `b` (the engine's own tests and transforms):
     every step the outputs need runs, derived ones included."""
     program = Program(
-        metas=b.metas, steps=b.steps, inputs={n: s.slot for n, s in inputs.items()},
-        grad_inputs={}, outputs=[(n, s.slot) for n, s in outputs.items()], gradients=[],
-        requires_grad=[False] * len(b.metas), grad_fn=[None] * len(b.metas),
-        no_grad=False, backward=False,
+        metas=b.metas,
+        steps=b.steps,
+        inputs={n: s.slot for n, s in inputs.items()},
+        grad_inputs={},
+        outputs=[(n, s.slot) for n, s in outputs.items()],
+        gradients=[],
+        requires_grad=[False] * len(b.metas),
+        grad_fn=[None] * len(b.metas),
+        no_grad=False,
+        backward=False,
     )
     plan(program, ufuncs=_backend_ufuncs(device), facts=b.facts)
     program.run = bind(program, device, facts=b.facts)
@@ -336,27 +373,45 @@ def _backend_ufuncs(device: str) -> bool:
     return get_backend(device).ufuncs is not None
 
 
-def _check_sizes(spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits,
-                 errors: _Errors) -> None:
+def _check_sizes(
+    spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits, errors: _Errors
+) -> None:
     """The request's size limits, before any work that grows with them."""
     if len(spec.nodes) > limits.max_nodes:
-        raise ValidationErrors([GraphError(
-            f"the graph has {len(spec.nodes)} nodes; the limit is {limits.max_nodes}",
-            loc=("graph", "nodes"))])
+        raise ValidationErrors(
+            [
+                GraphError(
+                    f"the graph has {len(spec.nodes)} nodes; the limit is {limits.max_nodes}",
+                    loc=("graph", "nodes"),
+                )
+            ]
+        )
     if len(inputs) > limits.max_inputs:
-        raise ValidationErrors([GraphError(
-            f"the request has {len(inputs)} inputs; the limit is {limits.max_inputs}",
-            loc=("inputs",))])
+        raise ValidationErrors(
+            [
+                GraphError(
+                    f"the request has {len(inputs)} inputs; the limit is {limits.max_inputs}",
+                    loc=("inputs",),
+                )
+            ]
+        )
     for name in inputs:
         if len(name) > limits.max_id_chars:
-            errors.add(GraphError(
-                f"input name {quoted(name)} is longer than {limits.max_id_chars} characters",
-                loc=("inputs", name[:limits.max_id_chars])))
+            errors.add(
+                GraphError(
+                    f"input name {quoted(name)} is longer than {limits.max_id_chars} characters",
+                    loc=("inputs", name[: limits.max_id_chars]),
+                )
+            )
     for index, node in enumerate(spec.nodes):
         if isinstance(node.id, str) and len(node.id) > limits.max_id_chars:
-            errors.add(GraphError(
-                f"node id {quoted(node.id)} is longer than {limits.max_id_chars} characters",
-                node=node.id[:limits.max_id_chars], loc=("graph", "nodes", index, "id")))
+            errors.add(
+                GraphError(
+                    f"node id {quoted(node.id)} is longer than {limits.max_id_chars} characters",
+                    node=node.id[: limits.max_id_chars],
+                    loc=("graph", "nodes", index, "id"),
+                )
+            )
     errors.raise_if_any()
 
 
@@ -397,8 +452,9 @@ def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors
     b.origin = None
 
 
-def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
-               errors: _Errors) -> None:
+def _emit_loop(
+    b: Builder, node: _Node, args: list[Any], slots: dict[int, int], errors: _Errors
+) -> None:
     """A scan node: its body emitted once on a Builder of its own, then one loop step."""
     loop = node.loop
     assert loop is not None
@@ -407,21 +463,29 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
     xs = args[nc:]
     length = node.attrs["length"]
     if length is not None and length < 0:
-        raise AttributeError_(f"attrs.length must be >= 0, got {length}",
-                              loc=(*node.loc, "attrs", "length"))
+        raise AttributeError_(
+            f"attrs.length must be >= 0, got {length}", loc=(*node.loc, "attrs", "length")
+        )
     for j, x in enumerate(xs):
         if type(x) is not Sym or not x.shape:
-            raise ShapeError(f"sequence {j} (argument {nc + j}) must be a tensor with a "
-                             "leading dim to loop over", loc=(*node.loc, "args", nc + j))
+            raise ShapeError(
+                f"sequence {j} (argument {nc + j}) must be a tensor with a "
+                "leading dim to loop over",
+                loc=(*node.loc, "args", nc + j),
+            )
         if length is None:
             length = x.shape[0]
         elif x.shape[0] != length:
             what = "attrs.length" if node.attrs["length"] is not None else "sequence 0"
-            raise ShapeError(f"sequence {j} has {x.shape[0]} steps but {what} has {length}",
-                             loc=(*node.loc, "args", nc + j))
+            raise ShapeError(
+                f"sequence {j} has {x.shape[0]} steps but {what} has {length}",
+                loc=(*node.loc, "args", nc + j),
+            )
     if length is None:
-        raise AttributeError_("a scan without sequences needs attrs.length, the number of "
-                              "steps", loc=(*node.loc, "attrs", "length"))
+        raise AttributeError_(
+            "a scan without sequences needs attrs.length, the number of steps",
+            loc=(*node.loc, "attrs", "length"),
+        )
     outer = [slots.get(k) for k in loop.closures]
     if any(c is None for c in outer):
         return  # an outer value it reads was refused: that error is reported
@@ -446,10 +510,15 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
             if value.shape != meta.shape or value.dtype != meta.dtype:
                 kind = ShapeError if value.shape != meta.shape else DTypeError
                 producer = _producer(loop, key)
-                errors.add(kind(
-                    f"the carry {quoted(str(loc[-1]))} is {fmt(meta.shape)} {meta.dtype} but "
-                    f"its next value is {fmt(value.shape)} {value.dtype}: a carry keeps its "
-                    "shape and dtype", node=producer or node.origin, loc=loc))
+                errors.add(
+                    kind(
+                        f"the carry {quoted(str(loc[-1]))} is {fmt(meta.shape)} {meta.dtype} but "
+                        f"its next value is {fmt(value.shape)} {value.dtype}: a carry keeps its "
+                        "shape and dtype",
+                        node=producer or node.origin,
+                        loc=loc,
+                    )
+                )
                 continue
             nexts.append(value.slot)
     finally:
@@ -460,9 +529,16 @@ def _emit_loop(b: Builder, node: _Node, args: list[Any], slots: dict[int, int],
     for _, which in loop.results:
         if which < 0 and inner[-1 - which] not in ys:
             ys.append(inner[-1 - which])
-    body = Body(b=bb, steps=list(bb.steps), carries=[inner[k] for k in loop.carries],
-                xs=[inner[k] for k in loop.xs], closures=[inner[k] for k in loop.closures],
-                nexts=nexts, ys=ys, length=length)
+    body = Body(
+        b=bb,
+        steps=list(bb.steps),
+        carries=[inner[k] for k in loop.carries],
+        xs=[inner[k] for k in loop.xs],
+        closures=[inner[k] for k in loop.closures],
+        nexts=nexts,
+        ys=ys,
+        length=length,
+    )
     outs = emit_scan(b, body, inits, xs, closures)
     for key, which in loop.results:
         slots[key] = (outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which])]).slot
@@ -473,9 +549,14 @@ def _producer(loop: _LoopGraph, key: int) -> str | None:
     return next((n.origin for n in loop.nodes if n.key == key), None)
 
 
-def _derive_backward(b: Builder, program: Program, roots: list[str],
-                     grad_syms: Mapping[str, Sym], inputs: Mapping[str, TensorSpec],
-                     active: set[int] | None) -> None:
+def _derive_backward(
+    b: Builder,
+    program: Program,
+    roots: list[str],
+    grad_syms: Mapping[str, Sym],
+    inputs: Mapping[str, TensorSpec],
+    active: set[int] | None,
+) -> None:
     """Append the backward: the gradient of every input that requires grad, from the roots'
     upstream gradients (given, cast to the output's dtype, or the implicit 1). `active`:
     the values that depend on those inputs, where they are known already."""
@@ -511,7 +592,9 @@ def check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
         raise MemoryBudgetError(
             f"the planned peak memory of this request is {program.planned_peak_bytes} bytes; "
             f"the {path} budget is {budget} bytes",
-            planned_bytes=program.planned_peak_bytes, budget_bytes=budget)
+            planned_bytes=program.planned_peak_bytes,
+            budget_bytes=budget,
+        )
     cost = program.compute_cost
     if limits.compute_budget is not None and cost > limits.compute_budget:
         node, worst = max(program.cost_by_node.items(), key=lambda kv: kv[1])
@@ -519,8 +602,11 @@ def check_budgets(program: Program, limits: Limits, no_grad: bool) -> None:
             f"the planned compute of this request is {cost:.3g} cost units (floating-point "
             f"operations plus {BYTE_COST} per byte moved, forward and backward); the budget is "
             f"{limits.compute_budget:.3g}. The most expensive node is {quoted(node)} "
-            f"({worst:.3g})", cost=cost, budget=int(limits.compute_budget),
-            node=None if node == "<graph>" else node)
+            f"({worst:.3g})",
+            cost=cost,
+            budget=int(limits.compute_budget),
+            node=None if node == "<graph>" else node,
+        )
 
 
 class _Resolver:
@@ -540,8 +626,7 @@ class _Resolver:
         self.keys += 1
         return self.keys - 1
 
-    def graph(self, nodes: Sequence[NodeLike], scope: _Scope, ordered: bool = True
-              ) -> list[_Node]:
+    def graph(self, nodes: Sequence[NodeLike], scope: _Scope, ordered: bool = True) -> list[_Node]:
         """The level's nodes in a topological order (`_topological`'s), linked; errors
         reported. Not `ordered`: in the client's order, for `_run_order` to order (the
         request's level, whose order only `_run_order` reads; a level where every node
@@ -551,10 +636,13 @@ class _Resolver:
         raw, aliases = self._expand(kept, scope)
         self.expanded += len(raw)
         if self.expanded > self.limits.max_nodes:
-            errors.add(GraphError(
-                f"the graph expands to {self.expanded} op nodes; the limit is "
-                f"{self.limits.max_nodes} (a loop's body counts once)",
-                loc=("graph", "nodes")))
+            errors.add(
+                GraphError(
+                    f"the graph expands to {self.expanded} op nodes; the limit is "
+                    f"{self.limits.max_nodes} (a loop's body counts once)",
+                    loc=("graph", "nodes"),
+                )
+            )
         errors.raise_if_any()
         names, key = scope.names, self.keys
         for node, _, _ in raw:
@@ -577,19 +665,35 @@ class _Resolver:
             _topological(bound, errors)  # (a cycle is reported here)
         return bound
 
-    def ref(self, name: str, scope: _Scope, loc: tuple[str | int, ...], origin: str,
-            op: str | None = None) -> int | None:
+    def ref(
+        self,
+        name: str,
+        scope: _Scope,
+        loc: tuple[str | int, ...],
+        origin: str,
+        op: str | None = None,
+    ) -> int | None:
         """The key of a reference, or None with the error reported."""
         key = scope.find(name)
         if key is None:
-            self.errors.add(GraphError(f"unknown reference {quoted(name)}"
-                                       f"{did_you_mean(name, scope.visible())}", node=origin,
-                                       op=op, loc=loc))
+            self.errors.add(
+                GraphError(
+                    f"unknown reference {quoted(name)}{did_you_mean(name, scope.visible())}",
+                    node=origin,
+                    op=op,
+                    loc=loc,
+                )
+            )
         elif key in self.loops:
             results = ", ".join(quoted(r) for r in self.loops[key]) or "none"
-            self.errors.add(GraphError(
-                f"{quoted(name)} is a scan node, not a value: use its results ({results})",
-                node=origin, op=op, loc=loc))
+            self.errors.add(
+                GraphError(
+                    f"{quoted(name)} is a scan node, not a value: use its results ({results})",
+                    node=origin,
+                    op=op,
+                    loc=loc,
+                )
+            )
             return None
         return key
 
@@ -603,14 +707,19 @@ class _Resolver:
         for index, node in enumerate(nodes):
             nid = node.id
             if not isinstance(nid, str) or not nid:
-                errors.add(GraphError("node id must be a non-empty string",
-                                      loc=scope.node_loc(index, "id")))
+                errors.add(
+                    GraphError(
+                        "node id must be a non-empty string", loc=scope.node_loc(index, "id")
+                    )
+                )
                 continue
-            if nid in seen or nid in names or (parent is not None and
-                                               parent.find(nid) is not None):
+            if nid in seen or nid in names or (parent is not None and parent.find(nid) is not None):
                 clash = self._clash(nid, seen, scope)
-                text = (f"duplicate node id {quoted(nid)}" if nid in seen
-                        else f"node id {quoted(nid)} {clash}")
+                text = (
+                    f"duplicate node id {quoted(nid)}"
+                    if nid in seen
+                    else f"node id {quoted(nid)} {clash}"
+                )
                 errors.add(GraphError(text, node=nid, loc=scope.node_loc(index, "id")))
                 continue
             seen.add(nid)
@@ -618,8 +727,13 @@ class _Resolver:
                 for result in node.results:
                     clash = self._clash(result, seen, scope)
                     if clash:
-                        errors.add(GraphError(f"result id {quoted(result)} {clash}", node=nid,
-                                              loc=scope.node_loc(index, "results", result)))
+                        errors.add(
+                            GraphError(
+                                f"result id {quoted(result)} {clash}",
+                                node=nid,
+                                loc=scope.node_loc(index, "results", result),
+                            )
+                        )
                     seen.add(result)
             kept.append((index, node))
         return kept
@@ -629,14 +743,19 @@ class _Resolver:
         if name in seen:
             return "is used twice"
         if name in scope.names:
-            return ("is also the name of an input" if scope.parent is None
-                    else "is also a carry or sequence name of this body")
+            return (
+                "is also the name of an input"
+                if scope.parent is None
+                else "is also a carry or sequence name of this body"
+            )
         if scope.outer(name):
             return "is also a name of the enclosing graph (names are never shadowed)"
         return ""
 
     def _expand(
-        self, nodes: list[tuple[int, NodeLike]], scope: _Scope,
+        self,
+        nodes: list[tuple[int, NodeLike]],
+        scope: _Scope,
     ) -> tuple[list[tuple[NodeLike, str, int]], dict[str, tuple[str, int]]]:
         """Op-form nodes (node, client id, client index), and aliases (`expr` that is a
         name)."""
@@ -646,8 +765,13 @@ class _Resolver:
         aliases: dict[str, tuple[str, int]] = {}
         for index, node in nodes:
             if (node.op is None) == (node.expr is None):
-                errors.add(GraphError("a node needs exactly one of 'op' or 'expr'", node=node.id,
-                                      loc=scope.node_loc(index)))
+                errors.add(
+                    GraphError(
+                        "a node needs exactly one of 'op' or 'expr'",
+                        node=node.id,
+                        loc=scope.node_loc(index),
+                    )
+                )
                 continue
             if node.op is not None:
                 raw.append((node, node.id, index))
@@ -664,9 +788,13 @@ class _Resolver:
                         return candidate
 
             try:
-                expansion = expand_expr(node.id, node.expr or "", new_id=new_id,
-                                        max_chars=limits.expr_max_chars,
-                                        max_depth=limits.expr_max_depth)
+                expansion = expand_expr(
+                    node.id,
+                    node.expr or "",
+                    new_id=new_id,
+                    max_chars=limits.expr_max_chars,
+                    max_depth=limits.expr_max_depth,
+                )
             except GradserveError as err:
                 err.loc = scope.node_loc(index, *(err.loc or ()))
                 errors.add(err)
@@ -693,9 +821,12 @@ class _Resolver:
                 name = aliases[name][0]
                 if name in chain or name in broken:
                     if name in chain:
-                        cycle = " -> ".join([*chain[chain.index(name):], name])
-                        errors.add(GraphError(f"cycle: {cycle}", node=start,
-                                              loc=scope.node_loc(index, "expr")))
+                        cycle = " -> ".join([*chain[chain.index(name) :], name])
+                        errors.add(
+                            GraphError(
+                                f"cycle: {cycle}", node=start, loc=scope.node_loc(index, "expr")
+                            )
+                        )
                     broken.update(chain)
                     break
                 chain.append(name)
@@ -711,8 +842,9 @@ class _Resolver:
                         resolved[link] = target
         scope.names.update(resolved)
 
-    def _bind(self, raw: list[tuple[NodeLike, str, int]], scope: _Scope
-              ) -> tuple[list[_Node], bool]:
+    def _bind(
+        self, raw: list[tuple[NodeLike, str, int]], scope: _Scope
+    ) -> tuple[list[_Node], bool]:
         """Resolve ops, references, arity and attributes (and loop bodies); and whether
         every node reads only values made before it (keys are numbered in order)."""
         errors = self.errors
@@ -725,8 +857,13 @@ class _Resolver:
                 op = OPS.get(node.op) or TRANSFORMS.get(node.op)
             if op is None:
                 hint = did_you_mean(node.op, [*OPS, *TRANSFORMS])
-                errors.add(UnknownOpError(f"unknown op {quoted(str(node.op))}{hint} (see GET "
-                                          "/ops)", node=origin, loc=scope.node_loc(index, "op")))
+                errors.add(
+                    UnknownOpError(
+                        f"unknown op {quoted(str(node.op))}{hint} (see GET /ops)",
+                        node=origin,
+                        loc=scope.node_loc(index, "op"),
+                    )
+                )
                 continue
             args: list[int | Lit] = []
             reads: list[int] = []
@@ -737,8 +874,9 @@ class _Resolver:
                 if type(arg) is str or isinstance(arg, str):
                     key = names.get(arg)  # (a name of this level that is a value: the most)
                     if key is None or key in loops:
-                        key = self.ref(arg, scope, scope.node_loc(index, "args", j), origin,
-                                       op.name)
+                        key = self.ref(
+                            arg, scope, scope.node_loc(index, "args", j), origin, op.name
+                        )
                         if key is None:
                             ok = False
                             continue
@@ -747,23 +885,37 @@ class _Resolver:
                     if key >= own:
                         in_order = False
                 elif type(arg) is int and not INT64_MIN <= arg <= INT64_MAX:
-                    errors.add(DTypeError(f"integer literal {arg} is outside the int64 range",
-                                          node=origin, op=op.name,
-                                          loc=scope.node_loc(index, "args", j)))
+                    errors.add(
+                        DTypeError(
+                            f"integer literal {arg} is outside the int64 range",
+                            node=origin,
+                            op=op.name,
+                            loc=scope.node_loc(index, "args", j),
+                        )
+                    )
                     ok = False
                 elif isinstance(arg, _NUMBER):
                     args.append(Lit(arg))
                 else:
-                    errors.add(GraphError(
-                        f"argument {j} must be a node id, an input name or a number, got {arg!r}",
-                        node=origin, op=op.name, loc=scope.node_loc(index, "args", j)))
+                    errors.add(
+                        GraphError(
+                            f"argument {j} must be a node id, an input name or a number, "
+                            f"got {arg!r}",
+                            node=origin,
+                            op=op.name,
+                            loc=scope.node_loc(index, "args", j),
+                        )
+                    )
                     ok = False
             try:
                 given = node.attrs
                 if type(op) is OpDef and not op.variadic and len(node_args) == len(op.args):
                     # (what check_arity accepts, and bind_attrs gives for no attributes)
-                    attrs = (op.defaults if not given and len(op.defaults) == len(op.attrs)
-                             else op.bind_attrs(dict(given) if given else {}))
+                    attrs = (
+                        op.defaults
+                        if not given and len(op.defaults) == len(op.attrs)
+                        else op.bind_attrs(dict(given) if given else {})
+                    )
                 else:
                     op.check_arity(len(node_args))
                     attrs = op.bind_attrs(dict(given) if given else {})
@@ -782,8 +934,22 @@ class _Resolver:
                     writes += loop.result_keys
                     in_order = False  # (its results are numbered after the level's nodes)
             if ok:
-                steps.append(_Node(node.id, origin, where, index, own, op, args, attrs, loop,
-                                   sources.get(node.id) if sources else None, reads, writes))
+                steps.append(
+                    _Node(
+                        node.id,
+                        origin,
+                        where,
+                        index,
+                        own,
+                        op,
+                        args,
+                        attrs,
+                        loop,
+                        sources.get(node.id) if sources else None,
+                        reads,
+                        writes,
+                    )
+                )
         return steps, in_order
 
     def _loop(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
@@ -791,29 +957,47 @@ class _Resolver:
         errors = self.errors
         body, results = node.body, node.results
         if body is None or results is None:
-            errors.add(GraphError("a scan node needs 'body' and 'results'", node=node.id,
-                                  loc=loc))
+            errors.add(GraphError("a scan node needs 'body' and 'results'", node=node.id, loc=loc))
             return None
         if scope.depth >= self.limits.max_loop_depth:
-            errors.add(GraphError(f"scans are nested more than {self.limits.max_loop_depth} "
-                                  "deep", node=node.id, loc=(*loc, "body")))
+            errors.add(
+                GraphError(
+                    f"scans are nested more than {self.limits.max_loop_depth} deep",
+                    node=node.id,
+                    loc=(*loc, "body"),
+                )
+            )
             return None
         want = len(body.carry) + len(body.xs)
         if len(node.args or ()) != want:
-            errors.add(ArityError(
-                f"takes {want} arguments (the initial values of {len(body.carry)} carries, "
-                f"then {len(body.xs)} sequences, as body.carry and body.xs list them), got "
-                f"{len(node.args or ())}", node=node.id, op="scan", loc=(*loc, "args")))
+            errors.add(
+                ArityError(
+                    f"takes {want} arguments (the initial values of {len(body.carry)} carries, "
+                    f"then {len(body.xs)} sequences, as body.carry and body.xs list them), got "
+                    f"{len(node.args or ())}",
+                    node=node.id,
+                    op="scan",
+                    loc=(*loc, "args"),
+                )
+            )
             return None
         inner = _Scope(scope, (*loc, "body", "nodes"))
         reported = len(errors.items)
         for field_name, names in (("carry", body.carry), ("xs", body.xs)):
             for j, name in enumerate(names):
-                clash = self._clash(name, set(), inner) if isinstance(name, str) and name \
+                clash = (
+                    self._clash(name, set(), inner)
+                    if isinstance(name, str) and name
                     else "must be a non-empty string"
+                )
                 if clash:
-                    errors.add(GraphError(f"{field_name} name {quoted(str(name))} {clash}",
-                                          node=node.id, loc=(*loc, "body", field_name, j)))
+                    errors.add(
+                        GraphError(
+                            f"{field_name} name {quoted(str(name))} {clash}",
+                            node=node.id,
+                            loc=(*loc, "body", field_name, j),
+                        )
+                    )
                     continue
                 inner.names[name] = self.new_key()
         if len(errors.items) > reported:
@@ -828,13 +1012,23 @@ class _Resolver:
         nexts: list[tuple[int, tuple[str | int, ...]]] = []
         for name in body.next:
             if name not in body.carry:
-                errors.add(GraphError(f"body.next names {quoted(name)}, which is not a carry",
-                                      node=node.id, loc=(*loc, "body", "next", name)))
+                errors.add(
+                    GraphError(
+                        f"body.next names {quoted(name)}, which is not a carry",
+                        node=node.id,
+                        loc=(*loc, "body", "next", name),
+                    )
+                )
         for name in body.carry:
             where = (*loc, "body", "next", name)
             if name not in body.next:
-                errors.add(GraphError(f"body.next gives no next value for the carry "
-                                      f"{quoted(name)}", node=node.id, loc=where))
+                errors.add(
+                    GraphError(
+                        f"body.next gives no next value for the carry {quoted(name)}",
+                        node=node.id,
+                        loc=where,
+                    )
+                )
                 continue
             key = self.ref(body.next[name], inner, where, node.id)
             if key is not None:
@@ -849,21 +1043,35 @@ class _Resolver:
             elif value in inner.names and value not in body.xs:
                 out.append((scope.names[result], -1 - inner.names[value]))
             else:
-                errors.add(GraphError(
-                    f"results[{quoted(result)}] is {quoted(str(value))}, which is neither a "
-                    "carry nor a node of the body", node=node.id, loc=where))
+                errors.add(
+                    GraphError(
+                        f"results[{quoted(result)}] is {quoted(str(value))}, which is neither a "
+                        "carry nor a node of the body",
+                        node=node.id,
+                        loc=where,
+                    )
+                )
         if not results:
-            errors.add(GraphError("a scan node must declare at least one result",
-                                  node=node.id, loc=(*loc, "results")))
+            errors.add(
+                GraphError(
+                    "a scan node must declare at least one result",
+                    node=node.id,
+                    loc=(*loc, "results"),
+                )
+            )
         if len(errors.items) > reported:
             return None
         closures = [k for n in nodes for k in n.reads if k not in locals_]
         closures += [k for k, _ in nexts if k not in locals_]
         closures += [-1 - w for _, w in out if w < 0 and -1 - w not in locals_]
-        return _LoopGraph(carries=carries, xs=xs,
-                          nodes=_run_order(nodes, [*(k for k, _ in nexts),
-                                                   *(-1 - w for _, w in out if w < 0)]),
-                          nexts=nexts, closures=list(dict.fromkeys(closures)), results=out)
+        return _LoopGraph(
+            carries=carries,
+            xs=xs,
+            nodes=_run_order(nodes, [*(k for k, _ in nexts), *(-1 - w for _, w in out if w < 0)]),
+            nexts=nexts,
+            closures=list(dict.fromkeys(closures)),
+            results=out,
+        )
 
 
 def _link(steps: list[_Node]) -> None:
@@ -909,7 +1117,7 @@ def _topological(steps: list[_Node], errors: _Errors, linked: bool = False) -> l
             on_path[node.pos] = len(path)
             path.append(node)
             node = next(dep for dep in node.deps if indegree[dep.pos] > 0)
-        cycle = path[on_path[node.pos]:]
+        cycle = path[on_path[node.pos] :]
         names = [s.origin for s in reversed(cycle)]
         names = [n for k, n in enumerate(names) if k == 0 or n != names[k - 1]]
         text = " -> ".join([*names, names[0]]) if len(names) > 1 else f"{names[0]} -> {names[0]}"
@@ -918,11 +1126,15 @@ def _topological(steps: list[_Node], errors: _Errors, linked: bool = False) -> l
     return order
 
 
-def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
-             errors: _Errors) -> list[tuple[str, int]]:
+def _outputs(
+    names: Any, scope: _Scope, resolver: _Resolver, errors: _Errors
+) -> list[tuple[str, int]]:
     if not names:
-        errors.add(GraphError("graph.outputs must name at least one node or input",
-                              loc=("graph", "outputs")))
+        errors.add(
+            GraphError(
+                "graph.outputs must name at least one node or input", loc=("graph", "outputs")
+            )
+        )
     out: dict[str, int] = {}
     for k, name in enumerate(names):
         loc = ("graph", "outputs", k)
@@ -930,8 +1142,13 @@ def _outputs(names: Any, scope: _Scope, resolver: _Resolver,
             pass
         key = scope.find(name) if isinstance(name, str) else None
         if key is None:
-            errors.add(GraphError(f"output {quoted(name)} is not a node id or an input name",
-                                  node=name if isinstance(name, str) else None, loc=loc))
+            errors.add(
+                GraphError(
+                    f"output {quoted(name)} is not a node id or an input name",
+                    node=name if isinstance(name, str) else None,
+                    loc=loc,
+                )
+            )
             continue
         if resolver.ref(name, scope, loc, name) is None:
             continue
@@ -972,38 +1189,62 @@ def _run_order(graph: list[_Node], roots: list[int], ordered: bool = True) -> li
     return order
 
 
-def _check_backward(program: Program, inputs: Mapping[str, TensorSpec],
-                    grad_outputs: Mapping[str, TensorSpec], errors: _Errors) -> list[str]:
+def _check_backward(
+    program: Program,
+    inputs: Mapping[str, TensorSpec],
+    grad_outputs: Mapping[str, TensorSpec],
+    errors: _Errors,
+) -> list[str]:
     """The outputs the backward starts from; reports what /backward cannot do."""
     if not any(t.requires_grad for t in inputs.values()):
-        errors.add(BackwardError("nothing to differentiate: no input has requires_grad: true",
-                                 loc=("inputs",)))
+        errors.add(
+            BackwardError(
+                "nothing to differentiate: no input has requires_grad: true", loc=("inputs",)
+            )
+        )
         return []
     names = dict(program.outputs)
     for name, tspec in grad_outputs.items():
         if name not in names:
-            errors.add(BackwardError(f"grad_outputs names {quoted(name)}, which is not an "
-                                     "output", node=name, loc=("grad_outputs", name)))
+            errors.add(
+                BackwardError(
+                    f"grad_outputs names {quoted(name)}, which is not an output",
+                    node=name,
+                    loc=("grad_outputs", name),
+                )
+            )
             continue
         meta = program.metas[names[name]]
         if tuple(tspec.shape) != meta.shape:
-            errors.add(BackwardError(
-                f"grad_outputs[{quoted(name)}] has shape {fmt(tspec.shape)} but the output "
-                f"has shape {fmt(meta.shape)}", node=name, loc=("grad_outputs", name)))
+            errors.add(
+                BackwardError(
+                    f"grad_outputs[{quoted(name)}] has shape {fmt(tspec.shape)} but the output "
+                    f"has shape {fmt(meta.shape)}",
+                    node=name,
+                    loc=("grad_outputs", name),
+                )
+            )
     roots = []
     for name, slot in program.outputs:
         if not program.requires_grad[slot]:
             continue  # returned, but adds nothing to the gradients
         meta = program.metas[slot]
         if name not in grad_outputs and numel(meta.shape) != 1:
-            errors.add(BackwardError(
-                f"output {quoted(name)} has shape {fmt(meta.shape)}: only a one-element output "
-                f"gets the implicit gradient 1; give grad_outputs[{quoted(name)}]",
-                node=name, loc=("grad_outputs", name)))
+            errors.add(
+                BackwardError(
+                    f"output {quoted(name)} has shape {fmt(meta.shape)}: only a one-element output "
+                    f"gets the implicit gradient 1; give grad_outputs[{quoted(name)}]",
+                    node=name,
+                    loc=("grad_outputs", name),
+                )
+            )
             continue
         roots.append(name)
     if not roots and not errors.items:
-        errors.add(BackwardError(
-            "no output depends on an input with requires_grad: true; nothing to differentiate",
-            loc=("graph", "outputs")))
+        errors.add(
+            BackwardError(
+                "no output depends on an input with requires_grad: true; nothing to differentiate",
+                loc=("graph", "outputs"),
+            )
+        )
     return roots

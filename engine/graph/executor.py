@@ -44,23 +44,28 @@ class Bound:
 
     __slots__ = ("backend", "backward", "forward", "given")
 
-    def __init__(self, backend: Backend, forward: list[Run], backward: list[Run],
-                 given: list[tuple[str, int, tuple[int, ...], str, bool]]) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        forward: list[Run],
+        backward: list[Run],
+        given: list[tuple[str, int, tuple[int, ...], str, bool]],
+    ) -> None:
         self.backend = backend
         self.forward = forward
         self.backward = backward
         self.given = given
 
 
-def bind(program: Program, device: str = "cpu", *,
-         facts: Mapping[Step, Facts] | None = None) -> Bound:
+def bind(
+    program: Program, device: str = "cpu", *, facts: Mapping[Step, Facts] | None = None
+) -> Bound:
     """Prebind every step's kernel for `device`. `facts`: the steps' facts where their
     emitter knew them (engine.graph.facts)."""
     return _bind(program, get_backend(device), facts)
 
 
-def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None = None
-          ) -> Bound:
+def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None = None) -> Bound:
     steps = program.steps
     known = facts or {}
     has_ufuncs = backend.ufuncs is not None
@@ -70,8 +75,17 @@ def _bind(program: Program, backend: Backend, facts: Mapping[Step, Facts] | None
     for i, step in enumerate(steps):
         if split == len(steps) and (step.kind == BACKWARD or step.kind == RECOMPUTE):
             split = i
-        runs.append(_run(step, program, backend, ufuncs[i] and has_ufuncs, reuses[i], frees[i],
-                         known.get(step)))
+        runs.append(
+            _run(
+                step,
+                program,
+                backend,
+                ufuncs[i] and has_ufuncs,
+                reuses[i],
+                frees[i],
+                known.get(step),
+            )
+        )
     return Bound(backend, runs[:split], runs[split:], given_of(program))
 
 
@@ -84,23 +98,40 @@ def rebind(program: Program, bound: Bound, changed: Sequence[int]) -> Bound:
     backend = bound.backend
     has_ufuncs = backend.ufuncs is not None
     for i in changed:
-        runs[i] = _run(program.steps[i], program, backend, program.ufunc[i] and has_ufuncs,
-                       program.reuse[i], program.frees[i])
+        runs[i] = _run(
+            program.steps[i],
+            program,
+            backend,
+            program.ufunc[i] and has_ufuncs,
+            program.reuse[i],
+            program.frees[i],
+        )
     return Bound(backend, runs[:split], runs[split:], bound.given)
 
 
 def given_of(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
     """What a program's run is given (`Bound.given`)."""
     metas = program.metas
-    given = [(name, slot, metas[slot].shape, metas[slot].dtype, False)
-             for name, slot in program.inputs.items()]
-    given += [(name, slot, metas[slot].shape, metas[slot].dtype, True)
-              for name, slot in program.grad_inputs.items()]
+    given = [
+        (name, slot, metas[slot].shape, metas[slot].dtype, False)
+        for name, slot in program.inputs.items()
+    ]
+    given += [
+        (name, slot, metas[slot].shape, metas[slot].dtype, True)
+        for name, slot in program.grad_inputs.items()
+    ]
     return given
 
 
-def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int,
-         frees: tuple[int, ...], facts: Facts | None = None) -> Run:
+def _run(
+    step: Step,
+    program: Program,
+    backend: Backend,
+    ufunc: bool,
+    reuse: int,
+    frees: tuple[int, ...],
+    facts: Facts | None = None,
+) -> Run:
     """One step bound; its kernel comes from its facts' (worked out here if not given),
     else from the memo of kernels, else is made."""
     op = step.op
@@ -131,8 +162,14 @@ def _run(step: Step, program: Program, backend: Backend, ufunc: bool, reuse: int
 _KERNELS = Memo(1 << 14)
 
 
-def kernel_of(step: Step, program: Program, backend: Backend, ufunc: bool, into: bool,
-              facts: Facts | None = None) -> Kernel:
+def kernel_of(
+    step: Step,
+    program: Program,
+    backend: Backend,
+    ufunc: bool,
+    into: bool,
+    facts: Facts | None = None,
+) -> Kernel:
     """`step`'s kernel: its facts' (one per backend and way of running), else the memo of
     kernels by signature, else made. Binding calls it for every step (with the step's
     facts), and loading a stored program (engine.graph.serial) once per signature."""
@@ -168,8 +205,7 @@ def _kernel(step: Step, program: Program, backend: Backend, ufunc: bool, into: b
 _COMMUTATIVE = frozenset({"add", "multiply", "maximum", "minimum"})
 
 
-def _ufunc_kernel(backend: Backend, name: str, step: Step, program: Program,
-                  into: bool) -> Kernel:
+def _ufunc_kernel(backend: Backend, name: str, step: Step, program: Program, into: bool) -> Kernel:
     """A ufunc step's kernel. A number literal becomes a 0-d array of the result's dtype
     (the value NumPy would convert it to, without converting it on every call) and is bound
     first where that computes the same (a - v is a + (-v) exactly)."""
@@ -212,13 +248,19 @@ def _with_literals(fn: Kernel, args: Sequence[Any]) -> Kernel:
     return kernel
 
 
-def wrong_input(name: str, shape: tuple[int, ...], dtype: str, device: str,
-                got: tuple[tuple[int, ...], str] | None) -> ShapeError:
+def wrong_input(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    device: str,
+    got: tuple[tuple[int, ...], str] | None,
+) -> ShapeError:
     """An input that is not what the program was compiled for (`got`: its shape and dtype,
     None when it is missing), the same error in either tier."""
     given = "nothing" if got is None else f"{fmt(got[0])} {got[1]}"
-    return ShapeError(f"input {name!r} must be {fmt(shape)} {dtype} on {device}, as "
-                      f"compiled; got {given}")
+    return ShapeError(
+        f"input {name!r} must be {fmt(shape)} {dtype} on {device}, as compiled; got {given}"
+    )
 
 
 def execute(
@@ -243,8 +285,13 @@ def execute(
     for name, slot, shape, dtype, upstream in bound.given:
         array = (given if upstream else inputs).get(name)
         if array is None or array.shape != shape or backend.dtype_name(array) != dtype:
-            raise wrong_input(name, shape, dtype, backend.device, None if array is None
-                              else (tuple(array.shape), backend.dtype_name(array)))
+            raise wrong_input(
+                name,
+                shape,
+                dtype,
+                backend.device,
+                None if array is None else (tuple(array.shape), backend.dtype_name(array)),
+            )
         if slots[slot] is None:  # (a name given twice is one array, counted once)
             slots[slot] = array
             sizes[slot] = nbytes = backend.nbytes(array)
@@ -267,16 +314,26 @@ def execute(
         backend.synchronize()
         t1 = time.perf_counter()
         if bound.backward:
-            _loop(bound.backward, slots, sizes, state, check, program, verify,
-                  len(bound.forward), backend)
+            _loop(
+                bound.backward,
+                slots,
+                sizes,
+                state,
+                check,
+                program,
+                verify,
+                len(bound.forward),
+                backend,
+            )
             backend.synchronize()
     timings = {"plan": round(program.plan_ms, 3), "forward": round((t1 - t0) * 1000, 3)}
     if bound.backward:
         timings["backward"] = round((time.perf_counter() - t1) * 1000, 3)
     return RunResult(
         outputs={name: slots[slot] for name, slot in program.outputs},
-        gradients=({name: slots[slot] for name, slot in program.gradients}
-                   if program.backward else None),
+        gradients=(
+            {name: slots[slot] for name, slot in program.gradients} if program.backward else None
+        ),
         peak_bytes=state[1],
         planned_peak_bytes=program.planned_peak_bytes,
         nodes=program.nodes,
@@ -284,9 +341,17 @@ def execute(
     )
 
 
-def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
-          check: Callable[[], None] | None, program: Program, verify: bool, offset: int,
-          backend: Backend) -> None:
+def _loop(
+    runs: list[Run],
+    s: list[Any],
+    sizes: list[int],
+    state: list[int],
+    check: Callable[[], None] | None,
+    program: Program,
+    verify: bool,
+    offset: int,
+    backend: Backend,
+) -> None:
     live, peak = state
     nbytes = backend.nbytes
     k = 0
@@ -346,8 +411,9 @@ def _loop(runs: list[Run], s: list[Any], sizes: list[int], state: list[int],
         raise err.at(node=step.origin, op=step.op.name) from None
     except (ValueError, TypeError, IndexError, ArithmeticError, RuntimeError) as exc:
         step = program.steps[offset + k]
-        raise GradserveError(f"{type(exc).__name__}: {exc}", node=step.origin,
-                             op=step.op.name) from None
+        raise GradserveError(
+            f"{type(exc).__name__}: {exc}", node=step.origin, op=step.op.name
+        ) from None
     state[0], state[1] = live, peak
 
 
@@ -376,11 +442,15 @@ class _Body:
             self.sizes[slot] = numel(metas[slot].shape) * ITEMSIZE[metas[slot].dtype]
         self.given = sum(self.sizes)
         distinct = all(s == MADE for s in self.sources) and len(set(roots)) == len(roots)
-        self.distinct = sum(numel(metas[r].shape) * ITEMSIZE[metas[r].dtype]
-                            for r in roots) if distinct else None
+        self.distinct = (
+            sum(numel(metas[r].shape) * ITEMSIZE[metas[r].dtype] for r in roots)
+            if distinct
+            else None
+        )
 
-    def template(self, closures: list[Any], nbytes: Callable[[Any], int]
-                 ) -> tuple[list[Any], list[int], int]:
+    def template(
+        self, closures: list[Any], nbytes: Callable[[Any], int]
+    ) -> tuple[list[Any], list[int], int]:
         """The slots and their bytes that every step starts from (the closures set), and
         the bytes given."""
         body = self.body
@@ -391,15 +461,18 @@ class _Body:
             sizes[slot] = nbytes(array)
         return template, sizes, self.given + sum(sizes[slot] for slot in body.closures)
 
-    def made(self, carries: list[Any], outer: list[bool], nbytes: Callable[[Any], int]
-             ) -> tuple[int, list[bool]]:
+    def made(
+        self, carries: list[Any], outer: list[bool], nbytes: Callable[[Any], int]
+    ) -> tuple[int, list[bool]]:
         """The bytes of the next carries `carries` that the body made, and per carry whether
         it is an array the outer program counts (from `outer`, the carries' before)."""
         if self.distinct is not None:
             return self.distinct, outer
         outer = [src == OUTER or (src >= 0 and outer[src]) for src in self.sources]
-        return sum(nbytes(a) for a in {id(a): a for a, o in zip(carries, outer, strict=True)
-                                       if not o}.values()), outer
+        return sum(
+            nbytes(a)
+            for a in {id(a): a for a, o in zip(carries, outer, strict=True) if not o}.values()
+        ), outer
 
 
 class _Loop:
@@ -408,8 +481,13 @@ class _Loop:
 
     __slots__ = ("args", "body", "inner", "kept", "replay", "results", "ys")
 
-    def __init__(self, step: Step, backend: Backend, runs: list[Run] | None = None,
-                 replay_runs: list[Run] | None = None) -> None:
+    def __init__(
+        self,
+        step: Step,
+        backend: Backend,
+        runs: list[Run] | None = None,
+        replay_runs: list[Run] | None = None,
+    ) -> None:
         body: Body = step.attrs["body"]
         self.body = body
         self.inner = _Body(body, backend, runs)
@@ -421,14 +499,24 @@ class _Loop:
         self.ys = [(nc + k, y) for k, y in enumerate(body.ys) if wanted[nc + k]]
         # A checkpointed forward loop's: (result number, carry number) per checkpoint, and
         # (result number, body slot) per buffer
-        self.kept = ([(nc + ny + k, k) for k in range(nc) if wanted[nc + ny + k]],
-                     [(nc + ny + nc + k, r) for k, r in enumerate(body.buffered())
-                      if wanted[nc + ny + nc + k]]) if body.every else ([], [])
+        self.kept = (
+            (
+                [(nc + ny + k, k) for k in range(nc) if wanted[nc + ny + k]],
+                [
+                    (nc + ny + nc + k, r)
+                    for k, r in enumerate(body.buffered())
+                    if wanted[nc + ny + nc + k]
+                ],
+            )
+            if body.every
+            else ([], [])
+        )
         # (outer slot, result number)
         self.results = [(slot, k) for k, slot in enumerate(step.outs) if wanted[k]]
 
-    def run(self, s: list[Any], check: Callable[[], None] | None, verify: bool,
-            backend: Backend) -> tuple[int, list[tuple[int, Any]]]:
+    def run(
+        self, s: list[Any], check: Callable[[], None] | None, verify: bool, backend: Backend
+    ) -> tuple[int, list[tuple[int, Any]]]:
         """Run the loop on the outer slots `s`: the most bytes it held beyond what the
         outer program counts, and its results (outer slot, array)."""
         if self.replay is not None:
@@ -440,19 +528,25 @@ class _Loop:
         metas = program.metas
         args = [s[a] for a in self.args]
         nc, nx = len(body.carries), len(body.xs)
-        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:]
+        carries, xs, closures = args[:nc], args[nc : nc + nx], args[nc + nx :]
         length, every = body.length, body.every
         stacks = {k: _stack(backend, length, metas[y]) for k, y in self.ys}
         checkpoints, buffers = self.kept
-        stacks.update((k, _stack(backend, body.segments, metas[body.carries[c]]))
-                      for k, c in checkpoints)
+        stacks.update(
+            (k, _stack(backend, body.segments, metas[body.carries[c]])) for k, c in checkpoints
+        )
         stacks.update((k, _stack(backend, every, metas[r])) for k, r in buffers)
         held = sum(nbytes(a) for a in stacks.values())
         starts = {body.start(j): j for j in range(body.segments)}
         last = length - every  # (the first step of the last segment)
         template, sizes, given = inner.template(closures, nbytes)
-        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, body.nexts, self.ys, \
-            inner.bound
+        carry_slots, x_slots, nexts, ys, runs = (
+            body.carries,
+            body.xs,
+            body.nexts,
+            self.ys,
+            inner.bound,
+        )
         # (a shifted slice is the row of the step this loop visits next)
         shifted = [(x_slots[i], xs[i], closures[j]) for i, j in body.shifted]
         ahead = -1 if body.reverse else 1
@@ -489,8 +583,9 @@ class _Loop:
         results = [(slot, carries[k] if k < nc else stacks[k]) for slot, k in self.results]
         return held + most, results
 
-    def _segments(self, s: list[Any], check: Callable[[], None] | None, verify: bool,
-                  backend: Backend) -> tuple[int, list[tuple[int, Any]]]:
+    def _segments(
+        self, s: list[Any], check: Callable[[], None] | None, verify: bool, backend: Backend
+    ) -> tuple[int, list[tuple[int, Any]]]:
         """A checkpointed reverse loop: per segment from the last, the forward body replayed
         from its checkpoint into the buffers (the last segment's the forward filled), then
         this body over them, the other way."""
@@ -504,12 +599,12 @@ class _Loop:
         metas = program.metas
         args = [s[a] for a in self.args]
         nc, nx, nz = len(body.carries), len(body.xs), len(body.closures)
-        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:nc + nx + nz]
+        carries, xs, closures = args[:nc], args[nc : nc + nx], args[nc + nx : nc + nx + nz]
         buffered, lags = forward.buffered(), forward.lagged()
-        rest = args[nc + nx + nz:]
+        rest = args[nc + nx + nz :]
         fc, fb, fx = len(forward.carries), len(buffered), len(forward.xs)
-        checkpoints, buffers = rest[:fc], rest[fc:fc + fb]
-        forward_xs, forward_closures = rest[fc + fb:fc + fb + fx], rest[fc + fb + fx:]
+        checkpoints, buffers = rest[:fc], rest[fc : fc + fb]
+        forward_xs, forward_closures = rest[fc + fb : fc + fb + fx], rest[fc + fb + fx :]
         length = body.length
         stacks = {k: _stack(backend, length, metas[y]) for k, y in self.ys}
         held = sum(nbytes(a) for a in stacks.values())
@@ -518,8 +613,13 @@ class _Loop:
         fill = list(zip(buffered, buffers, strict=True))
         buffer_of = dict(fill)
         lagging = [(c, buffer_of[forward.nexts[k]], checkpoints[k]) for c, k in lags.items()]
-        carry_slots, x_slots, nexts, ys, runs = body.carries, body.xs, body.nexts, self.ys, \
-            inner.bound
+        carry_slots, x_slots, nexts, ys, runs = (
+            body.carries,
+            body.xs,
+            body.nexts,
+            self.ys,
+            inner.bound,
+        )
         f_carries, f_xs, f_nexts = forward.carries, forward.xs, forward.nexts
         outer = [True] * nc
         made = most = 0
@@ -539,8 +639,17 @@ class _Loop:
                     for slot, seq in zip(f_xs, forward_xs, strict=True):
                         slots[slot] = seq[t, ...]
                     state = [replay_given, replay_given]
-                    _loop(replay.bound, slots, replay_sizes.copy(), state, check,
-                          forward_program, verify, 0, backend)
+                    _loop(
+                        replay.bound,
+                        slots,
+                        replay_sizes.copy(),
+                        state,
+                        check,
+                        forward_program,
+                        verify,
+                        0,
+                        backend,
+                    )
                     if made + f_made + state[1] - replay_given > most:
                         most = made + f_made + state[1] - replay_given
                     for r, buffer in fill:
@@ -583,4 +692,6 @@ def _verify(program: Program, index: int, result: Any, backend: Backend) -> None
     if shape != meta.shape or dtype != meta.dtype:
         raise ShapeError(
             f"step {index} ({step.op.name}) made shape {fmt(shape)} {dtype}, but its "
-            f"shape rule says {fmt(meta.shape)} {meta.dtype}", node=step.origin)
+            f"shape rule says {fmt(meta.shape)} {meta.dtype}",
+            node=step.origin,
+        )

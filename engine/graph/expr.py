@@ -20,17 +20,33 @@ from gradserve.engine.errors import ExprError, GraphError, UnknownOpError, did_y
 from gradserve.engine.graph.spec import NodeSpec
 from gradserve.engine.rules import OPS, TRANSFORMS
 
-_BINARY = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
-           ast.MatMult: "matmul"}
-_COMPARE = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq",
-            ast.NotEq: "ne"}
+_BINARY = {
+    ast.Add: "add",
+    ast.Sub: "sub",
+    ast.Mult: "mul",
+    ast.Div: "div",
+    ast.Pow: "pow",
+    ast.MatMult: "matmul",
+}
+_COMPARE = {ast.Lt: "lt", ast.LtE: "le", ast.Gt: "gt", ast.GtE: "ge", ast.Eq: "eq", ast.NotEq: "ne"}
 _DESCRIBE = {
-    ast.Attribute: "attribute access", ast.Subscript: "a subscript", ast.Lambda: "a lambda",
-    ast.ListComp: "a comprehension", ast.SetComp: "a comprehension",
-    ast.DictComp: "a comprehension", ast.GeneratorExp: "a comprehension",
-    ast.Starred: "a starred argument", ast.BoolOp: "'and'/'or'", ast.IfExp: "a conditional",
-    ast.Dict: "a dict", ast.Set: "a set", ast.JoinedStr: "an f-string", ast.NamedExpr: "':='",
-    ast.Await: "await", ast.Yield: "yield", ast.YieldFrom: "yield",
+    ast.Attribute: "attribute access",
+    ast.Subscript: "a subscript",
+    ast.Lambda: "a lambda",
+    ast.ListComp: "a comprehension",
+    ast.SetComp: "a comprehension",
+    ast.DictComp: "a comprehension",
+    ast.GeneratorExp: "a comprehension",
+    ast.Starred: "a starred argument",
+    ast.BoolOp: "'and'/'or'",
+    ast.IfExp: "a conditional",
+    ast.Dict: "a dict",
+    ast.Set: "a set",
+    ast.JoinedStr: "an f-string",
+    ast.NamedExpr: "':='",
+    ast.Await: "await",
+    ast.Yield: "yield",
+    ast.YieldFrom: "yield",
 }
 
 Value = str | bool | int | float  # a reference (input or node id) or a number literal
@@ -63,8 +79,15 @@ def piece_of(text: str, span: Span) -> str:
     """An error's pointer to a piece of an expression: `'x @ w' at column 5` (1-based; with
     its line when the text has several)."""
     line, col, end_line, end_col = span
-    segment = ast.get_source_segment(text, ast.Constant(
-        None, lineno=line, col_offset=col, end_lineno=end_line, end_col_offset=end_col)) or ""
+    segment = (
+        ast.get_source_segment(
+            text,
+            ast.Constant(
+                None, lineno=line, col_offset=col, end_lineno=end_line, end_col_offset=end_col
+            ),
+        )
+        or ""
+    )
     where = f"line {line}, column {col + 1}" if "\n" in text else f"column {col + 1}"
     return f"{quoted(segment, 60)} at {where}"
 
@@ -86,8 +109,7 @@ def _scan_tokens(text: str) -> tuple[int, str | None]:
                 deepest = max(deepest, depth)
             else:
                 depth -= 1
-        literal = next((m.group() for m in _INTEGERS.finditer(text) if _too_long(m.group())),
-                       None)
+        literal = next((m.group() for m in _INTEGERS.finditer(text) if _too_long(m.group())), None)
         return deepest, literal
     return _scan_with_tokenizer(text)
 
@@ -177,8 +199,13 @@ class _Compiler:
         self.piece: ast.expr | None = None  # the piece being built
         self.line_shift = self.col_shift = 0  # where the stripped text starts in the given
 
-    def fail(self, message: str, piece: ast.AST | None = None, hint: str = "",
-             kind: type[GraphError] = ExprError) -> GraphError:
+    def fail(
+        self,
+        message: str,
+        piece: ast.AST | None = None,
+        hint: str = "",
+        kind: type[GraphError] = ExprError,
+    ) -> GraphError:
         if piece is not None:
             segment = ast.get_source_segment(self.text, piece) or ""
             message = f"{message}: {quoted(segment, 40)}" if segment else message
@@ -193,11 +220,13 @@ class _Compiler:
         self.nodes.append(node)
         piece = self.piece
         if piece is not None:
-            self.spans[node.id] = (piece.lineno + self.line_shift, piece.col_offset
-                                   + (self.col_shift if piece.lineno == 1 else 0),
-                                   piece.end_lineno + self.line_shift,  # type: ignore[operator]
-                                   piece.end_col_offset  # type: ignore[operator]
-                                   + (self.col_shift if piece.end_lineno == 1 else 0))
+            self.spans[node.id] = (
+                piece.lineno + self.line_shift,
+                piece.col_offset + (self.col_shift if piece.lineno == 1 else 0),
+                piece.end_lineno + self.line_shift,  # type: ignore[operator]
+                piece.end_col_offset  # type: ignore[operator]
+                + (self.col_shift if piece.end_lineno == 1 else 0),
+            )
         return node.id
 
     def name(self, piece: ast.Name) -> str:
@@ -240,8 +269,9 @@ class _Compiler:
         hint = ""
         if isinstance(piece, ast.Name) and piece.id in _JSON_CONSTANTS:
             hint = f"; did you mean {_JSON_CONSTANTS[piece.id]}?"  # `keepdim=true`, as in JSON
-        raise self.fail("attribute values must be literals (numbers, strings, lists of ints)",
-                        piece, hint)
+        raise self.fail(
+            "attribute values must be literals (numbers, strings, lists of ints)", piece, hint
+        )
 
     def compile(self, root: ast.AST) -> Value:
         """Post-order over the AST with an explicit stack (no recursion on depth)."""
@@ -297,8 +327,9 @@ class _Compiler:
         if name not in OPS and name not in TRANSFORMS:
             hint = did_you_mean(name, [*OPS, *TRANSFORMS])
             # The same problem as an unknown `op` field: `unknown-op`, not `expr`.
-            raise self.fail(f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func,
-                            kind=UnknownOpError)
+            raise self.fail(
+                f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func, kind=UnknownOpError
+            )
         if name == "scan":
             raise self.fail("scan takes a body and results: write it as an op node", call.func)
         return name
@@ -312,8 +343,9 @@ class _Compiler:
             operand = done[id(piece.operand)]
             return operand if isinstance(piece.op, ast.UAdd) else self.emit("neg", [operand])
         if isinstance(piece, ast.Compare):
-            return self.emit(_COMPARE[type(piece.ops[0])],
-                             [done[id(piece.left)], done[id(piece.comparators[0])]])
+            return self.emit(
+                _COMPARE[type(piece.ops[0])], [done[id(piece.left)], done[id(piece.comparators[0])]]
+            )
         assert isinstance(piece, ast.Call)
         return self.call(piece, done)
 
@@ -325,8 +357,12 @@ class _Compiler:
         if strings:
             # A leading string is the op's string attribute, as in einsum("ij,jk->ik", a, b).
             first = (op.call_order or ("",))[0] if op is not None else ""
-            if (op is None or len(strings) > 1 or piece.args[0] is not strings[0]
-                    or first not in op.attrs):
+            if (
+                op is None
+                or len(strings) > 1
+                or piece.args[0] is not strings[0]
+                or first not in op.attrs
+            ):
                 raise self.fail("strings are only allowed as attribute values", strings[0])
             attrs[first] = strings[0].value  # type: ignore[attr-defined]
         for kw in piece.keywords:
@@ -350,28 +386,37 @@ def expand_expr(
     if not isinstance(text, str) or not text.strip():
         raise ExprError("expr must be a non-empty string", node=node_id, loc=("expr",))
     if len(text) > max_chars:
-        raise ExprError(f"expr is {len(text)} characters long; the limit is {max_chars}",
-                        node=node_id, loc=("expr",))
-    too_deep = ExprError(f"expr is nested more than {max_depth} levels deep",
-                         node=node_id, loc=("expr",))
+        raise ExprError(
+            f"expr is {len(text)} characters long; the limit is {max_chars}",
+            node=node_id,
+            loc=("expr",),
+        )
+    too_deep = ExprError(
+        f"expr is nested more than {max_depth} levels deep", node=node_id, loc=("expr",)
+    )
     depth, too_long = _scan_tokens(text)
     if depth > max_depth:
         raise too_deep
     if too_long is not None:
-        raise ExprError(f"integer literal {quoted(too_long, 24)} is too long for int64 "
-                        "(PyTorch's integer range)", node=node_id, loc=("expr",))
+        raise ExprError(
+            f"integer literal {quoted(too_long, 24)} is too long for int64 "
+            "(PyTorch's integer range)",
+            node=node_id,
+            loc=("expr",),
+        )
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         where = f" (column {exc.offset})" if exc.offset else ""
-        raise ExprError(f"invalid expression: {exc.msg}{where}", node=node_id,
-                        loc=("expr",)) from None
+        raise ExprError(
+            f"invalid expression: {exc.msg}{where}", node=node_id, loc=("expr",)
+        ) from None
     except (RecursionError, MemoryError, ValueError):
         raise too_deep from None
     if _ast_depth(tree.body) > max_depth:
         raise too_deep
     compiler = _Compiler(node_id, text.strip(), new_id)
-    lead = text[:len(text) - len(text.lstrip())]
+    lead = text[: len(text) - len(text.lstrip())]
     compiler.line_shift = lead.count("\n")
     compiler.col_shift = len(lead) - (lead.rfind("\n") + 1)
     value = compiler.compile(tree.body)
@@ -379,8 +424,7 @@ def expand_expr(
         return Expansion([], alias=value)  # the whole expression is a name: an alias
     if not isinstance(value, str):
         # A literal-only expression is a constant.
-        compiler.nodes.append(NodeSpec(id=node_id, op="full",
-                                       attrs={"shape": [], "value": value}))
+        compiler.nodes.append(NodeSpec(id=node_id, op="full", attrs={"shape": [], "value": value}))
         return Expansion(compiler.nodes)
     last = compiler.nodes[-1]
     compiler.nodes[-1] = NodeSpec(id=node_id, op=last.op, args=last.args, attrs=last.attrs)

@@ -35,11 +35,29 @@ class Facts:
     `views_input`; `kernels`: per backend, its kernels by (ufunc, into) as 2 * ufunc +
     into (filled in by the binder)."""
 
-    __slots__ = ("bytes", "cost", "flops", "kernels", "returns_input", "sig", "size",
-                 "slots_only", "ufunc", "views_input")
+    __slots__ = (
+        "bytes",
+        "cost",
+        "flops",
+        "kernels",
+        "returns_input",
+        "sig",
+        "size",
+        "slots_only",
+        "ufunc",
+        "views_input",
+    )
 
-    def __init__(self, op: OpDef, sig: tuple[Any, ...], slots_only: bool, size: int,
-                 ufunc: bool, flops: int, bytes_: int) -> None:
+    def __init__(
+        self,
+        op: OpDef,
+        sig: tuple[Any, ...],
+        slots_only: bool,
+        size: int,
+        ufunc: bool,
+        flops: int,
+        bytes_: int,
+    ) -> None:
         self.sig = sig
         self.slots_only = slots_only
         self.size = size
@@ -68,21 +86,35 @@ def attr_values(attrs: dict[str, Any]) -> tuple[Any, ...]:
 def facts_of(step: Step, metas: list[Meta]) -> Facts:
     """The facts of `step` (not a loop), from its op's rules."""
     op, args = step.op, step.args
-    sig = (*[metas[a] if type(a) is int else literal_key(a.value)  # type: ignore[union-attr]
-             for a in args], *attr_values(step.attrs))
+    sig = (
+        *[
+            metas[a] if type(a) is int else literal_key(a.value)  # type: ignore[union-attr]
+            for a in args
+        ],
+        *attr_values(step.attrs),
+    )
     slots = [a for a in args if type(a) is int]
     out = metas[step.out]
     dtype = out.dtype
-    ufunc = (op.ufunc is not None and dtype in UFUNC_DTYPES
-             and all(metas[a].dtype == dtype for a in slots))  # type: ignore[index]
+    ufunc = (
+        op.ufunc is not None
+        and dtype in UFUNC_DTYPES
+        and all(metas[a].dtype == dtype for a in slots)
+    )  # type: ignore[index]
     if op.cost is None:  # one operation per element, each byte read or written once
         flops, bytes_ = numel(out.shape), size_of(out)
         for a in slots:
             flops += numel(metas[a].shape)  # type: ignore[index]
             bytes_ += size_of(metas[a])  # type: ignore[index]
     else:
-        flops, bytes_ = op.cost([metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
-                                 for a in args], out, **step.attrs)
+        flops, bytes_ = op.cost(
+            [
+                metas[a] if type(a) is int else literal_meta(a.value)  # type: ignore[union-attr]
+                for a in args
+            ],
+            out,
+            **step.attrs,
+        )
     return Facts(op, sig, len(slots) == len(args), size_of(out), ufunc, flops, bytes_)
 
 

@@ -108,15 +108,23 @@ class Template:
             program.steps = new_steps = list(steps)
             for i, args in changed.items():
                 s = steps[i]
-                new_steps[i] = Step(s.op, tuple(args), s.attrs, s.out, s.kind,  # type: ignore[arg-type]
-                                    s.origin, s.more)
+                new_steps[i] = Step(
+                    s.op,
+                    tuple(args),  # type: ignore[arg-type]
+                    s.attrs,
+                    s.out,
+                    s.kind,
+                    s.origin,
+                    s.more,
+                )
             program.run = rebind(program, self.program.run, sorted(changed))
         program.lifted = True
         return program
 
 
-def _sites(steps: Sequence[Step], literals: Sequence[GraphLiteral]
-           ) -> tuple[list[int], list[list[tuple[int, int]] | None]]:
+def _sites(
+    steps: Sequence[Step], literals: Sequence[GraphLiteral]
+) -> tuple[list[int], list[list[tuple[int, int]] | None]]:
     """Each literal's group (the literals that are one object), and per group the places
     in `steps` that hold that object, or None where it is fixed: an op computes with it,
     or some value of the program equals it without being it (a copy: where it came from

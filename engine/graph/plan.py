@@ -25,8 +25,13 @@ from gradserve.engine.graph.scan import OUTER, SCAN, Body, carry_sources, replay
 REUSE_MIN_BYTES = 32 << 10
 
 
-def plan(program: Program, *, ufuncs: bool, record: bool = False,
-         facts: Mapping[Step, Facts] | None = None) -> None:
+def plan(
+    program: Program,
+    *,
+    ufuncs: bool,
+    record: bool = False,
+    facts: Mapping[Step, Facts] | None = None,
+) -> None:
     """Plan `program` in place. `ufuncs`: the backend has ufuncs that write into a given
     buffer. `record`: a forward with grad recording, which holds what its graph saves.
     `facts`: the steps' facts where their emitter knew them (engine.graph.facts)."""
@@ -107,7 +112,10 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
                     live += counted[slot]
             peak = max(peak, live)
             step_flops, step_bytes = step.op.cost(  # type: ignore[misc]
-                [metas[a] for a in step.args], metas[step.out], **step.attrs)  # type: ignore[index]
+                [metas[a] for a in step.args],  # type: ignore[index]
+                metas[step.out],
+                **step.attrs,
+            )
             cost = step_flops + BYTE_COST * step_bytes
             replay_flops, replay_bytes = replay_cost(step.attrs["body"])
             if replay_flops or replay_bytes:  # (a checkpointed loop runs segments again)
@@ -121,8 +129,13 @@ def plan(program: Program, *, ufuncs: bool, record: bool = False,
                 if ufunc[i] and size >= REUSE_MIN_BYTES:  # (never 0-d: a scalar, no buffer)
                     meta = metas[out]
                     for a in step.args:
-                        if (type(a) is int and a in fresh and last_use.get(a) == i
-                                and a not in held and metas[a] == meta):
+                        if (
+                            type(a) is int
+                            and a in fresh
+                            and last_use.get(a) == i
+                            and a not in held
+                            and metas[a] == meta
+                        ):
                             r = a
                             break
                     if out not in viewed:
@@ -183,25 +196,38 @@ def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
     body: Body = step.attrs["body"]
     body.wanted = [slot in needed for slot in step.outs]
     nc, ny = len(body.carries), len(body.ys)
-    stacked = body.wanted[nc:nc + ny]
+    stacked = body.wanted[nc : nc + ny]
     program = Program(
-        metas=body.b.metas, steps=body.steps,
-        inputs={f"in{k}": slot for k, slot in enumerate(body.inputs)}, grad_inputs={},
-        outputs=[*((f"next{k}", slot) for k, slot in enumerate(body.nexts)),
-                 *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k]),
-                 *((f"replayed{k}", slot) for k, slot in enumerate(body.replayed))],
-        gradients=[], requires_grad=[], grad_fn=[], no_grad=True, backward=False)
+        metas=body.b.metas,
+        steps=body.steps,
+        inputs={f"in{k}": slot for k, slot in enumerate(body.inputs)},
+        grad_inputs={},
+        outputs=[
+            *((f"next{k}", slot) for k, slot in enumerate(body.nexts)),
+            *((f"y{k}", slot) for k, slot in enumerate(body.ys) if stacked[k]),
+            *((f"replayed{k}", slot) for k, slot in enumerate(body.replayed)),
+        ],
+        gradients=[],
+        requires_grad=[],
+        grad_fn=[],
+        no_grad=True,
+        backward=False,
+    )
     plan(program, ufuncs=ufuncs, facts=body.b.facts)
     body.program = program
     metas = body.b.metas
-    stacks = sum(size_of(metas[y]) for y, want in zip(body.ys, stacked, strict=True)
-                 if want) * body.length
+    stacks = (
+        sum(size_of(metas[y]) for y, want in zip(body.ys, stacked, strict=True) if want)
+        * body.length
+    )
     if body.every:
-        kept = body.wanted[nc + ny:]
-        stacks += body.segments * sum(size_of(metas[c]) for c, want in zip(
-            body.carries, kept[:nc], strict=True) if want)
-        stacks += body.every * sum(size_of(metas[r]) for r, want in zip(
-            body.buffered(), kept[nc:], strict=True) if want)
+        kept = body.wanted[nc + ny :]
+        stacks += body.segments * sum(
+            size_of(metas[c]) for c, want in zip(body.carries, kept[:nc], strict=True) if want
+        )
+        stacks += body.every * sum(
+            size_of(metas[r]) for r, want in zip(body.buffered(), kept[nc:], strict=True) if want
+        )
     if body.length == 0:
         return stacks
     made = _made_by_step(body, program)
@@ -214,9 +240,14 @@ def _plan_body(step: Step, needed: set[int], ufuncs: bool) -> int:
         assert forward is not None, "a replay is planned before its reverse loop"
         replayed = _made_by_step(replay, forward)
         starts = [replay.start(j) for j in range(replay.segments)]
-        held = max(held, _beyond_inputs(replay, forward) + max(
-            _at(made, body.length - end) + _worst(replayed, 0, end - start)
-            for start, end in itertools.pairwise(starts)))
+        held = max(
+            held,
+            _beyond_inputs(replay, forward)
+            + max(
+                _at(made, body.length - end) + _worst(replayed, 0, end - start)
+                for start, end in itertools.pairwise(starts)
+            ),
+        )
     return stacks + held
 
 

@@ -64,8 +64,9 @@ BISECTIONS = 24
 GUESSES = 8
 
 
-def rematerialize(program: Program, budget: int, *, ufuncs: bool,
-                  facts: MutableMapping[Step, Facts]) -> Program:
+def rematerialize(
+    program: Program, budget: int, *, ufuncs: bool, facts: MutableMapping[Step, Facts]
+) -> Program:
     """A program computing what the planned backward `program` computes within `budget`
     bytes, forward values recomputed in its backward, planned; raises MemoryBudgetError,
     naming the smallest peak it reached, when none fits. `ufuncs` as the planner takes it;
@@ -79,7 +80,9 @@ def rematerialize(program: Program, budget: int, *, ufuncs: bool,
             f"the planned peak memory of this request is {program.planned_peak_bytes} bytes; "
             f"the {path} budget is {budget} bytes, and it would need at least {least} bytes "
             "even recomputing forward values in the backward",
-            planned_bytes=least, budget_bytes=budget)
+            planned_bytes=least,
+            budget_bytes=budget,
+        )
     best.peak_without_recompute = program.planned_peak_bytes
     return best
 
@@ -107,14 +110,22 @@ class _Forward:
             f = facts.get(step) or facts_of(step, metas)
             if f.returns_input:
                 root[step.out] = root[step.args[0]]  # type: ignore[index]
-        fixed = {root[s] for s in (*program.inputs.values(), *program.grad_inputs.values(),
-                                   *(s for _, s in program.outputs),
-                                   *(s for _, s in program.gradients), *program.held)}
+        fixed = {
+            root[s]
+            for s in (
+                *program.inputs.values(),
+                *program.grad_inputs.values(),
+                *(s for _, s in program.outputs),
+                *(s for _, s in program.gradients),
+                *program.held,
+            )
+        }
         self.made, self.root = made, root
         # May be recomputed: made by a forward step other than a loop, and its array not
         # one that stays (nor a loop's, nor an input's).
-        self.free = free = [made[s] >= 0 and made[root[s]] >= 0 and root[s] not in fixed
-                            for s in range(len(metas))]
+        self.free = free = [
+            made[s] >= 0 and made[root[s]] >= 0 and root[s] not in fixed for s in range(len(metas))
+        ]
         # The backward's first read of each forward value.
         first: dict[int, int] = {}
         for j in range(nf, len(steps)):
@@ -213,8 +224,7 @@ class _Forward:
 class _Search:
     """Rewritten programs for layouts of several resident sizes, planned exactly."""
 
-    def __init__(self, program: Program, ufuncs: bool,
-                 facts: MutableMapping[Step, Facts]) -> None:
+    def __init__(self, program: Program, ufuncs: bool, facts: MutableMapping[Step, Facts]) -> None:
         self.program, self.ufuncs, self.facts = program, ufuncs, facts
         self.forward = _Forward(program, facts)
         self.least = program.planned_peak_bytes  # the smallest peak reached (when none fits)
@@ -326,7 +336,7 @@ class _Search:
         before: dict[int, list[int]] = {}
         for v in order:
             before.setdefault(need[v], []).append(v)
-        out = steps[:fw.nf]
+        out = steps[: fw.nf]
         for j in range(fw.nf, len(steps)):
             for v in before.get(j, ()):
                 out.append(_moved(steps[made[v]], copy, copy[v], RECOMPUTE, facts))
@@ -335,21 +345,36 @@ class _Search:
                 step = _moved(step, copy, step.out, step.kind, facts)
             out.append(step)
         new = Program(
-            metas=[*metas, *(metas[v] for v in order)], steps=out, inputs=program.inputs,
-            grad_inputs=program.grad_inputs, outputs=program.outputs,
-            gradients=program.gradients, requires_grad=program.requires_grad,
-            grad_fn=program.grad_fn, no_grad=program.no_grad, backward=program.backward,
-            held=set(program.held))
+            metas=[*metas, *(metas[v] for v in order)],
+            steps=out,
+            inputs=program.inputs,
+            grad_inputs=program.grad_inputs,
+            outputs=program.outputs,
+            gradients=program.gradients,
+            requires_grad=program.requires_grad,
+            grad_fn=program.grad_fn,
+            no_grad=program.no_grad,
+            backward=program.backward,
+            held=set(program.held),
+        )
         plan(new, ufuncs=self.ufuncs, facts=facts)
         return new
 
 
-def _moved(step: Step, copy: dict[int, int], out: int, kind: str,
-           facts: MutableMapping[Step, Facts]) -> Step:
+def _moved(
+    step: Step, copy: dict[int, int], out: int, kind: str, facts: MutableMapping[Step, Facts]
+) -> Step:
     """`step` reading the recomputed copies, writing `out`, as a step of `kind` (with its
     facts: the same signature)."""
-    new = Step(step.op, tuple(copy.get(a, a) if type(a) is int else a for a in step.args),
-               step.attrs, out, kind, step.origin, step.more)
+    new = Step(
+        step.op,
+        tuple(copy.get(a, a) if type(a) is int else a for a in step.args),
+        step.attrs,
+        out,
+        kind,
+        step.origin,
+        step.more,
+    )
     f = facts.get(step)
     if f is not None:
         facts[new] = f

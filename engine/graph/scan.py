@@ -112,8 +112,11 @@ class Body:
         buffer one row back, not buffered: a carry (slot -> its number) whose next value is
         replayed too, and no carry (which would be read back in turn)."""
         replayed = set(self.replayed)
-        return {c: k for k, (c, n) in enumerate(zip(self.carries, self.nexts, strict=True))
-                if c in replayed and n in replayed and n not in self.carries}
+        return {
+            c: k
+            for k, (c, n) in enumerate(zip(self.carries, self.nexts, strict=True))
+            if c in replayed and n in replayed and n not in self.carries
+        }
 
     def buffered(self) -> list[int]:
         """A checkpointed forward loop's replayed values that have a buffer."""
@@ -138,19 +141,26 @@ def _cost(metas: list[Meta], out: Meta, *, body: Body) -> tuple[int, int]:
     metas = body.b.metas
     nc, ny = len(body.carries), len(body.ys)
     wanted = body.wanted
-    stacked = sum(size_of(metas[y]) for y, want in zip(body.ys, wanted[nc:nc + ny], strict=True)
-                  if want)
+    stacked = sum(
+        size_of(metas[y]) for y, want in zip(body.ys, wanted[nc : nc + ny], strict=True) if want
+    )
     kept = 0
     if body.every:
-        checkpoints = wanted[nc + ny:nc + ny + nc]
-        kept = body.segments * sum(size_of(metas[c]) for c, want in zip(
-            body.carries, checkpoints, strict=True) if want)
-        kept += body.every * sum(size_of(metas[r]) for r, want in zip(
-            body.buffered(), wanted[nc + ny + nc:], strict=True) if want)
+        checkpoints = wanted[nc + ny : nc + ny + nc]
+        kept = body.segments * sum(
+            size_of(metas[c]) for c, want in zip(body.carries, checkpoints, strict=True) if want
+        )
+        kept += body.every * sum(
+            size_of(metas[r])
+            for r, want in zip(body.buffered(), wanted[nc + ny + nc :], strict=True)
+            if want
+        )
     overhead = ITERATION_STEP_COST * len(program.steps) // BYTE_COST
     flops, moved = replay_cost(body)
-    return (body.length * program.flops + flops,
-            body.length * (program.bytes_moved + stacked + overhead) + kept + moved)
+    return (
+        body.length * program.flops + flops,
+        body.length * (program.bytes_moved + stacked + overhead) + kept + moved,
+    )
 
 
 def replay_cost(body: Body) -> tuple[int, int]:
@@ -170,11 +180,17 @@ def replay_cost(body: Body) -> tuple[int, int]:
 
 
 SCAN = OpDef(
-    name="scan", group="transforms", args=(), variadic=True, forward=_no_forward,
-    infer=_no_infer, cost=_cost,
+    name="scan",
+    group="transforms",
+    args=(),
+    variadic=True,
+    forward=_no_forward,
+    infer=_no_infer,
+    cost=_cost,
     # A result may be an argument itself (a carry of a loop of length 0).
     views_input=True,
-    doc="A loop over the leading axis of its sequences (a step of a compiled program).")
+    doc="A loop over the leading axis of its sequences (a step of a compiled program).",
+)
 
 
 # Where a carry's next value comes from, per carry: an array the outer program counts (a
@@ -207,8 +223,9 @@ def compiled_steps(program: Program) -> int:
     count = 0
     for step in program.steps:
         body = step.attrs.get("body") if step.op is SCAN else None
-        count += 1 + (compiled_steps(body.program) if body is not None
-                      and body.program is not None else 0)
+        count += 1 + (
+            compiled_steps(body.program) if body is not None and body.program is not None else 0
+        )
     return count
 
 
@@ -227,8 +244,9 @@ def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:
     return sources, roots
 
 
-def emit_scan(b: Builder, body: Body, inits: list[Sym], xs: list[Sym],
-              closures: list[Sym]) -> list[Sym]:
+def emit_scan(
+    b: Builder, body: Body, inits: list[Sym], xs: list[Sym], closures: list[Sym]
+) -> list[Sym]:
     """Append the scan step of `body` to `b`: its final carries (metas of the initial
     ones) and its stacked results, as Syms of `b`. The body's steps that read nothing
     that changes from step to step run once, before the loop (their values become
@@ -238,8 +256,17 @@ def emit_scan(b: Builder, body: Body, inits: list[Sym], xs: list[Sym],
     outs = [b.value(init.meta) for init in inits]
     outs += [b.value(Meta((body.length, *metas[y].shape), metas[y].dtype)) for y in body.ys]
     slots = tuple(o.slot for o in outs)
-    b.steps.append(Step(SCAN, tuple(v.slot for v in (*inits, *xs, *closures)),
-                        {"body": body}, slots[0], b.kind, b.origin, slots[1:]))
+    b.steps.append(
+        Step(
+            SCAN,
+            tuple(v.slot for v in (*inits, *xs, *closures)),
+            {"body": body},
+            slots[0],
+            b.kind,
+            b.origin,
+            slots[1:],
+        )
+    )
     return outs
 
 
@@ -254,8 +281,14 @@ def _hoist(b: Builder, body: Body, closures: list[Sym]) -> list[Sym]:
             kept.append(step)
             continue
         sym = b.value(body.b.metas[step.out])
-        moved = Step(step.op, tuple(outer[a].slot if type(a) is int else a for a in step.args),
-                     step.attrs, sym.slot, b.kind, step.origin)
+        moved = Step(
+            step.op,
+            tuple(outer[a].slot if type(a) is int else a for a in step.args),
+            step.attrs,
+            sym.slot,
+            b.kind,
+            step.origin,
+        )
         b.steps.append(moved)
         facts = body.b.facts.get(step)
         if facts is not None:

@@ -133,8 +133,21 @@ _READS_LAST = frozenset({BINARY, UNARY_INTO, BINARY_INTO})
 # A loop body's lists of slots (engine.graph.scan.Body).
 _BODY_LISTS = ("carries", "xs", "closures", "nexts", "ys", "replayed")
 # A program's columns, in the order they are written: per step, then flat, then per slot.
-_COLUMNS = ("signature", "kind", "origin", "out", "reuse", "cost", "nfrees", "slots", "frees",
-            "meta", "requires_grad", "grad_fn", "held")
+_COLUMNS = (
+    "signature",
+    "kind",
+    "origin",
+    "out",
+    "reuse",
+    "cost",
+    "nfrees",
+    "slots",
+    "frees",
+    "meta",
+    "requires_grad",
+    "grad_fn",
+    "held",
+)
 
 # A column: a small program's as a list of ints, a large one's as an integer array.
 Column = Any
@@ -179,7 +192,7 @@ def _decode(data: Any) -> Any:
     if kind is list:
         return [_decode(v) for v in data]
     if kind is dict and len(data) == 1:
-        (tag, inner), = data.items()
+        ((tag, inner),) = data.items()
         if tag == "i" and type(inner) is str:
             return int(inner)
         if tag == "f" and type(inner) is str and len(inner) == 16:
@@ -206,11 +219,16 @@ def dump_program(program: Program) -> bytes:
     writer.program(program, None)
     name_lengths = writer.table([len(name) for name in writer.name_list])
     try:
-        header = orjson.dumps({
-            "kinds": writer.kind_names, "names": "".join(writer.name_list),
-            "name_lengths": name_lengths, "metas": writer.meta_list,
-            "signatures": writer.signature_list, "programs": writer.records,
-        })
+        header = orjson.dumps(
+            {
+                "kinds": writer.kind_names,
+                "names": "".join(writer.name_list),
+                "name_lengths": name_lengths,
+                "metas": writer.meta_list,
+                "signatures": writer.signature_list,
+                "programs": writer.records,
+            }
+        )
     except TypeError as exc:  # (a name or a value orjson refuses)
         raise Unstorable(str(exc)) from None
     columns = b"".join(writer.columns)
@@ -248,8 +266,9 @@ class _Writer:
             except OverflowError:
                 raise Unstorable("an integer past 64 bits in a column") from None
             lo, hi = (int(array.min()), int(array.max())) if len(array) else (0, 0)
-            fmt = next(f for f, d in _DTYPES.items()
-                       if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+            fmt = next(
+                f for f, d in _DTYPES.items() if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max
+            )
             if fmt not in _UNSIGNED and i != signed:
                 raise Unstorable(f"a count or an index out of range: {lo}..{hi}")
             data = array.astype(_DTYPES[fmt]).tobytes()
@@ -262,8 +281,12 @@ class _Writer:
         index = self.metas.get(meta)
         if index is None:
             shape, dtype, literal = meta
-            if (type(shape) is not tuple or any(type(d) is not int or d < 0 for d in shape)
-                    or dtype not in ITEMSIZE or type(literal) is not bool):
+            if (
+                type(shape) is not tuple
+                or any(type(d) is not int or d < 0 for d in shape)
+                or dtype not in ITEMSIZE
+                or type(literal) is not bool
+            ):
                 raise Unstorable(f"a meta of other types: {meta!r}")
             index = self.metas[meta] = len(self.meta_list)
             self.meta_list.append([list(shape), dtype, literal])
@@ -305,8 +328,9 @@ class _Writer:
             self.kind_names.append(kind)
         return index
 
-    def signature(self, step: Step, ufunc: bool, into: bool, slot_metas: list[int],
-                  slots: list[int]) -> int:
+    def signature(
+        self, step: Step, ufunc: bool, into: bool, slot_metas: list[int], slots: list[int]
+    ) -> int:
         """The index of `step`'s signature: JSON text of its op, attributes (None for a
         loop's step, which has its body instead), how it runs, and per argument the meta of
         the slot it reads or the literal; the slots it reads go on `slots`."""
@@ -324,10 +348,20 @@ class _Writer:
             if op is not SCAN and OPS.get(op.name) is not op:
                 raise Unstorable(f"op {op.name!r} is not the registry's")
             index = self.signatures[signature] = len(self.signature_list)
-            self.signature_list.append(orjson.dumps([
-                op.name, attrs and attrs[1], ufunc, into,
-                [self.meta_list[slot_metas[a]] if type(a) is int
-                 else self.literal(a)[1] for a in step.args]]).decode())  # type: ignore[arg-type]
+            self.signature_list.append(
+                orjson.dumps(
+                    [
+                        op.name,
+                        attrs and attrs[1],
+                        ufunc,
+                        into,
+                        [
+                            self.meta_list[slot_metas[a]] if type(a) is int else self.literal(a)[1]  # type: ignore[arg-type]
+                            for a in step.args
+                        ],
+                    ]
+                ).decode()
+            )
         return index
 
     def program(self, program: Program, body: Body | None, replay: int = -1) -> int:
@@ -338,11 +372,18 @@ class _Writer:
         self.records.append(record)
         steps = program.steps
         n = len(steps)
-        if not (len(program.frees) == len(program.reuse) == len(program.ufunc)
-                == len(program.step_costs) == n):
+        if not (
+            len(program.frees)
+            == len(program.reuse)
+            == len(program.ufunc)
+            == len(program.step_costs)
+            == n
+        ):
             raise Unstorable("the program is not planned")
-        if any(type(v) is not bool for v in (*program.ufunc, *program.requires_grad,
-                                             program.no_grad, program.backward)):
+        if any(
+            type(v) is not bool
+            for v in (*program.ufunc, *program.requires_grad, program.no_grad, program.backward)
+        ):
             raise Unstorable("a flag that is not a bool")
         slot_metas = [self.meta(m) for m in program.metas]
         signatures: list[int] = []
@@ -363,37 +404,65 @@ class _Writer:
             outs.append(step.out)
         frees = program.frees
         record["columns"] = self.table(
-            signatures, kinds, origins, outs, [r + 1 for r in reuse], program.step_costs,
-            [len(f) for f in frees], slots, list(itertools.chain(*frees)), slot_metas,
-            program.requires_grad, [self.name(g) for g in program.grad_fn],
-            sorted(program.held), signed=_COLUMNS.index("cost"))
+            signatures,
+            kinds,
+            origins,
+            outs,
+            [r + 1 for r in reuse],
+            program.step_costs,
+            [len(f) for f in frees],
+            slots,
+            list(itertools.chain(*frees)),
+            slot_metas,
+            program.requires_grad,
+            [self.name(g) for g in program.grad_fn],
+            sorted(program.held),
+            signed=_COLUMNS.index("cost"),
+        )
         if type(program.plan_ms) is not float:
             raise Unstorable("plan_ms is not a float")
         if program.cost_by_node != _cost_by_node([s.origin for s in steps], program.step_costs):
             raise Unstorable("cost_by_node is not the steps' costs by origin")
         record.update(
-            inputs=_pairs(program.inputs.items()), grad_inputs=_pairs(program.grad_inputs.items()),
-            outputs=_pairs(program.outputs), gradients=_pairs(program.gradients),
-            no_grad=program.no_grad, backward=program.backward, nodes=_encode(program.nodes),
+            inputs=_pairs(program.inputs.items()),
+            grad_inputs=_pairs(program.grad_inputs.items()),
+            outputs=_pairs(program.outputs),
+            gradients=_pairs(program.gradients),
+            no_grad=program.no_grad,
+            backward=program.backward,
+            nodes=_encode(program.nodes),
             planned_peak_bytes=_encode(program.planned_peak_bytes),
-            flops=_encode(program.flops), bytes_moved=_encode(program.bytes_moved),
+            flops=_encode(program.flops),
+            bytes_moved=_encode(program.bytes_moved),
             recompute_cost=_encode(program.recompute_cost),
             peak_without_recompute=_encode(program.peak_without_recompute),
-            plan_ms=program.plan_ms)
+            plan_ms=program.plan_ms,
+        )
         if body is not None:
             record["body"] = {
-                "carries": body.carries, "xs": body.xs, "closures": body.closures,
-                "nexts": body.nexts, "ys": body.ys, "length": body.length,
-                "reverse": body.reverse, "wanted": body.wanted,
-                "shifted": [list(pair) for pair in body.shifted], "every": body.every,
-                "replayed": body.replayed, "replay": replay}
+                "carries": body.carries,
+                "xs": body.xs,
+                "closures": body.closures,
+                "nexts": body.nexts,
+                "ys": body.ys,
+                "length": body.length,
+                "reverse": body.reverse,
+                "wanted": body.wanted,
+                "shifted": [list(pair) for pair in body.shifted],
+                "every": body.every,
+                "replayed": body.replayed,
+                "replay": replay,
+            }
         for loop in loops:
             inner: Body = steps[loop[0]].attrs["body"]
             if inner.program is None:
                 raise Unstorable("a loop whose body is not planned")
             # (a checkpointed reverse loop names the loop it replays by its step's place)
-            at = -1 if inner.replay is None else next(
-                (i for i, _, _ in loops if steps[i].attrs["body"] is inner.replay), None)
+            at = (
+                -1
+                if inner.replay is None
+                else next((i for i, _, _ in loops if steps[i].attrs["body"] is inner.replay), None)
+            )
             if at is None:
                 raise Unstorable("a loop that replays a loop of another program")
             loop[1] = self.program(inner.program, inner, at)
@@ -495,16 +564,28 @@ class _Signature:
     bound (backend, ufunc), as `executor.kernel_of` made them. Shared by every program
     loaded with that text (see _SIGNATURES)."""
 
-    __slots__ = ("attrs", "code", "into", "kernels", "metas", "nslots", "op", "out", "template",
-                 "ufunc")
+    __slots__ = (
+        "attrs",
+        "code",
+        "into",
+        "kernels",
+        "metas",
+        "nslots",
+        "op",
+        "out",
+        "template",
+        "ufunc",
+    )
 
     def __init__(self, text: str) -> None:
         data = orjson.loads(text)
         _check(type(data) is list and len(data) == 5, "a signature")
         name, attrs, ufunc, into, args = data
         found = SCAN if name == SCAN.name else OPS.get(name) if type(name) is str else None
-        _check(found is not None and type(ufunc) is bool and type(into) is bool
-               and type(args) is list, "a signature")
+        _check(
+            found is not None and type(ufunc) is bool and type(into) is bool and type(args) is list,
+            "a signature",
+        )
         self.op = op = cast(OpDef, found)
         self.ufunc, self.into = ufunc, into
         self.metas = [_meta(a) for a in args if type(a) is list]
@@ -524,11 +605,16 @@ class _Signature:
         if op.returns_input:
             self.code, self.out = ALIAS, self.metas[0]
             return
-        self.code = (UNARY_INTO if k == 1 else BINARY_INTO) if into else \
-            (NULLARY, UNARY, BINARY, NARY)[min(k, 3)]
+        self.code = (
+            (UNARY_INTO if k == 1 else BINARY_INTO)
+            if into
+            else (NULLARY, UNARY, BINARY, NARY)[min(k, 3)]
+        )
         metas = iter(self.metas)
-        self.out = op.infer([next(metas) if t is None else literal_meta(t.value)
-                             for t in self.template], **self.attrs)
+        self.out = op.infer(
+            [next(metas) if t is None else literal_meta(t.value) for t in self.template],
+            **self.attrs,
+        )
 
     def args(self, slots: list[int]) -> tuple[Any, ...]:
         """A step's arguments, from the slots it reads."""
@@ -564,14 +650,14 @@ class _Signatures:
         # that reads nothing are the placeholder slot, of meta -1: see _Flow.of_arrays)
         self.first_meta = np.array([ms[0] if ms else -1 for ms in metas], np.int32)
         self.last_meta = np.array([ms[-1] if ms else -1 for ms in metas], np.int32)
-        self.out = np.array([-1 if s.out is None else meta_index[s.out] for s in signatures],
-                            np.int32)
+        self.out = np.array(
+            [-1 if s.out is None else meta_index[s.out] for s in signatures], np.int32
+        )
         self.into = np.array([s.into for s in signatures], bool)
         self.code = np.array([s.code for s in signatures], np.intp)
         self.first = np.array([s.code in _READS_FIRST for s in signatures], bool)
         self.last = np.array([s.code in _READS_LAST for s in signatures], bool)
-        self.rest = np.array([s.code in (NARY, UNARY_INTO, BINARY_INTO) for s in signatures],
-                             bool)
+        self.rest = np.array([s.code in (NARY, UNARY_INTO, BINARY_INTO) for s in signatures], bool)
         self.loop = np.array([s.code == LOOP for s in signatures], bool)
         self.loops, self.intos = bool(self.loop.any()), bool(self.into.any())
 
@@ -587,8 +673,13 @@ class _Names:
     def list(self) -> list[str | None]:
         if self._list is None:
             text, lengths = self.text, _ints(self.lengths)
-            self._list = [None, *(text[end - k:end] for k, end in
-                                  zip(lengths, itertools.accumulate(lengths), strict=True))]
+            self._list = [
+                None,
+                *(
+                    text[end - k : end]
+                    for k, end in zip(lengths, itertools.accumulate(lengths), strict=True)
+                ),
+            ]
         return self._list
 
     def get(self, index: int) -> str | None:
@@ -598,7 +689,7 @@ class _Names:
         if self._list is not None:
             return self._list[index]
         end = _total(self.lengths[:index])
-        return self.text[end - int(self.lengths[index - 1]):end]
+        return self.text[end - int(self.lengths[index - 1]) : end]
 
 
 class _Reader:
@@ -612,15 +703,17 @@ class _Reader:
         if version != FORMAT_VERSION:
             raise CorruptProgram(f"format version {version}; this build reads {FORMAT_VERSION}")
         if len(raw) - _PREFIX.size != length:
-            raise CorruptProgram(f"truncated or extended: {len(raw) - _PREFIX.size} bytes after "
-                                 f"the prefix, not {length}")
+            raise CorruptProgram(
+                f"truncated or extended: {len(raw) - _PREFIX.size} bytes after "
+                f"the prefix, not {length}"
+            )
         self.view = memoryview(raw)
-        _check(zlib.crc32(self.view[_PREFIX.size:]) == crc, "the checksum does not match")
+        _check(zlib.crc32(self.view[_PREFIX.size :]) == crc, "the checksum does not match")
         _check(length >= _U32.size, "truncated header")
         (size,) = _U32.unpack_from(raw, _PREFIX.size)
         _check(_U32.size + size <= length, "the header runs past the end")
         start = _PREFIX.size + _U32.size
-        header = orjson.loads(self.view[start:start + size])
+        header = orjson.loads(self.view[start : start + size])
         _check(type(header) is dict, "the header is not a dict")
         self.raw, self.backend = raw, backend
         self.base = start + size + (-(_U32.size + size) % 8)
@@ -641,8 +734,9 @@ class _Reader:
         self.loops = any(g.code == LOOP for g in self.signatures)
         self._arrays: _Signatures | None = None
         self.records = records = header["programs"]
-        _check(type(records) is list and records and all(type(r) is dict for r in records),
-               "programs")
+        _check(
+            type(records) is list and records and all(type(r) is dict for r in records), "programs"
+        )
         self.claimed = {0}
         self.used: set[int] = set()  # the signatures some step has
 
@@ -657,10 +751,18 @@ class _Reader:
         values, else arrays. Only column `signed` may be of a signed dtype."""
         _check(type(spec) is list and len(spec) == 3, "a table of columns")
         formats, offset, counts = spec
-        _check(type(formats) is str and len(formats) == len(names) and type(offset) is int
-               and offset >= 0 and type(counts) is list and len(counts) == len(names)
-               and _UNSIGNED.issuperset(formats[:signed] + formats[signed + 1:] if signed >= 0
-                                        else formats), "a table of columns")
+        _check(
+            type(formats) is str
+            and len(formats) == len(names)
+            and type(offset) is int
+            and offset >= 0
+            and type(counts) is list
+            and len(counts) == len(names)
+            and _UNSIGNED.issuperset(
+                formats[:signed] + formats[signed + 1 :] if signed >= 0 else formats
+            ),
+            "a table of columns",
+        )
         raw, base = self.raw, self.base
         starts = []
         at = end = base + offset
@@ -673,14 +775,19 @@ class _Reader:
             end = at + count * size
         _check(end <= len(raw), "a column runs past the end")
         if counts[0] > SMALL:
-            return [np.frombuffer(raw, _DTYPES[fmt], count, start)
-                    for fmt, count, start in zip(formats, counts, starts, strict=True)]
+            return [
+                np.frombuffer(raw, _DTYPES[fmt], count, start)
+                for fmt, count, start in zip(formats, counts, starts, strict=True)
+            ]
         first = starts[0]
         values = list(raw[first:end])  # (a small program's bytes: most of its columns)
         view = self.view
-        return [values[start - first:start - first + count] if fmt == "B"
-                else view[start:start + count * _ITEMSIZES[fmt]].cast(fmt).tolist()
-                for fmt, count, start in zip(formats, counts, starts, strict=True)]
+        return [
+            values[start - first : start - first + count]
+            if fmt == "B"
+            else view[start : start + count * _ITEMSIZES[fmt]].cast(fmt).tolist()
+            for fmt, count, start in zip(formats, counts, starts, strict=True)
+        ]
 
     def load(self) -> Program:
         program, runs = self.program(0, None)
@@ -690,26 +797,43 @@ class _Reader:
         program.run = Bound(self.backend, forward, backward, given_of(program))
         return program
 
-    def program(self, index: int, body: dict[str, Any] | None
-                ) -> tuple[_Loaded, list[list[Run]]]:
+    def program(self, index: int, body: dict[str, Any] | None) -> tuple[_Loaded, list[list[Run]]]:
         """Program `index` (and the bodies of its loops), checked, and its run tuples: the
         top program's forward and backward (its run), a body's all in one."""
         record = self.records[index]
         _check((body is None) == ("body" not in record), "a body where none belongs")
-        (sig, kind, origin, out, reuse, cost, nfrees, slots, frees, meta, requires_grad,
-         grad_fn, held) = self.columns(record["columns"], _COLUMNS, _COLUMNS.index("cost"))
+        (
+            sig,
+            kind,
+            origin,
+            out,
+            reuse,
+            cost,
+            nfrees,
+            slots,
+            frees,
+            meta,
+            requires_grad,
+            grad_fn,
+            held,
+        ) = self.columns(record["columns"], _COLUMNS, _COLUMNS.index("cost"))
         small = type(sig) is list
         n, nslots = len(sig), len(meta)
         # (requires_grad and grad_fn cover the slots there were before the backward, and
         # a body has neither)
-        _check(len(kind) == len(origin) == len(out) == len(reuse) == len(cost) == len(nfrees)
-               == n and len(requires_grad) == len(grad_fn) <= nslots
-               and _total(nfrees) == len(frees), "the columns' lengths")
+        _check(
+            len(kind) == len(origin) == len(out) == len(reuse) == len(cost) == len(nfrees) == n
+            and len(requires_grad) == len(grad_fn) <= nslots
+            and _total(nfrees) == len(frees),
+            "the columns' lengths",
+        )
         signatures = self.signatures
         if small:  # (its lists bound the indices the load reads: see _Flow)
             _check(not n or max(kind) < len(self.kinds), "a kind out of range")
-            _check(not origin + grad_fn or max(origin + grad_fn) < self.names.count,
-                   "a name out of range")
+            _check(
+                not origin + grad_fn or max(origin + grad_fn) < self.names.count,
+                "a name out of range",
+            )
             _check(not requires_grad or max(requires_grad) < 2, "a requires_grad flag")
         else:
             _within(kind, len(self.kinds), "a kind")
@@ -718,8 +842,13 @@ class _Reader:
             _within(requires_grad, 2, "a requires_grad flag")
             _within(sig, len(signatures), "a signature")
             _within(meta, len(self.metas), "a meta")
-            for name, column in (("out", out), ("slots", slots), ("frees", frees),
-                                 ("held", held), ("reuse", reuse)):
+            for name, column in (
+                ("out", out),
+                ("slots", slots),
+                ("frees", frees),
+                ("held", held),
+                ("reuse", reuse),
+            ):
                 _within(column, nslots + (name == "reuse"), f"a slot of {name!r}")
 
         inputs = self._pairs(record["inputs"], nslots)
@@ -732,8 +861,13 @@ class _Reader:
         loops = record["loops"]
         _check(type(loops) is list, "the loops")
         for loop in loops:
-            _check(type(loop) is list and len(loop) == 3 and type(loop[0]) is int
-                   and type(loop[1]) is int, "a loop")
+            _check(
+                type(loop) is list
+                and len(loop) == 3
+                and type(loop[0]) is int
+                and type(loop[1]) is int,
+                "a loop",
+            )
             _slots(loop[2], nslots, "a loop's results")
         if not self.loops:
             scans = []
@@ -749,57 +883,119 @@ class _Reader:
         for i, inner, results in loops:
             _check(index < inner < len(self.records), "a loop's body")
             wanted = self.records[inner].get("body", {}).get("wanted")
-            _check(type(wanted) is list and len(wanted) == 1 + len(results)
-                   and all(type(w) is bool for w in wanted), "a body's wanted")
-            unwanted[i] = [w for w, want in zip((int(out[i]), *results), wanted, strict=True)
-                           if not want]
+            _check(
+                type(wanted) is list
+                and len(wanted) == 1 + len(results)
+                and all(type(w) is bool for w in wanted),
+                "a body's wanted",
+            )
+            unwanted[i] = [
+                w for w, want in zip((int(out[i]), *results), wanted, strict=True) if not want
+            ]
         metas = self.metas
         if small:
             slot_metas = [metas[m] for m in meta]
-            flow = _Flow(signatures, n, nslots, sig, out, reuse, nfrees, slots, frees, meta,
-                         slot_metas, given, kept, more, unwanted)
+            flow = _Flow(
+                signatures,
+                n,
+                nslots,
+                sig,
+                out,
+                reuse,
+                nfrees,
+                slots,
+                frees,
+                meta,
+                slot_metas,
+                given,
+                kept,
+                more,
+                unwanted,
+            )
         else:
-            flow = _Flow.of_arrays(self.arrays(), n, nslots, sig, out, reuse, nfrees, slots,
-                                   frees, meta, given, kept, more, unwanted)
+            flow = _Flow.of_arrays(
+                self.arrays(),
+                n,
+                nslots,
+                sig,
+                out,
+                reuse,
+                nfrees,
+                slots,
+                frees,
+                meta,
+                given,
+                kept,
+                more,
+                unwanted,
+            )
             slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
         no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
-        nodes, peak, flops, moved, recomputed, unrecomputed = (_decode(record[key]) for key in (
-            "nodes", "planned_peak_bytes", "flops", "bytes_moved", "recompute_cost",
-            "peak_without_recompute"))
-        _check(type(no_grad) is bool and type(backward) is bool and type(plan_ms) is float
-               and all(type(v) is int for v in (nodes, peak, flops, moved, recomputed,
-                                                   unrecomputed)), "a program's scalars")
+        nodes, peak, flops, moved, recomputed, unrecomputed = (
+            _decode(record[key])
+            for key in (
+                "nodes",
+                "planned_peak_bytes",
+                "flops",
+                "bytes_moved",
+                "recompute_cost",
+                "peak_without_recompute",
+            )
+        )
+        _check(
+            type(no_grad) is bool
+            and type(backward) is bool
+            and type(plan_ms) is float
+            and all(type(v) is int for v in (nodes, peak, flops, moved, recomputed, unrecomputed)),
+            "a program's scalars",
+        )
         _check(_total(cost) == flops + BYTE_COST * moved, "the steps' costs are not the program's")
         # (The recompute steps' costs, plus what checkpointed loops replay, within their
         # steps' costs: the total's.)
-        _check(self.recomputed(kind, cost) <= recomputed <= _total(cost),
-               "the recompute steps' costs are not the program's")
+        _check(
+            self.recomputed(kind, cost) <= recomputed <= _total(cost),
+            "the recompute steps' costs are not the program's",
+        )
         p = _Loaded.__new__(_Loaded)
         p.__dict__.update(
-            metas=slot_metas, inputs=dict(inputs), grad_inputs=dict(grad_inputs),
-            outputs=outputs, gradients=gradients, no_grad=no_grad, backward=backward,
-            held=set(_ints(held)), frees=flow.frees, nodes=nodes, planned_peak_bytes=peak,
-            flops=flops, bytes_moved=moved, recompute_cost=recomputed,
-            peak_without_recompute=unrecomputed, plan_ms=plan_ms, run=None)
+            metas=slot_metas,
+            inputs=dict(inputs),
+            grad_inputs=dict(grad_inputs),
+            outputs=outputs,
+            gradients=gradients,
+            no_grad=no_grad,
+            backward=backward,
+            held=set(_ints(held)),
+            frees=flow.frees,
+            nodes=nodes,
+            planned_peak_bytes=peak,
+            flops=flops,
+            bytes_moved=moved,
+            recompute_cost=recomputed,
+            peak_without_recompute=unrecomputed,
+            plan_ms=plan_ms,
+            run=None,
+        )
         if len(grad_fn):
             _check(all(slot < len(grad_fn) for _, slot in p.outputs), "an output's flags")
         names = self.names
         p._lazy = {
             "requires_grad": lambda: list(map(bool, _ints(requires_grad))),
             "grad_fn": lambda: list(map(names.list().__getitem__, _ints(grad_fn))),
-            "reuse": lambda: [r - 1 for r in _ints(reuse)], "step_costs": lambda: _ints(cost),
+            "reuse": lambda: [r - 1 for r in _ints(reuse)],
+            "step_costs": lambda: _ints(cost),
             "ufunc": lambda: [signatures[s].ufunc for s in _ints(sig)],
             "cost_by_node": lambda: _cost_by_node(
-                list(map(names.list().__getitem__, _ints(origin))), _ints(cost)),
+                list(map(names.list().__getitem__, _ints(origin))), _ints(cost)
+            ),
         }
 
         bodies: dict[int, tuple[dict[str, Any], tuple[int, ...]]] = {}
         body_runs: dict[int, list[Run]] = {}
         replays: dict[int, int] = {}  # a checkpointed reverse loop's place -> its replay's
         for i, inner, results in loops:
-            _check(index < inner < len(self.records) and inner not in self.claimed,
-                   "a loop's body")
+            _check(index < inner < len(self.records) and inner not in self.claimed, "a loop's body")
             self.claimed.add(inner)
             spec = _typed(self.records[inner].get("body"), dict, "a body")
             at = spec.get("replay")
@@ -808,15 +1004,30 @@ class _Reader:
                 replays[i] = at
             loop, (body_runs[i],) = self.program(inner, spec)
             start = int(flow.starts[i])
-            reads = _ints(slots[start:start + signatures[int(sig[i])].nslots])
-            bodies[i] = ({"body": self._body(spec, loop, [slot_metas[a] for a in reads],
-                                             [slot_metas[o] for o in (int(out[i]), *results)],
-                                             bodies[at][0]["body"] if at >= 0 else None)},
-                         tuple(results))
-        p.steps = cast(list[Step], _Steps(_StepColumns(  # (a Sequence: see _Steps)
-            self, sig, kind, origin, out, slots, flow.starts, bodies)))
-        return p, self.bind(p, sig, out, reuse, slots, kind if body is None else None, flow,
-                            body_runs, replays)
+            reads = _ints(slots[start : start + signatures[int(sig[i])].nslots])
+            bodies[i] = (
+                {
+                    "body": self._body(
+                        spec,
+                        loop,
+                        [slot_metas[a] for a in reads],
+                        [slot_metas[o] for o in (int(out[i]), *results)],
+                        bodies[at][0]["body"] if at >= 0 else None,
+                    )
+                },
+                tuple(results),
+            )
+        p.steps = cast(
+            list[Step],
+            _Steps(
+                _StepColumns(  # (a Sequence: see _Steps)
+                    self, sig, kind, origin, out, slots, flow.starts, bodies
+                )
+            ),
+        )
+        return p, self.bind(
+            p, sig, out, reuse, slots, kind if body is None else None, flow, body_runs, replays
+        )
 
     def recomputed(self, kind: Column, cost: Column) -> int:
         """The cost of the steps of kind RECOMPUTE (a program's recompute_cost adds its
@@ -842,37 +1053,71 @@ class _Reader:
             pairs.append((name, slot))
         return pairs
 
-    def _body(self, spec: dict[str, Any], program: _Loaded, args: list[Meta],
-              outs: list[Meta], replay: Body | None) -> Body:
+    def _body(
+        self,
+        spec: dict[str, Any],
+        program: _Loaded,
+        args: list[Meta],
+        outs: list[Meta],
+        replay: Body | None,
+    ) -> Body:
         """A loop's Body around its planned `program`, checked against its scan step (the
         metas of its arguments and results) and, a checkpointed reverse loop's, against the
         loop it replays (`replay`): what the loop allocates is what they say."""
         metas = program.metas
         carries, xs, closures, nexts, ys, replayed = [
-            _slots(spec[key], len(metas), key) for key in _BODY_LISTS]
+            _slots(spec[key], len(metas), key) for key in _BODY_LISTS
+        ]
         length, wanted, every = spec["length"], spec["wanted"], spec["every"]
         # (wanted: checked with the loop)
-        _check(type(length) is int and length >= 0 and type(every) is int
-               and 0 <= every <= length and (every > 0 or not replayed), "a body's length")
+        _check(
+            type(length) is int
+            and length >= 0
+            and type(every) is int
+            and 0 <= every <= length
+            and (every > 0 or not replayed),
+            "a body's length",
+        )
         pairs = _typed(spec["shifted"], list, "a body's shifted")
         for pair in pairs:
-            _check(type(pair) is list and len(pair) == 2 and type(pair[0]) is int
-                   and type(pair[1]) is int and 0 <= pair[0] < len(xs)
-                   and 0 <= pair[1] < len(closures)
-                   and metas[xs[pair[0]]] == metas[closures[pair[1]]], "a body's shifted")
+            _check(
+                type(pair) is list
+                and len(pair) == 2
+                and type(pair[0]) is int
+                and type(pair[1]) is int
+                and 0 <= pair[0] < len(xs)
+                and 0 <= pair[1] < len(closures)
+                and metas[xs[pair[0]]] == metas[closures[pair[1]]],
+                "a body's shifted",
+            )
         b = Builder()
         b.metas = metas
-        body = Body(b=b, steps=program.steps, carries=carries, xs=xs, closures=closures,
-                    nexts=nexts, ys=ys, length=length,
-                    reverse=_typed(spec["reverse"], bool, "a body's reverse"),
-                    shifted=[(i, j) for i, j in pairs], every=every, replayed=replayed,
-                    replay=replay, wanted=wanted, program=program)
+        body = Body(
+            b=b,
+            steps=program.steps,
+            carries=carries,
+            xs=xs,
+            closures=closures,
+            nexts=nexts,
+            ys=ys,
+            length=length,
+            reverse=_typed(spec["reverse"], bool, "a body's reverse"),
+            shifted=[(i, j) for i, j in pairs],
+            every=every,
+            replayed=replayed,
+            replay=replay,
+            wanted=wanted,
+            program=program,
+        )
 
         def stacked(meta: Meta, rows: int) -> Meta:
             return Meta((rows, *meta.shape), meta.dtype)
 
-        want_args = [*(metas[s] for s in carries), *(stacked(metas[s], length) for s in xs),
-                     *(metas[s] for s in closures)]
+        want_args = [
+            *(metas[s] for s in carries),
+            *(stacked(metas[s], length) for s in xs),
+            *(metas[s] for s in closures),
+        ]
         want_outs = [*(metas[s] for s in carries), *(stacked(metas[s], length) for s in ys)]
         if every:
             want_outs += [stacked(metas[s], body.segments) for s in carries]
@@ -881,41 +1126,60 @@ class _Reader:
             # (the loop it replays is a checkpointed forward loop over the same steps, the
             # other way, whose replayed values this body's program is given, of its metas)
             forward = cast(_Loaded, replay.program).metas
-            _check(replay.every > 0 and replay.length == length
-                   and replay.reverse != body.reverse and not pairs
-                   and all(r < len(metas) and metas[r] == forward[r] for r in replay.replayed),
-                   "a loop's replay")
+            _check(
+                replay.every > 0
+                and replay.length == length
+                and replay.reverse != body.reverse
+                and not pairs
+                and all(r < len(metas) and metas[r] == forward[r] for r in replay.replayed),
+                "a loop's replay",
+            )
             want_args += [stacked(forward[s], replay.segments) for s in replay.carries]
             want_args += [stacked(forward[s], replay.every) for s in replay.buffered()]
             want_args += [stacked(forward[s], length) for s in replay.xs]
             want_args += [forward[s] for s in replay.closures]
-        _check(len(nexts) == len(carries) and len(wanted) == len(outs)
-               and [metas[s] for s in nexts] == want_args[:len(carries)]
-               and args == want_args and outs == want_outs,
-               "a loop's body does not fit its step")
+        _check(
+            len(nexts) == len(carries)
+            and len(wanted) == len(outs)
+            and [metas[s] for s in nexts] == want_args[: len(carries)]
+            and args == want_args
+            and outs == want_outs,
+            "a loop's body does not fit its step",
+        )
         # (the loop gives the body's program its carries, slices, closures and replayed
         # values, and reads back its next carries, the results it stacks and the values it
         # replays: exactly its inputs and outputs)
         nc = len(carries)
-        _check(list(program.inputs.values()) == body.inputs
-               and not program.grad_inputs
-               and [s for _, s in program.outputs] == [
-                   *nexts, *(y for y, want in zip(ys, wanted[nc:], strict=False) if want),
-                   *replayed],
-               "a loop's body does not fit its program")
+        _check(
+            list(program.inputs.values()) == body.inputs
+            and not program.grad_inputs
+            and [s for _, s in program.outputs]
+            == [*nexts, *(y for y, want in zip(ys, wanted[nc:], strict=False) if want), *replayed],
+            "a loop's body does not fit its program",
+        )
         return body
 
-    def bind(self, p: _Loaded, sig: Column, out: Column, reuse: Column, slots: Column,
-             kind: Column | None, flow: _Flow, body_runs: dict[int, list[Run]],
-             replays: dict[int, int]) -> list[list[Run]]:
+    def bind(
+        self,
+        p: _Loaded,
+        sig: Column,
+        out: Column,
+        reuse: Column,
+        slots: Column,
+        kind: Column | None,
+        flow: _Flow,
+        body_runs: dict[int, list[Run]],
+        replays: dict[int, int],
+    ) -> list[list[Run]]:
         """A program's run tuples, with the decisions `executor._run` makes (and its loops'
         bodies' runs, as `executor._bind` makes them, a checkpointed reverse loop's with
         its replay's), its kernels one per signature: forward and backward by `kind` (the
         top program's), else all in one."""
 
         def loop(i: int) -> _Loop:
-            return _Loop(p.steps[i], backend, body_runs[i],
-                         body_runs[replays[i]] if i in replays else None)
+            return _Loop(
+                p.steps[i], backend, body_runs[i], body_runs[replays[i]] if i in replays else None
+            )
 
         backend, signatures = self.backend, self.signatures
         ufuncs = backend.ufuncs is not None
@@ -940,11 +1204,21 @@ class _Reader:
                 if code == LOOP:
                     runs.append((LOOP, None, out[i], 0, 0, loop(i), frees[i]))
                     continue
-                runs.append((code, fns[s], out[i], first[i] if code in _READS_FIRST else 0,
-                             last[i] if code in _READS_LAST else 0,
-                             reuse[i] - 1 if code >= UNARY_INTO else tuple(
-                                 slots[starts[i]:starts[i] + g.nslots]) if code == NARY
-                             else None, frees[i]))
+                runs.append(
+                    (
+                        code,
+                        fns[s],
+                        out[i],
+                        first[i] if code in _READS_FIRST else 0,
+                        last[i] if code in _READS_LAST else 0,
+                        reuse[i] - 1
+                        if code >= UNARY_INTO
+                        else tuple(slots[starts[i] : starts[i] + g.nslots])
+                        if code == NARY
+                        else None,
+                        frees[i],
+                    )
+                )
             if kind is None:
                 return [runs]
             split = next((i for i, k in enumerate(kind) if k in later), n)
@@ -954,17 +1228,26 @@ class _Reader:
         codes: list[int] = arrays.code.take(sig).tolist()  # type: ignore[assignment]
         rest: list[Any] = [None] * n
         for i in np.flatnonzero(arrays.rest.take(sig)).tolist():
-            rest[i] = int(reuse[i]) - 1 if codes[i] >= UNARY_INTO else tuple(
-                slots[starts[i]:starts[i] + signatures[int(sig[i])].nslots].tolist())
+            rest[i] = (
+                int(reuse[i]) - 1
+                if codes[i] >= UNARY_INTO
+                else tuple(slots[starts[i] : starts[i] + signatures[int(sig[i])].nslots].tolist())
+            )
         split = n  # (the first step of the backward)
         if kind is not None and later:
             at = np.flatnonzero(np.isin(kind, later))
             split = int(at[0]) if len(at) else n
         ints = flow.ints
-        tuples = zip(codes, _objects(fns).take(sig).tolist(), ints(out),
-                     ints(np.where(arrays.first.take(sig), flow.first, 0)),
-                     ints(np.where(arrays.last.take(sig), flow.last, 0)), rest,
-                     frees, strict=True)
+        tuples = zip(
+            codes,
+            _objects(fns).take(sig).tolist(),
+            ints(out),
+            ints(np.where(arrays.first.take(sig), flow.first, 0)),
+            ints(np.where(arrays.last.take(sig), flow.last, 0)),
+            rest,
+            frees,
+            strict=True,
+        )
         parts = [list(itertools.islice(tuples, split)), list(tuples)]
         for i in np.flatnonzero(arrays.loop.take(sig)).tolist() if arrays.loops else ():
             part = int(i >= split)
@@ -995,11 +1278,24 @@ class _Flow:
     sig: np.ndarray  # (a large program's signatures, as indices)
     pool: np.ndarray | None  # (and one int object per slot, to share: see ints)
 
-    def __init__(self, signatures: list[_Signature], n: int, nslots: int, sig: list[int],
-                 out: list[int], reuse: list[int], nfrees: list[int], slots: list[int],
-                 frees: list[int], meta: list[int], metas: list[Meta], given: list[int],
-                 kept: list[int], more: dict[int, list[int]],
-                 unwanted: dict[int, list[int]]) -> None:
+    def __init__(
+        self,
+        signatures: list[_Signature],
+        n: int,
+        nslots: int,
+        sig: list[int],
+        out: list[int],
+        reuse: list[int],
+        nfrees: list[int],
+        slots: list[int],
+        frees: list[int],
+        meta: list[int],
+        metas: list[Meta],
+        given: list[int],
+        kept: list[int],
+        more: dict[int, list[int]],
+        unwanted: dict[int, list[int]],
+    ) -> None:
         # (an index past the end of a list it indexes is an IndexError: a CorruptProgram)
         made = [n] * nslots  # the step that writes each slot (-1: given; n: none)
         freed = [n] * nslots  # the step after which it goes (n: never)
@@ -1040,7 +1336,7 @@ class _Flow:
                     made[w] = n + 1  # (never written: never read, nor written again)
             count = nfrees[i]
             if count:
-                gone = frees[taken:taken + count]
+                gone = frees[taken : taken + count]
                 taken += count
                 for f in gone:
                     if freed[f] != n or made[f] > i:
@@ -1048,10 +1344,14 @@ class _Flow:
                     freed[f] = i
                 step_frees[i] = tuple(gone)
             r = reuse[i] - 1
-            if (r >= 0 or g.into) and not (g.into and r >= 0 and freed[r] == i and (
-                    r == first[i] or r == last[i]) and meta[r] == meta[o]):
-                raise CorruptProgram("a step writes into a buffer that is not its dead "
-                                     "argument's")
+            if (r >= 0 or g.into) and not (
+                g.into
+                and r >= 0
+                and freed[r] == i
+                and (r == first[i] or r == last[i])
+                and meta[r] == meta[o]
+            ):
+                raise CorruptProgram("a step writes into a buffer that is not its dead argument's")
         _check(at == len(slots), "column 'slots': counts")
         _check(all(freed[s] == n and made[s] < n for s in kept), "a result freed, or never made")
         self.rep = dict(zip(sig, range(n), strict=True))  # (the last step of each signature)
@@ -1063,10 +1363,23 @@ class _Flow:
         return slots.tolist() if self.pool is None else self.pool.take(slots).tolist()
 
     @classmethod
-    def of_arrays(cls, arrays: _Signatures, n: int, nslots: int, sig: np.ndarray,
-                  out: np.ndarray, reuse: np.ndarray, nfrees: np.ndarray, slots: np.ndarray,
-                  frees: np.ndarray, meta: np.ndarray, given: list[int], kept: list[int],
-                  more: dict[int, list[int]], unwanted: dict[int, list[int]]) -> _Flow:
+    def of_arrays(
+        cls,
+        arrays: _Signatures,
+        n: int,
+        nslots: int,
+        sig: np.ndarray,
+        out: np.ndarray,
+        reuse: np.ndarray,
+        nfrees: np.ndarray,
+        slots: np.ndarray,
+        frees: np.ndarray,
+        meta: np.ndarray,
+        given: list[int],
+        kept: list[int],
+        more: dict[int, list[int]],
+        unwanted: dict[int, list[int]],
+    ) -> _Flow:
         self = cls.__new__(cls)
         self.sig = sig = sig.astype(np.intp)
         counts = arrays.nslots.take(sig)  # (an index past a table is an IndexError here)
@@ -1100,48 +1413,63 @@ class _Flow:
             results = np.array([s for slots in more.values() for s in slots], np.intp)
             made[results] = np.array([i for i, slots in more.items() for _ in slots], np.intp)
             _check(np.bincount(np.concatenate([o, results])).max() <= 1, "a slot written twice")
-        _check((made[given] == -1).all() and (made.take(o) == steps).all(),
-               "a slot written twice")
+        _check((made[given] == -1).all() and (made.take(o) == steps).all(), "a slot written twice")
         made[[w for slots in unwanted.values() for w in slots]] = n  # (never written)
         free_at = np.repeat(steps, nfrees)
         freed = np.empty(nslots + 1, np.int32)  # the step after which it goes
         freed.fill(n)  # (n: never)
         freed[gone] = free_at
-        _check(not len(gone) or (np.bincount(gone).max() <= 1
-                                 and (made.take(gone) <= free_at).all()),
-               "a slot freed twice, or before it is written")
-        _check((freed[kept] == n).all() and (made[kept] < n).all(),
-               "a result freed, or never made")
+        _check(
+            not len(gone) or (np.bincount(gone).max() <= 1 and (made.take(gone) <= free_at).all()),
+            "a slot freed twice, or before it is written",
+        )
+        _check((freed[kept] == n).all() and (made[kept] < n).all(), "a result freed, or never made")
         # The first and last slot each step reads, by step; the others (where a step reads
         # more than two), by slot read.
-        _check((made.take(first_last) < steps).all() and (freed.take(first_last) >= steps).all(),
-               "a slot read before it is written, or after it is freed")
-        _check((metas.take(first) == arrays.first_meta.take(sig)).all()
-               and (metas.take(last) == arrays.last_meta.take(sig)).all(),
-               "a step's arguments are not its signature's")
+        _check(
+            (made.take(first_last) < steps).all() and (freed.take(first_last) >= steps).all(),
+            "a slot read before it is written, or after it is freed",
+        )
+        _check(
+            (metas.take(first) == arrays.first_meta.take(sig)).all()
+            and (metas.take(last) == arrays.last_meta.take(sig)).all(),
+            "a step's arguments are not its signature's",
+        )
         if total and int(counts.max()) > 2:
             read = reads[:total]
             read_at = np.repeat(steps, counts)  # per slot read, the step that reads it
             position = np.repeat(arrays.start.take(sig) - starts, counts) + np.arange(total)
-            _check((made.take(read) < read_at).all() and (freed.take(read) >= read_at).all(),
-                   "a slot read before it is written, or after it is freed")
-            _check((metas.take(read) == arrays.metas.take(position)).all(),
-                   "a step's arguments are not its signature's")
+            _check(
+                (made.take(read) < read_at).all() and (freed.take(read) >= read_at).all(),
+                "a slot read before it is written, or after it is freed",
+            )
+            _check(
+                (metas.take(read) == arrays.metas.take(position)).all(),
+                "a step's arguments are not its signature's",
+            )
         result = metas.take(o)
         same = result == arrays.out.take(sig)
-        _check((same | arrays.loop.take(sig) if arrays.loops else same).all(),
-               "a step's result meta")
+        _check(
+            (same | arrays.loop.take(sig) if arrays.loops else same).all(), "a step's result meta"
+        )
         if arrays.intos:
-            _check(((reuse > 0) == arrays.into.take(sig)).all(),
-                   "a step writes into a buffer that is not its dead argument's")
+            _check(
+                ((reuse > 0) == arrays.into.take(sig)).all(),
+                "a step writes into a buffer that is not its dead argument's",
+            )
             into = np.flatnonzero(reuse)
             r = reuse[into].astype(np.intp) - 1
-            _check((freed.take(r) == into).all() and ((r == first[into]) | (r == last[into])).all()
-                   and (metas.take(r) == result[into]).all(),
-                   "a step writes into a buffer that is not its dead argument's")
+            _check(
+                (freed.take(r) == into).all()
+                and ((r == first[into]) | (r == last[into])).all()
+                and (metas.take(r) == result[into]).all(),
+                "a step writes into a buffer that is not its dead argument's",
+            )
         else:
-            _check(not n or int(reuse.max()) == 0,
-                   "a step writes into a buffer that is not its dead argument's")
+            _check(
+                not n or int(reuse.max()) == 0,
+                "a step writes into a buffer that is not its dead argument's",
+            )
         rep = np.full(len(arrays.nslots), -1)
         rep[sig] = steps
         used = np.flatnonzero(rep >= 0)
@@ -1208,9 +1536,17 @@ class _StepColumns:
     """A program's step columns (checked), and the Step objects they hold: the compiler's
     values, with the tables' ops, Lits and attribute dicts."""
 
-    def __init__(self, reader: _Reader, sig: Column, kind: Column, origin: Column,
-                 out: Column, slots: Column, starts: Column,
-                 loops: dict[int, tuple[dict[str, Any], tuple[int, ...]]]) -> None:
+    def __init__(
+        self,
+        reader: _Reader,
+        sig: Column,
+        kind: Column,
+        origin: Column,
+        out: Column,
+        slots: Column,
+        starts: Column,
+        loops: dict[int, tuple[dict[str, Any], tuple[int, ...]]],
+    ) -> None:
         self.signatures, self.kinds, self.names = reader.signatures, reader.kinds, reader.names
         self.sig, self.kind, self.origin, self.out = sig, kind, origin, out
         self.slots, self.starts, self.loops = slots, starts, loops
@@ -1219,23 +1555,40 @@ class _StepColumns:
         g = self.signatures[int(self.sig[i])]
         start = int(self.starts[i])
         attrs, more = self.loops.get(i) or (g.attrs, ())
-        return Step(g.op, g.args(_ints(self.slots[start:start + g.nslots])), attrs,
-                    int(self.out[i]), self.kinds[int(self.kind[i])],
-                    self.names.get(int(self.origin[i])), more)
+        return Step(
+            g.op,
+            g.args(_ints(self.slots[start : start + g.nslots])),
+            attrs,
+            int(self.out[i]),
+            self.kinds[int(self.kind[i])],
+            self.names.get(int(self.origin[i])),
+            more,
+        )
 
     def steps(self) -> list[Step]:
         signatures, slots = self.signatures, _ints(self.slots)
         of = [signatures[s] for s in _ints(self.sig)]
-        args = [g.args(slots[start:start + g.nslots])
-                for g, start in zip(of, _ints(self.starts), strict=True)]
+        args = [
+            g.args(slots[start : start + g.nslots])
+            for g, start in zip(of, _ints(self.starts), strict=True)
+        ]
         attrs = [g.attrs for g in of]
         more: list[tuple[int, ...]] = [()] * len(of)
         for i, (loop_attrs, results) in self.loops.items():
             attrs[i], more[i] = loop_attrs, results
         kinds, names = self.kinds, self.names.list()
-        return list(map(Step, [g.op for g in of], args, attrs, _ints(self.out),
-                        [kinds[k] for k in _ints(self.kind)],
-                        [names[o] for o in _ints(self.origin)], more))
+        return list(
+            map(
+                Step,
+                [g.op for g in of],
+                args,
+                attrs,
+                _ints(self.out),
+                [kinds[k] for k in _ints(self.kind)],
+                [names[o] for o in _ints(self.origin)],
+                more,
+            )
+        )
 
 
 class _NoCycles:
@@ -1264,10 +1617,11 @@ def _tuples(counts: np.ndarray, flat: np.ndarray) -> list[tuple[Any, ...]]:
         firsts = starts[at]
         if k <= 4:
             made: Iterable[tuple[Any, ...]] = zip(
-                *[flat[firsts + j].tolist() for j in range(k)], strict=True)
+                *[flat[firsts + j].tolist() for j in range(k)], strict=True
+            )
         else:
             values = flat.tolist() if values is None else values
-            made = (tuple(values[f:f + k]) for f in firsts.tolist())
+            made = (tuple(values[f : f + k]) for f in firsts.tolist())
         rows[at] = np.fromiter(made, object, len(at))
     return rows.tolist()  # type: ignore[no-any-return]
 

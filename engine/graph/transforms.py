@@ -42,10 +42,14 @@ class Derivations:
         found = self._by_target.get(key)
         if found is None:
             with derived(b, create_graph=True, kind=DERIVED):
-                seed = upstream if upstream is not None else b.call(
-                    "ones", shape=list(target.shape), dtype=target.dtype)
-            found = self._by_target[key] = vjp_all(b, list(b.steps), [(target.slot, seed)],
-                                                   create_graph=True, kind=DERIVED)
+                seed = (
+                    upstream
+                    if upstream is not None
+                    else b.call("ones", shape=list(target.shape), dtype=target.dtype)
+                )
+            found = self._by_target[key] = vjp_all(
+                b, list(b.steps), [(target.slot, seed)], create_graph=True, kind=DERIVED
+            )
         return found
 
 
@@ -58,7 +62,8 @@ def emit_grad(b: Builder, derivations: Derivations, args: Sequence[Any]) -> Sym:
         if numel(target.shape) != 1:
             raise BackwardError(
                 f"the target has shape {fmt(target.shape)}: only a one-element target gets "
-                "the implicit gradient 1; give grad_output (the third argument)")
+                "the implicit gradient 1; give grad_output (the third argument)"
+            )
     else:
         _like(upstream, target, "grad_output", "the target")
     found = derivations.cotangents(b, target, upstream).get(wrt.slot)
@@ -84,8 +89,9 @@ def emit_jvp(b: Builder, args: Sequence[Any]) -> Sym:
             return b.call("zeros", shape=list(output.shape), dtype=output.dtype)
         total = b.call("sum", pulled * tangent)
         seed = b.call("ones", shape=[], dtype=total.dtype)
-    (pushed,) = vjp(b, list(b.steps), [(total.slot, seed)], [u.slot], create_graph=True,
-                    kind=DERIVED)
+    (pushed,) = vjp(
+        b, list(b.steps), [(total.slot, seed)], [u.slot], create_graph=True, kind=DERIVED
+    )
     if pushed is None:
         with derived(b, create_graph=True, kind=DERIVED):
             return b.call("zeros", shape=list(output.shape), dtype=output.dtype)
@@ -107,7 +113,8 @@ def _floating(value: Sym, name: str) -> None:
 def _like(value: Sym, like: Sym, name: str, what: str) -> None:
     """`value` must have `like`'s shape and dtype: no silent casts."""
     if value.shape != like.shape:
-        raise ShapeError(f"{name} has shape {fmt(value.shape)} but {what} has shape "
-                         f"{fmt(like.shape)}")
+        raise ShapeError(
+            f"{name} has shape {fmt(value.shape)} but {what} has shape {fmt(like.shape)}"
+        )
     if value.dtype != like.dtype:
         raise DTypeError(f"{name} has dtype {value.dtype} but {what} has dtype {like.dtype}")

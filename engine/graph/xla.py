@@ -80,9 +80,11 @@ BOOKKEEPING_BYTES = 4096
 # of its speed).
 _MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 CPU_ATTEMPTS: tuple[dict[str, Any], ...] = (
-    {}, _MEMORY_SCHEDULER,
+    {},
+    _MEMORY_SCHEDULER,
     {**_MEMORY_SCHEDULER, "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    {**_MEMORY_SCHEDULER, "xla_disable_hlo_passes": "fusion"})
+    {**_MEMORY_SCHEDULER, "xla_disable_hlo_passes": "fusion"},
+)
 
 
 class NotLowerable(Exception):
@@ -189,34 +191,39 @@ class _Tracer:
         except NotLowerable:
             raise
         except Exception as exc:  # (a concretization error: the forward reads the data)
-            raise NotLowerable(f"op {op.name!r} has no lowering: its forward does not trace "
-                               f"({type(exc).__name__}: {exc})") from None
+            raise NotLowerable(
+                f"op {op.name!r} has no lowering: its forward does not trace "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
         out = self.xp.asarray(out)
         shape, dtype = tuple(out.shape), out.dtype.name
         if shape != meta.shape or dtype != meta.dtype:
-            raise NotLowerable(f"op {op.name!r} traced to {fmt(shape)} {dtype}, but its shape "
-                               f"rule says {fmt(meta.shape)} {meta.dtype}")
+            raise NotLowerable(
+                f"op {op.name!r} traced to {fmt(shape)} {dtype}, but its shape "
+                f"rule says {fmt(meta.shape)} {meta.dtype}"
+            )
         return out
 
     def _scan(self, step: Step, env: list[Any], deferred: list[Deferred]) -> None:
         """A scan step as lax.scan over its body's program."""
         body: Body = step.attrs["body"]
         if body.every or body.replay is not None:
-            raise NotLowerable("op 'scan': a checkpointed loop (its residuals recomputed to "
-                               "fit the memory budget) is not lowered")
+            raise NotLowerable(
+                "op 'scan': a checkpointed loop (its residuals recomputed to "
+                "fit the memory budget) is not lowered"
+            )
         program = body.program
         assert program is not None, "a scan is lowered after its body is planned"
         jax, jnp = self.jax, self.xp
         metas = program.metas
         args = [env[a] for a in step.slots]
         nc, nx = len(body.carries), len(body.xs)
-        carries, xs, closures = args[:nc], args[nc:nc + nx], args[nc + nx:]
+        carries, xs, closures = args[:nc], args[nc : nc + nx], args[nc + nx :]
         length, reverse = body.length, body.reverse
         # A shifted slice is the row of the step the loop visits next, and at its last
         # step a closure's value (engine.graph.scan): read by index, not copied shifted.
         shifted = {body.xs[i]: (xs[i], closures[j]) for i, j in body.shifted}
-        plain = [(slot, seq) for slot, seq in zip(body.xs, xs, strict=True)
-                 if slot not in shifted]
+        plain = [(slot, seq) for slot, seq in zip(body.xs, xs, strict=True) if slot not in shifted]
         ys = [y for k, y in enumerate(body.ys) if body.wanted[nc + k]]
         inner: list[Deferred] = []
         ahead = -1 if reverse else 1
@@ -232,24 +239,26 @@ class _Tracer:
                 slots[slot] = row
             for slot, (seq, first) in shifted.items():
                 p = length - 1 - t if reverse else t
-                row = jax.lax.dynamic_index_in_dim(seq, jnp.clip(t + ahead, 0, length - 1),
-                                                   keepdims=False)
+                row = jax.lax.dynamic_index_in_dim(
+                    seq, jnp.clip(t + ahead, 0, length - 1), keepdims=False
+                )
                 slots[slot] = jnp.where(p < length - 1, row, first)
             inner.clear()
             self.run(program, slots, inner)
             nexts = tuple(self._strong(slots[n], metas[n]) for n in body.nexts)
             return (t + ahead, nexts), ([slots[y] for y in ys], [d[1] for d in inner])
 
-        init = tuple(self._strong(c, metas[s]) for c, s in zip(carries, body.carries,
-                                                                  strict=True))
+        init = tuple(self._strong(c, metas[s]) for c, s in zip(carries, body.carries, strict=True))
         # The row's index is counted in the carry, not scanned over as an arange: that
         # would be one more array of the loop's length (a 1,000-step loop: 8,000 bytes).
         start = jnp.asarray(length - 1 if reverse else 0, dtype=np.int64)
         (_, final), (stacks, checked) = jax.lax.scan(
-            one_step, (start, init), [seq for _, seq in plain], length=length,
-            reverse=reverse)
-        deferred.extend((check, values, origin, op)
-                        for (check, _, origin, op), values in zip(inner, checked, strict=True))
+            one_step, (start, init), [seq for _, seq in plain], length=length, reverse=reverse
+        )
+        deferred.extend(
+            (check, values, origin, op)
+            for (check, _, origin, op), values in zip(inner, checked, strict=True)
+        )
         stacked = iter(stacks)
         for k, slot in enumerate(step.outs):
             if k < nc:
@@ -265,20 +274,30 @@ class _Tracer:
 class Lowered:
     """A program compiled by XLA, run as one call."""
 
-    def __init__(self, program: Program, device: str, compiled: Any, memory_bytes: int,
-                 compile_ms: float, deferred: list[Deferred]) -> None:
+    def __init__(
+        self,
+        program: Program,
+        device: str,
+        compiled: Any,
+        memory_bytes: int,
+        compile_ms: float,
+        deferred: list[Deferred],
+    ) -> None:
         self.program = program
         self.device = device
         self.memory_bytes = memory_bytes
         self.compile_ms = compile_ms
         self._compiled = compiled
         # (name, shape, dtype, upstream) of each argument: checked on every run
-        self._given = [(name, shape, np.dtype(dtype), upstream)
-                       for name, _, shape, dtype, upstream in _given(program)]
+        self._given = [
+            (name, shape, np.dtype(dtype), upstream)
+            for name, _, shape, dtype, upstream in _given(program)
+        ]
         self._deferred = deferred
 
-    def run(self, inputs: Mapping[str, Any],
-            grad_outputs: Mapping[str, Any] | None = None) -> RunResult:
+    def run(
+        self, inputs: Mapping[str, Any], grad_outputs: Mapping[str, Any] | None = None
+    ) -> RunResult:
         """Run on NumPy arrays (checked against the compiled shapes and dtypes, as the
         executor checks them); NumPy arrays out."""
         program = self.program
@@ -287,8 +306,13 @@ class Lowered:
         for name, shape, dtype, upstream in self._given:
             array = (given if upstream else inputs).get(name)
             if array is None or array.shape != shape or array.dtype != dtype:
-                raise wrong_input(name, shape, dtype.name, self.device, None if array is None
-                                  else (tuple(array.shape), array.dtype.name))
+                raise wrong_input(
+                    name,
+                    shape,
+                    dtype.name,
+                    self.device,
+                    None if array is None else (tuple(array.shape), array.dtype.name),
+                )
             arrays.append(array)
         t0 = time.perf_counter()
         results, checked = self._compiled(*arrays)
@@ -302,13 +326,17 @@ class Lowered:
                     raise err.at(node=origin, op=op) from None
         it = iter(results)
         outputs = {name: next(it) for name, _ in program.outputs}
-        gradients = {name: next(it) for name, _ in program.gradients} \
-            if program.backward else None
+        gradients = {name: next(it) for name, _ in program.gradients} if program.backward else None
         # XLA runs the forward and the backward as one call: all of it counts as forward.
         timings = {"plan": round(program.plan_ms, 3), "forward": elapsed}
-        return RunResult(outputs=outputs, gradients=gradients, peak_bytes=self.memory_bytes,
-                         planned_peak_bytes=program.planned_peak_bytes, nodes=program.nodes,
-                         timings_ms=timings)
+        return RunResult(
+            outputs=outputs,
+            gradients=gradients,
+            peak_bytes=self.memory_bytes,
+            planned_peak_bytes=program.planned_peak_bytes,
+            nodes=program.nodes,
+            timings_ms=timings,
+        )
 
     def export(self) -> tuple[bytes, dict[str, Any]]:
         """The executable as bytes (XLA's own serialisation), and what loading it needs
@@ -321,9 +349,13 @@ class Lowered:
             if not isinstance(check, IndexRange):
                 raise NotLowerable(f"op {op!r}: its check on the host cannot be stored")
             checks.append([check.size, check.dim, origin, op, len(values)])
-        return payload, {"device": self.device, "memory_bytes": self.memory_bytes,
-                         "compile_ms": round(self.compile_ms, 3), "checks": checks,
-                         "jax": _jax().__version__}
+        return payload, {
+            "device": self.device,
+            "memory_bytes": self.memory_bytes,
+            "compile_ms": round(self.compile_ms, 3),
+            "checks": checks,
+            "jax": _jax().__version__,
+        }
 
     @classmethod
     def load(cls, program: Program, payload: bytes, meta: dict[str, Any]) -> Lowered:
@@ -334,23 +366,30 @@ class Lowered:
             from jax.experimental import serialize_executable
 
             if meta.get("jax") != jax.__version__:
-                raise NotLowerable(f"an executable of jax {meta.get('jax')}, not "
-                                   f"{jax.__version__}")
-            checks: list[Deferred] = [(IndexRange(size, dim), [None] * n, origin, op)
-                                      for size, dim, origin, op, n in meta["checks"]]
-            results = len(program.outputs) + (len(program.gradients) if program.backward
-                                               else 0)
+                raise NotLowerable(f"an executable of jax {meta.get('jax')}, not {jax.__version__}")
+            checks: list[Deferred] = [
+                (IndexRange(size, dim), [None] * n, origin, op)
+                for size, dim, origin, op, n in meta["checks"]
+            ]
+            results = len(program.outputs) + (len(program.gradients) if program.backward else 0)
             tree = jax.tree_util.tree_structure
             in_tree = tree(((0,) * len(_given(program)), {}))
             out_tree = tree(([0] * results, [[0] * len(c[1]) for c in checks]))
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-            return cls(program, str(meta["device"]), compiled, int(meta["memory_bytes"]),
-                       float(meta["compile_ms"]), checks)
+            return cls(
+                program,
+                str(meta["device"]),
+                compiled,
+                int(meta["memory_bytes"]),
+                float(meta["compile_ms"]),
+                checks,
+            )
         except NotLowerable:
             raise
         except Exception as exc:  # (not an executable, or not this program's)
-            raise NotLowerable(f"the stored executable does not load "
-                               f"({type(exc).__name__}: {exc})") from None
+            raise NotLowerable(
+                f"the stored executable does not load ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
@@ -391,8 +430,10 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
         tracer.run(program, env, deferred)
         return [env[s] for s in results], [d[1] for d in deferred]
 
-    specs = [jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
-             for _, _, shape, dtype, _ in given]
+    specs = [
+        jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+        for _, _, shape, dtype, _ in given
+    ]
     if budget is None:
         budget = program.planned_peak_bytes + BOOKKEEPING_BYTES
     attempts = CPU_ATTEMPTS if target.platform == "cpu" else ({},)
@@ -405,8 +446,12 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
                 stats = compiled.memory_analysis()
                 if stats is None:
                     raise NotLowerable("memory: XLA gives no memory analysis for this device")
-                need = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                        + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+                need = (
+                    stats.argument_size_in_bytes
+                    + stats.output_size_in_bytes
+                    + stats.temp_size_in_bytes
+                    - stats.alias_size_in_bytes
+                )
                 if need <= budget:
                     break
         except NotLowerable:
@@ -414,7 +459,9 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
         except Exception as exc:  # (XLA's own refusal: the interpreter keeps the program)
             raise NotLowerable(f"XLA: {type(exc).__name__}: {exc}") from None
     if need > budget:
-        raise NotLowerable(f"memory: XLA needs {need} bytes, the plan "
-                           f"{program.planned_peak_bytes} (allowed: {budget})")
+        raise NotLowerable(
+            f"memory: XLA needs {need} bytes, the plan "
+            f"{program.planned_peak_bytes} (allowed: {budget})"
+        )
     compile_ms = (time.perf_counter() - started) * 1000
     return Lowered(program, device, compiled, need, compile_ms, list(deferred))

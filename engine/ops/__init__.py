@@ -19,7 +19,15 @@ from gradserve.engine.ops.registry import OPS, Attr, Meta, OpDef
 
 # One module per group of the catalog (the op tests keep their samples in modules of the
 # same names).
-GROUP_MODULES = ("arithmetic", "comparison", "constants", "elementwise", "indexing", "linalg",
-                 "reduction", "shape")
+GROUP_MODULES = (
+    "arithmetic",
+    "comparison",
+    "constants",
+    "elementwise",
+    "indexing",
+    "linalg",
+    "reduction",
+    "shape",
+)
 
 __all__ = ["GROUP_MODULES", "OPS", "Attr", "Meta", "OpDef"]

@@ -41,17 +41,17 @@ def _power(xp: Any, a: Any, b: Any, integer_powers: Any) -> Any:
             return xp.sqrt(a)
         if b == -0.5:
             return 1.0 / xp.sqrt(a)
-        return a ** b
+        return a**b
     if arr.dtype == xp.bool:
         if isinstance(b, bool):
             return a if b else xp.ones_like(a)
         raise DTypeError(_BOOL_POW)
     if not xp.isdtype(arr.dtype, "integral"):
-        return a ** b
+        return a**b
     if is_number(b):
         if b < 0:
             raise DTypeError(_NEGATIVE_INT_POWER)
-        return a ** b
+        return a**b
     return integer_powers(xp, as_array(xp, a, b), b)
 
 
@@ -66,7 +66,7 @@ def _pow_lowering(xp: Any, a: Any, b: Any) -> Any:
 
 def _integer_powers_if_any_negative(xp: Any, a: Any, b: Any) -> Any:
     """The interpreter's: plain a ** b when no exponent is negative (which it can see)."""
-    return a ** b if not xp.any(b < 0) else _integer_powers(xp, a, b)
+    return a**b if not xp.any(b < 0) else _integer_powers(xp, a, b)
 
 
 def _integer_powers(xp: Any, a: Any, b: Any) -> Any:
@@ -106,8 +106,10 @@ def _scalar_opmath(fn: Any) -> Any:
     return forward
 
 
-_BOOL_MINUS = ("the `-` operator on a bool tensor is not supported; to invert a mask, "
-               "use logical ops (e.g. eq(mask, false))")
+_BOOL_MINUS = (
+    "the `-` operator on a bool tensor is not supported; to invert a mask, "
+    "use logical ops (e.g. eq(mask, false))"
+)
 
 
 def _reject_bool(xp: Any, *values: Any) -> None:
@@ -135,32 +137,76 @@ def _max_vjp(lose: Any) -> Any:
 
 
 register(
-    binary("sub", "a - b, broadcasting (not on bool, as in PyTorch).",
-           lambda xp, a, b: a - b, (lambda F, g: g, lambda F, g: -g),
-           infer=_no_bool_infer(elementwise_infer()), check_args=_reject_bool,
-           ufunc="subtract"),
-    binary("add", "a + b, broadcasting.", lambda xp, a, b: a + b,
-           (lambda F, g: g, lambda F, g: g), ufunc="add"),
-    binary("mul", "a * b, broadcasting.", _scalar_opmath(lambda a, b: a * b),
-           (lambda F, g, a, b: g * b, lambda F, g, a, b: g * a), save=("input", "other"),
-           ufunc="multiply"),
-    binary("div", "a / b, true division (integers give float32).",
-           _scalar_opmath(lambda a, b: a / b),
-           (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * ((a / b) / b)),
-           save=("input", "other"), float_result=True, ufunc="divide"),
-    binary("pow", "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
-           _pow, (_pow_input_grad, _pow_exponent_grad), views_input=True,
-           save=("input", "exponent", "result"), args=("input", "exponent"), infer=_pow_infer,
-           lower=_pow_lowering, lifts_literals=False),
-    binary("maximum", "Elementwise max; ties give half the gradient to each side.",
-           lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
-           (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),
-           save=("input", "other"), ufunc="maximum"),
-    binary("minimum", "Elementwise min; ties give half the gradient to each side.",
-           lambda xp, a, b: xp.minimum(as_array(xp, a, b), as_array(xp, b, a)),
-           (_max_vjp(lambda a, b: a > b), _max_vjp(lambda a, b: a < b)),
-           save=("input", "other"), ufunc="minimum"),
-    unary("neg", "-x (not on bool, as in PyTorch).", lambda xp, x: -x, lambda F, g: -g,
-          save=(), group="arithmetic", infer=_no_bool_infer(_negate_rule),
-          check_args=_reject_bool, ufunc="negative"),
+    binary(
+        "sub",
+        "a - b, broadcasting (not on bool, as in PyTorch).",
+        lambda xp, a, b: a - b,
+        (lambda F, g: g, lambda F, g: -g),
+        infer=_no_bool_infer(elementwise_infer()),
+        check_args=_reject_bool,
+        ufunc="subtract",
+    ),
+    binary(
+        "add",
+        "a + b, broadcasting.",
+        lambda xp, a, b: a + b,
+        (lambda F, g: g, lambda F, g: g),
+        ufunc="add",
+    ),
+    binary(
+        "mul",
+        "a * b, broadcasting.",
+        _scalar_opmath(lambda a, b: a * b),
+        (lambda F, g, a, b: g * b, lambda F, g, a, b: g * a),
+        save=("input", "other"),
+        ufunc="multiply",
+    ),
+    binary(
+        "div",
+        "a / b, true division (integers give float32).",
+        _scalar_opmath(lambda a, b: a / b),
+        (lambda F, g, a, b: g / b, lambda F, g, a, b: -g * ((a / b) / b)),
+        save=("input", "other"),
+        float_result=True,
+        ufunc="divide",
+    ),
+    binary(
+        "pow",
+        "a ** b; d/da at exponent 0 is 0, d/db at a=0 (b>=0) is 0 (PyTorch).",
+        _pow,
+        (_pow_input_grad, _pow_exponent_grad),
+        views_input=True,
+        save=("input", "exponent", "result"),
+        args=("input", "exponent"),
+        infer=_pow_infer,
+        lower=_pow_lowering,
+        lifts_literals=False,
+    ),
+    binary(
+        "maximum",
+        "Elementwise max; ties give half the gradient to each side.",
+        lambda xp, a, b: xp.maximum(as_array(xp, a, b), as_array(xp, b, a)),
+        (_max_vjp(lambda a, b: a < b), _max_vjp(lambda a, b: a > b)),
+        save=("input", "other"),
+        ufunc="maximum",
+    ),
+    binary(
+        "minimum",
+        "Elementwise min; ties give half the gradient to each side.",
+        lambda xp, a, b: xp.minimum(as_array(xp, a, b), as_array(xp, b, a)),
+        (_max_vjp(lambda a, b: a > b), _max_vjp(lambda a, b: a < b)),
+        save=("input", "other"),
+        ufunc="minimum",
+    ),
+    unary(
+        "neg",
+        "-x (not on bool, as in PyTorch).",
+        lambda xp, x: -x,
+        lambda F, g: -g,
+        save=(),
+        group="arithmetic",
+        infer=_no_bool_infer(_negate_rule),
+        check_args=_reject_bool,
+        ufunc="negative",
+    ),
 )

@@ -14,8 +14,14 @@ _NUMBER = (int, float, bool)
 
 
 def _compare(name: str, symbol: str, fn: Any) -> OpDef:
-    return binary(name, f"a {symbol} b elementwise (bool; not differentiable).", fn, None,
-                  group="comparison", result_dtype=bool_)
+    return binary(
+        name,
+        f"a {symbol} b elementwise (bool; not differentiable).",
+        fn,
+        None,
+        group="comparison",
+        result_dtype=bool_,
+    )
 
 
 def _where_infer(metas: list[Meta]) -> Meta:
@@ -51,9 +57,7 @@ register(
         args=("condition", "input", "other"),
         forward=_where,
         infer=lambda metas: _where_infer(metas),
-        vjp=(None,
-             lambda F, g, c: F.where(c, g, 0.0),
-             lambda F, g, c: F.where(c, 0.0, g)),
+        vjp=(None, lambda F, g, c: F.where(c, g, 0.0), lambda F, g, c: F.where(c, 0.0, g)),
         save=("condition",),
         promote=(1, 2),
     ),

@@ -33,22 +33,28 @@ def _cast_lowering(xp: Any, x: Any, *, dtype: str) -> Any:
 
 register(
     OpDef(
-        name="cast", group="dtype and graph",
+        name="cast",
+        group="dtype and graph",
         doc="Convert to another dtype; the gradient is cast back (floats only).",
         args=("input",),
         forward=lambda xp, x, *, dtype: xp.astype(x, getattr(xp, dtype)),
         lower=_cast_lowering,
         infer=lambda metas, *, dtype: Meta(metas[0].shape, dtype),
-        vjp=(_cast_vjp,), save=("input",),
+        vjp=(_cast_vjp,),
+        save=("input",),
         attrs={"dtype": Attr("dtype", doc="the target dtype")},
         positional_attrs=("dtype",),
     ),
     OpDef(
-        name="detach", group="dtype and graph",
+        name="detach",
+        group="dtype and graph",
         doc="The same value, cut from the graph: no gradient flows through it.",
-        args=("input",), forward=lambda xp, x: x,
+        args=("input",),
+        forward=lambda xp, x: x,
         infer=lambda metas: Meta(metas[0].shape, metas[0].dtype),
-        returns_input=True, views_input=True, cost=lambda metas, out: (0, 0),
+        returns_input=True,
+        views_input=True,
+        cost=lambda metas, out: (0, 0),
     ),
 )
 
@@ -98,8 +104,9 @@ def _full_dtype(value: Scalar, dtype: str | None) -> str:
     return dtype or scalar_dtype(value)
 
 
-def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
-                dtype: str | None) -> tuple[Scalar, Scalar, int, str]:
+def arange_spec(
+    start: Scalar | None, end: Scalar | None, step: Scalar, dtype: str | None
+) -> tuple[Scalar, Scalar, int, str]:
     """(start, step, length, dtype) of torch.arange: `arange(n)` is `arange(0, n)`.
 
     As PyTorch's kernel: for int64 the bounds and step are truncated to integers first
@@ -121,8 +128,7 @@ def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
         if isinstance(v, float) and not math.isfinite(v):
             raise AttributeError_(f"{name} must be finite, got {v}", loc=("attrs", name))
         if dtype in INTS and not -(1 << 63) <= int(v) < 1 << 63:
-            raise AttributeError_(f"{name} {v} is out of the range of int64",
-                                  loc=("attrs", name))
+            raise AttributeError_(f"{name} {v} is out of the range of int64", loc=("attrs", name))
     if step == 0 or (dtype == DEFAULT_INT and int(step) == 0):
         raise AttributeError_("step must be nonzero", loc=("attrs", "step"))
     if (step > 0 and end < start) or (step < 0 and end > start):
@@ -149,8 +155,9 @@ def arange_spec(start: Scalar | None, end: Scalar | None, step: Scalar,
     return start, step, length, dtype
 
 
-def _arange(xp: Any, *, start: Scalar | None, end: Scalar | None, step: Scalar,
-            dtype: str | None) -> Any:
+def _arange(
+    xp: Any, *, start: Scalar | None, end: Scalar | None, step: Scalar, dtype: str | None
+) -> Any:
     start, step, length, dtype = arange_spec(start, end, step, dtype)
     if dtype in INTS:
         values = xp.arange(length, dtype=xp.int64) * step + start
@@ -160,21 +167,26 @@ def _arange(xp: Any, *, start: Scalar | None, end: Scalar | None, step: Scalar,
     return xp.astype(values, getattr(xp, dtype))
 
 
-def _arange_infer(metas: list[Meta], *, start: Scalar | None, end: Scalar | None,
-                  step: Scalar, dtype: str | None) -> Meta:
+def _arange_infer(
+    metas: list[Meta], *, start: Scalar | None, end: Scalar | None, step: Scalar, dtype: str | None
+) -> Meta:
     _, _, length, dtype = arange_spec(start, end, step, dtype)
     return Meta((length,), dtype)
 
 
 _SHAPE = Attr("shape", doc="the shape (an int for 1-d)")
 
+
 def _filled(name: str) -> OpDef:
     """`zeros` and `ones`: the namespace's function of the same name over a shape."""
     return OpDef(
-        name=name, group="constants", doc=f"A tensor of {name} (default dtype float32).",
+        name=name,
+        group="constants",
+        doc=f"A tensor of {name} (default dtype float32).",
         args=(),
-        forward=lambda xp, *, shape, dtype: getattr(xp, name)(_shape(shape),
-                                                               dtype=getattr(xp, dtype)),
+        forward=lambda xp, *, shape, dtype: getattr(xp, name)(
+            _shape(shape), dtype=getattr(xp, dtype)
+        ),
         infer=lambda metas, *, shape, dtype: Meta(_shape(shape), dtype),
         attrs={"shape": _SHAPE, "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
         positional_attrs=("shape",),
@@ -185,22 +197,27 @@ register(
     _filled("zeros"),
     _filled("ones"),
     OpDef(
-        name="full", group="constants",
+        name="full",
+        group="constants",
         doc="A tensor filled with `value`; dtype inferred from it as torch.full does "
-            "(float → float32, int → int64, bool → bool).",
+        "(float → float32, int → int64, bool → bool).",
         args=(),
         forward=lambda xp, *, shape, value, dtype: xp.full(
-            _shape(shape), _fill(value, _full_dtype(value, dtype), _shape(shape)),
+            _shape(shape),
+            _fill(value, _full_dtype(value, dtype), _shape(shape)),
             dtype=getattr(xp, _full_dtype(value, dtype)),
         ),
         infer=lambda metas, *, shape, value, dtype: Meta(_shape(shape), _full_dtype(value, dtype)),
-        attrs={"shape": _SHAPE, "value": Attr("number", doc="the fill value"),
-               "dtype": Attr("dtype", None, doc="element type (null: from value)",
-                             nullable=True)},
+        attrs={
+            "shape": _SHAPE,
+            "value": Attr("number", doc="the fill value"),
+            "dtype": Attr("dtype", None, doc="element type (null: from value)", nullable=True),
+        },
         positional_attrs=("shape", "value"),
     ),
     OpDef(
-        name="eye", group="constants",
+        name="eye",
+        group="constants",
         doc="The n x m identity matrix (m defaults to n; default dtype float32).",
         args=(),
         forward=lambda xp, *, n, m, dtype: xp.eye(
@@ -209,23 +226,32 @@ register(
         infer=lambda metas, *, n, m, dtype: Meta(
             (_size("n", n), _size("m", n if m is None else m)), dtype
         ),
-        attrs={"n": Attr("int", doc="rows"),
-               "m": Attr("int", None, doc="columns (null: n)", nullable=True),
-               "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type")},
+        attrs={
+            "n": Attr("int", doc="rows"),
+            "m": Attr("int", None, doc="columns (null: n)", nullable=True),
+            "dtype": Attr("dtype", DEFAULT_FLOAT, doc="element type"),
+        },
         positional_attrs=("n", "m"),
     ),
     OpDef(
-        name="arange", group="constants",
+        name="arange",
+        group="constants",
         doc="Values from start (default 0) to end, exclusive, by step, as torch.arange: "
-            "arange(n) counts from 0; dtype float32 if any bound is a float, else int64.",
+        "arange(n) counts from 0; dtype float32 if any bound is a float, else int64.",
         args=(),
-        forward=_arange, infer=_arange_infer,
-        attrs={"start": Attr("number", None, doc="first value (null: 0)", nullable=True),
-               "end": Attr("number", None, doc="end, exclusive (with start alone, start is "
-                           "the end, as in arange(5))", nullable=True),
-               "step": Attr("number", 1, doc="increment, nonzero"),
-               "dtype": Attr("dtype", None, doc="element type (null: inferred)",
-                             nullable=True)},
+        forward=_arange,
+        infer=_arange_infer,
+        attrs={
+            "start": Attr("number", None, doc="first value (null: 0)", nullable=True),
+            "end": Attr(
+                "number",
+                None,
+                doc="end, exclusive (with start alone, start is the end, as in arange(5))",
+                nullable=True,
+            ),
+            "step": Attr("number", 1, doc="increment, nonzero"),
+            "dtype": Attr("dtype", None, doc="element type (null: inferred)", nullable=True),
+        },
         positional_attrs=("start", "end", "step"),
     ),
 )

@@ -100,8 +100,15 @@ def _clamp_bounds(lo: Any, hi: Any) -> None:
 
 def _clamp_dtype(dtype: str, lo: Any, hi: Any) -> str:
     """torch.result_type of the tensor and its bounds (weak literals); bool is refused."""
-    lits = [Meta((), "bool" if isinstance(v, bool) else "float32" if isinstance(v, float)
-                 else "int64", True) for v in (lo, hi) if v is not None]
+    lits = [
+        Meta(
+            (),
+            "bool" if isinstance(v, bool) else "float32" if isinstance(v, float) else "int64",
+            True,
+        )
+        for v in (lo, hi)
+        if v is not None
+    ]
     out = promoted_dtype([Meta((1,), dtype), *lits])
     if out == bool_:
         raise DTypeError("clamp is not supported on bool tensors with bool bounds")
@@ -110,8 +117,11 @@ def _clamp_dtype(dtype: str, lo: Any, hi: Any) -> str:
 
 def _clamp(xp: Any, x: Any, *, min: Any, max: Any) -> Any:
     _clamp_bounds(min, max)
-    if not (xp.isdtype(x.dtype, "real floating") and not isinstance(min, bool)
-            and not isinstance(max, bool)):
+    if not (
+        xp.isdtype(x.dtype, "real floating")
+        and not isinstance(min, bool)
+        and not isinstance(max, bool)
+    ):
         target = getattr(xp, _clamp_dtype(dtype_name(xp, x.dtype), min, max))
         if x.dtype != target:
             x = xp.astype(x, target)  # a float bound promotes an integer tensor, and so on
@@ -143,47 +153,151 @@ _RELU = _refuse("relu", "bool")
 _SOFTPLUS = _refuse("softplus", "float")
 
 register(
-    unary("abs", "|x|; the gradient at 0 is 0 (PyTorch); not on bool.", lambda xp, x: xp.abs(x),
-          lambda F, g, x: g * F.sign(x), check_args=_ABS[0], infer=_ABS[1], ufunc="absolute"),
-    unary("sign", "-1, 0 or 1 (0 at NaN, as PyTorch); its gradient is 0 everywhere.", _sign,
-          lambda F, g: F.zeros_like(g), save=(), views_input=True),
-    unary("exp", "e ** x.", lambda xp, x: xp.exp(x), lambda F, g, r: g * r,
-          save=("result",), float_result=True, ufunc="exp"),
-    unary("log", "Natural logarithm.", lambda xp, x: xp.log(x), lambda F, g, x: g / x,
-          float_result=True, ufunc="log"),
-    unary("log1p", "log(1 + x), accurate near 0.", lambda xp, x: xp.log1p(x),
-          lambda F, g, x: g / (x + 1.0), float_result=True, ufunc="log1p"),
-    unary("expm1", "exp(x) - 1, accurate near 0.", lambda xp, x: xp.expm1(x),
-          lambda F, g, r: g * (r + 1.0), save=("result",), float_result=True, ufunc="expm1"),
-    unary("sqrt", "Square root.", lambda xp, x: xp.sqrt(x), lambda F, g, r: g / (2.0 * r),
-          save=("result",), float_result=True, ufunc="sqrt"),
-    unary("square", "x * x (bool gives int64, as PyTorch).", _square,
-          lambda F, g, x: g * (2.0 * x), infer=_square_infer),
-    unary("reciprocal", "1 / x.", lambda xp, x: 1.0 / x, lambda F, g, r: -g * r * r,
-          save=("result",), float_result=True),
-    unary("sin", "Sine.", lambda xp, x: xp.sin(x), lambda F, g, x: g * F.cos(x),
-          float_result=True, ufunc="sin"),
-    unary("cos", "Cosine.", lambda xp, x: xp.cos(x), lambda F, g, x: -g * F.sin(x),
-          float_result=True, ufunc="cos"),
-    unary("tan", "Tangent.", lambda xp, x: xp.tan(x), lambda F, g, r: g * (1.0 + r * r),
-          save=("result",), float_result=True, ufunc="tan"),
-    unary("tanh", "Hyperbolic tangent.", lambda xp, x: xp.tanh(x),
-          lambda F, g, r: g * (1.0 - r * r), save=("result",), float_result=True, ufunc="tanh"),
-    unary("sigmoid", "1 / (1 + exp(-x)), as PyTorch computes it.", _sigmoid,
-          lambda F, g, r: g * r * (1.0 - r), save=("result",), float_result=True,
-          kernel=_sigmoid_kernel),
-    unary("relu", "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",
-          lambda xp, x: xp.where(x <= 0, xp.zeros_like(x), x),
-          _relu_vjp, save=("result",),
-          check_args=_RELU[0], infer=_RELU[1]),
-    unary("softplus", "log(1 + exp(x)), stable; x itself above 20 (PyTorch's threshold); "
-          "floating point inputs only, as PyTorch.",
-          _softplus,
-          lambda F, g, x: F.where(x > _SOFTPLUS_THRESHOLD, g, g * F.sigmoid(x)),
-          check_args=_SOFTPLUS[0], infer=_SOFTPLUS[1]),
-    unary("clamp", "Limit x to [min, max]; at a bound the gradient passes (PyTorch).",
-          _clamp, _clamp_vjp,
-          attrs={"min": Attr("number", None, "lower bound", nullable=True),
-                 "max": Attr("number", None, "upper bound", nullable=True)},
-          infer=_clamp_infer),
+    unary(
+        "abs",
+        "|x|; the gradient at 0 is 0 (PyTorch); not on bool.",
+        lambda xp, x: xp.abs(x),
+        lambda F, g, x: g * F.sign(x),
+        check_args=_ABS[0],
+        infer=_ABS[1],
+        ufunc="absolute",
+    ),
+    unary(
+        "sign",
+        "-1, 0 or 1 (0 at NaN, as PyTorch); its gradient is 0 everywhere.",
+        _sign,
+        lambda F, g: F.zeros_like(g),
+        save=(),
+        views_input=True,
+    ),
+    unary(
+        "exp",
+        "e ** x.",
+        lambda xp, x: xp.exp(x),
+        lambda F, g, r: g * r,
+        save=("result",),
+        float_result=True,
+        ufunc="exp",
+    ),
+    unary(
+        "log",
+        "Natural logarithm.",
+        lambda xp, x: xp.log(x),
+        lambda F, g, x: g / x,
+        float_result=True,
+        ufunc="log",
+    ),
+    unary(
+        "log1p",
+        "log(1 + x), accurate near 0.",
+        lambda xp, x: xp.log1p(x),
+        lambda F, g, x: g / (x + 1.0),
+        float_result=True,
+        ufunc="log1p",
+    ),
+    unary(
+        "expm1",
+        "exp(x) - 1, accurate near 0.",
+        lambda xp, x: xp.expm1(x),
+        lambda F, g, r: g * (r + 1.0),
+        save=("result",),
+        float_result=True,
+        ufunc="expm1",
+    ),
+    unary(
+        "sqrt",
+        "Square root.",
+        lambda xp, x: xp.sqrt(x),
+        lambda F, g, r: g / (2.0 * r),
+        save=("result",),
+        float_result=True,
+        ufunc="sqrt",
+    ),
+    unary(
+        "square",
+        "x * x (bool gives int64, as PyTorch).",
+        _square,
+        lambda F, g, x: g * (2.0 * x),
+        infer=_square_infer,
+    ),
+    unary(
+        "reciprocal",
+        "1 / x.",
+        lambda xp, x: 1.0 / x,
+        lambda F, g, r: -g * r * r,
+        save=("result",),
+        float_result=True,
+    ),
+    unary(
+        "sin",
+        "Sine.",
+        lambda xp, x: xp.sin(x),
+        lambda F, g, x: g * F.cos(x),
+        float_result=True,
+        ufunc="sin",
+    ),
+    unary(
+        "cos",
+        "Cosine.",
+        lambda xp, x: xp.cos(x),
+        lambda F, g, x: -g * F.sin(x),
+        float_result=True,
+        ufunc="cos",
+    ),
+    unary(
+        "tan",
+        "Tangent.",
+        lambda xp, x: xp.tan(x),
+        lambda F, g, r: g * (1.0 + r * r),
+        save=("result",),
+        float_result=True,
+        ufunc="tan",
+    ),
+    unary(
+        "tanh",
+        "Hyperbolic tangent.",
+        lambda xp, x: xp.tanh(x),
+        lambda F, g, r: g * (1.0 - r * r),
+        save=("result",),
+        float_result=True,
+        ufunc="tanh",
+    ),
+    unary(
+        "sigmoid",
+        "1 / (1 + exp(-x)), as PyTorch computes it.",
+        _sigmoid,
+        lambda F, g, r: g * r * (1.0 - r),
+        save=("result",),
+        float_result=True,
+        kernel=_sigmoid_kernel,
+    ),
+    unary(
+        "relu",
+        "max(x, 0); NaN stays NaN; the gradient at 0 is 0 (PyTorch); not on bool.",
+        lambda xp, x: xp.where(x <= 0, xp.zeros_like(x), x),
+        _relu_vjp,
+        save=("result",),
+        check_args=_RELU[0],
+        infer=_RELU[1],
+    ),
+    unary(
+        "softplus",
+        "log(1 + exp(x)), stable; x itself above 20 (PyTorch's threshold); "
+        "floating point inputs only, as PyTorch.",
+        _softplus,
+        lambda F, g, x: F.where(x > _SOFTPLUS_THRESHOLD, g, g * F.sigmoid(x)),
+        check_args=_SOFTPLUS[0],
+        infer=_SOFTPLUS[1],
+    ),
+    unary(
+        "clamp",
+        "Limit x to [min, max]; at a bound the gradient passes (PyTorch).",
+        _clamp,
+        _clamp_vjp,
+        attrs={
+            "min": Attr("number", None, "lower bound", nullable=True),
+            "max": Attr("number", None, "upper bound", nullable=True),
+        },
+        infer=_clamp_infer,
+    ),
 )

@@ -13,8 +13,6 @@ from gradserve.engine.shapes import broadcast_shapes, fmt, normalize_dim, numel
 Shape = tuple[int, ...]
 
 
-
-
 def _same_dtype(*metas: Meta) -> str:
     """PyTorch's matmul, solve and cross refuse mixed dtypes instead of promoting."""
     if len({m.dtype for m in metas}) > 1:
@@ -148,11 +146,10 @@ def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, d
         )
     for term in [*terms, out]:
         if not all(c in _LETTERS for c in term.replace("...", "", 1)):
-            raise ShapeError(
-                f"invalid equation {equation!r}: use letters, ',', '->' and '...'"
-            )
-    ell = max((len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t),
-              default=0)
+            raise ShapeError(f"invalid equation {equation!r}: use letters, ',', '->' and '...'")
+    ell = max(
+        (len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t), default=0
+    )
     spare = "".join(c for c in _LETTERS if c not in eq)[:ell]
     subs: list[str] = []
     sizes: dict[str, int] = {}
@@ -161,11 +158,10 @@ def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, d
             n = len(shape) - len(term) + 3
             if n < 0:
                 raise ShapeError(f"operand {k} has {len(shape)} dims, too few for {term!r}")
-            term = term.replace("...", spare[ell - n:])  # '...' dims align on the right
+            term = term.replace("...", spare[ell - n :])  # '...' dims align on the right
         if len(term) != len(shape):
             raise ShapeError(
-                f"operand {k} has shape {fmt(shape)} but subscripts {term!r} name "
-                f"{len(term)} dims"
+                f"operand {k} has shape {fmt(shape)} but subscripts {term!r} name {len(term)} dims"
             )
         for c, size in zip(term, shape, strict=True):
             have = sizes.setdefault(c, size)
@@ -188,8 +184,7 @@ def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, d
     return subs, out, sizes
 
 
-def _einsum_dtype(dtypes: list[str], subs: list[str], out: str,
-                  shapes: list[Shape]) -> str:
+def _einsum_dtype(dtypes: list[str], subs: list[str], out: str, shapes: list[Shape]) -> str:
     """torch.einsum's result dtype: the operands' promoted dtype, except that one operand
     summing integers or bool gives int64 (as sum does) and that bool tensors cannot be
     contracted (a summed letter of size > 1 in two operands: PyTorch's bmm has no bool)."""
@@ -197,8 +192,12 @@ def _einsum_dtype(dtypes: list[str], subs: list[str], out: str,
     if len(dtypes) == 1:
         return dtypes[0] if dtypes[0] in FLOATS or not summed else "int64"
     if all(d == "bool" for d in dtypes) and any(
-        sum(1 for t, s in zip(subs, shapes, strict=True)
-            if any(n > 1 for x, n in zip(t, s, strict=True) if x == c)) > 1
+        sum(
+            1
+            for t, s in zip(subs, shapes, strict=True)
+            if any(n > 1 for x, n in zip(t, s, strict=True) if x == c)
+        )
+        > 1
         for c in summed
     ):
         raise DTypeError("einsum cannot contract bool tensors (PyTorch has no bool kernel)")
@@ -232,17 +231,21 @@ def _contraction(subs: list[str], out: str, summable: bool) -> Contraction:
     reduced: list[str] = []
     for k, term in enumerate(subs):
         elsewhere = set(out).union(*(s for j, s in enumerate(subs) if j != k))
-        axes = tuple(i for i, c in enumerate(term)
-                     if summable and c not in elsewhere and term.count(c) == 1)
+        axes = tuple(
+            i for i, c in enumerate(term) if summable and c not in elsewhere and term.count(c) == 1
+        )
         presum.append(axes)
         reduced.append("".join(c for i, c in enumerate(term) if i not in axes))
     if len(reduced) == 1:
         return Contraction(presum, [] if reduced[0] == out else [f"{reduced[0]}->{out}"])
     equations, cur = [], reduced[0]
     for k in range(1, len(reduced)):
-        later = set(out).union(*reduced[k + 1:])
-        target = out if k == len(reduced) - 1 else "".join(
-            dict.fromkeys(c for c in cur + reduced[k] if c in later))
+        later = set(out).union(*reduced[k + 1 :])
+        target = (
+            out
+            if k == len(reduced) - 1
+            else "".join(dict.fromkeys(c for c in cur + reduced[k] if c in later))
+        )
         equations.append(f"{cur},{reduced[k]}->{target}")
         cur = target
     return Contraction(presum, equations)
@@ -257,8 +260,9 @@ def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
     dtype = getattr(xp, result)
     operands = tuple(o if o.dtype == dtype else xp.astype(o, dtype) for o in operands)
     plan = _contraction(subs, out, result != "bool")
-    cur, *rest = (xp.sum(o, axis=axes) if axes else o
-                  for o, axes in zip(operands, plan.presum, strict=True))
+    cur, *rest = (
+        xp.sum(o, axis=axes) if axes else o for o, axes in zip(operands, plan.presum, strict=True)
+    )
     if not plan.equations:
         return cur if any(plan.presum) else xp.asarray(cur, copy=True)
     for equation_k, other in zip(plan.equations, [*rest] or [None], strict=True):
@@ -292,12 +296,17 @@ def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> 
         # The letters this operand's gradient can be computed over; the rest (summed only
         # here) are broadcast back, and repeated letters (a diagonal) are masked.
         first = "".join(c for k, c in enumerate(term) if term.index(c) == k and c in known)
-        grad = F.einsum(g, *(o for j, o in enumerate(operands) if j != i),
-                        equation=",".join([out, *others]) + "->" + first)
+        grad = F.einsum(
+            g,
+            *(o for j, o in enumerate(operands) if j != i),
+            equation=",".join([out, *others]) + "->" + first,
+        )
         # Sizes as computed (a letter may have broadcast from size 1 in the others).
         got = dict(zip(first, grad.shape, strict=True))
-        grad = F.reshape(grad, shape=[got[c] if term.index(c) == k and c in known else 1
-                                      for k, c in enumerate(term)])
+        grad = F.reshape(
+            grad,
+            shape=[got[c] if term.index(c) == k and c in known else 1 for k, c in enumerate(term)],
+        )
         grad = F.expand(grad, shape=[sizes[c] for c in term])
         for k, c in enumerate(term):
             j = term.index(c)
@@ -459,8 +468,7 @@ def _cofactors(F: Any, a: Any) -> Any:
     M_k+1 = A M_k - tr(A M_k) / k I, adj(A) = (-1)^(n-1) M_n. Matmuls and traces only, so
     that it is exact at a singular matrix and differentiates again without determinants."""
     n = a.shape[-1]
-    eye = F.where(_positions(F, a, -1) == _positions(F, a, -2), F.ones_like(a),
-                  F.zeros_like(a))
+    eye = F.where(_positions(F, a, -1) == _positions(F, a, -2), F.ones_like(a), F.zeros_like(a))
     m = eye
     for k in range(1, n):
         am = F.matmul(a, m)
@@ -577,70 +585,117 @@ def _cross(xp: Any, a: Any, b: Any, *, dim: int) -> Any:
     _check_arrays(a, b)
     shape, d = _cross_dim(tuple(a.shape), tuple(b.shape), dim)
     # The array API takes the axis after broadcasting, counted from the end.
-    return xp.linalg.cross(xp.broadcast_to(a, shape), xp.broadcast_to(b, shape),
-                           axis=d - len(shape))
+    return xp.linalg.cross(
+        xp.broadcast_to(a, shape), xp.broadcast_to(b, shape), axis=d - len(shape)
+    )
 
 
 register(
     OpDef(
-        name="matmul", group="linear algebra",
+        name="matmul",
+        group="linear algebra",
         doc="Matrix product as torch.matmul: 1-D operands are vectors, batch dims broadcast; "
-            "both operands must have one dtype.",
-        args=("input", "other"), forward=_matmul, infer=_matmul_infer,
-        vjp=(_matmul_vjp_a, _matmul_vjp_b), save=("input", "other"), cost=_matmul_cost,
+        "both operands must have one dtype.",
+        args=("input", "other"),
+        forward=_matmul,
+        infer=_matmul_infer,
+        vjp=(_matmul_vjp_a, _matmul_vjp_b),
+        save=("input", "other"),
+        cost=_matmul_cost,
         kernel=_matmul_kernel,
     ),
     OpDef(
-        name="einsum", group="linear algebra",
+        name="einsum",
+        group="linear algebra",
         doc="Einstein summation over the operands (letters, '...', explicit or implicit "
-            "output), as torch.einsum.",
-        args=("operands",), views_input=True, forward=_einsum, infer=_einsum_infer,
-        vjp=_einsum_vjp, cost=_einsum_cost,
-        save=("operands",), attrs={"equation": Attr("str", doc="e.g. 'ij,jk->ik'")},
-        variadic=True, call_order=("equation", "*operands"),
+        "output), as torch.einsum.",
+        args=("operands",),
+        views_input=True,
+        forward=_einsum,
+        infer=_einsum_infer,
+        vjp=_einsum_vjp,
+        cost=_einsum_cost,
+        save=("operands",),
+        attrs={"equation": Attr("str", doc="e.g. 'ij,jk->ik'")},
+        variadic=True,
+        call_order=("equation", "*operands"),
     ),
     OpDef(
-        name="transpose", group="linear algebra", doc="Swap two dims.",
-        args=("input",), views_input=True, forward=_transpose, infer=_transpose_infer,
+        name="transpose",
+        group="linear algebra",
+        doc="Swap two dims.",
+        args=("input",),
+        views_input=True,
+        forward=_transpose,
+        infer=_transpose_infer,
         kernel=_transpose_kernel,
         vjp=(lambda F, g, *, dim0, dim1: F.transpose(g, dim0=dim0, dim1=dim1),),
         attrs={"dim0": Attr("int", doc="a dim"), "dim1": Attr("int", doc="the other dim")},
         positional_attrs=("dim0", "dim1"),
     ),
     OpDef(
-        name="permute", group="linear algebra", doc="Reorder all dims.",
-        args=("input",), views_input=True,
+        name="permute",
+        group="linear algebra",
+        doc="Reorder all dims.",
+        args=("input",),
+        views_input=True,
         forward=lambda xp, x, *, dims: xp.permute_dims(x, tuple(_permutation(x.ndim, dims))),
-        infer=_permute_infer, kernel=_permute_dims_kernel, vjp=(_permute_vjp,),
+        infer=_permute_infer,
+        kernel=_permute_dims_kernel,
+        vjp=(_permute_vjp,),
         attrs={"dims": Attr("ints", doc="the new order of the dims")},
         positional_attrs=("dims",),
     ),
     OpDef(
-        name="det", group="linear algebra",
+        name="det",
+        group="linear algebra",
         doc="Determinant of (batches of) square matrices; the gradient needs A invertible.",
-        args=("A",), forward=_det, infer=_det_infer, kernel=_linalg_kernel("det"),
-        vjp=(_det_vjp,), save=("A", "result"), cost=_factorization_cost(2 / 3),
+        args=("A",),
+        forward=_det,
+        infer=_det_infer,
+        kernel=_linalg_kernel("det"),
+        vjp=(_det_vjp,),
+        save=("A", "result"),
+        cost=_factorization_cost(2 / 3),
     ),
     OpDef(
-        name="inv", group="linear algebra", doc="Inverse of (batches of) square matrices.",
-        args=("A",), forward=_inv, infer=_inv_infer, kernel=_linalg_kernel("inv"),
-        vjp=(_inv_vjp,), save=("result",), cost=_factorization_cost(2),
+        name="inv",
+        group="linear algebra",
+        doc="Inverse of (batches of) square matrices.",
+        args=("A",),
+        forward=_inv,
+        infer=_inv_infer,
+        kernel=_linalg_kernel("inv"),
+        vjp=(_inv_vjp,),
+        save=("result",),
+        cost=_factorization_cost(2),
     ),
     OpDef(
-        name="solve", group="linear algebra",
+        name="solve",
+        group="linear algebra",
         doc="X with A X = B, as torch.linalg.solve (B: matrices, or vectors shaped like A "
-            "without its last dim, or 1-D).",
-        args=("A", "B"), forward=_solve, infer=_solve_infer, kernel=_solve_kernel,
-        vjp=(_solve_vjp_a, _solve_vjp_b), save=("A", "result"), cost=_factorization_cost(2 / 3),
+        "without its last dim, or 1-D).",
+        args=("A", "B"),
+        forward=_solve,
+        infer=_solve_infer,
+        kernel=_solve_kernel,
+        vjp=(_solve_vjp_a, _solve_vjp_b),
+        save=("A", "result"),
+        cost=_factorization_cost(2 / 3),
     ),
     OpDef(
-        name="cross", group="linear algebra",
-        doc="Cross product of 3-vectors along `dim`, as torch.linalg.cross (batch dims "
-            "broadcast).",
-        args=("input", "other"), forward=_cross, infer=_cross_infer,
-        vjp=(lambda F, g, a, b, *, dim: F.cross(b, g, dim=dim),
-             lambda F, g, a, b, *, dim: F.cross(g, a, dim=dim)),
-        save=("input", "other"), attrs={"dim": Attr("int", -1, "the dim of size 3")},
+        name="cross",
+        group="linear algebra",
+        doc="Cross product of 3-vectors along `dim`, as torch.linalg.cross (batch dims broadcast).",
+        args=("input", "other"),
+        forward=_cross,
+        infer=_cross_infer,
+        vjp=(
+            lambda F, g, a, b, *, dim: F.cross(b, g, dim=dim),
+            lambda F, g, a, b, *, dim: F.cross(g, a, dim=dim),
+        ),
+        save=("input", "other"),
+        attrs={"dim": Attr("int", -1, "the dim of size 3")},
         positional_attrs=("dim",),
     ),
 )

@@ -107,7 +107,6 @@ def _mean_vjp(F: Any, g: Any, x: Any, *, dim: Any, keepdim: bool) -> Any:
     return expand_reduced(F, g / count, shape, dims, keepdim)
 
 
-
 def _keep(F: Any, t: Any, shape: tuple[int, ...], dims: tuple[int, ...], keepdim: bool) -> Any:
     """A reduction's output (or its gradient) with the reduced dims kept as size 1."""
     return t if keepdim else F.reshape(t, shape=list(reduced_shape(shape, dims, True)))
@@ -322,71 +321,133 @@ def _normalisation_infer(name: str) -> Any:
     return infer
 
 
-def _reduction(name: str, doc: str, forward: Any, vjp: Any, save: tuple[str, ...],
-               infer: Any, **extra: Any) -> OpDef:
+def _reduction(
+    name: str, doc: str, forward: Any, vjp: Any, save: tuple[str, ...], infer: Any, **extra: Any
+) -> OpDef:
     attrs = {"dim": DIM, "keepdim": KEEPDIM, **extra.pop("attrs", {})}
     return OpDef(
-        name=name, group="reductions", doc=doc, args=("input",), forward=forward,
-        infer=infer, vjp=(vjp,), save=save, attrs=attrs,
-        positional_attrs=("dim", "keepdim"), **extra,
+        name=name,
+        group="reductions",
+        doc=doc,
+        args=("input",),
+        forward=forward,
+        infer=infer,
+        vjp=(vjp,),
+        save=save,
+        attrs=attrs,
+        positional_attrs=("dim", "keepdim"),
+        **extra,
     )
 
 
 def _normalisation(name: str, doc: str, forward: Any, vjp: Any) -> OpDef:
     return OpDef(
-        name=name, group="normalisation", doc=doc, args=("input",), forward=forward,
-        infer=_normalisation_infer(name), vjp=(vjp,), save=("result",),
-        attrs={"dim": Attr("int", doc="the dim to normalise over")}, positional_attrs=("dim",),
+        name=name,
+        group="normalisation",
+        doc=doc,
+        args=("input",),
+        forward=forward,
+        infer=_normalisation_infer(name),
+        vjp=(vjp,),
+        save=("result",),
+        attrs={"dim": Attr("int", doc="the dim to normalise over")},
+        positional_attrs=("dim",),
     )
 
 
 register(
     OpDef(
-        name="sum", group="reductions", doc="Sum over dims (integers sum as int64).",
-        args=("input",), forward=_sum, infer=reduction_infer(_sum_dtype),
-        vjp=(_sum_vjp,), save=("input",), attrs={"dim": DIM, "keepdim": KEEPDIM},
+        name="sum",
+        group="reductions",
+        doc="Sum over dims (integers sum as int64).",
+        args=("input",),
+        forward=_sum,
+        infer=reduction_infer(_sum_dtype),
+        vjp=(_sum_vjp,),
+        save=("input",),
+        attrs={"dim": DIM, "keepdim": KEEPDIM},
         kernel=_sum_kernel,
         positional_attrs=("dim", "keepdim"),
     ),
     OpDef(
-        name="mean", group="reductions", doc="Mean over dims (floating point inputs only).",
-        args=("input",), forward=_mean, infer=reduction_infer(_float_only("mean")),
-        vjp=(_mean_vjp,), save=("input",), attrs={"dim": DIM, "keepdim": KEEPDIM},
+        name="mean",
+        group="reductions",
+        doc="Mean over dims (floating point inputs only).",
+        args=("input",),
+        forward=_mean,
+        infer=reduction_infer(_float_only("mean")),
+        vjp=(_mean_vjp,),
+        save=("input",),
+        attrs={"dim": DIM, "keepdim": KEEPDIM},
         kernel=_mean_kernel,
         positional_attrs=("dim", "keepdim"),
     ),
     _reduction(
-        "prod", "Product over dims (integers as int64); exact gradient at zeros, no result / x.",
-        _prod, _prod_vjp, ("input", "result"), reduction_infer(_sum_dtype),
+        "prod",
+        "Product over dims (integers as int64); exact gradient at zeros, no result / x.",
+        _prod,
+        _prod_vjp,
+        ("input", "result"),
+        reduction_infer(_sum_dtype),
     ),
     _reduction(
-        "max", "Max over dims (values only). max(x, dim=int) sends the gradient to the first "
+        "max",
+        "Max over dims (values only). max(x, dim=int) sends the gradient to the first "
         "max, as PyTorch's indices; over a list or all dims ties share it evenly.",
-        _extreme("max"), _extreme_vjp, ("input", "result"), reduction_infer(),
+        _extreme("max"),
+        _extreme_vjp,
+        ("input", "result"),
+        reduction_infer(),
     ),
     _reduction(
-        "min", "Min over dims (values only). min(x, dim=int) sends the gradient to the first "
+        "min",
+        "Min over dims (values only). min(x, dim=int) sends the gradient to the first "
         "min, as PyTorch's indices; over a list or all dims ties share it evenly.",
-        _extreme("min"), _extreme_vjp, ("input", "result"), reduction_infer(),
+        _extreme("min"),
+        _extreme_vjp,
+        ("input", "result"),
+        reduction_infer(),
     ),
     _reduction(
-        "logsumexp", "log(sum(exp(x))) over dims, stable (shifted by the max); ints give float32.",
-        _logsumexp, _logsumexp_vjp, ("input", "result"), reduction_infer(_to_float),
+        "logsumexp",
+        "log(sum(exp(x))) over dims, stable (shifted by the max); ints give float32.",
+        _logsumexp,
+        _logsumexp_vjp,
+        ("input", "result"),
+        reduction_infer(_to_float),
         float_result=True,
     ),
     _reduction(
-        "var", "Variance over dims with `correction` (1: unbiased), floating point inputs only.",
-        _var, _var_vjp, ("input",), reduction_infer(_float_only("var")),
+        "var",
+        "Variance over dims with `correction` (1: unbiased), floating point inputs only.",
+        _var,
+        _var_vjp,
+        ("input",),
+        reduction_infer(_float_only("var")),
         attrs={"correction": Attr("number", 1, "subtracted from the count (Bessel's 1)")},
     ),
     OpDef(
-        name="cumsum", group="reductions",
+        name="cumsum",
+        group="reductions",
         doc="Inclusive cumulative sum along `dim` (integers as int64).",
-        args=("input",), views_input=True, forward=_cumsum, infer=_cumsum_infer, vjp=(_cumsum_vjp,),
-        attrs={"dim": Attr("int", doc="the dim to accumulate along")}, positional_attrs=("dim",),
+        args=("input",),
+        views_input=True,
+        forward=_cumsum,
+        infer=_cumsum_infer,
+        vjp=(_cumsum_vjp,),
+        attrs={"dim": Attr("int", doc="the dim to accumulate along")},
+        positional_attrs=("dim",),
     ),
-    _normalisation("softmax", "exp(x) / sum(exp(x)) along `dim`, stable (shifted by the max).",
-                   _softmax, _softmax_vjp),
-    _normalisation("log_softmax", "x - logsumexp(x) along `dim`, stable (shifted by the max).",
-                   _log_softmax, _log_softmax_vjp),
+    _normalisation(
+        "softmax",
+        "exp(x) / sum(exp(x)) along `dim`, stable (shifted by the max).",
+        _softmax,
+        _softmax_vjp,
+    ),
+    _normalisation(
+        "log_softmax",
+        "x - logsumexp(x) along `dim`, stable (shifted by the max).",
+        _log_softmax,
+        _log_softmax_vjp,
+    ),
 )

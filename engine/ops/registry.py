@@ -242,28 +242,32 @@ class OpDef:
         }
 
 
-def bind_attributes(op: str, declared: dict[str, Attr], defaults: dict[str, Any],
-                    given: dict[str, Any]) -> dict[str, Any]:
+def bind_attributes(
+    op: str, declared: dict[str, Attr], defaults: dict[str, Any], given: dict[str, Any]
+) -> dict[str, Any]:
     """`given` checked against the `declared` attributes of `op`, defaults filled in."""
     for key in given:
         if key not in declared:
             known = ", ".join(declared) or "none"
-            raise AttributeError_(f"unknown attribute {key!r}{did_you_mean(key, declared)}; "
-                                  f"{op} takes: {known}", op=op, loc=("attrs", key))
+            raise AttributeError_(
+                f"unknown attribute {key!r}{did_you_mean(key, declared)}; {op} takes: {known}",
+                op=op,
+                loc=("attrs", key),
+            )
     out = dict(defaults)
     for key, spec in declared.items():
         if key not in given:
             if spec.required:
-                raise AttributeError_(f"missing required attribute {key!r}", op=op,
-                                      loc=("attrs", key))
+                raise AttributeError_(
+                    f"missing required attribute {key!r}", op=op, loc=("attrs", key)
+                )
             continue
         value = given[key]
         if value is None and (spec.nullable or spec.default is None):
             out[key] = None
             continue
         if not _TYPE_CHECKS[spec.type](value):
-            raise AttributeError_(_type_message(key, spec.type, value), op=op,
-                                  loc=("attrs", key))
+            raise AttributeError_(_type_message(key, spec.type, value), op=op, loc=("attrs", key))
         if spec.type == "dtype":
             value = check_dtype(value)
         if isinstance(value, tuple):
@@ -271,7 +275,9 @@ def bind_attributes(op: str, declared: dict[str, Attr], defaults: dict[str, Any]
         if spec.choices is not None and value not in spec.choices:
             raise AttributeError_(
                 f"attribute {key!r} must be one of {list(spec.choices)}, got {value!r}",
-                op=op, loc=("attrs", key))
+                op=op,
+                loc=("attrs", key),
+            )
         out[key] = value
     return out
 
@@ -293,8 +299,9 @@ def promoted_dtype(metas: Sequence[Meta], float_result: bool = False) -> str:
     """The dtype an op computes in: `torch.result_type` of its operands, lifted to the
     default float for ops that only compute in floating point."""
     first = metas[0].dtype
-    if first in FLOATS and all(m.dtype == first or (m.literal and m.dtype != "float64")
-                               for m in metas):
+    if first in FLOATS and all(
+        m.dtype == first or (m.literal and m.dtype != "float64") for m in metas
+    ):
         return first  # one float dtype, or with weak literals: nothing to promote
     dims = [m.dtype for m in metas if not m.literal and m.shape]
     zero = [m.dtype for m in metas if not m.literal and not m.shape]
@@ -308,8 +315,11 @@ def promoted_dtype(metas: Sequence[Meta], float_result: bool = False) -> str:
 _LITERAL_OF: dict[str, Scalar] = {"bool": True, "int64": 1, "float32": 1.0}
 
 
-_LITERAL_METAS = {bool: Meta((), "bool", True), int: Meta((), "int64", True),
-                  float: Meta((), DEFAULT_FLOAT, True)}
+_LITERAL_METAS = {
+    bool: Meta((), "bool", True),
+    int: Meta((), "int64", True),
+    float: Meta((), DEFAULT_FLOAT, True),
+}
 
 
 def literal_meta(value: Scalar) -> Meta:

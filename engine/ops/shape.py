@@ -66,23 +66,32 @@ def _fixed_shape(fn_name: str, target_of: Any) -> Any:
 
 register(
     OpDef(
-        name="reshape", group="shape", doc="Same elements in a new shape (one dim may be -1).",
-        args=("input",), views_input=True,
+        name="reshape",
+        group="shape",
+        doc="Same elements in a new shape (one dim may be -1).",
+        args=("input",),
+        views_input=True,
         forward=lambda xp, x, *, shape: xp.reshape(x, reshape_target(tuple(x.shape), shape)),
         infer=lambda metas, *, shape: Meta(reshape_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: F.reshape(g, shape=list(x.shape)),),
-        save=("input",), attrs={"shape": Attr("shape", doc="the new shape")},
-        positional_attrs=("shape",), kernel=_fixed_shape("reshape", reshape_target),
+        save=("input",),
+        attrs={"shape": Attr("shape", doc="the new shape")},
+        positional_attrs=("shape",),
+        kernel=_fixed_shape("reshape", reshape_target),
     ),
     OpDef(
-        name="expand", group="shape",
+        name="expand",
+        group="shape",
         doc="Broadcast to a larger shape (-1 keeps a dim); the gradient is summed back.",
-        args=("input",), views_input=True,
+        args=("input",),
+        views_input=True,
         forward=lambda xp, x, *, shape: xp.broadcast_to(x, expand_target(tuple(x.shape), shape)),
         infer=lambda metas, *, shape: Meta(expand_target(metas[0].shape, shape), metas[0].dtype),
         vjp=(lambda F, g, x, *, shape: sum_to_shape(F, g, tuple(x.shape)),),
-        save=("input",), attrs={"shape": Attr("shape", doc="the target shape")},
-        positional_attrs=("shape",), kernel=_fixed_shape("broadcast_to", expand_target),
+        save=("input",),
+        attrs={"shape": Attr("shape", doc="the target shape")},
+        positional_attrs=("shape",),
+        kernel=_fixed_shape("broadcast_to", expand_target),
     ),
 )
 
@@ -224,8 +233,7 @@ def _stack_vjp(F: Any, g: Any, *, dim: int) -> list[Any]:
     d = normalize_dim(dim, len(g.shape))
     # One slice per operand: the stacked dim's size is the operand count.
     return [
-        F.squeeze(F.slice(g, dim=d, start=i, stop=i + 1, step=1), dim=d)
-        for i in range(g.shape[d])
+        F.squeeze(F.slice(g, dim=d, start=i, stop=i + 1, step=1), dim=d) for i in range(g.shape[d])
     ]
 
 
@@ -237,20 +245,27 @@ _DIM = Attr("int", 0, doc="the dim to join along")
 
 register(
     OpDef(
-        name="squeeze", group="shape",
+        name="squeeze",
+        group="shape",
         doc="Remove size-1 dims: the named ones (int or list; dims of another size are kept), "
-            "or all when dim is absent.",
-        args=("input",), views_input=True,
+        "or all when dim is absent.",
+        args=("input",),
+        views_input=True,
         forward=_squeeze,
         infer=lambda metas, *, dim: Meta(_squeeze_shape(metas[0].shape, dim), metas[0].dtype),
-        vjp=(_to_shape_vjp,), save=("input",),
-        attrs={"dim": Attr("int|ints", None, doc="dim(s) to squeeze; all when absent",
-                           nullable=True)},
+        vjp=(_to_shape_vjp,),
+        save=("input",),
+        attrs={
+            "dim": Attr("int|ints", None, doc="dim(s) to squeeze; all when absent", nullable=True)
+        },
         positional_attrs=("dim",),
     ),
     OpDef(
-        name="unsqueeze", group="shape", doc="Insert a size-1 dim at `dim` (in [-ndim-1, ndim]).",
-        args=("input",), views_input=True,
+        name="unsqueeze",
+        group="shape",
+        doc="Insert a size-1 dim at `dim` (in [-ndim-1, ndim]).",
+        args=("input",),
+        views_input=True,
         forward=lambda xp, x, *, dim: xp.expand_dims(x, axis=unsqueeze_dim(x.ndim, dim)),
         infer=lambda metas, *, dim: Meta(_unsqueeze_shape(metas[0].shape, dim), metas[0].dtype),
         # `dim` indexes the result, so the same dim squeezes the gradient back.
@@ -259,34 +274,47 @@ register(
         positional_attrs=("dim",),
     ),
     OpDef(
-        name="flatten", group="shape",
+        name="flatten",
+        group="shape",
         doc="Merge dims start_dim..end_dim into one (a 0-d tensor becomes shape (1,)).",
-        args=("input",), views_input=True,
+        args=("input",),
+        views_input=True,
         forward=lambda xp, x, *, start_dim, end_dim: xp.reshape(
             x, flatten_shape(tuple(x.shape), start_dim, end_dim)
         ),
         infer=lambda metas, *, start_dim, end_dim: Meta(
             flatten_shape(metas[0].shape, start_dim, end_dim), metas[0].dtype
         ),
-        vjp=(_to_shape_vjp,), save=("input",),
-        attrs={"start_dim": Attr("int", 0, doc="first dim to merge"),
-               "end_dim": Attr("int", -1, doc="last dim to merge")},
+        vjp=(_to_shape_vjp,),
+        save=("input",),
+        attrs={
+            "start_dim": Attr("int", 0, doc="first dim to merge"),
+            "end_dim": Attr("int", -1, doc="last dim to merge"),
+        },
         positional_attrs=("start_dim", "end_dim"),
     ),
     OpDef(
-        name="cat", group="shape",
+        name="cat",
+        group="shape",
         doc="Concatenate tensors along an existing dim (dtypes promoted; no 0-d operands).",
-        args=("tensors",), views_input=True, variadic=True, promote="all",
+        args=("tensors",),
+        views_input=True,
+        variadic=True,
+        promote="all",
         forward=_cat,
         infer=_cat_infer,
-        vjp=_cat_vjp, save=("tensors",),
+        vjp=_cat_vjp,
+        save=("tensors",),
         attrs={"dim": _DIM},
         call_order=("tensors", "dim"),
     ),
     OpDef(
-        name="stack", group="shape",
+        name="stack",
+        group="shape",
         doc="Join equal-shaped tensors along a new dim (dtypes promoted).",
-        args=("tensors",), variadic=True, promote="all",
+        args=("tensors",),
+        variadic=True,
+        promote="all",
         forward=_stack,
         infer=_stack_infer,
         vjp=_stack_vjp,

@@ -49,27 +49,41 @@ class ComputeEndpoint:
         front: Front = scope["app"].state.front
         kind = _kind(self.kind, scope.get("query_string", b""))
         state = scope.get("state", {})
-        reply = await front.serve(kind, receive, _content_length(headers),
-                                  state.get("request_id", "-"), header_length, state.get(TENANT))
-        start = [(b"content-type", reply.media_type.encode())] \
-            if reply.header_length is None else [
-                _OCTETS, (_BINARY_HEADER, b"%d" % reply.header_length)]
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [*start, (b"content-length", b"%d" % reply.nbytes)],
-        })
+        reply = await front.serve(
+            kind,
+            receive,
+            _content_length(headers),
+            state.get("request_id", "-"),
+            header_length,
+            state.get(TENANT),
+        )
+        start = (
+            [(b"content-type", reply.media_type.encode())]
+            if reply.header_length is None
+            else [_OCTETS, (_BINARY_HEADER, b"%d" % reply.header_length)]
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*start, (b"content-length", b"%d" % reply.nbytes)],
+            }
+        )
         try:
             # Each tensor's bytes as they lie (no joined copy), in slices, so that the
             # server's write buffer (which copies what the socket does not take at once)
             # stays small.
-            pieces = [part[at:at + SEND_BYTES] if isinstance(part, memoryview) else part
-                      for part in reply.parts
-                      for at in (range(0, len(part), SEND_BYTES) if isinstance(part, memoryview)
-                                 else (0,))]
+            pieces = [
+                part[at : at + SEND_BYTES] if isinstance(part, memoryview) else part
+                for part in reply.parts
+                for at in (
+                    range(0, len(part), SEND_BYTES) if isinstance(part, memoryview) else (0,)
+                )
+            ]
             for k, piece in enumerate(pieces):
-                await send({"type": "http.response.body", "body": piece,
-                            "more_body": k < len(pieces) - 1})
+                await send(
+                    {"type": "http.response.body", "body": piece, "more_body": k < len(pieces) - 1}
+                )
         finally:
             if reply.release is not None:
                 reply.release()
@@ -86,8 +100,10 @@ class ComputeRoute(Route):
         return match, child
 
 
-ROUTES = [ComputeRoute(f"/{kind}", ComputeEndpoint(kind), methods=["POST"], name=kind)
-          for kind in ("forward", "backward", "plan")]
+ROUTES = [
+    ComputeRoute(f"/{kind}", ComputeEndpoint(kind), methods=["POST"], name=kind)
+    for kind in ("forward", "backward", "plan")
+]
 
 
 class ComputeDoor:
@@ -100,8 +116,11 @@ class ComputeDoor:
         self.routes = {route.path: route for route in ROUTES}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope["path"]) \
-            if scope["type"] == "http" and scope["method"] == "POST" else None
+        route = (
+            self.routes.get(scope["path"])
+            if scope["type"] == "http" and scope["method"] == "POST"
+            else None
+        )
         if route is None:
             await self.app(scope, receive, send)
             return
@@ -121,8 +140,11 @@ def _kind(kind: str, query: bytes) -> str:
     # keep_blank_values: `format=` is neither json nor dot, as the document's enum says
     formats = parse_qs(query.decode("latin-1"), keep_blank_values=True).get("format", ["json"])
     if formats[-1] not in ("json", "dot"):
-        raise ProblemError("bad-request", f"format must be json or dot, not {formats[-1][:32]!r}",
-                           errors=[{"loc": ["query", "format"], "msg": "json or dot"}])
+        raise ProblemError(
+            "bad-request",
+            f"format must be json or dot, not {formats[-1][:32]!r}",
+            errors=[{"loc": ["query", "format"], "msg": "json or dot"}],
+        )
     return "plan-dot" if formats[-1] == "dot" else kind
 
 
@@ -159,23 +181,26 @@ def _check_content_type(value: str | None, binary: bool = False) -> None:
 
 # ------------------------------------------------------------------ the OpenAPI document
 
+
 def problem_responses(max_body_bytes: int) -> dict[str, dict[str, Any]]:
     """The compute routes' problem answers, by status (413 with the server's body limit)."""
     return {
-        str(status): {"description": why, "content": {"application/problem+json": {
-            "schema": {"$ref": "#/components/schemas/Problem"}}}}
+        str(status): {
+            "description": why,
+            "content": {
+                "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}
+            },
+        }
         for status, why in {
             400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or "
-                 "is nested too deeply; or a binary body's sizes do not add up",
+            "is nested too deeply; or a binary body's sizes do not add up",
             401: "An API key is required",
             413: f"The body is larger than the limit ({max_body_bytes} bytes)",
             409: "graph_id names a graph this server does not hold (graph-unknown): send the "
-                 "graph itself",
-            415: "The body is not JSON (or, with Inference-Header-Content-Length, "
-                 "octet-stream)",
+            "graph itself",
+            415: "The body is not JSON (or, with Inference-Header-Content-Length, octet-stream)",
             422: "Invalid request, graph, tensor data, or memory plan over budget",
-            503: "The server is at its concurrency or in-flight memory limit (see "
-                 "Retry-After)",
+            503: "The server is at its concurrency or in-flight memory limit (see Retry-After)",
             504: "The request ran past its time limit",
         }.items()
     }
@@ -186,8 +211,9 @@ BINARY_BODY = (
     "as its header, then the raw little-endian bytes of every tensor that gives "
     "`binary_data_size` instead of `data` or `b64`, one after another in the order they "
     "appear in the header. The `Inference-Header-Content-Length` header gives the JSON "
-    "header's length. With `\"encoding\": \"binary\"` the response is framed the same "
-    "way (`application/octet-stream`, the same header).")
+    'header\'s length. With `"encoding": "binary"` the response is framed the same '
+    "way (`application/octet-stream`, the same header)."
+)
 _BINARY_SCHEMA = {"type": "string", "format": "binary", "description": BINARY_BODY}
 
 
@@ -201,38 +227,62 @@ def _ref(model: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model}"}
 
 
-def _compute(kind: str, summary: str, request: str, response: str, examples: tuple[str, ...],
-             max_body_bytes: int) -> dict[str, Any]:
+def _compute(
+    kind: str,
+    summary: str,
+    request: str,
+    response: str,
+    examples: tuple[str, ...],
+    max_body_bytes: int,
+) -> dict[str, Any]:
     return {
-        "tags": ["compute"], "summary": summary, "operationId": kind,
-        "responses": {"200": {
-            "description": "Outputs (and gradients); with encoding binary, framed as a "
-                           "binary body",
-            "content": {"application/json": {"schema": _ref(response)},
-                        "application/octet-stream": {"schema": _BINARY_SCHEMA}}},
-            **problem_responses(max_body_bytes)},
-        "parameters": [{
-            "name": BINARY_HEADER, "in": "header", "required": False,
-            # ASCII digits: anything else is a 400 malformed-body. At least 1: an empty
-            # JSON request is a 400 malformed-json. At most the body limit: the JSON request
-            # lies within the body, and a longer body is a 413 (a longer length, a 400
-            # malformed-body).
-            "schema": {"type": "integer", "format": "int64", "minimum": 1,
-                       "maximum": max_body_bytes},
-            "description": "Present: the body is binary (application/octet-stream, or a "
-                           "JSON type), and this is the length in bytes of the JSON request "
-                           "at its start, which the raw bytes of its `binary_data_size` "
-                           "tensors follow, in order, to the body's end. A value that is not "
-                           "a count, a length past the body, or a tail of another size is a "
-                           "400 malformed-body; a length that ends the JSON request "
-                           "elsewhere (an empty one included) is a 400 malformed-json. "
-                           "Absent: the body is the JSON request alone (`binary_data_size` "
-                           "is then a 400 malformed-body)",
-        }],
-        "requestBody": {"required": True, "content": {
-            "application/json": {"schema": _ref(request), "examples": _examples(*examples)},
-            "application/octet-stream": {"schema": _BINARY_SCHEMA},
-        }},
+        "tags": ["compute"],
+        "summary": summary,
+        "operationId": kind,
+        "responses": {
+            "200": {
+                "description": "Outputs (and gradients); with encoding binary, framed as a "
+                "binary body",
+                "content": {
+                    "application/json": {"schema": _ref(response)},
+                    "application/octet-stream": {"schema": _BINARY_SCHEMA},
+                },
+            },
+            **problem_responses(max_body_bytes),
+        },
+        "parameters": [
+            {
+                "name": BINARY_HEADER,
+                "in": "header",
+                "required": False,
+                # ASCII digits: anything else is a 400 malformed-body. At least 1: an empty
+                # JSON request is a 400 malformed-json. At most the body limit: the JSON request
+                # lies within the body, and a longer body is a 413 (a longer length, a 400
+                # malformed-body).
+                "schema": {
+                    "type": "integer",
+                    "format": "int64",
+                    "minimum": 1,
+                    "maximum": max_body_bytes,
+                },
+                "description": "Present: the body is binary (application/octet-stream, or a "
+                "JSON type), and this is the length in bytes of the JSON request "
+                "at its start, which the raw bytes of its `binary_data_size` "
+                "tensors follow, in order, to the body's end. A value that is not "
+                "a count, a length past the body, or a tail of another size is a "
+                "400 malformed-body; a length that ends the JSON request "
+                "elsewhere (an empty one included) is a 400 malformed-json. "
+                "Absent: the body is the JSON request alone (`binary_data_size` "
+                "is then a 400 malformed-body)",
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": _ref(request), "examples": _examples(*examples)},
+                "application/octet-stream": {"schema": _BINARY_SCHEMA},
+            },
+        },
     }
 
 
@@ -241,27 +291,59 @@ def operations(max_body_bytes: int) -> dict[str, dict[str, Any]]:
     limit is `max_body_bytes` (the `max_body_bytes` setting). Their schemas are the wire
     models of service/schemas.py, which service/app.py registers."""
     return {
-        "/forward": {"post": _compute(
-            "forward", "Evaluate a graph (no_grad: the inference-only path)", "ForwardRequest",
-            "ForwardResponse", ("seed-no-grad",), max_body_bytes)},
-        "/backward": {"post": _compute(
-            "backward", "Evaluate a graph and back-propagate: outputs and gradients",
-            "BackwardRequest", "BackwardResponse", ("seed", "seed-expr", "mlp"),
-            max_body_bytes)},
-        "/plan": {"post": {
-            "tags": ["compute"],
-            "summary": "Plan a request without its data: memory, cost and admission, step by "
-                       "step",
-            "operationId": "plan",
-            "parameters": [{"name": "format", "in": "query", "required": False,
-                            "schema": {"type": "string", "enum": ["json", "dot"]}}],
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": _ref("PlanRequest"),
-                "examples": _examples("seed", "seed-expr", "mlp")}}},
-            "responses": {"200": {
-                "description": "The plan; with ?format=dot, Graphviz DOT of the program",
-                "content": {"application/json": {"schema": _ref("PlanResponse")},
-                            "text/vnd.graphviz": {"schema": {"type": "string"}}}},
-                **problem_responses(max_body_bytes)},
-        }},
+        "/forward": {
+            "post": _compute(
+                "forward",
+                "Evaluate a graph (no_grad: the inference-only path)",
+                "ForwardRequest",
+                "ForwardResponse",
+                ("seed-no-grad",),
+                max_body_bytes,
+            )
+        },
+        "/backward": {
+            "post": _compute(
+                "backward",
+                "Evaluate a graph and back-propagate: outputs and gradients",
+                "BackwardRequest",
+                "BackwardResponse",
+                ("seed", "seed-expr", "mlp"),
+                max_body_bytes,
+            )
+        },
+        "/plan": {
+            "post": {
+                "tags": ["compute"],
+                "summary": "Plan a request without its data: memory, cost and admission, step by "
+                "step",
+                "operationId": "plan",
+                "parameters": [
+                    {
+                        "name": "format",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["json", "dot"]},
+                    }
+                ],
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": _ref("PlanRequest"),
+                            "examples": _examples("seed", "seed-expr", "mlp"),
+                        }
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "The plan; with ?format=dot, Graphviz DOT of the program",
+                        "content": {
+                            "application/json": {"schema": _ref("PlanResponse")},
+                            "text/vnd.graphviz": {"schema": {"type": "string"}},
+                        },
+                    },
+                    **problem_responses(max_body_bytes),
+                },
+            }
+        },
     }

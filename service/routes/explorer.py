@@ -27,10 +27,16 @@ from gradserve.service.routes import operation_id
 
 STATIC = Path(__file__).resolve().parent.parent / "static" / "explorer"
 
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
-       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 
 # The page's own files, by name, with their media types: nothing else is served.
 ASSETS = {
@@ -41,53 +47,76 @@ ASSETS = {
 
 # The page, its files and its examples: data-free, so served without an API key (the
 # Gateway's open paths) while everything the page asks of the API needs one.
-PAGE_PATHS = frozenset({"/explorer", "/explorer/examples.json",
-                        *(f"/explorer/{name}" for name in ASSETS)})
+PAGE_PATHS = frozenset(
+    {"/explorer", "/explorer/examples.json", *(f"/explorer/{name}" for name in ASSETS)}
+)
 
 # The examples the page offers (`/explorer?example=NAME`): the contract's seed examples
 # (docs/contract.md; tests/seeds.py has the same bodies) and a small least-squares MLP.
-_SEED_INPUTS = {"x": {"data": 2.0, "requires_grad": True},
-                "y": {"data": 3.0, "requires_grad": True}}
+_SEED_INPUTS = {
+    "x": {"data": 2.0, "requires_grad": True},
+    "y": {"data": 3.0, "requires_grad": True},
+}
 EXAMPLES: dict[str, tuple[str, dict[str, Any]]] = {
-    "seed": ("z = (x + y) * (x - y), op form (/backward)", {
-        "graph": {
-            "nodes": [
-                {"id": "s", "op": "add", "args": ["x", "y"]},
-                {"id": "d", "op": "sub", "args": ["x", "y"]},
-                {"id": "z", "op": "mul", "args": ["s", "d"]},
-            ],
-            "outputs": ["z"],
+    "seed": (
+        "z = (x + y) * (x - y), op form (/backward)",
+        {
+            "graph": {
+                "nodes": [
+                    {"id": "s", "op": "add", "args": ["x", "y"]},
+                    {"id": "d", "op": "sub", "args": ["x", "y"]},
+                    {"id": "z", "op": "mul", "args": ["s", "d"]},
+                ],
+                "outputs": ["z"],
+            },
+            "inputs": _SEED_INPUTS,
+            "device": "cpu",
         },
-        "inputs": _SEED_INPUTS,
-        "device": "cpu",
-    }),
-    "seed-expr": ("z = (x + y) * (x - y), expr form (/backward)", {
-        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-        "inputs": _SEED_INPUTS,
-    }),
-    "seed-no-grad": ("B = A ** 2 + 16 under no_grad (/forward)", {
-        "graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B", "A"]},
-        "inputs": {"A": {"data": [5.0], "requires_grad": True}},
-        "no_grad": True,
-    }),
-    "mlp": ("a two-layer MLP's squared error (/backward)", {
-        "graph": {
-            "nodes": [
-                {"id": "h", "expr": "tanh(x @ w1)"},
-                {"id": "p", "expr": "h @ w2"},
-                {"id": "loss", "expr": "mean((p - t) ** 2)"},
-            ],
-            "outputs": ["loss"],
+    ),
+    "seed-expr": (
+        "z = (x + y) * (x - y), expr form (/backward)",
+        {
+            "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
+            "inputs": _SEED_INPUTS,
         },
-        "inputs": {
-            "x": {"data": [[0.5, -1.0, 2.0], [1.5, 0.25, -0.5], [0.0, 1.0, 1.0],
-                           [-2.0, 0.5, 0.75]]},
-            "w1": {"data": [[0.1, -0.2, 0.3, 0.4], [0.5, 0.6, -0.7, 0.8],
-                            [-0.9, 1.0, 0.1, -0.2]], "requires_grad": True},
-            "w2": {"data": [[0.3], [-0.1], [0.2], [0.5]], "requires_grad": True},
-            "t": {"data": [[1.0], [0.0], [0.5], [-1.0]]},
+    ),
+    "seed-no-grad": (
+        "B = A ** 2 + 16 under no_grad (/forward)",
+        {
+            "graph": {"nodes": [{"id": "B", "expr": "A ** 2 + 16"}], "outputs": ["B", "A"]},
+            "inputs": {"A": {"data": [5.0], "requires_grad": True}},
+            "no_grad": True,
         },
-    }),
+    ),
+    "mlp": (
+        "a two-layer MLP's squared error (/backward)",
+        {
+            "graph": {
+                "nodes": [
+                    {"id": "h", "expr": "tanh(x @ w1)"},
+                    {"id": "p", "expr": "h @ w2"},
+                    {"id": "loss", "expr": "mean((p - t) ** 2)"},
+                ],
+                "outputs": ["loss"],
+            },
+            "inputs": {
+                "x": {
+                    "data": [
+                        [0.5, -1.0, 2.0],
+                        [1.5, 0.25, -0.5],
+                        [0.0, 1.0, 1.0],
+                        [-2.0, 0.5, 0.75],
+                    ]
+                },
+                "w1": {
+                    "data": [[0.1, -0.2, 0.3, 0.4], [0.5, 0.6, -0.7, 0.8], [-0.9, 1.0, 0.1, -0.2]],
+                    "requires_grad": True,
+                },
+                "w2": {"data": [[0.3], [-0.1], [0.2], [0.5]], "requires_grad": True},
+                "t": {"data": [[1.0], [0.0], [0.5], [-1.0]]},
+            },
+        },
+    ),
 }
 
 router = APIRouter(tags=["explorer"], generate_unique_id_function=operation_id)
@@ -100,16 +129,16 @@ def _read(name: str) -> bytes:
 
 @router.get("/explorer", include_in_schema=False)
 async def explorer() -> Response:
-    return Response(_read("index.html"), media_type="text/html; charset=utf-8",
-                    headers=_HEADERS)
+    return Response(_read("index.html"), media_type="text/html; charset=utf-8", headers=_HEADERS)
 
 
 @cache
 def _examples_body() -> bytes:
     # Each body as JSON text, written here: a float stays a float (2.0, not 2, which the
     # service would read as an int64), whatever the browser's JSON does with numbers.
-    return json.dumps({name: {"title": title, "text": pretty(body)}
-                       for name, (title, body) in EXAMPLES.items()}).encode()
+    return json.dumps(
+        {name: {"title": title, "text": pretty(body)} for name, (title, body) in EXAMPLES.items()}
+    ).encode()
 
 
 def pretty(value: Any, indent: int = 0, column: int = 0, width: int = 80) -> str:
@@ -121,8 +150,10 @@ def pretty(value: Any, indent: int = 0, column: int = 0, width: int = 80) -> str
     pad = " " * (indent + 2)
     if isinstance(value, dict):
         items = [f"{pad}{json.dumps(k)}: " for k in value]
-        items = [head + pretty(v, indent + 2, len(head) + 1, width)
-                 for head, v in zip(items, value.values(), strict=True)]
+        items = [
+            head + pretty(v, indent + 2, len(head) + 1, width)
+            for head, v in zip(items, value.values(), strict=True)
+        ]
     else:
         items = [pad + pretty(v, indent + 2, len(pad) + 1, width) for v in value]
     left, right = "{}" if isinstance(value, dict) else "[]"

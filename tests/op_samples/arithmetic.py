@@ -33,8 +33,11 @@ SAMPLES = {
         Sample([pos(3, 1), randn(1, 2)], id="broadcast"),
         Sample([np.array([0.0, 1.0, 2.0]), 0], id="zero-exponent"),
         # Integer tensors to negative tensor powers: 1, -1 or 0, as PyTorch (no error).
-        Sample([np.array([-3, 1, -1, -1, 2, 0]), np.array([-3, -2, -3, -2, -1, 2])], grad=False,
-               id="int-negative-exponent"),
+        Sample(
+            [np.array([-3, 1, -1, -1, 2, 0]), np.array([-3, -2, -3, -2, -1, 2])],
+            grad=False,
+            id="int-negative-exponent",
+        ),
         Sample([-3, np.array([-3, -2, 2], dtype=np.int32)], grad=False, id="int-literal-base"),
         Sample([np.array([True, False]), True], grad=False, id="bool-to-bool-literal"),
         Sample([np.array([True, False]), 2], grad=False, id="bool-to-int"),
@@ -72,8 +75,9 @@ TORCH = {
     "minimum": lambda torch, a, b: torch.minimum(a, b),
 }
 
-ERRORS = {name: _BAD_BROADCAST for name in ("add", "sub", "mul", "div", "pow", "maximum",
-                                             "minimum")}
+ERRORS = {
+    name: _BAD_BROADCAST for name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
+}
 ERRORS["neg"] = [
     ErrorSample([randn(2), randn(2)], {}, Exception, r"takes 1 tensor argument"),
     ErrorSample([np.array([True, False])], {}, DTypeError, r"`-` operator on a bool tensor"),

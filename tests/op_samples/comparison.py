@@ -28,8 +28,10 @@ SAMPLES["where"] = [
 TORCH = {name: (lambda n: lambda torch, a, b: getattr(torch, n)(a, b))(name) for name in _CMP}
 TORCH["where"] = lambda torch, c, a, b: torch.where(c, a, b)
 
-ERRORS = {name: [ErrorSample([randn(3), randn(2)], {}, ShapeError, r"cannot be broadcast")]
-          for name in _CMP}
+ERRORS = {
+    name: [ErrorSample([randn(3), randn(2)], {}, ShapeError, r"cannot be broadcast")]
+    for name in _CMP
+}
 ERRORS["where"] = [
     ErrorSample([randn(3), randn(3), randn(3)], {}, DTypeError, r"condition must be bool"),
     ErrorSample([randn(3) > 0, randn(2), randn(3)], {}, ShapeError, r"cannot be broadcast"),

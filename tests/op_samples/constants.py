@@ -68,12 +68,12 @@ SAMPLES = {
         Sample([], {"start": -2, "end": 2, "dtype": "float64"}, id="int-to-float64"),
         # int64: bounds and step truncated first (PyTorch's kernel), so 0..2.5 is [0, 1].
         Sample([], {"start": 0, "end": 2.5, "dtype": "int64"}, id="int64-truncated-end"),
-        Sample([], {"start": -1.5, "end": 10, "step": 3, "dtype": "int64"},
-               id="int64-truncated-start"),
+        Sample(
+            [], {"start": -1.5, "end": 10, "step": 3, "dtype": "int64"}, id="int64-truncated-start"
+        ),
         # Other integer dtypes count from the values as given, by the truncated step.
         Sample([], {"start": 0, "end": 2.5, "dtype": "int32"}, id="int32-length"),
-        Sample([], {"start": 0.9, "end": 3.9, "step": 0.9, "dtype": "int32"},
-               id="int32-zero-step"),
+        Sample([], {"start": 0.9, "end": 3.9, "step": 0.9, "dtype": "int32"}, id="int32-zero-step"),
     ],
 }
 
@@ -91,8 +91,9 @@ TORCH = {
     "full": lambda torch, shape, value, **kw: torch.full(
         [shape] if isinstance(shape, int) else shape, value, **_dtype(torch, kw)
     ),
-    "eye": lambda torch, n, **kw: torch.eye(n, *([kw.pop("m")] if "m" in kw else []),
-                                            **_dtype(torch, kw)),
+    "eye": lambda torch, n, **kw: torch.eye(
+        n, *([kw.pop("m")] if "m" in kw else []), **_dtype(torch, kw)
+    ),
     "arange": _arange,
 }
 
@@ -117,11 +118,19 @@ ERRORS = {
         ErrorSample([], {"shape": [2]}, AttributeError_, r"missing required attribute 'value'"),
         ErrorSample([], {"shape": [2], "value": "one"}, AttributeError_, r"'value' must be"),
         ErrorSample([], {"shape": [-2], "value": 1.0}, ShapeError, r"negative size -2"),
-        ErrorSample([], {"shape": [2], "value": 70000, "dtype": "float16"}, DTypeError,
-                    r"cannot be converted to float16 without overflow"),
+        ErrorSample(
+            [],
+            {"shape": [2], "value": 70000, "dtype": "float16"},
+            DTypeError,
+            r"cannot be converted to float16 without overflow",
+        ),
         ErrorSample([], {"shape": [2], "value": 1e40}, DTypeError, r"to float32 without overflow"),
-        ErrorSample([], {"shape": [2], "value": 2**40, "dtype": "int32"}, DTypeError,
-                    r"to int32 without overflow"),
+        ErrorSample(
+            [],
+            {"shape": [2], "value": 2**40, "dtype": "int32"},
+            DTypeError,
+            r"to int32 without overflow",
+        ),
     ],
     "eye": [
         ErrorSample([], {"n": -1}, ShapeError, r"n must be >= 0, got -1"),
@@ -133,19 +142,39 @@ ERRORS = {
         ErrorSample([], {"start": 5, "end": 0}, AttributeError_, r"inconsistent with step sign"),
         ErrorSample([], {}, AttributeError_, r"missing required attribute 'end'"),
         ErrorSample([], {"end": 3, "dtype": "bool"}, DTypeError, r"bool"),
-        ErrorSample([], {"start": 0, "end": 2.5, "step": 0.5, "dtype": "int64"}, AttributeError_,
-                    r"step must be nonzero"),
-        ErrorSample([], {"start": 0.1, "end": 0.001, "step": 2, "dtype": "int64"},
-                    AttributeError_, r"inconsistent with step sign"),
+        ErrorSample(
+            [],
+            {"start": 0, "end": 2.5, "step": 0.5, "dtype": "int64"},
+            AttributeError_,
+            r"step must be nonzero",
+        ),
+        ErrorSample(
+            [],
+            {"start": 0.1, "end": 0.001, "step": 2, "dtype": "int64"},
+            AttributeError_,
+            r"inconsistent with step sign",
+        ),
         # (end - start) / step overflows to infinity (found by fuzzing the service).
         ErrorSample([], {"end": 1e308, "step": 1e-308}, AttributeError_, r"too many values"),
         ErrorSample([], {"start": -1e308, "end": 1e308}, AttributeError_, r"too many values"),
         # Integer attributes past int64 are refused when attributes are bound.
-        ErrorSample([], {"end": 10**400, "dtype": "float32"}, AttributeError_,
-                    r"'end' is outside the int64 range"),
-        ErrorSample([], {"start": 2**70, "end": 2**70 + 3}, AttributeError_,
-                    r"'start' is outside the int64 range"),
-        ErrorSample([], {"end": 1e19, "dtype": "int32"}, AttributeError_,
-                    r"end 1e\+19 is out of the range of int64"),
+        ErrorSample(
+            [],
+            {"end": 10**400, "dtype": "float32"},
+            AttributeError_,
+            r"'end' is outside the int64 range",
+        ),
+        ErrorSample(
+            [],
+            {"start": 2**70, "end": 2**70 + 3},
+            AttributeError_,
+            r"'start' is outside the int64 range",
+        ),
+        ErrorSample(
+            [],
+            {"end": 1e19, "dtype": "int32"},
+            AttributeError_,
+            r"end 1e\+19 is out of the range of int64",
+        ),
     ],
 }

@@ -42,23 +42,37 @@ SAMPLES = {
         Sample([randn(3, 4), randn(4, 5), randn(5)], {"equation": "ij,jk,k->i"}, id="three"),
         Sample([randn(1, 4), randn(3, 4)], {"equation": "ij,ij->ij"}, id="broadcast"),
         Sample([randn(), randn(3)], {"equation": ",i->i"}, id="scalar"),
-        Sample([ints(-3, 3, 2, 3), ints(-3, 3, 3)], {"equation": "ij,j->i"}, grad=False,
-               id="int"),
+        Sample([ints(-3, 3, 2, 3), ints(-3, 3, 3)], {"equation": "ij,j->i"}, grad=False, id="int"),
         # Size-1 dims broadcast against the other operand; their gradient is summed.
         Sample([randn(3), randn(1)], {"equation": "i,i->"}, id="broadcast-contracted"),
         Sample([randn(1, 3), randn(1)], {"equation": "ij,j->i"}, id="broadcast-size-1"),
-        Sample([randn(2, 1, 3), randn(1, 2)], {"equation": "...ij,...jk->...ik"},
-               id="broadcast-ellipsis"),
+        Sample(
+            [randn(2, 1, 3), randn(1, 2)],
+            {"equation": "...ij,...jk->...ik"},
+            id="broadcast-ellipsis",
+        ),
         # One operand summing integers gives int64 (as sum); mixed dtypes multiply.
-        Sample([ints(-3, 3, 3, 3).astype(np.int32)], {"equation": "ij->j"}, grad=False,
-               id="int32-sum"),
-        Sample([np.array([[True, False], [True, True]])], {"equation": "ij->"}, grad=False,
-               id="bool-sum"),
+        Sample(
+            [ints(-3, 3, 3, 3).astype(np.int32)], {"equation": "ij->j"}, grad=False, id="int32-sum"
+        ),
+        Sample(
+            [np.array([[True, False], [True, True]])],
+            {"equation": "ij->"},
+            grad=False,
+            id="bool-sum",
+        ),
         Sample([randn(2, 3), ints(-3, 3, 3)], {"equation": "ij,j->ij"}, id="mixed-dtypes"),
         # Three operands contract left to right, as PyTorch: infinities land where its do.
-        Sample([np.array([[-3.0], [-np.inf]]), np.array([[1.475, 1.365]]),
-                np.array([[0.341, -0.444, 0.628], [-0.372, -0.375, 0.348]])],
-               {"equation": "ab,bc,cd->ad"}, grad=False, id="three-left-to-right"),
+        Sample(
+            [
+                np.array([[-3.0], [-np.inf]]),
+                np.array([[1.475, 1.365]]),
+                np.array([[0.341, -0.444, 0.628], [-0.372, -0.375, 0.348]]),
+            ],
+            {"equation": "ab,bc,cd->ad"},
+            grad=False,
+            id="three-left-to-right",
+        ),
     ],
     "transpose": [
         Sample([randn(3, 4)], {"dim0": 0, "dim1": 1}, id="matrix"),
@@ -82,8 +96,12 @@ SAMPLES = {
         Sample([np.array([[1.0, 2.0], [2.0, 4.0]])], fd=False, id="singular"),
         # Second order at a zero matrix: ours is the exact 0 (the cofactor matrix's
         # derivative); PyTorch's SVD path gives NaN there.
-        Sample([np.stack([np.zeros((2, 2)), well_conditioned(2, 2)])], fd=False,
-               second_order=False, id="singular-in-batch"),
+        Sample(
+            [np.stack([np.zeros((2, 2)), well_conditioned(2, 2)])],
+            fd=False,
+            second_order=False,
+            id="singular-in-batch",
+        ),
     ],
     "inv": [
         Sample([well_conditioned(3, 3)], id="matrix"),
@@ -128,35 +146,48 @@ TORCH = {
 
 ERRORS = {
     "matmul": [
-        ErrorSample([randn(3, 4), randn(5, 2)], {}, ShapeError,
-                    r"matmul: shapes \(3, 4\) and \(5, 2\) do not match$"),
+        ErrorSample(
+            [randn(3, 4), randn(5, 2)],
+            {},
+            ShapeError,
+            r"matmul: shapes \(3, 4\) and \(5, 2\) do not match$",
+        ),
         ErrorSample([randn(3), randn(4)], {}, ShapeError, r"shapes \(3,\) and \(4,\) do not"),
         ErrorSample([randn(2, 3, 4), randn(3, 4, 5)], {}, ShapeError, r"batch dims"),
         ErrorSample([randn(3), 2.0], {}, ShapeError, r"tensors, not numbers"),
-        ErrorSample([randn(2, 2), randn(2, 2).astype(np.float32)], {}, DTypeError,
-                    r"same dtype"),
+        ErrorSample([randn(2, 2), randn(2, 2).astype(np.float32)], {}, DTypeError, r"same dtype"),
         ErrorSample([randn(2, 2)], {}, ArityError, r"takes 2 tensor argument"),
         ErrorSample([np.array([[True]]), np.array([[True]])], {}, DTypeError, r"bool tensors"),
     ],
     "einsum": [
-        ErrorSample([randn(3, 4), randn(5, 2)], {"equation": "ij,jk->ik"}, ShapeError,
-                    r"subscript 'j' has size 5"),
-        ErrorSample([randn(3, 4)], {"equation": "ij,jk->ik"}, ShapeError,
-                    r"2 operand\(s\) but 1 were given"),
+        ErrorSample(
+            [randn(3, 4), randn(5, 2)],
+            {"equation": "ij,jk->ik"},
+            ShapeError,
+            r"subscript 'j' has size 5",
+        ),
+        ErrorSample(
+            [randn(3, 4)], {"equation": "ij,jk->ik"}, ShapeError, r"2 operand\(s\) but 1 were given"
+        ),
         ErrorSample([randn(3, 4)], {"equation": "ijk->i"}, ShapeError, r"name 3 dims"),
         ErrorSample([randn(3, 4)], {"equation": "ij->k"}, ShapeError, r"'k' appears in no"),
         ErrorSample([randn(3, 4)], {"equation": "i1->i"}, ShapeError, r"use letters"),
         ErrorSample([randn(3, 4)], {}, AttributeError_, r"missing required attribute 'equation'"),
         ErrorSample([randn(3, 4)], {"equation": 3}, AttributeError_, r"'equation' must be str"),
         ErrorSample([randn(3), 2.0], {"equation": "i,->i"}, ShapeError, r"tensors, not numbers"),
-        ErrorSample([np.array([True, False]), np.array([True, True])], {"equation": "i,i->"},
-                    DTypeError, r"cannot contract bool"),
+        ErrorSample(
+            [np.array([True, False]), np.array([True, True])],
+            {"equation": "i,i->"},
+            DTypeError,
+            r"cannot contract bool",
+        ),
     ],
     "transpose": [
         ErrorSample([randn(3, 4)], {"dim0": 0, "dim1": 2}, ShapeError, r"dim 2 is out of range"),
         ErrorSample([randn(3, 4)], {"dim0": 0}, AttributeError_, r"missing required .*'dim1'"),
-        ErrorSample([randn(3, 4)], {"dim0": 0, "dim1": [1]}, AttributeError_,
-                    r"'dim1' must be int"),
+        ErrorSample(
+            [randn(3, 4)], {"dim0": 0, "dim1": [1]}, AttributeError_, r"'dim1' must be int"
+        ),
     ],
     "permute": [
         ErrorSample([randn(3, 4)], {"dims": [0]}, ShapeError, r"each of the tensor's 2"),

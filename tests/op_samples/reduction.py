@@ -31,8 +31,9 @@ def _prod(torch, x, dim=None, keepdim=False):
     if dim is None:
         out = torch.prod(x)
         return out.reshape([1] * x.ndim) if keepdim else out
-    for d in sorted((d % max(x.ndim, 1) for d in ([dim] if isinstance(dim, int) else dim)),
-                    reverse=True):
+    for d in sorted(
+        (d % max(x.ndim, 1) for d in ([dim] if isinstance(dim, int) else dim)), reverse=True
+    ):
         x = torch.prod(x, d, keepdim=keepdim)
     return x
 
@@ -69,8 +70,11 @@ _ZEROS = [
     Sample([np.array([[0.0, 2.0, 0.0], [1.5, -2.0, 0.5]])], {"dim": 1}, id="two-zeros"),
     Sample([np.array([[0.0, 2.0], [3.0, 0.5]])], id="zero-all"),
     Sample([np.array([[0.0, 2.0], [0.0, 0.5]])], id="two-zeros-all"),
-    Sample([np.array([[0.0, 2.0, 0.0], [0.0, -2.0, 0.5]])], {"dim": 0, "keepdim": True},
-           id="zeros-dim0"),
+    Sample(
+        [np.array([[0.0, 2.0, 0.0], [0.0, -2.0, 0.5]])],
+        {"dim": 0, "keepdim": True},
+        id="zeros-dim0",
+    ),
     Sample([np.array([[0.0, 2.0, 0.0], [1.0, -2.0, 0.5]])], {"dim": [0, 1]}, id="zeros-list"),
     # PyTorch divides result / x when there is no zero: an infinite entry gets NaN.
     Sample([np.array([[np.inf, 2.0], [1.0, 3.0]])], {"dim": 1}, fd=False, id="inf"),
@@ -80,18 +84,26 @@ _ZEROS = [
 _NANS = np.array([[1.0, np.nan, 3.0, np.nan], [2.0, 5.0, 5.0, 1.0]])
 
 SAMPLES = {
-    "sum": [*_DIMS, Sample([ints(-3, 3, 2, 3)], {"dim": 0}, grad=False, id="int"),
-            Sample([np.array([True, False, True])], grad=False, id="bool")],
+    "sum": [
+        *_DIMS,
+        Sample([ints(-3, 3, 2, 3)], {"dim": 0}, grad=False, id="int"),
+        Sample([np.array([True, False, True])], grad=False, id="bool"),
+    ],
     "mean": _DIMS,
-    "prod": [*_DIMS, *_ZEROS, Sample([ints(-3, 3, 2, 3)], {"dim": 1}, grad=False, id="int"),
-             Sample([ints(1, 4, 2, 3)], grad=False, id="int-all")],
+    "prod": [
+        *_DIMS,
+        *_ZEROS,
+        Sample([ints(-3, 3, 2, 3)], {"dim": 1}, grad=False, id="int"),
+        Sample([ints(1, 4, 2, 3)], grad=False, id="int-all"),
+    ],
     "max": _extreme_samples(),
     "min": _extreme_samples(),
     "logsumexp": [
         *_DIMS,
         Sample([np.array([[1e4, 1e4 - 1.0], [-1e4, 0.0]])], {"dim": 1}, id="extreme"),
-        Sample([np.array([[-np.inf, -np.inf], [0.0, 1.0]])], {"dim": 1}, grad=False,
-               id="all-neg-inf"),
+        Sample(
+            [np.array([[-np.inf, -np.inf], [0.0, 1.0]])], {"dim": 1}, grad=False, id="all-neg-inf"
+        ),
         Sample([ints(-3, 3, 2, 3)], {"dim": 1}, grad=False, id="int"),
         Sample([np.zeros((0, 3))], {"dim": 0}, fd=False, id="empty-dim"),  # log(0) = -inf
         Sample([np.zeros((0, 3))], {"dim": 1}, id="empty-other-dim"),
@@ -104,8 +116,9 @@ SAMPLES = {
         # No degrees of freedom left: NaN values, and PyTorch's NaN / inf gradients.
         Sample([randn()], {}, fd=False, id="scalar-unbiased"),
         Sample([randn(1, 3)], {"dim": 0}, fd=False, id="one-row"),
-        Sample([randn(2, 3)], {"dim": [0, 1], "correction": 6}, fd=False,
-               id="correction-equals-count"),
+        Sample(
+            [randn(2, 3)], {"dim": [0, 1], "correction": 6}, fd=False, id="correction-equals-count"
+        ),
     ],
     "cumsum": [
         Sample([randn()], {"dim": 0}, id="scalar"),
@@ -129,15 +142,16 @@ SAMPLES["log_softmax"] = _NORMALISE
 
 TORCH = {
     "sum": lambda torch, x, dim=None, keepdim=False: torch.sum(x, _dims(x, dim), keepdim=keepdim),
-    "mean": lambda torch, x, dim=None, keepdim=False: torch.mean(x, _dims(x, dim),
-                                                                 keepdim=keepdim),
+    "mean": lambda torch, x, dim=None, keepdim=False: torch.mean(x, _dims(x, dim), keepdim=keepdim),
     "prod": _prod,
     "max": _extreme("max"),
     "min": _extreme("min"),
     "logsumexp": lambda torch, x, dim=None, keepdim=False: torch.logsumexp(
-        x, _dims(x, dim), keepdim=keepdim),
+        x, _dims(x, dim), keepdim=keepdim
+    ),
     "var": lambda torch, x, dim=None, keepdim=False, correction=1: torch.var(
-        x, _dims(x, dim), correction=correction, keepdim=keepdim),
+        x, _dims(x, dim), correction=correction, keepdim=keepdim
+    ),
     "cumsum": lambda torch, x, dim: torch.cumsum(x, dim),
     "softmax": lambda torch, x, dim: torch.softmax(x, dim),
     "log_softmax": lambda torch, x, dim: torch.log_softmax(x, dim),
@@ -152,8 +166,11 @@ _BAD_DIMS = [
 _FLOAT_ONLY = ErrorSample([ints(0, 3, 2, 2)], {}, DTypeError, r"floating point")
 ERRORS = {name: _BAD_DIMS for name in ("sum", "prod", "max", "min", "logsumexp")}
 ERRORS["mean"] = [*_BAD_DIMS, _FLOAT_ONLY]
-ERRORS["var"] = [*_BAD_DIMS, _FLOAT_ONLY, ErrorSample(
-    [randn(3)], {"correction": "1"}, AttributeError_, r"'correction' must be number")]
+ERRORS["var"] = [
+    *_BAD_DIMS,
+    _FLOAT_ONLY,
+    ErrorSample([randn(3)], {"correction": "1"}, AttributeError_, r"'correction' must be number"),
+]
 ERRORS["cumsum"] = [
     ErrorSample([randn(3)], {}, AttributeError_, r"missing required attribute 'dim'"),
     ErrorSample([randn(3)], {"dim": 1}, ShapeError, r"dim 1 is out of range"),

@@ -57,16 +57,18 @@ def seed(x: TracedTensor, y: TracedTensor) -> dict[str, TracedTensor]:
     return {"z": (x + y) * (x - y)}
 
 
-def model(X: TracedTensor, W1: TracedTensor, b1: TracedTensor, W2: TracedTensor,
-          onehot: TracedTensor) -> dict[str, Any]:
+def model(
+    X: TracedTensor, W1: TracedTensor, b1: TracedTensor, W2: TracedTensor, onehot: TracedTensor
+) -> dict[str, Any]:
     h = F.relu(X @ W1 + b1)
     logits = h @ W2
     loss = -(onehot * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
     return {"loss": loss, "g": grad(loss, W1)}
 
 
-def rnn(h0: TracedTensor, xs: TracedTensor, w: TracedTensor, u: TracedTensor,
-        b: TracedTensor) -> dict[str, Any]:
+def rnn(
+    h0: TracedTensor, xs: TracedTensor, w: TracedTensor, u: TracedTensor, b: TracedTensor
+) -> dict[str, Any]:
     def cell(h: TracedTensor, x: TracedTensor) -> tuple[TracedTensor, TracedTensor]:
         h2 = F.tanh(x @ w + h @ u + b)
         return h2, h2
@@ -84,21 +86,33 @@ with Client("http://127.0.0.1:8000") as gs:
 
     X, onehot = np.random.randn(16, 5), np.eye(3)[np.random.randint(0, 3, 16)]
     W1, b1, W2 = np.random.randn(5, 8), np.zeros(8), np.random.randn(8, 3)
-    r = gs.backward(model, {"X": X, "W1": W1, "b1": b1, "W2": W2, "onehot": onehot},
-                    requires_grad=["W1", "b1", "W2"], grad_outputs={"g": np.zeros((5, 8))})
+    r = gs.backward(
+        model,
+        {"X": X, "W1": W1, "b1": b1, "W2": W2, "onehot": onehot},
+        requires_grad=["W1", "b1", "W2"],
+        grad_outputs={"g": np.zeros((5, 8))},
+    )
     print(r.outputs["loss"], r.gradients["W2"].shape, r.meta["peak_bytes"])
 
     f: Result = gs.forward(graph, {"x": 2.0, "y": 3.0}, no_grad=True)
     print(f.outputs["z"], f.gradients)
     try:
-        gs.forward({"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}], "outputs": ["z"]},
-                   {"a": np.ones((3, 4)), "b": np.ones((5, 2))})
+        gs.forward(
+            {"nodes": [{"id": "z", "op": "matmul", "args": ["a", "b"]}], "outputs": ["z"]},
+            {"a": np.ones((3, 4)), "b": np.ones((5, 2))},
+        )
     except GradserveHTTPError as e:
         print(e.status, e.type, e.node, e.detail)
 
 # Without a server: the standard catalog.
-traced = trace(rnn, h0=((4,), "float32"), xs=((7, 3), "float32"), w=((3, 4), "float32"),
-               u=((4, 4), "float32"), b=((4,), "float32"))
+traced = trace(
+    rnn,
+    h0=((4,), "float32"),
+    xs=((7, 3), "float32"),
+    w=((3, 4), "float32"),
+    u=((4, 4), "float32"),
+    b=((4,), "float32"),
+)
 assert_type(traced, dict[str, Any])
 print(traced["nodes"])
 
