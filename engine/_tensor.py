@@ -70,9 +70,11 @@ def _operator(name: str, reflected: bool) -> Callable[[Tensor, Tensor | float], 
         data = self.data
         kind = type(other)
         if kind is Tensor:
-            fast = (other._backend is backend  # type: ignore[union-attr]
-                    and other.data.dtype is data.dtype  # type: ignore[union-attr]
-                    and (not float_result or data.dtype in backend.float_dtypes))
+            fast = (
+                other._backend is backend  # type: ignore[union-attr]
+                and other.data.dtype is data.dtype  # type: ignore[union-attr]
+                and (not float_result or data.dtype in backend.float_dtypes)
+            )
             other_raw = other.data  # type: ignore[union-attr]
         else:
             if not isinstance(other, _NUMBER):
@@ -82,13 +84,21 @@ def _operator(name: str, reflected: bool) -> Callable[[Tensor, Tensor | float], 
         args = (other, self) if reflected else (self, other)
         if fast and not checked:
             try:
-                out = (forward(backend.xp, other_raw, data) if reflected
-                       else forward(backend.xp, data, other_raw))
+                out = (
+                    forward(backend.xp, other_raw, data)
+                    if reflected
+                    else forward(backend.xp, data, other_raw)
+                )
             except (ValueError, TypeError, ArithmeticError):
                 return apply(op, args, _NO_ATTRS)  # raises the op's own error
-            return wrap(op, args, _NO_ATTRS, out, backend,
-                        self.requires_grad or (kind is Tensor
-                                               and other.requires_grad))  # type: ignore[union-attr]
+            return wrap(
+                op,
+                args,
+                _NO_ATTRS,
+                out,
+                backend,
+                self.requires_grad or (kind is Tensor and other.requires_grad),  # type: ignore[union-attr]
+            )
         return apply(op, args, _NO_ATTRS)
 
     method.__name__ = method.__qualname__ = f"__{'r' if reflected else ''}{name}__"
@@ -242,7 +252,7 @@ class Tensor:
         if any(k is Ellipsis for k in key):
             at = key.index(Ellipsis)
             fill = (builtins.slice(None),) * (self.ndim - len(key) + 1)
-            key = key[:at] + fill + key[at + 1:]
+            key = key[:at] + fill + key[at + 1 :]
         if len(key) > self.ndim:
             raise IndexError(f"too many indices for a tensor of {self.ndim} dimension(s)")
         out, dim = self, 0
@@ -254,12 +264,15 @@ class Tensor:
             elif isinstance(k, builtins.int) and not isinstance(k, builtins.bool):
                 size = out.shape[dim]
                 if not -size <= k < size:
-                    raise IndexError(f"index {k} is out of bounds for dimension {dim} with "
-                                     f"size {size}")
+                    raise IndexError(
+                        f"index {k} is out of bounds for dimension {dim} with size {size}"
+                    )
                 out = out.slice(dim, k % size, k % size + 1).squeeze(dim)
             else:
-                raise TypeError(f"unsupported index {k!r}: use ints, slices and ...; for tensor "
-                                "indices use index_select or gather")
+                raise TypeError(
+                    f"unsupported index {k!r}: use ints, slices and ...; for tensor "
+                    "indices use index_select or gather"
+                )
         return out
 
     @property
@@ -466,7 +479,7 @@ class Tensor:
         return call("index_select", (self, index), {"dim": dim})
 
     def gather(self, dim: builtins.int, index: Tensor | builtins.float) -> Tensor:
-        """out[i][j] = input[index[i][j]][j] along `dim`, as torch.gather (repeated indices sum
+        """`out[i][j] = input[index[i][j]][j]` along `dim`, as torch.gather (repeated indices sum
         their gradients)."""
         return call("gather", (self, index), {"dim": dim})
 
@@ -602,6 +615,7 @@ class Tensor:
     def flatten(self, start_dim: builtins.int = 0, end_dim: builtins.int = -1) -> Tensor:
         """Merge dims start_dim..end_dim into one (a 0-d tensor becomes shape (1,))."""
         return call("flatten", (self,), {"start_dim": start_dim, "end_dim": end_dim})
+
     # ---- end of generated code ----
 
 
@@ -666,6 +680,7 @@ def _default_dtype(data: Any, host: np.ndarray) -> str:
 
 # ---------------------------------------------------------------- running an op
 
+
 def call(name: str, tensors: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
     """An op called from Python (a generated function or method): its attributes bound."""
     op = OPS[name]
@@ -686,13 +701,15 @@ def meta_of(value: Tensor | builtins.float) -> Meta:
 
 
 def _device_mismatch(op: OpDef, a: Backend, b: Backend) -> ShapeError:
-    return ShapeError(f"expected all tensors on one device, got {a.device} and {b.device}",
-                      op=op.name)
+    return ShapeError(
+        f"expected all tensors on one device, got {a.device} and {b.device}", op=op.name
+    )
 
 
 def _not_a_tensor(op: OpDef, value: Any) -> DTypeError:
-    return DTypeError(f"arguments must be tensors or numbers, got {type(value).__name__}",
-                      op=op.name)
+    return DTypeError(
+        f"arguments must be tensors or numbers, got {type(value).__name__}", op=op.name
+    )
 
 
 def _python_number(value: Any) -> Any:
@@ -708,10 +725,14 @@ def _promote(op: OpDef, args: Sequence[Any], raw: list[Any], backend: Backend) -
     if len(promoted) == 2:
         a, b = raw[promoted[0]], raw[promoted[1]]
         # The common cases: equal dtypes, or a float array with a Python number.
-        if not is_number(a) and (
-            (not is_number(b) and a.dtype is b.dtype)
-            or (is_number(b) and a.dtype in backend.float_dtypes)
-        ) and (not op.float_result or a.dtype in backend.float_dtypes):
+        if (
+            not is_number(a)
+            and (
+                (not is_number(b) and a.dtype is b.dtype)
+                or (is_number(b) and a.dtype in backend.float_dtypes)
+            )
+            and (not op.float_result or a.dtype in backend.float_dtypes)
+        ):
             return
     target = backend.dtype(promoted_dtype([meta_of(args[i]) for i in promoted], op.float_result))
     only_numbers = not any(type(x) is Tensor for x in args)
@@ -784,21 +805,38 @@ def apply(op: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Tensor:
     return wrap(op, args, attrs, out, backend, any_requires_grad)
 
 
-def wrap(op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backend: Backend,
-         any_requires_grad: builtins.bool) -> Tensor:
+def wrap(
+    op: OpDef,
+    args: Sequence[Any],
+    attrs: dict[str, Any],
+    out: Any,
+    backend: Backend,
+    any_requires_grad: builtins.bool,
+) -> Tensor:
     """The result Tensor of an op, recording its Node when the graph needs it: one input
     edge per argument whose gradient is needed (a differentiable argument that requires
     grad), with the shape and dtype that gradient is summed and cast back to."""
-    if (any_requires_grad and op.vjp is not None and out.dtype in backend.float_dtypes
-            and _grad_enabled.get()):
+    if (
+        any_requires_grad
+        and op.vjp is not None
+        and out.dtype in backend.float_dtypes
+        and _grad_enabled.get()
+    ):
         mask = op.diff_mask
         if mask is None:
-            inputs = [(a.grad_fn or a, a.data.shape, a.data.dtype)
-                      if type(a) is Tensor and a.requires_grad else None for a in args]
+            inputs = [
+                (a.grad_fn or a, a.data.shape, a.data.dtype)
+                if type(a) is Tensor and a.requires_grad
+                else None
+                for a in args
+            ]
         else:
-            inputs = [(a.grad_fn or a, a.data.shape, a.data.dtype)
-                      if type(a) is Tensor and a.requires_grad and mask[i] else None
-                      for i, a in enumerate(args)]
+            inputs = [
+                (a.grad_fn or a, a.data.shape, a.data.dtype)
+                if type(a) is Tensor and a.requires_grad and mask[i]
+                else None
+                for i, a in enumerate(args)
+            ]
             if not any(inp is not None for inp in inputs):
                 return Tensor(out, backend)
         # The node saves input Tensors or numbers and the raw result (not the result
@@ -810,12 +848,15 @@ def wrap(op: OpDef, args: Sequence[Any], attrs: dict[str, Any], out: Any, backen
 
 # ---------------------------------------------------------------- the backward pass
 
+
 def _unpack_tensors(node: Node) -> list[Any]:
     """The saved values for a differentiable backward: the argument Tensors themselves,
     and the result rebuilt with this node as grad_fn (as PyTorch does)."""
     assert node.saved is not None
-    return [Tensor(v, node.backend, True, node) if i < 0 else v
-            for i, v in zip(node.op.save_index, node.saved, strict=True)]
+    return [
+        Tensor(v, node.backend, True, node) if i < 0 else v
+        for i, v in zip(node.op.save_index, node.saved, strict=True)
+    ]
 
 
 def _tensor_namespace() -> SimpleNamespace:
@@ -855,10 +896,14 @@ def _implicit_grad(output: Tensor, create_graph: builtins.bool) -> Any:
     return Tensor(ones, output._backend) if create_graph else ones
 
 
-def _run(outputs: Sequence[Tensor], grad_outputs: Sequence[Any] | None,
-         retain_graph: builtins.bool, create_graph: builtins.bool,
-         capture: Sequence[Tensor] | None = None,
-         check: Callable[[], None] | None = None) -> dict[builtins.int, Any]:
+def _run(
+    outputs: Sequence[Tensor],
+    grad_outputs: Sequence[Any] | None,
+    retain_graph: builtins.bool,
+    create_graph: builtins.bool,
+    capture: Sequence[Tensor] | None = None,
+    check: Callable[[], None] | None = None,
+) -> dict[builtins.int, Any]:
     """The pass from these outputs. With `capture`, the gradients of those tensors are
     returned (by id) instead of accumulated into leaves' `.grad`."""
     if grad_outputs is not None and len(grad_outputs) != len(outputs):
@@ -870,8 +915,11 @@ def _run(outputs: Sequence[Tensor], grad_outputs: Sequence[Any] | None,
                 f"element {k} of tensors does not require grad and does not have a grad_fn"
             )
         given = None if grad_outputs is None else grad_outputs[k]
-        g = (_implicit_grad(out, create_graph) if given is None
-             else _as_grad(given, out, create_graph))
+        g = (
+            _implicit_grad(out, create_graph)
+            if given is None
+            else _as_grad(given, out, create_graph)
+        )
         key = out.grad_fn if out.grad_fn is not None else out
         roots[key] = g if key not in roots else roots[key] + g
     F = F_TENSOR if create_graph else raw_namespace(outputs[0]._backend)
@@ -886,8 +934,15 @@ def _run(outputs: Sequence[Tensor], grad_outputs: Sequence[Any] | None,
             g = leaf.grad + g
         leaf.grad = g
 
-    return run_backward(roots, F, retain_graph, create_graph,
-                        None if capture is not None else accumulate, wanted, check)
+    return run_backward(
+        roots,
+        F,
+        retain_graph,
+        create_graph,
+        None if capture is not None else accumulate,
+        wanted,
+        check,
+    )
 
 
 def backward(
@@ -921,8 +976,9 @@ def grad(
         grad_outputs = [grad_outputs]
     for i, t in enumerate(ins):
         if not t.requires_grad:
-            raise BackwardError(f"One of the differentiated Tensors (input {i}) does not "
-                                "require grad")
+            raise BackwardError(
+                f"One of the differentiated Tensors (input {i}) does not require grad"
+            )
     retain = create_graph if retain_graph is None else retain_graph
     found = _run(outs, grad_outputs, builtins.bool(retain), create_graph, capture=ins)
     result: list[Tensor | None] = []

@@ -302,7 +302,7 @@ def index_select(input: Tensor | float, dim: int, index: Tensor | float) -> Tens
 
 
 def gather(input: Tensor | float, dim: int, index: Tensor | float) -> Tensor:
-    """out[i][j] = input[index[i][j]][j] along `dim`, as torch.gather (repeated indices sum their
+    """`out[i][j] = input[index[i][j]][j]` along `dim`, as torch.gather (repeated indices sum their
     gradients)."""
     return call("gather", (input, index), {"dim": dim})
 

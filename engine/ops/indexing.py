@@ -117,8 +117,9 @@ def _cut(F: Any, a: Any, shape: tuple[int, ...], skip: int) -> Any:
 # ---------------------------------------------------------------- slice
 
 
-def slice_range(shape: tuple[int, ...], dim: int, start: int, stop: int | None,
-                step: int) -> tuple[int, int, int, int]:
+def slice_range(
+    shape: tuple[int, ...], dim: int, start: int, stop: int | None, step: int
+) -> tuple[int, int, int, int]:
     """(dim, start, stop, length) of Python slicing on one dim, bounds clamped."""
     if not shape:
         raise ShapeError("cannot slice a 0-d tensor")
@@ -134,15 +135,13 @@ def _slice(xp: Any, x: Any, *, dim: int, start: int, stop: int | None, step: int
     return x[(slice(None),) * d + (slice(begin, end, step),) + (slice(None),) * (x.ndim - d - 1)]
 
 
-def _slice_infer(metas: list[Meta], *, dim: int, start: int, stop: int | None,
-                 step: int) -> Meta:
+def _slice_infer(metas: list[Meta], *, dim: int, start: int, stop: int | None, step: int) -> Meta:
     shape = metas[0].shape
     d, _, _, length = slice_range(shape, dim, start, stop, step)
     return Meta((*shape[:d], length, *shape[d + 1 :]), metas[0].dtype)
 
 
-def _slice_vjp(F: Any, g: Any, x: Any, *, dim: int, start: int, stop: int | None,
-               step: int) -> Any:
+def _slice_vjp(F: Any, g: Any, x: Any, *, dim: int, start: int, stop: int | None, step: int) -> Any:
     shape = tuple(x.shape)
     d, begin, _, length = slice_range(shape, dim, start, stop, step)
     if length == 0:
@@ -183,8 +182,7 @@ def _index_select_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta((*x.shape[:d], numel(index.shape), *x.shape[d + 1 :]), x.dtype)
 
 
-def _index_select(xp: Any, x: Any, index: Any, *, dim: int,
-                  check: Any = _check_index) -> Any:
+def _index_select(xp: Any, x: Any, index: Any, *, dim: int, check: Any = _check_index) -> Any:
     """index_select's forward, the index checked by `check` (`_check_index` or, in the XLA
     tier, `_defer_index_check`)."""
     d = normalize_dim(dim, x.ndim)
@@ -231,8 +229,7 @@ def _gather_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta(index.shape, x.dtype)
 
 
-def _gather(xp: Any, x: Any, index: Any, *, dim: int,
-            check: Any = _check_index) -> Any:
+def _gather(xp: Any, x: Any, index: Any, *, dim: int, check: Any = _check_index) -> Any:
     """gather's forward, the index checked by `check` (as `_index_select`'s)."""
     d = _gather_shapes("gather", tuple(x.shape), tuple(index.shape), dim)
     check(xp, index, x.shape[d] if x.ndim else 1, dim)
@@ -247,8 +244,9 @@ def _gather_vjp(F: Any, g: Any, x: Any, index: Any, *, dim: int) -> Any:
     return F.scatter_add(F.zeros_like(x), index, g, dim=dim)
 
 
-def _scatter_add_shapes(x: tuple[int, ...], index: tuple[int, ...], src: tuple[int, ...],
-                        dim: int) -> int:
+def _scatter_add_shapes(
+    x: tuple[int, ...], index: tuple[int, ...], src: tuple[int, ...], dim: int
+) -> int:
     d = _gather_shapes("scatter_add", x, index, dim)
     if len(src) != len(index) or any(n > m for n, m in zip(index, src, strict=True)):
         raise ShapeError(
@@ -266,8 +264,9 @@ def _scatter_add_infer(metas: list[Meta], *, dim: int) -> Meta:
     return Meta(x.shape, x.dtype)
 
 
-def _scatter_add(xp: Any, x: Any, index: Any, src: Any, *, dim: int,
-                 check: Any = _check_index) -> Any:
+def _scatter_add(
+    xp: Any, x: Any, index: Any, src: Any, *, dim: int, check: Any = _check_index
+) -> Any:
     """scatter_add's forward, the index checked by `check` (as `_index_select`'s)."""
     d = _scatter_add_shapes(tuple(x.shape), tuple(index.shape), tuple(src.shape), dim)
     if src.dtype != x.dtype:
@@ -288,11 +287,15 @@ _INDEX_DIM = Attr("int", doc="the dim the index runs along")
 
 register(
     OpDef(
-        name="slice", group="indexing",
+        name="slice",
+        group="indexing",
         doc="Python slicing x[start:stop:step] on one dim (step > 0; bounds clamped).",
-        args=("input",), views_input=True,
-        forward=_slice, infer=_slice_infer,
-        vjp=(_slice_vjp,), save=("input",),
+        args=("input",),
+        views_input=True,
+        forward=_slice,
+        infer=_slice_infer,
+        vjp=(_slice_vjp,),
+        save=("input",),
         attrs={
             "dim": Attr("int", doc="the dim to slice"),
             "start": Attr("int", 0, doc="first index (negative counts from the end)"),
@@ -302,33 +305,42 @@ register(
         positional_attrs=("dim", "start", "stop", "step"),
     ),
     OpDef(
-        name="index_select", group="indexing",
+        name="index_select",
+        group="indexing",
         doc="The entries at an int index (0-d or 1-d) along `dim`, as torch.index_select.",
         args=("input", "index"),
-        forward=_index_select, lower=partial(_index_select, check=_defer_index_check),
+        forward=_index_select,
+        lower=partial(_index_select, check=_defer_index_check),
         infer=_INDEX_SELECT[1](_index_select_infer),
         check_args=_INDEX_SELECT[0],
-        vjp=(_index_select_vjp, None), save=("input", "index"),
+        vjp=(_index_select_vjp, None),
+        save=("input", "index"),
         attrs={"dim": _INDEX_DIM},
         call_order=("input", "dim", "index"),
     ),
     OpDef(
-        name="gather", group="indexing",
-        doc="out[i][j] = input[index[i][j]][j] along `dim`, as torch.gather "
-            "(repeated indices sum their gradients).",
+        name="gather",
+        group="indexing",
+        doc="`out[i][j] = input[index[i][j]][j]` along `dim`, as torch.gather "
+        "(repeated indices sum their gradients).",
         args=("input", "index"),
-        forward=_gather, lower=partial(_gather, check=_defer_index_check),
-        infer=_GATHER[1](_gather_infer), check_args=_GATHER[0],
-        vjp=(_gather_vjp, None), save=("input", "index"),
+        forward=_gather,
+        lower=partial(_gather, check=_defer_index_check),
+        infer=_GATHER[1](_gather_infer),
+        check_args=_GATHER[0],
+        vjp=(_gather_vjp, None),
+        save=("input", "index"),
         attrs={"dim": _INDEX_DIM},
         call_order=("input", "dim", "index"),
     ),
     OpDef(
-        name="scatter_add", group="indexing",
+        name="scatter_add",
+        group="indexing",
         doc="input with src added at index along `dim` (repeats accumulate), "
-            "as torch.Tensor.scatter_add.",
+        "as torch.Tensor.scatter_add.",
         args=("input", "index", "src"),
-        forward=_scatter_add, lower=partial(_scatter_add, check=_defer_index_check),
+        forward=_scatter_add,
+        lower=partial(_scatter_add, check=_defer_index_check),
         infer=_SCATTER_ADD[1](_scatter_add_infer),
         check_args=_SCATTER_ADD[0],
         vjp=(lambda F, g, index, src, *, dim: g, None, _scatter_add_src_vjp),
