@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.bench_service import free_port, server_process
@@ -140,3 +142,51 @@ def test_the_client_example_prints_what_it_says(page: str, live_server: str) -> 
     with contextlib.redirect_stdout(out):
         exec(compile(code, f"docs/{page}", "exec"), {})  # our own docs, against our server
     assert out.getvalue().splitlines() == expected_prints(block)
+
+
+CURL_JSON = re.compile(
+    r"curl -s '?localhost:8000(/[a-z]+)'? -H 'Content-Type: application/json' -d '(.*?)'\n"
+    r"((?:# [^\n]*\n)*)",
+    re.S,
+)
+
+
+def curl_examples() -> list[tuple[str, str, str, dict[str, object]]]:
+    """Every `curl ... -d '<JSON>'` of the README and the site: (page, path, what the
+    comment under it says, the body)."""
+    found = []
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        for path, body, comment in CURL_JSON.findall(page.read_text()):
+            found.append((page.name, path, comment, json.loads(body)))
+    return found
+
+
+def leaves(value: object, out: dict[str, list[object]], skip: str = "timings_ms") -> None:
+    """Every key of a JSON answer, at any depth, with its values."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if key != skip:
+                out.setdefault(key, []).append(inner)
+                leaves(inner, out)
+    elif isinstance(value, list):
+        for inner in value:
+            leaves(inner, out)
+
+
+def test_the_curl_examples_answer_what_they_say(live_server: str) -> None:
+    examples = curl_examples()
+    assert len(examples) >= 6
+    checked = 0
+    with httpx.Client(base_url=live_server, timeout=60) as client:
+        for page, path, comment, body in examples:
+            r = client.post(path, json=body)
+            assert r.status_code == 200, (page, path, r.text)
+            answer: dict[str, list[object]] = {}
+            leaves(r.json(), answer)
+            # A number the comment gives as "key": value is the answer's (where the key
+            # appears once in it).
+            for key, said in re.findall(r'"(\w+)":\s*(-?[0-9][0-9.e+-]*)', comment):
+                if len(answer.get(key, ())) == 1:
+                    assert answer[key][0] == float(said), (page, path, key)
+                    checked += 1
+    assert checked >= 5
