@@ -25,8 +25,8 @@ from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
-from tests.test_pool import worker_body
-from tests.test_service_api import assert_problem, strict_json
+from tests.support.pool import worker_body
+from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 

@@ -49,7 +49,7 @@ from gradserve.client.http import Client, GradserveHTTPError, Retry
 from gradserve.wire.graph_id import GRAPH_HEADER, graph_key
 from tests import test_docker
 from tests.seeds import SEED_EXPR
-from tests.test_docker import BASE_IMAGE, ROOT, _compose_command, _docker, _unavailable
+from tests.support.docker import BASE_IMAGE, ROOT, compose_command, docker, unavailable
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
@@ -89,7 +89,7 @@ def _free_ports(n: int) -> list[int]:
 def haproxy_image(image: str) -> str:
     """The HAProxy image, on the same base image (after the gradserve image: it skips
     or fails first where Docker is missing)."""
-    _docker(
+    docker(
         "build",
         "--network",
         "host",
@@ -137,7 +137,7 @@ class Cluster:
         return cid
 
     def logs(self, service: str) -> str:
-        proc = _docker("logs", "--tail", "60", self.container(service), check=False)
+        proc = docker("logs", "--tail", "60", self.container(service), check=False)
         return proc.stdout + proc.stderr
 
     def servers(self) -> dict[str, dict[str, str]]:
@@ -204,9 +204,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
-    compose = _compose_command()
+    compose = compose_command()
     if compose is None:
-        _unavailable("neither docker-compose nor the docker compose plugin is installed")
+        unavailable("neither docker-compose nor the docker compose plugin is installed")
         raise AssertionError("unreachable")
     project = f"gradserve-lb-test-{uuid.uuid4().hex[:10]}"
     ports = dict(zip(("haproxy", "stats", *REPLICAS), _free_ports(5), strict=True))
@@ -236,11 +236,11 @@ def cluster(image: str, haproxy_image: str) -> Iterator[Cluster]:
                 "down", "--volumes", "--timeout", "5", "--remove-orphans", timeout=120, check=False
             )
         # Whatever compose left (a failed `up` or `down`): only this project's containers.
-        left = _docker(
+        left = docker(
             "ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False
         ).stdout.split()
         if left:
-            _docker("rm", "-f", "-v", *left, check=False)
+            docker("rm", "-f", "-v", *left, check=False)
 
 
 def _seed_call(gs: Client, graph: dict[str, Any] | None = None) -> None:
@@ -335,7 +335,7 @@ def _until(what: str, check: Callable[[], bool], timeout: float) -> None:
 
 
 def test_haproxy_image_and_config(haproxy_image: str) -> None:
-    out = _docker(
+    out = docker(
         "run",
         "--rm",
         "--network",
@@ -348,7 +348,7 @@ def test_haproxy_image_and_config(haproxy_image: str) -> None:
         HAPROXY_CFG,
     )
     assert "Configuration file is valid" in out.stdout + out.stderr
-    config = _docker(
+    config = docker(
         "image", "inspect", "-f", "{{.Config.User}} {{.Config.StopSignal}}", haproxy_image
     ).stdout.split()
     assert config == ["haproxy", "SIGUSR1"], config
@@ -555,12 +555,12 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
         cell_in_flight = False
         while not cell_in_flight and time.monotonic() - t0 < 10:
             cell_in_flight = cluster.metric(victim, "gradserve_inflight_planned_bytes") > 2**20
-        _docker("kill", cluster.container(victim))
+        docker("kill", cluster.container(victim))
         at_kill = load.ok
         down_s = cluster.wait_status(victim, "DOWN", timeout=15)
         load.wait_ok(200)  # served by the two others
         during_outage = load.ok - at_kill
-        _docker("start", cluster.container(victim))
+        docker("start", cluster.container(victim))
         up_s = cluster.wait_status(victim, "UP")
         # The replica is a new process (its counters start at 0): its graphs come back to
         # it (consistent hashing), and it serves them again.
@@ -594,9 +594,9 @@ def test_rolling_restart_loses_nothing(cluster: Cluster) -> None:
         for service in REPLICAS:
             cid = cluster.container(service)
             t0 = time.monotonic()
-            _docker("stop", "-t", "10", cid, timeout=60)
+            docker("stop", "-t", "10", cid, timeout=60)
             stopped = time.monotonic() - t0
-            exit_code = _docker("inspect", "-f", "{{.State.ExitCode}}", cid).stdout.strip()
+            exit_code = docker("inspect", "-f", "{{.State.ExitCode}}", cid).stdout.strip()
             # A graceful exit within docker stop's 10 s, not a SIGKILL (137). Under the
             # profile's `init: true`, gradserve is not PID 1, and uvicorn ends by raising
             # the SIGTERM it handled again: the init reports 143 (128 + SIGTERM).
@@ -604,7 +604,7 @@ def test_rolling_restart_loses_nothing(cluster: Cluster) -> None:
                 f"{service} exited {exit_code} after {stopped:.1f} s:\n{cluster.logs(service)}"
             )
             cluster.wait_status(service, "DOWN", timeout=15)
-            _docker("start", cid)
+            docker("start", cid)
             up = cluster.wait_status(service, "UP")
             timings.append(f"{service}: stopped in {stopped:.1f} s, UP {up:.1f} s after start")
             retrying.wait_ok(100)

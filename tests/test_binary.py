@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.in_process import serving
-from tests.test_service_api import assert_problem, strict_json
+from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 

@@ -30,7 +30,7 @@ from gradserve.client.http import (
     Result,
 )
 from gradserve.wire.graph_id import GRAPH_HEADER, canonical_graph, graph_key
-from tests.test_integration_service import Server, _start, _stop
+from tests.support.server import Server, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -48,9 +48,9 @@ ENCODINGS = ["json", "base64", "binary"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("client-server"))
+    s = start_server(tmp_path_factory.mktemp("client-server"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 # ------------------------------------------------------------------ a recording transport
@@ -506,7 +506,7 @@ def test_graph_unknown_resends_the_graph(server: Server, tmp_path: Path) -> None
     graph = {"nodes": [{"id": "y", "expr": "x * 2 + 1"}], "outputs": ["y"]}
     x = np.arange(100, dtype=np.float32)
     gs, rec = client(server)
-    other = _start(tmp_path)
+    other = start_server(tmp_path)
     try:
         with gs:
             graph_id = gs.forward(graph, {"x": x}).meta["graph_id"]
@@ -522,7 +522,7 @@ def test_graph_unknown_resends_the_graph(server: Server, tmp_path: Path) -> None
             assert rec.statuses[-1] == 200 and rec.sent[-1].header["graph_id"] == graph_id
             assert_exact(again.outputs["y"], x * 2 + 1)
     finally:
-        _stop(other)
+        stop_server(other)
 
 
 def test_an_id_that_keeps_missing_is_given_up(server: Server) -> None:
@@ -602,8 +602,8 @@ def test_async_client(server: Server, tmp_path: Path) -> None:
             assert_exact(rj.outputs["x"], sample("float16", (0, 2)))
             assert_arrays_of(rj, "json")
 
-    other = _start(tmp_path)
+    other = start_server(tmp_path)
     try:
         asyncio.run(run(other))
     finally:
-        _stop(other)
+        stop_server(other)

@@ -37,7 +37,7 @@ from gradserve.client.http import (
     GradserveHTTPError,
     Retry,
 )
-from tests.test_integration_service import ROOT, Server, _free_port, _stop
+from tests.support.server import ROOT, Server, free_port, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def _kill(server: Server) -> None:
 
 def _end(server: Server) -> None:
     if server.proc.poll() is None:
-        _stop(server)
+        stop_server(server)
     _kill(server)  # (whatever of its session is left)
 
 
@@ -216,7 +216,7 @@ def _busy(retry_after: str | None = "0") -> Scripted:
 @pytest.fixture(scope="module")
 def script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server for the scripted tests: it answers once a tap's script has run out."""
-    s = _ready(_launch(tmp_path_factory.mktemp("scripted"), _free_port()))
+    s = _ready(_launch(tmp_path_factory.mktemp("scripted"), free_port()))
     yield s
     _end(s)
 
@@ -271,7 +271,7 @@ def test_retry_after_as_seconds_or_a_date(script_server: Server) -> None:
 def test_a_refused_connection_is_retried_until_a_server_starts(
     tmp_path: Path, servers: list[Server]
 ) -> None:
-    port = _free_port()  # nothing listens on it yet
+    port = free_port()  # nothing listens on it yet
     tap = Tap()
     with (
         Client(f"http://127.0.0.1:{port}", transport=tap, retries=QUICK) as gs,
@@ -298,7 +298,7 @@ def test_a_server_killed_mid_request_is_retried_on_its_successor(
     """SIGKILL to a server (and its workers) while a request computes; another is
     started on the same port: the call succeeds there, within its deadline."""
     n = 6
-    port = _free_port()
+    port = free_port()
     first = _ready(_launch(tmp_path, port, GRADSERVE_REQUEST_TIMEOUT_S="60"))
     servers.append(first)
     retry = Retry(attempts=200, deadline=60.0, backoff=0.02, max_backoff=0.2)
@@ -332,7 +332,7 @@ def test_503_waits_for_retry_after_and_504_is_not_retried(
     s = _ready(
         _launch(
             tmp_path,
-            _free_port(),
+            free_port(),
             GRADSERVE_MAX_CONCURRENCY="1",
             GRADSERVE_MAX_QUEUE_SIZE="0",
             GRADSERVE_REQUEST_TIMEOUT_S="2",
@@ -424,7 +424,7 @@ def test_409_resends_the_graph_once_and_that_resend_is_retried(script_server: Se
 
 # ------------------------------------------------------------------ limits
 def test_the_attempt_limit_then_the_last_error() -> None:
-    port = _free_port()
+    port = free_port()
     tap = Tap()
     with (
         Client(
@@ -450,7 +450,7 @@ def test_the_deadline_bounds_the_call() -> None:
     """Refused connections: attempts until the deadline, then the last error, within the
     deadline and a little slack. A server that accepts and never answers: the attempt in
     flight is cut at the deadline (a read timeout, not retried)."""
-    port = _free_port()
+    port = free_port()
     tap = Tap()
     retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
     t0 = time.monotonic()
@@ -480,7 +480,7 @@ def test_the_deadline_bounds_the_call() -> None:
 
 # ------------------------------------------------------------------ the async client
 def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
-    port = _free_port()
+    port = free_port()
 
     async def run() -> None:
         tap = AsyncTap()
@@ -516,7 +516,7 @@ def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
         retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
         t0 = time.monotonic()
         async with AsyncClient(
-            f"http://127.0.0.1:{_free_port()}", transport=dead, retries=retry
+            f"http://127.0.0.1:{free_port()}", transport=dead, retries=retry
         ) as gd:
             with pytest.raises(httpx.ConnectError):
                 await gd.forward(SEED, {"x": 1.0, "y": 1.0})

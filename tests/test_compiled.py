@@ -14,43 +14,15 @@ import torch
 import gradserve.engine as engine
 from gradserve.engine.backends import get_backend
 from gradserve.engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
-from gradserve.engine.graph.autodiff import vjp
-from gradserve.engine.graph.builder import Builder, Sym
-from gradserve.engine.graph.compiler import assemble
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.ops import OPS
-from gradserve.engine.ops.registry import Meta
 from tests.op_samples import ERRORS, TORCH, Sample
-from tests.test_ops import _cases, _is_float_array, engine_args, run, torch_args
-
-
-def _program_inputs(
-    name: str, sample: Sample, dtype: str
-) -> tuple[Builder, list[Any], dict[str, Sym], dict[str, np.ndarray]]:
-    """A builder holding the sample's arrays as program inputs (floats in `dtype`), and the
-    op's arguments: those inputs' Syms, and the literals as they are."""
-    b = Builder()
-    args: list[Any] = []
-    syms: dict[str, Sym] = {}
-    arrays: dict[str, np.ndarray] = {}
-    for i, a in enumerate(sample.args):
-        if isinstance(a, np.ndarray):
-            array = a.astype(dtype) if _is_float_array(a) else a
-            sym = b.value(Meta(array.shape, str(array.dtype)))
-            syms[f"a{i}"], arrays[f"a{i}"] = sym, array
-            args.append(sym)
-        else:
-            args.append(a)
-    return b, args, syms, arrays
-
-
-def _differentiable(name: str, sample: Sample, syms: dict[str, Sym]) -> list[str]:
-    op = OPS[name]
-    return [
-        k
-        for k, s in syms.items()
-        if s.dtype.startswith("float") and op.arg_differentiable(int(k[1:]))
-    ]
+from tests.support.ops import engine_args, op_cases, run, torch_args
+from tests.support.programs import (
+    differentiated_twice,
+    forward_program,
+    with_gradients,
+)
 
 
 def _run(program: Any, arrays: dict[str, np.ndarray]) -> Any:
@@ -73,16 +45,8 @@ def assert_same(got: Any, expected: Any) -> None:
     np.testing.assert_array_equal(got, expected)  # NaN equals NaN here
 
 
-def forward_program(name: str, sample: Sample, dtype: str) -> tuple[Any, dict[str, np.ndarray]]:
-    """The op on the sample's arguments as a program of one step, and its inputs."""
-    op = OPS[name]
-    b, args, syms, arrays = _program_inputs(name, sample, dtype)
-    out = b.emit(op, args, op.bind_attrs(sample.attrs))
-    return assemble(b, syms, {"out": out}), arrays
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_forward_is_the_eager_forward(
     name: str, sample: Sample, dtype: str, backend_name: str
 ) -> None:
@@ -95,26 +59,7 @@ def test_forward_is_the_eager_forward(
     assert result.peak_bytes == result.planned_peak_bytes
 
 
-def with_gradients(
-    name: str, sample: Sample
-) -> tuple[Any, dict[str, np.ndarray], list[str], np.ndarray]:
-    """The op and its VJP with upstream `v` as one program, in float64."""
-    op = OPS[name]
-    b, args, syms, arrays = _program_inputs(name, sample, "float64")
-    wrt = _differentiable(name, sample, syms)
-    if not wrt:
-        pytest.skip("no differentiable float input in this sample")
-    out = b.emit(op, args, op.bind_attrs(sample.attrs))
-    v = b.value(out.meta)
-    grads = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt])
-    outputs = {"out": out, **{f"d{k}": g for k, g in zip(wrt, grads, strict=True) if g is not None}}
-    program = assemble(b, {**syms, "v": v}, outputs)
-    upstream = np.random.default_rng(7).standard_normal(out.shape).astype(out.dtype)
-    arrays["v"] = upstream
-    return program, arrays, wrt, upstream
-
-
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_gradients_are_the_eager_gradients_and_torch(
     name: str, sample: Sample, backend_name: str
 ) -> None:
@@ -141,36 +86,7 @@ def test_gradients_are_the_eager_gradients_and_torch(
         )
 
 
-def differentiated_twice(name: str, sample: Sample) -> tuple[Any, dict[str, np.ndarray], list[str]]:
-    """d/dx ⟨∂f/∂x · v, w⟩ as a program (the derived backward differentiated again), its
-    inputs, and the arguments it differentiates."""
-    op = OPS[name]
-    b, args, syms, arrays = _program_inputs(name, sample, "float64")
-    wrt = _differentiable(name, sample, syms)
-    if not wrt:
-        pytest.skip("no differentiable float input in this sample")
-    rng = np.random.default_rng(11)
-    out = b.emit(op, args, op.bind_attrs(sample.attrs))
-    v = b.value(out.meta)
-    ws = {k: b.value(syms[k].meta) for k in wrt}
-    firsts = vjp(b, list(b.steps), [(out.slot, v)], [syms[k].slot for k in wrt], create_graph=True)
-    total: Any = b.constant(0.0, "float64")
-    for k, g in zip(wrt, firsts, strict=True):
-        if g is not None:
-            total = total + b.call("sum", g * ws[k])
-    seconds = vjp(
-        b, list(b.steps), [(total.slot, b.constant(1.0, "float64"))], [syms[k].slot for k in wrt]
-    )
-    outputs = {f"d{k}": g for k, g in zip(wrt, seconds, strict=True) if g is not None}
-    if not outputs:
-        outputs = {"total": total}
-    program = assemble(b, {**syms, "v": v, **{f"w{k}": w for k, w in ws.items()}}, outputs)
-    arrays["v"] = rng.standard_normal(out.shape).astype(out.dtype)
-    arrays.update({f"w{k}": rng.standard_normal(syms[k].shape) for k in wrt})
-    return program, arrays, wrt
-
-
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_second_order_by_differentiating_the_program_twice(name: str, sample: Sample) -> None:
     """d/dx ⟨∂f/∂x · v, w⟩: the derived backward is differentiated again, as a program,
     against PyTorch's double backward."""

@@ -32,7 +32,7 @@ from gradserve.service.app import create_app
 from gradserve.service.middleware import TIMED_OUT, loggable
 from gradserve.service.protocol import GradserveProtocol, H11Guard, HttpToolsGuard
 from gradserve.service.settings import Settings
-from tests.test_integration_service import Server, _start, _stop
+from tests.support.server import Server, start_server, stop_server
 
 PROBLEM = "application/problem+json"
 
@@ -415,7 +415,7 @@ def test_at_the_cap_the_longest_idle_connection_makes_room(http: type) -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     # Room for every connection and a compute slot for every slow upload (a slot is taken
     # before the body is read), so that each is refused for being slow and nothing else.
-    s = _start(
+    s = start_server(
         tmp_path_factory.mktemp("connections"),
         GRADSERVE_HEADER_TIMEOUT_S="1",
         GRADSERVE_BODY_TIMEOUT_S="1",
@@ -423,7 +423,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         GRADSERVE_MAX_CONCURRENCY="32",
     )
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def _log_has(server: Server, text: str, seconds: float = 5) -> bool:
@@ -529,12 +529,12 @@ def test_a_low_open_file_limit_lowers_the_cap(tmp_path: Path) -> None:
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
 
-    s = _start(tmp_path, preexec_fn=low_limit)
+    s = start_server(tmp_path, preexec_fn=low_limit)
     try:
         assert _log_has(s, "GRADSERVE_MAX_CONNECTIONS=512 does not fit under the open-file")
         assert httpx.get(s.base + "/healthz", timeout=10).status_code == 200
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 def _long_graph(matmuls: int) -> dict[str, Any]:
@@ -549,7 +549,7 @@ def _long_graph(matmuls: int) -> dict[str, Any]:
 
 @pytest.mark.integration
 def test_sigterm_drains_readiness_and_cuts_off_with_503(tmp_path: Path) -> None:
-    s = _start(tmp_path, GRADSERVE_GRACEFUL_SHUTDOWN_S="1", GRADSERVE_COMPUTE_BUDGET="1e15")
+    s = start_server(tmp_path, GRADSERVE_GRACEFUL_SHUTDOWN_S="1", GRADSERVE_COMPUTE_BUDGET="1e15")
     result: dict[str, httpx.Response | BaseException] = {}
 
     def slow() -> None:
@@ -587,4 +587,4 @@ def test_sigterm_drains_readiness_and_cuts_off_with_503(tmp_path: Path) -> None:
         assert "Traceback" not in log and "Finished server process" in log
         assert '"POST /forward HTTP/1.1" 503 ' in log
     finally:
-        _stop(s)
+        stop_server(s)

@@ -18,7 +18,7 @@ from gradserve.engine.graph.executor import execute
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import Meta
 from tests.op_samples import Sample
-from tests.test_ops import _cases, _is_float_array
+from tests.support.ops import is_float_array, op_cases
 
 pytestmark = [
     pytest.mark.cuda,
@@ -39,7 +39,7 @@ def _program(
     arrays: dict[str, np.ndarray] = {}
     for i, a in enumerate(sample.args):
         if isinstance(a, np.ndarray):
-            array = a.astype(dtype) if _is_float_array(a) else a
+            array = a.astype(dtype) if is_float_array(a) else a
             sym = b.value(Meta(array.shape, str(array.dtype)))
             inputs[f"a{i}"], arrays[f"a{i}"] = sym, array
             args.append(sym)
@@ -79,12 +79,12 @@ def _run(name: str, sample: Sample, dtype: str, grads: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_forward_on_the_gpu_is_the_cpu_forward(name: str, sample: Sample, dtype: str) -> None:
     _run(name, sample, dtype, grads=False)
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_gradients_on_the_gpu_are_the_cpu_gradients(name: str, sample: Sample) -> None:
     _run(name, sample, "float64", grads=True)
 

@@ -11,7 +11,6 @@ a local base image.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -20,47 +19,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.seeds import SEED_NO_GRAD, SEED_OP
+from tests.support.docker import BASE_IMAGE, ROOT, _run, compose_command, docker, unavailable
 
 # The first test also builds the image: dependencies come from PyPI on a cold cache.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 
-ROOT = Path(__file__).resolve().parent.parent
-BASE_IMAGE = os.environ.get("GRADSERVE_TEST_BASE_IMAGE", "")
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 TAG = "gradserve:test"
 BUILD_TIMEOUT_S = 1100
 READY_TIMEOUT_S = 60
 STOP_LIMIT_S = 10
-
-
-def _unavailable(reason: str) -> None:
-    """Skip; but fail in CI, where the base image is provided and the tests must run."""
-    if IN_CI and BASE_IMAGE:
-        pytest.fail(f"{reason} (CI=true and GRADSERVE_TEST_BASE_IMAGE is set: must not skip)")
-    pytest.skip(reason)
-
-
-def _run(args: list[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if check and proc.returncode != 0:
-        pytest.fail(
-            f"{' '.join(args)} exited {proc.returncode}\n"
-            f"--- stdout (tail)\n{proc.stdout[-4000:]}\n--- stderr (tail)\n{proc.stderr[-4000:]}"
-        )
-    return proc
-
-
-def _docker(
-    *args: str, timeout: float = 60, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    return _run(["docker", *args], timeout=timeout, check=check)
 
 
 def _free_port() -> int:
@@ -75,16 +48,16 @@ def image() -> str:
     if not BASE_IMAGE:
         pytest.skip("GRADSERVE_TEST_BASE_IMAGE is not set (.ci/run sets it where it can)")
     if shutil.which("docker") is None:
-        _unavailable("the docker CLI is not installed")
+        unavailable("the docker CLI is not installed")
     try:
         info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        _unavailable("`docker info` did not answer within 30 s")
+        unavailable("`docker info` did not answer within 30 s")
     if info.returncode != 0:
-        _unavailable(f"no Docker daemon answers: {info.stderr.strip()[-500:]}")
-    if _docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
-        _unavailable(f"the base image {BASE_IMAGE!r} is not present")
-    _docker(
+        unavailable(f"no Docker daemon answers: {info.stderr.strip()[-500:]}")
+    if docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
+        unavailable(f"the base image {BASE_IMAGE!r} is not present")
+    docker(
         "build",
         "--network",
         "host",
@@ -97,7 +70,7 @@ def image() -> str:
     )
     # Earlier builds of the tag are left untagged: drop them (only gradserve's, only
     # untagged ones), so that a CI host does not fill up. The builder stages stay: cache.
-    _docker(
+    docker(
         "image",
         "prune",
         "--force",
@@ -118,16 +91,16 @@ class Container:
         return f"http://127.0.0.1:{self.port}"
 
     def logs(self) -> str:
-        proc = _docker("logs", "--tail", "200", self.id, check=False)
+        proc = docker("logs", "--tail", "200", self.id, check=False)
         return proc.stdout + proc.stderr
 
     def state(self, template: str) -> str:
-        return _docker("inspect", "-f", template, self.id).stdout.strip()
+        return docker("inspect", "-f", template, self.id).stdout.strip()
 
 
 def _start(image: str, *extra: str) -> Container:
     port = _free_port()
-    proc = _docker(
+    proc = docker(
         "run",
         "-d",
         "--network",
@@ -168,7 +141,7 @@ def _wait_ready(c: Container) -> None:
 
 
 def _remove(c: Container) -> None:
-    _docker("rm", "-f", "-v", c.id, check=False)
+    docker("rm", "-f", "-v", c.id, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -235,17 +208,17 @@ def test_healthcheck_reports_healthy(server: Container) -> None:
 
 
 def test_runs_as_non_root(server: Container) -> None:
-    assert _docker("exec", server.id, "id", "-u").stdout.strip() != "0"
+    assert docker("exec", server.id, "id", "-u").stdout.strip() != "0"
     # The server process itself (PID 1), not only `docker exec`'s default user.
-    status = _docker("exec", server.id, "cat", "/proc/1/status").stdout
+    status = docker("exec", server.id, "cat", "/proc/1/status").stdout
     uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
     assert "0" not in uids, status
-    cmdline = _docker("exec", server.id, "cat", "/proc/1/cmdline").stdout.split("\0")
+    cmdline = docker("exec", server.id, "cat", "/proc/1/cmdline").stdout.split("\0")
     assert any(part.endswith("gradserve") for part in cmdline), cmdline
 
 
 def test_image_configuration(image: str) -> None:
-    config = json.loads(_docker("image", "inspect", "-f", "{{json .Config}}", image).stdout)
+    config = json.loads(docker("image", "inspect", "-f", "{{json .Config}}", image).stdout)
     assert config["User"] not in ("", "0", "root", "0:0")
     assert "GRADSERVE_HOST=0.0.0.0" in config["Env"]
     assert "8000/tcp" in config["ExposedPorts"]
@@ -261,11 +234,11 @@ def test_image_has_no_build_tools_pip_or_torch(image: str) -> None:
         "print(sys.prefix, [m for m in ('pip', 'setuptools', 'torch', 'pytest')"
         " if importlib.util.find_spec(m)])"
     )
-    out = _docker(
+    out = docker(
         "run", "--rm", "--network", "host", "--entrypoint", "python3", image, "-c", script
     ).stdout.strip()
     assert out == "/opt/venv []", out
-    tools = _docker(
+    tools = docker(
         "run",
         "--rm",
         "--network",
@@ -277,7 +250,7 @@ def test_image_has_no_build_tools_pip_or_torch(image: str) -> None:
         "for t in gcc cc g++ make; do command -v $t; done; true",
     ).stdout
     assert tools.strip() == "", f"compilers in the runtime image: {tools}"
-    assert "serve" in _docker("run", "--rm", "--network", "host", image, "--help").stdout
+    assert "serve" in docker("run", "--rm", "--network", "host", image, "--help").stdout
 
 
 def test_docker_stop_ends_it_cleanly_within_10s(image: str) -> None:
@@ -298,7 +271,7 @@ def test_docker_stop_ends_it_cleanly_within_10s(image: str) -> None:
         _wait_ready(c)
         t0 = time.monotonic()
         # Docker would SIGKILL after 30 s; the limit under test is 10 s, with SIGTERM alone.
-        _docker("stop", "-t", "30", c.id, timeout=60)
+        docker("stop", "-t", "30", c.id, timeout=60)
         elapsed = time.monotonic() - t0
         logs = c.logs()
         assert c.state("{{.State.Running}}") == "false"
@@ -338,7 +311,7 @@ def test_docker_stop_with_a_request_in_flight(image: str) -> None:
         time.sleep(2)
         assert worker.is_alive(), f"the request finished before the stop: {outcome}"
         t0 = time.monotonic()
-        _docker("stop", "-t", "30", c.id, timeout=60)
+        docker("stop", "-t", "30", c.id, timeout=60)
         elapsed = time.monotonic() - t0
         worker.join(timeout=30)
         logs = c.logs()
@@ -349,26 +322,12 @@ def test_docker_stop_with_a_request_in_flight(image: str) -> None:
         _remove(c)
 
 
-def _compose_command() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if (
-        shutil.which("docker")
-        and subprocess.run(
-            ["docker", "compose", "version"], capture_output=True, timeout=30
-        ).returncode
-        == 0
-    ):
-        return ["docker", "compose"]
-    return None
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("profile", [None, "gpu", "lb"])
 def test_compose_file_validates(profile: str | None) -> None:
-    compose = _compose_command()
+    compose = compose_command()
     if compose is None:
-        _unavailable("neither docker-compose nor the docker compose plugin is installed")
+        unavailable("neither docker-compose nor the docker compose plugin is installed")
         return
     args = [*compose, "-f", str(ROOT / "docker-compose.yml")]
     if profile:

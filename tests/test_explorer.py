@@ -23,7 +23,7 @@ import pytest
 from gradserve.service.routes.explorer import ASSETS, CSP, EXAMPLES, PAGE_PATHS, STATIC
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
-from tests.test_integration_service import Server, _start, _stop
+from tests.support.server import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE_FILES = ["index.html", *ASSETS]
@@ -154,31 +154,31 @@ def browser_paths() -> tuple[str, str]:
 def server(
     browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("explorer"))
+    s = start_server(tmp_path_factory.mktemp("explorer"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")
 def small_budget_server(
     browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    s = _start(
+    s = start_server(
         tmp_path_factory.mktemp("explorer-budget"), GRADSERVE_MEMORY_BUDGET_BYTES=str(SMALL_BUDGET)
     )
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(
     browser_paths: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    s = _start(
+    s = start_server(
         tmp_path_factory.mktemp("explorer-keys"), GRADSERVE_API_KEYS=f"another-key, {EXPLORER_KEY}"
     )
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.fixture
@@ -375,7 +375,7 @@ def test_recomputed_steps_are_marked_and_both_timelines_drawn(
     recomputation is drawn below, crossing the budget that the program keeps to."""
     import httpx
 
-    from tests.test_recompute_http import chain
+    from tests.support.chains import chain
 
     body = chain(200, 12)
     plain = httpx.post(f"{server.base}/plan", json={**body, "recompute": "never"}, timeout=30)

@@ -33,8 +33,8 @@ from gradserve.service.request import open_envelope
 from gradserve.service.settings import Settings
 from tests.in_process import serving
 from tests.seeds import SEED_OP
-from tests.test_integration_service import Server, _start, _stop
-from tests.test_service_api import assert_problem
+from tests.support.problems import assert_problem
+from tests.support.server import Server, start_server, stop_server
 
 pytestmark = pytest.mark.anyio
 
@@ -270,11 +270,11 @@ async def test_the_cache_key_is_the_graph_whatever_its_key_order_and_spacing() -
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    s = _start(tmp_path, GRADSERVE_REQUEST_TIMEOUT_S="60", GRADSERVE_MAX_CONCURRENCY="2")
+    s = start_server(tmp_path, GRADSERVE_REQUEST_TIMEOUT_S="60", GRADSERVE_MAX_CONCURRENCY="2")
     try:
         yield s
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 def _tree_cpu(pid: int) -> float:
@@ -330,7 +330,7 @@ def _compute_workers(server: Server) -> set[int]:
 def test_idle_workers_above_the_minimum_retire_and_the_pool_stays_warm(tmp_path: Path) -> None:
     """Two workers under load; idle, the one above the minimum exits and the other stays
     (for the life of the server): the first request after the idle time starts no process."""
-    server = _start(
+    server = start_server(
         tmp_path,
         GRADSERVE_COMPUTE_WORKERS="2",
         GRADSERVE_MAX_CONCURRENCY="2",
@@ -363,7 +363,7 @@ def test_idle_workers_above_the_minimum_retire_and_the_pool_stays_warm(tmp_path:
         assert 'gradserve_compute_worker_exits_total{reason="idle"} 1.0' in metrics
         assert "gradserve_compute_workers 1.0" in metrics
     finally:
-        _stop(server)
+        stop_server(server)
     assert "Traceback" not in server.log_text()
 
 

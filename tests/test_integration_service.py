@@ -6,15 +6,11 @@ Every loop here is bounded in count and time; all traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,102 +18,22 @@ import numpy as np
 import pytest
 
 from gradserve.client.http import Client, GradserveHTTPError
+from tests.support.server import Server, seed, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_BODY = 1 << 20
-
-
-@dataclass
-class Server:
-    base: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(tmp: Path, preexec_fn: Callable[[], None] | None = None, **env: str) -> Server:
-    port = _free_port()
-    log = tmp / f"server-{port}.log"
-    with log.open("wb") as out:  # the server writes to its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
-            cwd=ROOT,
-            # One BLAS thread: the long computation leaves a core to the event loop.
-            env={
-                **os.environ,
-                "OPENBLAS_NUM_THREADS": "1",
-                "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1",
-                **env,
-            },
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=preexec_fn,  # e.g. a lower open-file limit (tests/test_connections.py)
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()}")
-        try:
-            if httpx.get(base + "/readyz", timeout=2).status_code == 200:
-                return Server(base, port, proc, log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server did not become ready:\n{log.read_text()}")
-
-
-def _stop(server: Server) -> int:
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        return server.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(
+    s = start_server(
         tmp_path_factory.mktemp("server"),
         GRADSERVE_MAX_BODY_BYTES=str(MAX_BODY),
         GRADSERVE_MAX_CONCURRENCY="32",
     )
     yield s
-    _stop(s)
-
-
-def seed(x: float = 2.0, y: float = 3.0, form: str = "expr") -> dict:
-    nodes = (
-        [{"id": "z", "expr": "(x + y) * (x - y)"}]
-        if form == "expr"
-        else [
-            {"id": "s", "op": "add", "args": ["x", "y"]},
-            {"id": "d", "op": "sub", "args": ["x", "y"]},
-            {"id": "z", "op": "mul", "args": ["s", "d"]},
-        ]
-    )
-    return {
-        "graph": {"nodes": nodes, "outputs": ["z"]},
-        "inputs": {
-            "x": {"data": x, "requires_grad": True},
-            "y": {"data": y, "requires_grad": True},
-        },
-    }
+    stop_server(s)
 
 
 def no_grad_seed(a: float = 5.0) -> dict:
@@ -333,7 +249,7 @@ def test_request_id_in_the_server_log(server: Server) -> None:
 
 
 def test_sigterm_shuts_down_cleanly(tmp_path: Path) -> None:
-    s = _start(tmp_path)
+    s = start_server(tmp_path)
     assert_good(s.base)
     s.proc.send_signal(signal.SIGTERM)
     # uvicorn shuts down gracefully, then re-raises the signal so the exit status says

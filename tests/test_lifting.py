@@ -14,7 +14,7 @@ from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import GraphSpec, NodeSpec, Program, TensorSpec, compile_graph, execute
 from gradserve.engine.graph.lifting import Templates
 from tests.op_samples import SAMPLES
-from tests.test_objectives import OBJECTIVES, _data
+from tests.support.objectives import OBJECTIVES, objective_data
 
 RNG = np.random.default_rng(7)
 
@@ -156,7 +156,7 @@ def _perturbed(nodes: list[NodeSpec], factor: float) -> list[NodeSpec]:
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_the_objectives_with_new_literals_are_bit_identical_to_their_own_compile(name: str) -> None:
     nodes, output, wrt, _ = OBJECTIVES[name]
-    data = _data()
+    data = objective_data()
     specs = {k: TensorSpec(v.shape, str(v.dtype), k in wrt) for k, v in data.items()}
     templates = Templates()
     for factor in (1.0, 1.37, 0.61):

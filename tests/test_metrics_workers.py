@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gradserve.service.cli import metrics_directory
 from gradserve.service.metrics import MULTIPROC_ENV, Metrics
-from tests.test_integration_service import Server, _start, _stop, seed
+from tests.support.server import Server, seed, start_server, stop_server
 
 ROUTE = "/backward"
 WORKERS = 4
@@ -121,11 +121,11 @@ def _files_up(directory: str, pids: list[int]) -> bool:
 
 @pytest.fixture
 def workers_server(tmp_path: Path) -> Iterator[Server]:
-    s = _start(tmp_path, GRADSERVE_WORKERS=str(WORKERS))
+    s = start_server(tmp_path, GRADSERVE_WORKERS=str(WORKERS))
     try:
         yield s
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 # ---------------------------------------------------------------- a real server
@@ -214,14 +214,14 @@ def test_every_scrape_sums_all_workers_and_survives_a_killed_one(workers_server:
     assert samples["gradserve_inflight_planned_bytes"] == [({}, 0.0)]
     assert time.monotonic() - started < 330
 
-    assert _stop(server) == 0
+    assert stop_server(server) == 0
     assert not os.path.exists(directory)  # the server's own directory goes with it
 
 
 @pytest.mark.integration
 def test_a_directory_the_user_chose_is_used_and_kept(tmp_path: Path) -> None:
     directory = tmp_path / "prometheus"
-    server = _start(tmp_path, GRADSERVE_WORKERS="2", PROMETHEUS_MULTIPROC_DIR=str(directory))
+    server = start_server(tmp_path, GRADSERVE_WORKERS="2", PROMETHEUS_MULTIPROC_DIR=str(directory))
     try:
         _wait_for("2 front processes", lambda: len(_front_processes(server)) == 2)
         _wait_for(
@@ -232,7 +232,7 @@ def test_a_directory_the_user_chose_is_used_and_kept(tmp_path: Path) -> None:
         for _ in range(6):
             assert _route_total(_scrape(server.base)) == 40
     finally:
-        assert _stop(server) == 0
+        assert stop_server(server) == 0
     assert directory.is_dir()
     assert any(f.name.startswith("counter_") for f in directory.iterdir())
     assert not any(f.name.startswith("gauge_") for f in directory.iterdir())  # all retired

@@ -31,7 +31,7 @@ from gradserve.service.settings import Settings
 from gradserve.wire.binary import BINARY_HEADER
 from tests.schemathesis_hooks import BODY_LIMIT, Exchange, kind_of
 from tests.seeds import SEED_OP
-from tests.test_integration_service import ROOT, Server, _start, _stop
+from tests.support.server import ROOT, Server, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -43,9 +43,9 @@ CLIENT_PACKAGE = "gradserve_openapi_client"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("server"))
+    s = start_server(tmp_path_factory.mktemp("server"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def test_a_generated_client_runs_the_seed_backward(

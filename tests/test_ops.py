@@ -15,6 +15,7 @@ import gradserve.engine as engine
 from gradserve.engine._tensor import apply
 from gradserve.engine.ops import OPS
 from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
+from tests.support.ops import engine_args, op_cases, run, torch_args
 
 try:
     import torch
@@ -27,55 +28,6 @@ reciprocal sin cos tan tanh sigmoid relu softplus clamp eq ne lt le gt ge where 
 max min logsumexp var softmax log_softmax matmul einsum transpose permute det inv solve cross
 reshape expand squeeze unsqueeze flatten cat stack slice index_select gather scatter_add cast
 detach zeros ones full eye arange""".split()  # noqa: SIM905 - as docs/contract.md lists it
-
-
-def _cases(only_grad: bool = False, finite_differences: bool = False) -> list[Any]:
-    out = []
-    for name, samples in sorted(SAMPLES.items()):
-        for k, s in enumerate(samples):
-            if only_grad and not (s.grad and OPS[name].differentiable):
-                continue
-            if finite_differences and not s.fd:
-                continue
-            out.append(pytest.param(name, s, id=f"{name}-{s.id or k}"))
-    return out
-
-
-def _is_float_array(a: Any) -> bool:
-    return isinstance(a, np.ndarray) and a.dtype.kind == "f"
-
-
-def engine_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
-    op = OPS[name]
-    return [
-        engine.tensor(
-            a,
-            dtype=dtype if _is_float_array(a) else None,
-            requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i),
-        )
-        if isinstance(a, np.ndarray)
-        else a
-        for i, a in enumerate(s.args)
-    ]
-
-
-def torch_args(name: str, s: Sample, dtype: str, grad: bool) -> list[Any]:
-    op = OPS[name]
-    return [
-        torch.tensor(
-            a,
-            dtype=getattr(torch, dtype) if _is_float_array(a) else None,
-            requires_grad=grad and _is_float_array(a) and op.arg_differentiable(i),
-        )
-        if isinstance(a, np.ndarray)
-        else a
-        for i, a in enumerate(s.args)
-    ]
-
-
-def run(name: str, args: list[Any], attrs: dict[str, Any]) -> engine.Tensor:
-    op = OPS[name]
-    return apply(op, args, op.bind_attrs(attrs))
 
 
 def assert_close(ours: engine.Tensor, ref: Any) -> None:
@@ -98,14 +50,14 @@ def test_catalog_is_complete() -> None:
 
 @needs_torch
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_forward_matches_torch(name: str, sample: Sample, dtype: str) -> None:
     ours = run(name, engine_args(name, sample, dtype, False), sample.attrs)
     ref = TORCH[name](torch, *torch_args(name, sample, dtype, False), **sample.attrs)
     assert_close(ours, ref)
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True, finite_differences=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True, finite_differences=True))
 def test_gradcheck(name: str, sample: Sample) -> None:
     args = engine_args(name, sample, "float64", True)
     if not any(isinstance(a, engine.Tensor) and a.requires_grad for a in args):
@@ -143,13 +95,13 @@ def _grads_vs_torch(name: str, sample: Sample) -> None:
 
 
 @needs_torch
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_gradients_match_torch(name: str, sample: Sample) -> None:
     _grads_vs_torch(name, sample)
 
 
 @needs_torch
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_array_api_strict(name: str, sample: Sample, backend_name: str) -> None:
     """Forward (and gradients where differentiable) on NumPy and on array-api-strict."""
     if sample.grad and OPS[name].differentiable:
@@ -192,7 +144,7 @@ def test_error_samples(name: str, k: int) -> None:
 
 
 @needs_torch
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_second_order_matches_torch(name: str, sample: Sample) -> None:
     """Gradients of gradients (create_graph=True): d/dx ⟨∂f/∂x · v, w⟩ against PyTorch's
     double backward, so every VJP is itself differentiable."""

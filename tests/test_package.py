@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_integration_service import Server, _start, _stop
-from tests.test_typing import MISTAKES, USER_CODE
+from tests.support.server import Server, start_server, stop_server
+from tests.support.user_code import MISTAKES, USER_CODE
 
 pytestmark = pytest.mark.integration
 
@@ -101,9 +101,9 @@ def client_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(tmp_path_factory.mktemp("server"))
+    s = start_server(tmp_path_factory.mktemp("server"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 def test_every_exported_name_is_the_one_its_module_defines() -> None:

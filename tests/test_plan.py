@@ -15,7 +15,7 @@ import pytest
 from bench.bench_compiled import OBJECTIVES, objectives_data
 from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_OP
-from tests.test_service_api import assert_problem, strict_json
+from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 

@@ -28,18 +28,10 @@ from gradserve.service.pool import Pool, _Worker
 from gradserve.service.settings import Settings
 from gradserve.service.worker import Report, Task
 from tests.in_process import serving
-from tests.test_service_api import assert_problem
+from tests.support.pool import worker_body
+from tests.support.problems import assert_problem
 
 pytestmark = pytest.mark.anyio
-
-
-def worker_body(k: float = 1.0, n: int = 5000) -> dict[str, Any]:
-    """A cheap request with a body over 16 KiB: it computes in a worker."""
-    return {
-        "graph": {"nodes": [{"id": "s", "expr": f"sum(x * {k})"}], "outputs": ["s"]},
-        "inputs": {"x": [1.0] * n},
-        "no_grad": True,
-    }
 
 
 async def _until(what: str, check: Callable[[], bool], timeout: float = 20) -> None:

@@ -22,7 +22,7 @@ from gradserve.service.compute import Compute, Stats
 from gradserve.service.errors import ProblemError
 from gradserve.service.settings import Settings
 from tests.in_process import serving
-from tests.test_service_api import strict_json
+from tests.support.problems import strict_json
 
 pytestmark = pytest.mark.anyio
 

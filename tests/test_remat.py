@@ -35,8 +35,9 @@ from gradserve.engine.graph.serial import dump_program
 from gradserve.engine.ops import OPS
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
-from tests.test_ops import _cases, _is_float_array
-from tests.test_serial import _corrupt, _frame, _split, round_trip, run_both
+from tests.support.ops import is_float_array, op_cases
+from tests.support.remat import sin_chain
+from tests.support.serial import corrupt, frame, round_trip, run_both, split
 
 
 def least_peak(spec: GraphSpec, inputs: Mapping[str, TensorSpec], **kw: Any) -> int:
@@ -124,8 +125,8 @@ def _sample_graph(
         if not isinstance(a, np.ndarray):
             args.append(a)
             continue
-        array = a.astype("float64") if _is_float_array(a) else a
-        wrt = _is_float_array(a) and op.arg_differentiable(i)
+        array = a.astype("float64") if is_float_array(a) else a
+        wrt = is_float_array(a) and op.arg_differentiable(i)
         inputs[f"a{i}"] = TensorSpec(array.shape, str(array.dtype), wrt)
         arrays[f"a{i}"] = array
         if wrt:
@@ -141,7 +142,7 @@ def _sample_graph(
     return GraphSpec(nodes, ["loss"]), inputs, arrays
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases(only_grad=True))
+@pytest.mark.parametrize(("name", "sample"), op_cases(only_grad=True))
 def test_every_op_sample_recomputes_bit_for_bit(name: str, sample: Sample) -> None:
     graph = _sample_graph(name, sample)
     if graph is None:
@@ -255,15 +256,6 @@ def test_objectives_recompute_bit_for_bit(name: str, recorder: _Recorder) -> Non
 
 
 # ---------------------------------------------------------------- chains and DAGs
-
-
-def sin_chain(steps: int) -> GraphSpec:
-    """The issue's chain, h_i = sin(h_{i-1}) * 0.999, ending in sum."""
-    nodes, h = [], "x"
-    for i in range(steps):
-        nodes.append(NodeSpec(f"h{i}", expr=f"sin({h}) * 0.999"))
-        h = f"h{i}"
-    return GraphSpec([*nodes, NodeSpec("loss", "sum", [h])], ["loss"])
 
 
 def residual(blocks: int) -> GraphSpec:
@@ -484,14 +476,14 @@ def test_a_stored_program_keeps_its_recomputation_and_checks_its_cost() -> None:
     assert [s.kind for s in loaded.steps] == [s.kind for s in program.steps]
     # (its run's backward starts at its first step of the backward, as the compiled one's)
     assert len(loaded.run.forward) == len(program.run.forward) == 2 * 40 + 1
-    header, columns = _split(dump_program(program))
+    header, columns = split(dump_program(program))
     for key, value in (
         ("recompute_cost", program.recompute_cost - 1),
         ("recompute_cost", 0),
         ("peak_without_recompute", None),
     ):
         damaged = {**header, "programs": [{**header["programs"][0], key: value}]}
-        _corrupt(_frame(damaged, columns))
+        corrupt(frame(damaged, columns))
 
 
 def test_a_value_an_output_is_a_detach_of_stays() -> None:

@@ -6,7 +6,6 @@ graphs of the transforms' and objectives' tests; and damaged bytes are a Corrupt
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import struct
 import threading
@@ -24,9 +23,9 @@ from bench import bench_compiled as bc
 from gradserve.engine.errors import BackwardError, Cancelled, GradserveError
 from gradserve.engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
 from gradserve.engine.graph.checkpoint import checkpoint_every
-from gradserve.engine.graph.executor import BINARY_INTO, LOOP, UNARY_INTO, Bound, Run, bind, execute
-from gradserve.engine.graph.ir import Lit, Program, Step
-from gradserve.engine.graph.scan import SCAN, Body
+from gradserve.engine.graph.executor import BINARY_INTO, UNARY_INTO, bind, execute
+from gradserve.engine.graph.ir import Program
+from gradserve.engine.graph.scan import SCAN
 from gradserve.engine.graph.serial import (
     FORMAT_VERSION,
     MAGIC,
@@ -36,228 +35,22 @@ from gradserve.engine.graph.serial import (
     load_program,
 )
 from gradserve.engine.ops import OPS
-from gradserve.service.encode import encode_result
 from gradserve.service.plan_view import planned_steps, program_dot
 from tests import test_objectives, test_transforms
 from tests.op_samples import Sample
-from tests.test_ops import _cases, _is_float_array
-
-# ---------------------------------------------------------------- the same program
-
-
-def same(a: Any, b: Any) -> bool:
-    """Equal, with the same types all the way down (floats by their bits)."""
-    if type(a) is not type(b):
-        return False
-    if type(a) is float:
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if type(a) is dict:
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    if type(a) is Lit:
-        return same(a.value, b.value)
-    return bool(a == b)
-
-
-_FIELDS = (
-    "metas",
-    "inputs",
-    "grad_inputs",
-    "outputs",
-    "gradients",
-    "requires_grad",
-    "grad_fn",
-    "no_grad",
-    "backward",
-    "held",
-    "frees",
-    "reuse",
-    "ufunc",
-    "nodes",
-    "planned_peak_bytes",
-    "flops",
-    "bytes_moved",
-    "cost_by_node",
-    "step_costs",
-    "recompute_cost",
-    "peak_without_recompute",
-    "plan_ms",
-    "estimated_bytes",
-    "compute_cost",
+from tests.support.ops import is_float_array, op_cases
+from tests.support.serial import (
+    CHECKS,
+    checked_by,
+    corrupt,
+    frame,
+    round_trip,
+    run_both,
+    same,
+    split,
 )
 
-
-def assert_same_program(fresh: Program, loaded: Program) -> None:
-    """Every field, step and loop body, and the run tuples with their kernels."""
-    for name in _FIELDS:
-        assert same(getattr(loaded, name), getattr(fresh, name)), name
-    assert len(loaded.steps) == len(fresh.steps)
-    for i, (a, b) in enumerate(zip(fresh.steps, loaded.steps, strict=True)):
-        assert_same_step(a, b, i)
-    assert list(loaded.steps[1:3]) == list(loaded.steps)[1:3]  # (slices of the lazy steps)
-    if fresh.run is None:
-        assert loaded.run is None
-    else:
-        assert_same_bound(fresh.run, loaded.run)
-
-
-def assert_same_step(a: Step, b: Step, i: int) -> None:
-    assert b.op is a.op, i
-    for name in ("args", "out", "kind", "origin", "more"):
-        assert same(getattr(b, name), getattr(a, name)), (i, name)
-    if a.op is SCAN:
-        assert list(b.attrs) == ["body"]
-        assert_same_body(a.attrs["body"], b.attrs["body"])
-    else:
-        assert same(b.attrs, a.attrs), i
-
-
-def assert_same_body(a: Body, b: Body) -> None:
-    for name in (
-        "carries",
-        "xs",
-        "closures",
-        "nexts",
-        "ys",
-        "length",
-        "reverse",
-        "wanted",
-        "shifted",
-        "every",
-        "replayed",
-    ):
-        assert same(getattr(b, name), getattr(a, name)), name
-    assert (a.replay is None) == (b.replay is None)
-    if a.replay is not None and b.replay is not None:
-        assert same(b.replay.replayed, a.replay.replayed)
-    assert a.program is not None and b.program is not None
-    assert_same_program(a.program, b.program)
-
-
-def assert_same_bound(a: Bound, b: Bound) -> None:
-    assert b.backend is a.backend and same(b.given, a.given)
-    assert len(b.forward) == len(a.forward) and len(b.backward) == len(a.backward)
-    assert_same_runs(a.forward + a.backward, b.forward + b.backward)
-
-
-def assert_same_runs(fresh: list[Run], loaded: list[Run]) -> None:
-    for i, (a, b) in enumerate(zip(fresh, loaded, strict=True)):
-        assert same(b[0], a[0]) and same(b[2:5], a[2:5]) and same(b[6], a[6]), (i, a, b)
-        if a[0] == LOOP:
-            x, y = a[5], b[5]
-            for name in ("args", "ys", "kept", "results"):
-                assert same(getattr(y, name), getattr(x, name)), (i, name)
-            assert (x.replay is None) == (y.replay is None), i
-            for inner, loaded_inner in ((x.inner, y.inner), (x.replay, y.replay)):
-                if inner is None:
-                    continue
-                for name in ("sources", "sizes", "given", "distinct"):
-                    assert same(getattr(loaded_inner, name), getattr(inner, name)), (i, name)
-                assert_same_runs(inner.bound, loaded_inner.bound)
-            continue
-        assert same(b[5], a[5]) and same_kernel(a[1], b[1]), (i, a, b)
-
-
-def same_kernel(a: Any, b: Any) -> bool:
-    """The same kernel: the memo's own (its key is the step's signature), or one made the
-    same way (a NaN literal is a key of its own, and the memo may have been cleared)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, functools.partial):
-        return (
-            same_kernel(a.func, b.func)
-            and len(a.args) == len(b.args)
-            and all(map(_same_part, a.args, b.args))
-            and list(a.keywords) == list(b.keywords)
-            and all(_same_part(a.keywords[k], b.keywords[k]) for k in a.keywords)
-        )
-    if inspect.isfunction(a):
-        cells = zip(a.__closure__ or (), b.__closure__ or (), strict=True)
-        return a.__code__ is b.__code__ and all(
-            _same_part(x.cell_contents, y.cell_contents) for x, y in cells
-        )
-    return False
-
-
-def _same_part(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray):
-        return type(b) is np.ndarray and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if callable(a) and not isinstance(a, type):
-        return same_kernel(a, b)
-    return same(a, b)
-
-
-# The loader checks a small program step by step in Python and a large one a column at a
-# time with NumPy (the largest sharing one int object per slot): tests load every program
-# both ways, whatever its size.
-CHECKS = ("steps", "columns")
-
-
-@contextlib.contextmanager
-def checked_by(how: str) -> Iterator[None]:
-    saved = serial.SMALL, serial._SHARED_INTS
-    serial.SMALL, serial._SHARED_INTS = (1 << 62, 1 << 62) if how == "steps" else (-1, 0)
-    try:
-        yield
-    finally:
-        serial.SMALL, serial._SHARED_INTS = saved
-
-
-def round_trip(program: Program) -> Program:
-    data = dump_program(program)
-    loaded = load_program(data)
-    assert_same_program(program, loaded)
-    for how in CHECKS:
-        with checked_by(how):
-            assert_same_program(program, load_program(data))
-    assert dump_program(loaded) == data  # (dump, load, dump: the same bytes)
-    assert planned_steps(loaded) == planned_steps(program)
-    assert program_dot(loaded, 1 << 30) == program_dot(program, 1 << 30)
-    return loaded
-
-
-def run_both(fresh: Program, loaded: Program, inputs: dict[str, Any], **kw: Any) -> Any:
-    """`execute` on both: the same error, or bit for bit the same results, peaks and
-    response; the loaded program's result."""
-    try:
-        expected = execute(fresh, inputs, **kw)
-    except GradserveError as err:
-        with pytest.raises(type(err)) as info:
-            execute(loaded, inputs, **kw)
-        assert (str(info.value), info.value.node, info.value.op) == (str(err), err.node, err.op)
-        raise info.value from None
-    got = execute(loaded, inputs, **kw)
-    for name in ("outputs", "gradients"):
-        a, b = getattr(expected, name), getattr(got, name)
-        assert (a is None) == (b is None) and list(a or {}) == list(b or {}), name
-        for k in a or {}:
-            x, y = np.asarray(a[k]), np.asarray(b[k])
-            assert (x.dtype, x.shape) == (y.dtype, y.shape), (name, k)
-            assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), k
-    for name in ("peak_bytes", "planned_peak_bytes", "nodes"):
-        assert getattr(got, name) == getattr(expected, name), name
-    assert _response(fresh, expected) == _response(loaded, got)
-    return got
-
-
-def _response(program: Program, result: Any) -> Any:
-    """The response body /forward or /backward would send, without its timings."""
-    reply = encode_result(
-        program,
-        result,
-        device="cpu",
-        no_grad=program.no_grad,
-        encoding="json",
-        graph_id="g",
-        source="store",
-        tier="off",
-    )
-    body = orjson.loads(b"".join(bytes(p) for p in reply.parts))
-    del body["meta"]["timings_ms"]
-    return body
+# ---------------------------------------------------------------- the same program
 
 
 # ---------------------------------------------------------------- every op sample
@@ -271,9 +64,9 @@ def _sample_graph(name: str, sample: Sample) -> tuple[GraphSpec, dict[str, np.nd
     wrt = []
     for i, a in enumerate(sample.args):
         if isinstance(a, np.ndarray):
-            arrays[f"a{i}"] = a.astype("float64") if _is_float_array(a) else a
+            arrays[f"a{i}"] = a.astype("float64") if is_float_array(a) else a
             args.append(f"a{i}")
-            if _is_float_array(a) and OPS[name].arg_differentiable(i):
+            if is_float_array(a) and OPS[name].arg_differentiable(i):
                 wrt.append(f"a{i}")
         else:
             args.append(a)
@@ -284,7 +77,7 @@ def _specs(arrays: dict[str, np.ndarray], wrt: Sequence[str] = ()) -> dict[str, 
     return {k: TensorSpec(a.shape, str(a.dtype), k in wrt) for k, a in arrays.items()}
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_every_op_sample_loads_as_compiled_on_every_path(name: str, sample: Sample) -> None:
     spec, arrays, wrt = _sample_graph(name, sample)
     paths: list[dict[str, Any]] = [{"no_grad": True}, {}]
@@ -521,44 +314,19 @@ def test_a_loaded_program_keeps_no_reference_to_the_buffer_it_came_from() -> Non
 # ---------------------------------------------------------------- damage
 
 
-def _split(data: bytes) -> tuple[Any, bytes]:
-    """The header (each signature's JSON text parsed, so that damage reaches inside it) and
-    the columns."""
-    (size,) = struct.unpack_from("<I", data, 24)
-    base = 28 + size + (-(4 + size) % 8)
-    header = orjson.loads(data[28 : 28 + size])
-    header["signatures"] = [orjson.loads(text) for text in header["signatures"]]
-    return header, data[base:]
-
-
-def _frame(header: Any, columns: bytes) -> bytes:
-    """Bytes of the format around `header` and `columns`, with a checksum that matches."""
-    if isinstance(header, dict) and isinstance(header.get("signatures"), list):
-        header = {**header, "signatures": [orjson.dumps(s).decode() for s in header["signatures"]]}
-    text = orjson.dumps(header)
-    rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
-    return struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest
-
-
 @pytest.fixture(scope="module")
 def small() -> bytes:
     """A small program with a loop, a literal, a detach and a backward."""
     data = dump_program(_loop_program(backward=True))
-    assert _frame(*_split(data)) == data
+    assert frame(*split(data)) == data
     return data
-
-
-def _corrupt(data: bytes | memoryview) -> None:
-    for how in CHECKS:
-        with checked_by(how), pytest.raises(CorruptProgram):
-            load_program(data)
 
 
 def test_every_truncation_and_an_extension_are_corrupt(small: bytes) -> None:
     for length in range(len(small)):
-        _corrupt(small[:length])
-    _corrupt(small + b"\0")
-    _corrupt(b"")
+        corrupt(small[:length])
+    corrupt(small + b"\0")
+    corrupt(b"")
 
 
 @settings(max_examples=300, deadline=None)
@@ -569,7 +337,7 @@ def test_flipped_bytes_are_corrupt(small: bytes, data: st.DataObject) -> None:
         at = data.draw(st.integers(0, len(small) - 1))
         damaged[at] ^= data.draw(st.integers(1, 255))
     if bytes(damaged) != small:
-        _corrupt(bytes(damaged))
+        corrupt(bytes(damaged))
 
 
 def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -595,9 +363,9 @@ def _replace(header: Any, path: tuple[Any, ...], value: Any) -> Any:
 def test_a_header_with_a_value_of_no_type_it_takes_is_corrupt(small: bytes) -> None:
     """Every leaf of the header replaced by an object with an unknown tag (JSON objects are
     never plain values): each is a CorruptProgram, with a matching checksum."""
-    header, columns = _split(small)
+    header, columns = split(small)
     for path in _leaves(header):
-        _corrupt(_frame(_replace(header, path, {"?": 1}), columns))
+        corrupt(frame(_replace(header, path, {"?": 1}), columns))
 
 
 def _loads_or_corrupt(data: bytes) -> None:
@@ -623,7 +391,7 @@ def _loads_or_corrupt(data: bytes) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_any_header_value_loads_or_is_corrupt(small: bytes, data: st.DataObject) -> None:
-    header, columns = _split(small)
+    header, columns = split(small)
     path = data.draw(st.sampled_from(list(_leaves(header))))
     value = data.draw(
         st.sampled_from(
@@ -651,31 +419,31 @@ def test_any_header_value_loads_or_is_corrupt(small: bytes, data: st.DataObject)
             ]
         )
     )
-    _loads_or_corrupt(_frame(_replace(header, path, value), columns))
+    _loads_or_corrupt(frame(_replace(header, path, value), columns))
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_garbage_in_the_columns_loads_or_is_corrupt(small: bytes, data: st.DataObject) -> None:
-    header, columns = _split(small)
+    header, columns = split(small)
     damaged = bytearray(columns)
     at = data.draw(st.integers(0, len(columns) - 1))
     garbage = data.draw(st.binary(min_size=1, max_size=16))
     damaged[at : at + len(garbage)] = garbage
-    _loads_or_corrupt(_frame(header, bytes(damaged[: len(columns)])))
+    _loads_or_corrupt(frame(header, bytes(damaged[: len(columns)])))
 
 
 def test_the_columns_all_garbage_is_corrupt(small: bytes) -> None:
-    header, columns = _split(small)
+    header, columns = split(small)
     rng = np.random.default_rng(5)
     for _ in range(50):
-        _corrupt(_frame(header, rng.integers(0, 256, len(columns), np.uint8).tobytes()))
+        corrupt(frame(header, rng.integers(0, 256, len(columns), np.uint8).tobytes()))
 
 
 def _header_of(small: bytes, change: Callable[[Any], None]) -> bytes:
-    header, columns = _split(small)
+    header, columns = split(small)
     change(header)
-    return _frame(header, columns)
+    return frame(header, columns)
 
 
 def _format_of(header: Any, column: int, fmt: str) -> None:
@@ -733,7 +501,7 @@ def _format_of(header: Any, column: int, fmt: str) -> None:
     ],
 )
 def test_a_header_that_is_wrong_is_corrupt(small: bytes, change: Callable[[Any], None]) -> None:
-    _corrupt(_header_of(small, change))
+    corrupt(_header_of(small, change))
 
 
 @pytest.fixture(scope="module")
@@ -761,7 +529,7 @@ def _body_of(header: Any, record: int) -> Any:
 def test_a_shifted_sequence_that_is_wrong_is_corrupt(
     small: bytes, change: Callable[[Any], None]
 ) -> None:
-    _corrupt(_header_of(small, change))
+    corrupt(_header_of(small, change))
 
 
 @pytest.mark.parametrize(
@@ -793,7 +561,7 @@ def test_a_checkpointed_loop_that_is_wrong_is_corrupt(
     checkpointed: bytes, change: Callable[[Any], None]
 ) -> None:
     load_program(checkpointed)
-    _corrupt(_header_of(checkpointed, change))
+    corrupt(_header_of(checkpointed, change))
 
 
 def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:
@@ -810,7 +578,7 @@ def _column(header: Any, record: int, name: str) -> tuple[int, str, int]:
 
 def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
     """(Twice at one step: a column at a time, the step a slot goes at is the same.)"""
-    header, columns = _split(small)
+    header, columns = split(small)
     for record in range(len(header["programs"])):
         counts = _ints_of(header, columns, record, "nfrees")
         if max(counts) < 2:
@@ -822,7 +590,7 @@ def test_a_step_that_frees_a_slot_twice_is_corrupt(small: bytes) -> None:
         damaged[at + size * (first + 1) : at + size * (first + 2)] = columns[
             at + size * first : at + size * (first + 1)
         ]
-        _corrupt(_frame(header, bytes(damaged)))
+        corrupt(frame(header, bytes(damaged)))
         return
     raise AssertionError("no step frees two slots")
 
@@ -831,7 +599,7 @@ def test_reading_a_result_the_loop_does_not_make_is_corrupt(small: bytes) -> Non
     """A loop writes only the results its body is planned for (`wanted`): its first result
     here (the final carry, of the meta of the slot the last step reads last) is never
     written, and a step that reads it is corrupt."""
-    header, columns = _split(small)
+    header, columns = split(small)
     step, body, _ = header["programs"][0]["loops"][0]
     assert header["programs"][body]["body"]["wanted"][0] is False
     unmade = _ints_of(header, columns, 0, "out")[step]
@@ -841,7 +609,7 @@ def test_reading_a_result_the_loop_does_not_make_is_corrupt(small: bytes) -> Non
     at, fmt, count = _column(header, 0, "slots")
     damaged = bytearray(columns)
     struct.pack_into(f"<{fmt}", damaged, at + struct.calcsize(fmt) * (count - 1), unmade)
-    _corrupt(_frame(header, bytes(damaged)))
+    corrupt(frame(header, bytes(damaged)))
 
 
 def _ints_of(header: Any, columns: bytes, record: int, name: str) -> list[int]:
@@ -850,14 +618,14 @@ def _ints_of(header: Any, columns: bytes, record: int, name: str) -> list[int]:
 
 
 def test_a_signature_that_is_not_text_is_corrupt(small: bytes) -> None:
-    header, columns = _split(small)
+    header, columns = split(small)
     signatures = [orjson.dumps(s).decode() for s in header["signatures"]]
     for value in (header["signatures"][0], None, 0):
         text = orjson.dumps({**header, "signatures": [value, *signatures[1:]]})
         rest = struct.pack("<I", len(text)) + text + bytes(-(4 + len(text)) % 8) + columns
-        _corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest)
+        corrupt(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, zlib.crc32(rest), len(rest)) + rest)
 
 
 def test_another_format_version_or_magic_is_corrupt(small: bytes) -> None:
-    _corrupt(small[:8] + struct.pack("<I", FORMAT_VERSION + 1) + small[12:])
-    _corrupt(b"X" + small[1:])
+    corrupt(small[:8] + struct.pack("<I", FORMAT_VERSION + 1) + small[12:])
+    corrupt(b"X" + small[1:])

@@ -21,7 +21,7 @@ import gradserve.engine as engine
 from gradserve.service.app import create_app
 from gradserve.service.settings import Settings
 from tests.seeds import SEED_OP
-from tests.test_service_api import PROBLEM, assert_problem, strict_json
+from tests.support.problems import PROBLEM, assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ import pytest
 
 from gradserve.service import shm
 from gradserve.service.shm import OWNER, SHM_DIR, own_directory, state_dir, sweep_orphans
-from tests.test_integration_service import _start, _stop
+from tests.support.server import start_server, stop_server
 
 needs_shm = pytest.mark.skipif(state_dir() != SHM_DIR, reason="no writable /dev/shm here")
 
@@ -68,7 +68,7 @@ def test_a_server_killed_mid_request_is_swept_by_the_next(tmp_path: Path) -> Non
     """A real server killed (SIGKILL: no clean-up) while a 4 MB binary request is in a
     worker: its ledger directory, its program store and the request's segment stay in
     /dev/shm until the next server starts, which removes them and serves."""
-    first = _start(tmp_path)
+    first = start_server(tmp_path)
     pid = first.proc.pid
     mine = lambda: sorted(
         p.name
@@ -100,7 +100,7 @@ def test_a_server_killed_mid_request_is_swept_by_the_next(tmp_path: Path) -> Non
         first.proc.send_signal(signal.SIGKILL)  # (its workers die with it: PDEATHSIG)
         first.proc.wait(timeout=20)
         assert mine(), "a killed server leaves its shared memory behind"
-        second = _start(tmp_path)
+        second = start_server(tmp_path)
         try:
             assert mine() == [], mine()
             r = httpx.post(
@@ -119,7 +119,7 @@ def test_a_server_killed_mid_request_is_swept_by_the_next(tmp_path: Path) -> Non
             )
             assert r.json()["gradients"]["x"]["data"] == 4.0
         finally:
-            _stop(second)
+            stop_server(second)
     finally:
         if first.proc.poll() is None:
             first.proc.kill()

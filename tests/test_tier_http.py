@@ -21,7 +21,7 @@ import pytest
 
 from gradserve.engine.graph import xla
 from gradserve.service.worker import cores_for
-from tests.test_integration_service import Server, _start, _stop
+from tests.support.server import Server, start_server, stop_server
 
 pytestmark = pytest.mark.integration
 
@@ -150,13 +150,13 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = _start(
+    s = start_server(
         tmp_path_factory.mktemp("tier"),
         GRADSERVE_MAX_BODY_BYTES=str(1 << 20),
         GRADSERVE_TEST_NOT_LOWERED=NOT_LOWERED,
     )
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @needs_jax
@@ -231,7 +231,7 @@ def test_an_op_without_a_lowering_stays_interpreted_and_says_why(server: Server)
 
 
 def test_off_never_tiers(tmp_path: Path) -> None:
-    s = _start(tmp_path, GRADSERVE_XLA="off", GRADSERVE_MAX_BODY_BYTES=str(1 << 20))
+    s = start_server(tmp_path, GRADSERVE_XLA="off", GRADSERVE_MAX_BODY_BYTES=str(1 << 20))
     try:
         metas = [
             post(s, body)["meta"]
@@ -240,18 +240,18 @@ def test_off_never_tiers(tmp_path: Path) -> None:
         ]
         assert {(m["tier"], m["tier_reason"]) for m in metas} == {("interpreter", "off")}
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 def test_without_jax_everything_works_interpreted(tmp_path: Path) -> None:
-    s = _start(tmp_path, GRADSERVE_TEST_NO_JAX="1", GRADSERVE_MAX_BODY_BYTES=str(1 << 20))
+    s = start_server(tmp_path, GRADSERVE_TEST_NO_JAX="1", GRADSERVE_MAX_BODY_BYTES=str(1 << 20))
     try:
         for body in (rnn(1000), refused(), long_loop(20_000)):
             for _ in range(3):
                 meta = post(s, body)["meta"]
                 assert (meta["tier"], meta["tier_reason"]) == ("interpreter", "unavailable")
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 @needs_jax
@@ -259,7 +259,7 @@ def test_a_deadline_during_an_xla_execution_kills_the_worker(tmp_path: Path) -> 
     """The worker of a lowered program that runs past the deadline is killed, as one of
     the interpreter is: 504, and the server keeps answering (the next request, on a new
     worker, is interpreted: the tier is per process)."""
-    s = _start(
+    s = start_server(
         tmp_path,
         GRADSERVE_TEST_SLOW_XLA="30",
         GRADSERVE_REQUEST_TIMEOUT_S="5",
@@ -284,7 +284,7 @@ def test_a_deadline_during_an_xla_execution_kills_the_worker(tmp_path: Path) -> 
         after = httpx.post(s.base + "/backward", json=body, timeout=60)
         assert after.status_code in (200, 504), after.text  # (answered: lowered or not)
     finally:
-        _stop(s)
+        stop_server(s)
 
 
 @needs_jax
@@ -299,12 +299,12 @@ def test_a_second_server_loads_the_executables_from_the_store(tmp_path: Path) ->
     lowerings, firsts = [], []
     for name in ("first", "second"):
         os.makedirs(tmp_path / name)
-        s = _start(tmp_path / name, **env)
+        s = start_server(tmp_path / name, **env)
         try:
             firsts.append(post(s, long_loop())["meta"]["tier"])
             lowerings.append(_counter(s, "gradserve_xla_lowerings_total", 'outcome="xla"'))
         finally:
-            _stop(s)
+            stop_server(s)
     assert firsts == ["xla", "xla"]
     assert lowerings == [1, 0]
 

@@ -35,9 +35,9 @@ from gradserve.engine.graph.spec import RunResult
 from gradserve.service.routes.catalog import _ops_body
 from gradserve.service.schemas import Graph
 from tests.op_samples import TORCH, Sample
-from tests.test_objectives import OBJECTIVES
-from tests.test_objectives import _data as objective_data
-from tests.test_ops import _cases, _is_float_array, torch_args
+from tests.support.objectives import OBJECTIVES
+from tests.support.objectives import objective_data as objective_data
+from tests.support.ops import is_float_array, op_cases, torch_args
 
 torch = pytest.importorskip("torch")
 CATALOG: list[dict[str, Any]] = orjson.loads(_ops_body())["ops"]  # GET /ops, as served
@@ -66,7 +66,7 @@ def specs_of(arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
 # ------------------------------------------------------------------ every op
 def _op_inputs(sample: Sample) -> dict[str, np.ndarray]:
     return {
-        f"a{i}": a.astype("float64") if _is_float_array(a) else a
+        f"a{i}": a.astype("float64") if is_float_array(a) else a
         for i, a in enumerate(sample.args)
         if isinstance(a, np.ndarray)
     }
@@ -109,7 +109,7 @@ def _call_forms(name: str, sample: Sample) -> dict[str, Callable[..., Any]]:
     return forms
 
 
-@pytest.mark.parametrize(("name", "sample"), _cases())
+@pytest.mark.parametrize(("name", "sample"), op_cases())
 def test_every_op_traced_matches_torch(name: str, sample: Sample) -> None:
     arrays = _op_inputs(sample)
     forms = _call_forms(name, sample)
@@ -1024,11 +1024,11 @@ def test_the_client_and_tracer_load_the_rules_and_nothing_heavy() -> None:
 # ------------------------------------------------------------------ a real server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.test_integration_service import _start, _stop
+    from tests.support.server import start_server, stop_server
 
-    s = _start(tmp_path_factory.mktemp("trace-server"))
+    s = start_server(tmp_path_factory.mktemp("trace-server"))
     yield s
-    _stop(s)
+    stop_server(s)
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_service_api import assert_problem, strict_json
+from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
 

@@ -15,16 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-USER_CODE = ROOT / "tests" / "typecheck" / "user_code.py"
-
-# Mistakes appended to the copy, each with what mypy must say about its line.
-MISTAKES = {
-    'bad_operand = x + "a"': 'Argument 1 has incompatible type "str"',
-    'bad_forward = f.gradients["x"]': '| None" is not indexable',  # /forward's Result
-    "bad_method = x.summ()": '"Tensor" has no attribute "summ"',
-    "bad_op = ge.softmaxx(w)": 'Module has no attribute "softmaxx"',
-}
+from tests.support.user_code import MISTAKES, ROOT, USER_CODE
 
 
 def _mypy(*files: Path) -> str:

@@ -24,7 +24,7 @@ from tests import (
     test_service_fuzz,
     test_transforms_http,
 )
-from tests.test_xla import interpreter_then_tier  # (skips this module, as it, without jax)
+from tests.support.xla import interpreter_then_tier  # (skips this module, as it, without jax)
 
 pytestmark = pytest.mark.anyio
 

@@ -1,0 +1,2 @@
+"""What the tests share: the server launcher, problem assertions, op samples, objectives
+and programs. No test module imports another test module (tests/test_no_cross_imports.py)."""
