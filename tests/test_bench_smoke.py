@@ -44,12 +44,12 @@ def test_check_catches_a_wrong_gradient(gs: bc.Gradserve) -> None:
 
 
 def test_objectives_are_the_tests_objectives(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copies in the bench still say what tests/test_objectives.py says."""
-    tests = pytest.importorskip("tests.test_objectives")
+    """The copies in the bench still say what the tests' objectives say."""
+    tests = pytest.importorskip("tests.support.objectives")
     assert set(bc.OBJECTIVES) == set(tests.OBJECTIVES)
     monkeypatch.setattr(tests, "RNG", np.random.default_rng(42))  # its first draws
     data = bc.objectives_data()
-    for k, v in tests._data().items():
+    for k, v in tests.objective_data().items():
         np.testing.assert_array_equal(data[k], v, err_msg=k)
     for name, (nodes, output, wrt) in bc.OBJECTIVES.items():
         theirs, their_output, their_wrt, _ = tests.OBJECTIVES[name]
