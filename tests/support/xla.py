@@ -12,6 +12,9 @@ from gradserve.engine.errors import Cancelled, DeadlineExceeded
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.xla import NotLowerable, lower
 
+# What imports this needs the tier, and skips without jax (as tests/test_xla.py does).
+jax = pytest.importorskip("jax")
+
 # The semantic tests compare values, not memory: XLA may hold them in any bytes.
 UNBOUNDED = 1 << 60
 
