@@ -77,15 +77,18 @@ async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_work
 
 
 async def test_a_worker_past_its_deadline_is_stopped_inside_its_kernel() -> None:
-    """A 4096² float64 matmul chain takes far longer than the 1 s limit: the answer is 504
-    within about a second, and the next request computes in a fresh worker."""
+    """A 4096² float64 matmul chain takes far longer than the 1 s limit (8 matmuls of 137
+    GFLOP each: about 15 s on 2 cores): the answer is 504 long before the chain could end,
+    and the next request computes in a fresh worker."""
     async with serving(request_timeout_s=1.0) as (c, _):
         body = _matmuls(8, 4096, pad=2000)
         t0 = time.monotonic()
         r = await c.post("/forward", json=body)
         elapsed = time.monotonic() - t0
         assert_problem(r, 504, "timeout", "its computation was stopped")
-        assert elapsed < 3.0, elapsed
+        # (A bound on a shared machine, not a figure: a loaded one has taken over 3 s to
+        # upload, time out and answer; the chain left to run would take several times 8.)
+        assert elapsed < 8.0, elapsed
         r = await c.post("/forward", json=_matmuls(1, 64, pad=2000))
         assert r.status_code == 200, r.text
         metrics = (await c.get("/metrics")).text
