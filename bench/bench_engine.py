@@ -11,6 +11,7 @@ Medians of interleaved repeats, because these machines are shared and noisy.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -122,6 +123,7 @@ def numpy_chain(x: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rows = []
     if torch is not None:
         torch.set_num_threads(1)

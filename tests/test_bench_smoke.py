@@ -3,6 +3,9 @@ PyTorch eager versions agree on the value and every gradient (small sizes; no ti
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -382,3 +385,20 @@ def test_the_large_tensor_benchmark_agrees_with_torch() -> None:
                 np.testing.assert_allclose(got[1:], grad, rtol=1e-10, atol=1e-12)
             else:
                 bench_large.check(memoryview(content), case)
+
+
+SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "bench").glob("bench_*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_imports_and_parses_its_arguments(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No script rots unseen (bench_compile once failed at import, and nothing noticed): each
+    imports, and its `main` builds its command line and answers --help."""
+    module = importlib.import_module(f"bench.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
