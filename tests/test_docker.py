@@ -11,9 +11,7 @@ a local base image.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -25,13 +23,18 @@ import httpx
 import pytest
 
 from tests.seeds import SEED_NO_GRAD, SEED_OP
-from tests.support.docker import BASE_IMAGE, ROOT, _run, compose_command, docker, unavailable
+from tests.support.docker import (
+    ROOT,
+    _run,
+    build_image,  # noqa: F401 (the `image` fixture: built once for this module)
+    compose_command,
+    docker,
+    unavailable,
+)
 
 # The first test also builds the image: dependencies come from PyPI on a cold cache.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
 
-TAG = "gradserve:test"
-BUILD_TIMEOUT_S = 1100
 READY_TIMEOUT_S = 60
 STOP_LIMIT_S = 10
 
@@ -40,45 +43,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    """Build the image once for the module; return its tag."""
-    if not BASE_IMAGE:
-        pytest.skip("GRADSERVE_TEST_BASE_IMAGE is not set (.ci/run sets it where it can)")
-    if shutil.which("docker") is None:
-        unavailable("the docker CLI is not installed")
-    try:
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        unavailable("`docker info` did not answer within 30 s")
-    if info.returncode != 0:
-        unavailable(f"no Docker daemon answers: {info.stderr.strip()[-500:]}")
-    if docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
-        unavailable(f"the base image {BASE_IMAGE!r} is not present")
-    docker(
-        "build",
-        "--network",
-        "host",
-        "--build-arg",
-        f"BASE_IMAGE={BASE_IMAGE}",
-        "-t",
-        TAG,
-        ".",
-        timeout=BUILD_TIMEOUT_S,
-    )
-    # Earlier builds of the tag are left untagged: drop them (only gradserve's, only
-    # untagged ones), so that a CI host does not fill up. The builder stages stay: cache.
-    docker(
-        "image",
-        "prune",
-        "--force",
-        "--filter",
-        "label=org.opencontainers.image.title=gradserve",
-        check=False,
-    )
-    return TAG
 
 
 @dataclass

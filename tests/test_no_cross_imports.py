@@ -1,6 +1,11 @@
 """No test module imports another test module: what tests share lives in tests/support/
-(the server launcher, problem assertions, op samples, objectives, programs), so that a test
-module can be moved, renamed or deleted without breaking another."""
+(the server launcher, problem assertions, op samples, objectives, programs, fixtures), so
+that a test module can be moved, renamed or deleted without breaking another.
+
+The one exception is a replay: a module whose tests are another module's tests, run again
+through another path (checkpointed, stored and loaded, rematerialised, lowered to XLA). It
+imports the modules it replays, and only those; `REPLAYS` names each pair, and the guard
+fails on a pair that no longer imports (so the list cannot outlive its reason)."""
 
 from __future__ import annotations
 
@@ -10,14 +15,32 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
+REPLAYS = {
+    "test_checkpoint.py": {"test_transforms"},
+    "test_remat.py": {"test_objectives", "test_transforms"},
+    "test_serial.py": {"test_objectives", "test_transforms"},
+    "test_xla.py": {"test_compiled", "test_objectives", "test_transforms"},
+    "test_xla_service.py": {
+        "test_binary",
+        "test_recompute_http",
+        "test_service_api",
+        "test_service_fuzz",
+        "test_transforms_http",
+    },
+}
+
 
 def imported_modules(path: Path) -> list[str]:
     names = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            names.append(("." * node.level) + node.module)
+        elif isinstance(node, ast.ImportFrom):
+            module = ("." * node.level) + (node.module or "")
+            if module:
+                names.append(module)
+            # `from tests import test_x` (or `from . import test_x`) imports the module test_x
+            names += [f"{module}.{alias.name}".lstrip(".") for alias in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             # a module named by string: importorskip, importlib.import_module
             names += re.findall(r"^tests\.test_\w+$", node.value)
@@ -28,19 +51,38 @@ def is_test_module(name: str) -> bool:
     return name.rsplit(".", 1)[-1].lstrip(".").startswith("test_")
 
 
+def imported_test_modules(path: Path) -> set[str]:
+    return {n.rsplit(".", 1)[-1] for n in imported_modules(path) if is_test_module(n)}
+
+
 def test_no_test_module_imports_another() -> None:
     offenders = {
         str(path.relative_to(TESTS)): bad
         for path in sorted(TESTS.rglob("*.py"))
         if path != Path(__file__).resolve()  # (which names test modules, as samples)
-        and (bad := [n for n in imported_modules(path) if is_test_module(n)])
+        and (bad := imported_test_modules(path) - REPLAYS.get(path.name, set()))
     }
     assert not offenders, f"import from tests/support/ instead: {offenders}"
 
 
+def test_every_replay_still_imports_what_it_replays() -> None:
+    stale = {
+        name: replayed - imported_test_modules(TESTS / name)
+        for name, replayed in REPLAYS.items()
+        if replayed - imported_test_modules(TESTS / name)
+    }
+    assert not stale, f"no longer replayed: drop them from REPLAYS: {stale}"
+
+
 def test_the_guard_sees_an_import(tmp_path: Path) -> None:
     source = tmp_path / "test_x.py"
-    source.write_text('import pytest\nmod = pytest.importorskip("tests.test_ops")\n')
-    assert imported_modules(source) == ["pytest", "tests.test_ops"]
+    source.write_text(
+        'import pytest\nmod = pytest.importorskip("tests.test_ops")\n'
+        "from tests import seeds, test_pool\nfrom . import test_plan\n"
+    )
+    assert {"pytest", "tests.test_ops", "tests.seeds", "tests.test_pool", "test_plan"} <= set(
+        imported_modules(source)
+    )
+    assert imported_test_modules(source) == {"test_ops", "test_pool", "test_plan"}
     assert is_test_module("tests.test_ops") and is_test_module(".test_ops")
     assert not is_test_module("tests.support.ops") and not is_test_module("pytest")

@@ -6,21 +6,18 @@ request gets application/problem+json with a 4xx status that says what is wrong,
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
 import httpx
 import pytest
-from anyio.from_thread import BlockingPortal, start_blocking_portal
-from asgi_lifespan import LifespanManager
+from anyio.from_thread import BlockingPortal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradserve.engine as engine
-from gradserve.service.app import create_app
-from gradserve.service.settings import Settings
 from tests.seeds import SEED_OP
+from tests.support.portal import app_portal  # noqa: F401 (the `portal_client` fixture)
 from tests.support.problems import PROBLEM, assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio
@@ -213,27 +210,6 @@ def _node(draw: st.DrawFn) -> dict[str, Any]:
                 else draw(_ATTR.get(spec["type"], _ANY))
             )
     return {"id": "z", "op": name, "args": args, "attrs": attrs}
-
-
-@pytest.fixture(scope="module")
-def portal_client() -> Iterator[tuple[BlockingPortal, httpx.AsyncClient]]:
-    """A started app on an event loop in a thread, for hypothesis's synchronous tests."""
-    with start_blocking_portal("asyncio") as portal:
-
-        async def start() -> tuple[LifespanManager, httpx.AsyncClient]:
-            manager = LifespanManager(create_app(Settings()))
-            await manager.__aenter__()
-            client = httpx.AsyncClient(
-                transport=httpx.ASGITransport(manager.app), base_url="http://test"
-            )
-            return manager, client
-
-        manager, client = portal.call(start)
-        try:
-            yield portal, client
-        finally:
-            portal.call(client.aclose)
-            portal.call(manager.__aexit__, None, None, None)
 
 
 def _check(r: httpx.Response) -> None:

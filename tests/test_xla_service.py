@@ -24,6 +24,7 @@ from tests import (
     test_service_fuzz,
     test_transforms_http,
 )
+from tests.support.portal import app_portal  # noqa: F401 (the `portal_client` fixture)
 from tests.support.xla import interpreter_then_tier  # (skips this module, as it, without jax)
 
 pytestmark = pytest.mark.anyio
@@ -35,7 +36,6 @@ SUITES = (
     test_recompute_http,
     test_service_fuzz,
 )
-portal_client = test_service_fuzz.portal_client  # (the fuzz tests' app, a fixture)
 
 # A run of this module sees 358 distinct programs, and lowers all but 2 (a checkpointed
 # loop; a `full` the interpreter refuses too). A floor, so that a change that moved the

@@ -1,4 +1,5 @@
-"""Shared by the tests (from tests/test_docker.py)."""
+"""Shared by the tests (from tests/test_docker.py): the Docker helpers, and the image
+fixture that test_docker and test_balancer build the image with (once for each module)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 BASE_IMAGE = os.environ.get("GRADSERVE_TEST_BASE_IMAGE", "")
+TAG = "gradserve:test"
+BUILD_TIMEOUT_S = 1100  # the first build: dependencies come from PyPI on a cold cache
 
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -51,3 +54,42 @@ def compose_command() -> list[str] | None:
     ):
         return ["docker", "compose"]
     return None
+
+
+@pytest.fixture(scope="module", name="image")
+def build_image() -> str:
+    """Build the image once for the module; return its tag."""
+    if not BASE_IMAGE:
+        pytest.skip("GRADSERVE_TEST_BASE_IMAGE is not set (.ci/run sets it where it can)")
+    if shutil.which("docker") is None:
+        unavailable("the docker CLI is not installed")
+    try:
+        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        unavailable("`docker info` did not answer within 30 s")
+    if info.returncode != 0:
+        unavailable(f"no Docker daemon answers: {info.stderr.strip()[-500:]}")
+    if docker("image", "inspect", BASE_IMAGE, check=False).returncode != 0:
+        unavailable(f"the base image {BASE_IMAGE!r} is not present")
+    docker(
+        "build",
+        "--network",
+        "host",
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "-t",
+        TAG,
+        ".",
+        timeout=BUILD_TIMEOUT_S,
+    )
+    # Earlier builds of the tag are left untagged: drop them (only gradserve's, only
+    # untagged ones), so that a CI host does not fill up. The builder stages stay: cache.
+    docker(
+        "image",
+        "prune",
+        "--force",
+        "--filter",
+        "label=org.opencontainers.image.title=gradserve",
+        check=False,
+    )
+    return TAG
