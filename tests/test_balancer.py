@@ -65,7 +65,7 @@ HAPROXY_CFG = "/usr/local/etc/haproxy/haproxy.cfg"
 UP_TIMEOUT_S = 90  # a replica's start, and HAProxy's two good checks after it
 LOAD_CLIENTS = 4
 LOAD_MAX_REQUESTS = 20_000  # per client thread: the load ends at this or at its time limit
-LOAD_MAX_S = 120.0
+LOAD_MAX_S = 600.0  # (a test halts its load when it ends: this bounds a stalled one)
 SEED_INPUTS = {"x": 2.0, "y": 3.0}  # the client's /backward: every float input requires grad
 # The seed example as 30 graphs (ids), each giving the same answers: enough that every
 # replica is the home of some of them (each misses one with odds of (2/3)**30).
