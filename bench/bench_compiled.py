@@ -19,7 +19,7 @@ Workloads (sizes in `--quick` are smaller):
     separate inputs x0..x23 (266 op nodes); gradients w.r.t. w, u, b, h0 and every x_t.
  2. GradBench's gmm (two sizes), lstm (2 layers, hidden 14, 10-token sequence, unrolled) and
     ba (512 observations), float64 as in GradBench.
- 3. the 10 objectives of tests/test_objectives.py (graphs copied here as JSON dicts).
+ 3. the 10 objectives of tests/engine/test_objectives.py (graphs copied here as JSON dicts).
  4. a chain of 1,000 scalar mul/add ops on a 0-d float32 (µs per op).
  5. 16 elementwise ops on 8M float64 (64 MB a tensor), no_grad forward and forward+backward.
  6. the no_grad peak of 32 elementwise ops, in tensors (meta.peak_bytes / tensor bytes).
@@ -735,10 +735,10 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
     )
 
 
-# ---------------------------------------------------------------- 3. tests/test_objectives.py
+# ------------------------------------------------------- 3. tests/engine/test_objectives.py
 # Copied as JSON dicts rather than imported: that module imports engine.graph's current
 # types, which are being rewritten; this script's only tie to gradserve is the adapter.
-# tests/test_bench_smoke.py checks that the copies still match.
+# tests/project/test_bench_smoke.py checks that the copies still match.
 
 
 def objectives_data() -> Arrays:

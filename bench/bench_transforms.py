@@ -11,7 +11,7 @@ Prints one table:
     Compile time (a new graph each call), and fwd+bwd of the compiled program (warm).
     Targets: scan compiles >= 50x faster than the unrolled graph; its fwd+bwd is within
     1.3x of the unrolled program's.
- 2. A Hessian-vector product on each of the 10 objectives of tests/test_objectives.py:
+ 2. A Hessian-vector product on each of the 10 objectives of tests/engine/test_objectives.py:
     `g_i = grad(loss, w_i)`, `hv_i = grad(sum_i sum(g_i * v_i), w_i)` in the graph (a
     no_grad request: the derivatives are its values), against PyTorch's double backward
     (`torch.autograd.grad(..., create_graph=True)` then `torch.autograd.grad` again), both

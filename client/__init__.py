@@ -4,4 +4,4 @@ with (`catalog`). `from gradserve import Client, trace, F` gives their public na
 
 It speaks the wire format (gradserve.wire) and reads the engine's shape and dtype rules
 (gradserve.engine.rules); it never imports the service nor the eager engine
-(tests/test_import_graph.py), so `pip install gradserve` is a client without a server."""
+(tests/project/test_import_graph.py), so `pip install gradserve` is a client without a server."""

@@ -7,8 +7,9 @@ an op on Tensors (`apply`: promotion, the forward, recording a Node) and the bac
 pass's Tensor side (`backward`, `grad`, leaves' `.grad`) live here for that reason.
 
 The methods and operators made from the registry are written out in the class, between
-the markers, by `python -m gradserve.engine.codegen` (tests/test_codegen.py fails when they drift
-from the registry), so that type checkers see them: `x + y` and `x.sum()` are typed.
+the markers, by `python -m gradserve.engine.codegen` (tests/engine/test_codegen.py fails
+when they drift from the registry), so that type checkers see them: `x + y` and `x.sum()`
+are typed.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The signatures are PyTorch's, read from each OpDef: its tensor arguments, then t
 attributes a caller may pass positionally (`positional_attrs`, or `call_order` where an
 attribute comes between tensors, as in `gather(input, dim, index)`), then the others
 keyword-only; a lone size attribute also takes PyTorch's spread sizes (`x.reshape(2, 3)`).
-tests/test_codegen.py fails when the checked-in files drift from the registry.
+tests/engine/test_codegen.py fails when the checked-in files drift from the registry.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ clients. So the subclass stays, but uvicorn is touched in one place only:
 - `_Guard`, the policy (deadlines, cap, eviction, probes, draining), reads uvicorn only
   through the adapter.
 - uvicorn is pinned to one version in pyproject.toml (the `server` extra), and
-  tests/test_uvicorn_contract.py checks every entry of `UVICORN_ATTRIBUTES` on the
+  tests/service/test_uvicorn_contract.py checks every entry of `UVICORN_ATTRIBUTES` on the
   installed uvicorn (that it exists, its kind, the parameters of each overridden method,
   and the behaviour the policy relies on), and that no code outside the adapter touches
   them. The pin and the contract test go together: bump uvicorn, run that test, and fix
@@ -84,7 +84,7 @@ log = logging.getLogger("gradserve.connections")
 @dataclass(frozen=True)
 class UvicornAttribute:
     """One thing of uvicorn's private surface that `_Uvicorn` touches; the contract test
-    (tests/test_uvicorn_contract.py) checks each on the installed uvicorn."""
+    (tests/service/test_uvicorn_contract.py) checks each on the installed uvicorn."""
 
     # Whose: "protocol" (either protocol class, or its instance for a connection), "cycle"
     # (a request's `RequestResponseCycle`), "flow" (a connection's `FlowControl`) or

@@ -39,7 +39,7 @@ class Wire(BaseModel):
 
 
 # Bounds the server checks after the models (in the compiler and the codec), which the
-# models leave to it: the contract's shape takes any string there (tests/test_validator.py),
+# models leave to it: the contract's shape takes any string there (tests/service/test_validator.py),
 # and each refusal keeps its own problem type. The document states them, so that it is no
 # looser than the server; validation stays where it is.
 #

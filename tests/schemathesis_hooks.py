@@ -3,7 +3,7 @@ cannot express, each with its reason: the binary header framed as the document s
 words, and the kinds of failure a run drops. Every other failure, of every check, stands.
 
 The kinds are plain functions of an `Exchange` (a request and its answer), so that
-tests/test_openapi_tools.py sorts the failures of a run without hooks by the same reasons,
+tests/service/test_openapi_tools.py sorts the failures of a run without hooks by the same reasons,
 read from that run's report."""
 
 from __future__ import annotations

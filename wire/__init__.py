@@ -10,5 +10,5 @@
 - `catalog`: an op of the catalog as `GET /ops` lists it.
 
 It imports NumPy, orjson and the engine's dtype table, never the client, the service or
-the eager engine: both sides import it, and it imports neither (tests/test_import_graph.py).
+the eager engine: both sides import it, and it imports neither (tests/project/test_import_graph.py).
 """

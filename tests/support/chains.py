@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_recompute_http.py)."""
+"""Shared by the tests (from tests/service/test_recompute_http.py)."""
 
 from __future__ import annotations
 

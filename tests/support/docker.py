@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_docker.py): the Docker helpers, and the image
+"""Shared by the tests (from tests/e2e/test_docker.py): the Docker helpers, and the image
 fixture that test_docker and test_balancer build the image with (once for each module)."""
 
 from __future__ import annotations

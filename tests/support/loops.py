@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_checkpoint.py)."""
+"""Shared by the tests (from tests/engine/test_checkpoint.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_objectives.py)."""
+"""Shared by the tests (from tests/engine/test_objectives.py)."""
 
 from __future__ import annotations
 

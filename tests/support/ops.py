@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_ops.py)."""
+"""Shared by the tests (from tests/engine/test_ops.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_pool.py)."""
+"""Shared by the tests (from tests/service/test_pool.py)."""
 
 from __future__ import annotations
 

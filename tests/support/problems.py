@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_service_api.py)."""
+"""Shared by the tests (from tests/service/test_service_api.py)."""
 
 from __future__ import annotations
 

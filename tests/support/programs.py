@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_compiled.py)."""
+"""Shared by the tests (from tests/engine/test_compiled.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_remat.py)."""
+"""Shared by the tests (from tests/engine/test_remat.py)."""
 
 from __future__ import annotations
 

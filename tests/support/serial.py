@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_serial.py)."""
+"""Shared by the tests (from tests/engine/test_serial.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_integration_service.py)."""
+"""Shared by the tests (from tests/e2e/test_integration_service.py)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def start_server(tmp: Path, preexec_fn: Callable[[], None] | None = None, **env:
             },
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=preexec_fn,  # e.g. a lower open-file limit (tests/test_connections.py)
+            preexec_fn=preexec_fn,  # e.g. a lower open-file limit (service/test_connections.py)
         )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_typing.py)."""
+"""Shared by the tests (from tests/project/test_typing.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the tests (from tests/test_xla.py)."""
+"""Shared by the tests (from tests/engine/test_xla.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gradserve.engine.errors import Cancelled, DeadlineExceeded
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.xla import NotLowerable, lower
 
-# What imports this needs the tier, and skips without jax (as tests/test_xla.py does).
+# What imports this needs the tier, and skips without jax (as tests/engine/test_xla.py does).
 jax = pytest.importorskip("jax")
 
 # The semantic tests compare values, not memory: XLA may hold them in any bytes.

@@ -1,6 +1,6 @@
 """User code as the README writes it: the engine's Python API, the client and tracing.
 
-It is type-checked, not run (tests/test_typing.py runs mypy, strict, over it): every line
+It is type-checked, not run (tests/project/test_typing.py runs mypy, strict, over it): every line
 here is one a user writes, and each `assert_type` says what a type checker must see. Where
 the README leaves an Optional unchecked (`x.grad.item()`), this file checks it, as strict
 user code must.

@@ -25,7 +25,7 @@ import yaml
 
 from gradserve.service.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 # The Kubernetes version the manifests must be valid for (kubernetes-validate bundles the
 # schemas of 1.25 and later; the test extra pins it).

@@ -22,7 +22,7 @@ from gradserve.engine.graph.ir import RECOMPUTE
 from gradserve.engine.graph.xla import BOOKKEEPING_BYTES, NotLowerable, available, lower
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import NOT_LOWERED
-from tests import test_compiled, test_objectives, test_transforms
+from tests.engine import test_compiled, test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.support.loops import forced, rnn, rnn_arrays, specs
 from tests.support.ops import op_cases
@@ -317,7 +317,7 @@ def test_gradserve_imports_and_runs_without_jax() -> None:
         assert r.gradients["x"].tolist() == [2.0, 2.0, 2.0]
         print("ok")
     """)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=root
     )

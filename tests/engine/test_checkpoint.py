@@ -22,7 +22,7 @@ from gradserve.engine.graph.compiler import _backend_ufuncs
 from gradserve.engine.graph.executor import bind, execute
 from gradserve.engine.graph.ir import Program
 from gradserve.engine.graph.scan import SCAN, Body, replay_cost
-from tests import test_transforms
+from tests.engine import test_transforms
 from tests.support.loops import RNG, forced, rnn, rnn_arrays, specs
 from tests.support.serial import round_trip
 
@@ -59,7 +59,7 @@ def same_run(expected: Any, got: Any) -> None:
 
 
 class _Checkpointed:
-    """`compile_graph` and `execute` for tests/test_transforms.py: each /backward program
+    """`compile_graph` and `execute` for tests/engine/test_transforms.py: each /backward program
     is also compiled with a budget just over what recomputation needs, and with every
     loop that may be checkpointed every 2 steps (stored and loaded too); each run of the
     program runs those, which must agree with it bit for bit."""

@@ -25,7 +25,7 @@ from tests.in_process import serving
 from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 from tests.support.server import Server, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGE_FILES = ["index.html", *ASSETS]
 # A request whose first node's shapes do not match: /plan and /forward answer 422 naming it.
 BAD_MATMUL = {

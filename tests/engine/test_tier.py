@@ -23,7 +23,7 @@ from gradserve.service.settings import Settings
 from gradserve.service.tier import Tier, predict
 
 needs_jax = pytest.mark.skipif(not xla.available(), reason="jax is not importable here")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _program(expr: str, **inputs: tuple[int, ...]) -> Any:

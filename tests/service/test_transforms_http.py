@@ -177,7 +177,7 @@ async def test_body_and_results_belong_to_scan(client: httpx.AsyncClient) -> Non
 
 def readme_examples() -> list[dict[str, Any]]:
     """The request bodies of the docs' page on these nodes, in order."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "transforms.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "transforms.md").read_text()
     return [json.loads(block) for block in re.findall(r"```json\n(.*?)```", text, re.S)]
 
 

@@ -1,6 +1,6 @@
 """Three replicas behind HAProxy: docker-compose.yml's profile "lb", run with docker-compose.
 
-The gradserve image is built as tests/test_docker.py builds it (the `image` fixture), the
+The gradserve image is built as tests/e2e/test_docker.py builds it (the `image` fixture), the
 HAProxy image from docker/haproxy on the same base image. The profile then runs as a
 user would run it (`docker-compose --profile lb up -d haproxy`), in a project of its own,
 with every port moved to a free one of the loopback (host networking: see the compose
@@ -14,7 +14,7 @@ again once started; a rolling restart (`docker stop`, `docker start`, one replic
 time, each back behind HAProxy before the next) loses nothing.
 
 The load: a few client threads, each a `service.client.Client` with retries on, each
-bounded in requests and seconds. Skipped, as tests/test_docker.py is, where no base image
+bounded in requests and seconds. Skipped, as tests/e2e/test_docker.py is, where no base image
 is given or no Docker daemon answers, and where there is no docker-compose.
 """
 

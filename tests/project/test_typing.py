@@ -5,7 +5,7 @@ to fail: were the engine's operators `Any` again, or a module not found (an unre
 import is `Any` under `ignore_missing_imports`), the mistakes would pass unseen.
 
 The library's own modules are followed for their types but not reported here
-(`--follow-imports=silent`): tests/test_lint.py checks them under the project's settings.
+(`--follow-imports=silent`): tests/project/test_lint.py checks them under the project's settings.
 """
 
 from __future__ import annotations

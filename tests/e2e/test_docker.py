@@ -301,7 +301,7 @@ def test_compose_file_validates(profile: str | None) -> None:
     assert "api" in services
     if profile == "gpu":
         assert "api-gpu" in services
-    if profile == "lb":  # tests/test_balancer.py runs it
+    if profile == "lb":  # tests/e2e/test_balancer.py runs it
         assert {"api-1", "api-2", "api-3", "haproxy"} <= set(services)
         config = _run([*args, "config"], timeout=60).stdout
         # Host networking throughout (a bridge-less daemon), and nothing published.

@@ -13,7 +13,7 @@ from gradserve.service.app import create_app
 from gradserve.service.cli import main, openapi_text
 from gradserve.service.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_openapi_document_has_not_drifted() -> None:

@@ -33,7 +33,7 @@ from gradserve.engine.graph.ir import BYTE_COST, RECOMPUTE
 from gradserve.engine.graph.scan import SCAN, replay_cost
 from gradserve.engine.graph.serial import dump_program
 from gradserve.engine.ops import OPS
-from tests import test_objectives, test_transforms
+from tests.engine import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.support.ops import is_float_array, op_cases
 from tests.support.remat import sin_chain
@@ -244,7 +244,7 @@ def _check_recorded(recorder: _Recorder) -> int:
 )
 def test_transform_graphs_recompute_bit_for_bit(name: str, recorder: _Recorder) -> None:
     """grad, jvp, scans (never recomputed: a loop is a unit), nested and differentiated
-    scans: each graph that a test of tests/test_transforms.py runs, as a backward."""
+    scans: each graph that a test of tests/engine/test_transforms.py runs, as a backward."""
     getattr(test_transforms, name)()
     _check_recorded(recorder)
 

@@ -30,7 +30,7 @@ from uvicorn.server import ServerState
 from gradserve.service import protocol
 from gradserve.service.protocol import UVICORN_ATTRIBUTES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE = Path(protocol.__file__).read_text()
 
 PROTOCOLS = [HttpToolsProtocol, H11Protocol]

@@ -343,7 +343,7 @@ def test_the_oracle_refuses_what_it_should() -> None:
 
 # ------------------------------------------------------------------ what it accepts compiles
 def _workload_graphs() -> list[dict[str, Any]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
         import bench_compiled
     finally:

@@ -1,5 +1,5 @@
 """Graphs traced from Python (client/trace.py): every catalog op against PyTorch, the 10
-objectives of tests/test_objectives.py as Python functions against their hand-written
+objectives of tests/engine/test_objectives.py as Python functions against their hand-written
 graphs, grad/jvp/scan against hand-written nodes, readable ids and exprs, what needs data,
 a catalog that differs, and traced functions sent through the client to a real server."""
 
@@ -41,7 +41,7 @@ from tests.support.ops import is_float_array, op_cases, torch_args
 
 torch = pytest.importorskip("torch")
 CATALOG: list[dict[str, Any]] = orjson.loads(_ops_body())["ops"]  # GET /ops, as served
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RNG = np.random.default_rng(11)
 
 

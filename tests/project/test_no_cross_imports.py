@@ -13,14 +13,14 @@ import ast
 import re
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
-REPLAYS = {
-    "test_checkpoint.py": {"test_transforms"},
-    "test_remat.py": {"test_objectives", "test_transforms"},
-    "test_serial.py": {"test_objectives", "test_transforms"},
-    "test_xla.py": {"test_compiled", "test_objectives", "test_transforms"},
-    "test_xla_service.py": {
+REPLAYS = {  # (paths under tests/)
+    "engine/test_checkpoint.py": {"test_transforms"},
+    "engine/test_remat.py": {"test_objectives", "test_transforms"},
+    "engine/test_serial.py": {"test_objectives", "test_transforms"},
+    "engine/test_xla.py": {"test_compiled", "test_objectives", "test_transforms"},
+    "service/test_xla_service.py": {
         "test_binary",
         "test_recompute_http",
         "test_service_api",
@@ -43,7 +43,7 @@ def imported_modules(path: Path) -> list[str]:
             names += [f"{module}.{alias.name}".lstrip(".") for alias in node.names]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             # a module named by string: importorskip, importlib.import_module
-            names += re.findall(r"^tests\.test_\w+$", node.value)
+            names += re.findall(r"^tests\.(?:\w+\.)*test_\w+$", node.value)
     return names
 
 
@@ -60,7 +60,10 @@ def test_no_test_module_imports_another() -> None:
         str(path.relative_to(TESTS)): bad
         for path in sorted(TESTS.rglob("*.py"))
         if path != Path(__file__).resolve()  # (which names test modules, as samples)
-        and (bad := imported_test_modules(path) - REPLAYS.get(path.name, set()))
+        and (
+            bad := imported_test_modules(path)
+            - REPLAYS.get(path.relative_to(TESTS).as_posix(), set())
+        )
     }
     assert not offenders, f"import from tests/support/ instead: {offenders}"
 
@@ -72,17 +75,29 @@ def test_every_replay_still_imports_what_it_replays() -> None:
         if replayed - imported_test_modules(TESTS / name)
     }
     assert not stale, f"no longer replayed: drop them from REPLAYS: {stale}"
+    # (a replay and what it replays test the same part of the code: one folder)
+    elsewhere = {
+        name: module
+        for name, replayed in REPLAYS.items()
+        for module in replayed
+        if not (TESTS / name).with_name(f"{module}.py").is_file()
+    }
+    assert not elsewhere, f"a replay outside the folder of what it replays: {elsewhere}"
 
 
 def test_the_guard_sees_an_import(tmp_path: Path) -> None:
     source = tmp_path / "test_x.py"
     source.write_text(
-        'import pytest\nmod = pytest.importorskip("tests.test_ops")\n'
-        "from tests import seeds, test_pool\nfrom . import test_plan\n"
+        'import pytest\nmod = pytest.importorskip("tests.engine.test_ops")\n'
+        "from tests import seeds\nfrom tests.service import test_pool\nfrom . import test_plan\n"
     )
-    assert {"pytest", "tests.test_ops", "tests.seeds", "tests.test_pool", "test_plan"} <= set(
-        imported_modules(source)
-    )
+    assert {
+        "pytest",
+        "tests.engine.test_ops",
+        "tests.seeds",
+        "tests.service.test_pool",
+        "test_plan",
+    } <= set(imported_modules(source))
     assert imported_test_modules(source) == {"test_ops", "test_pool", "test_plan"}
-    assert is_test_module("tests.test_ops") and is_test_module(".test_ops")
+    assert is_test_module("tests.engine.test_ops") and is_test_module(".test_ops")
     assert not is_test_module("tests.support.ops") and not is_test_module("pytest")

@@ -387,7 +387,7 @@ def test_the_large_tensor_benchmark_agrees_with_torch() -> None:
                 bench_large.check(memoryview(content), case)
 
 
-SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "bench").glob("bench_*.py"))
+SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "bench").glob("bench_*.py"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -16,7 +16,7 @@ import pytest
 import gradserve.engine.graph as engine_graph
 from gradserve.engine.graph import _native, compiler
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_modules_imported_are_the_ones_engine_graph_says() -> None:
@@ -30,11 +30,11 @@ def test_the_modules_imported_are_the_ones_engine_graph_says() -> None:
 )
 def test_the_compiled_program_tests_pass_on_the_python_source() -> None:
     tests = [
-        "tests/test_program_identity.py",
-        "tests/test_graph.py",
-        "tests/test_transforms.py",
-        "tests/test_compiled.py",
-        "tests/test_messages.py",
+        "tests/engine/test_program_identity.py",
+        "tests/engine/test_graph.py",
+        "tests/engine/test_transforms.py",
+        "tests/engine/test_compiled.py",
+        "tests/engine/test_messages.py",
     ]
     check = (
         "import gradserve.engine.graph as g, gradserve.engine.graph.compiler as c; "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The packages walked: the module name of each, and the folder that holds its source.
 PACKAGES = {
     "gradserve": ROOT / "gradserve",

@@ -18,7 +18,7 @@ import pytest
 
 from bench.bench_service import free_port, server_process
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 README_MAX_LINES = 200

@@ -36,7 +36,7 @@ from gradserve.engine.graph.serial import (
 )
 from gradserve.engine.ops import OPS
 from gradserve.service.plan_view import planned_steps, program_dot
-from tests import test_objectives, test_transforms
+from tests.engine import test_objectives, test_transforms
 from tests.op_samples import Sample
 from tests.support.ops import is_float_array, op_cases
 from tests.support.serial import (
@@ -146,7 +146,7 @@ def _tests(module: Any, needs_backend: bool) -> list[str]:
 @pytest.mark.parametrize("name", _tests(test_transforms, needs_backend=False))
 def test_transform_graphs_load_as_compiled(name: str, twins: _Twins) -> None:
     """grad, jvp, scans, nested and differentiated scans: each test of
-    tests/test_transforms.py, with every program it compiles stored and loaded."""
+    tests/engine/test_transforms.py, with every program it compiles stored and loaded."""
     getattr(test_transforms, name)()
 
 

@@ -28,7 +28,7 @@ from tests.support.user_code import MISTAKES, USER_CODE
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIST_INFO = "gradserve-0.1.0.dist-info"
 PAGE_FILES = ["index.html", "explorer.css", "explorer.js", "favicon.svg"]
 # What the `server` extra brings, by import name: none of it is in the base install.
@@ -218,7 +218,7 @@ def test_user_code_type_checks_against_the_installed_wheel(
     client_venv: Path, tmp_path: Path
 ) -> None:
     """mypy, strict, over tests/typecheck/user_code.py and a copy with MISTAKES, with
-    gradserve found in the wheel's venv alone (tests/test_typing.py: the checkout's). mypy
+    gradserve found in the wheel's venv alone (tests/project/test_typing.py: the checkout's). mypy
     is this environment's, pointed at the venv's interpreter; it runs away from the
     checkout, without its configuration, and with the checkout off PYTHONPATH. The mistakes
     keep it able to fail: a gradserve not found, or found untyped, is `Any` and they would

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gradserve.engine.graph.xla import NotLowerable
-from tests import (
+from tests.service import (
     test_binary,
     test_recompute_http,
     test_service_api,
