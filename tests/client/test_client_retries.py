@@ -268,6 +268,7 @@ def test_retry_after_as_seconds_or_a_date(script_server: Server) -> None:
 
 
 # ------------------------------------------------------------------ what is retried
+@pytest.mark.timing
 def test_a_refused_connection_is_retried_until_a_server_starts(
     tmp_path: Path, servers: list[Server]
 ) -> None:
@@ -292,6 +293,7 @@ def test_a_refused_connection_is_retried_until_a_server_starts(
     assert len({*tap.bodies}) == 1  # the same request each time
 
 
+@pytest.mark.timing
 def test_a_server_killed_mid_request_is_retried_on_its_successor(
     tmp_path: Path, servers: list[Server]
 ) -> None:
@@ -361,6 +363,7 @@ def test_503_waits_for_retry_after_and_504_is_not_retried(
     assert tap.times[-1] - t0 < 2.0 + 1.0 + 1.5  # soon after the slot came free
 
 
+@pytest.mark.timing
 def test_a_502_is_retried_and_a_503_past_the_deadline_is_not_waited_for(
     script_server: Server,
 ) -> None:
@@ -446,6 +449,7 @@ def test_the_attempt_limit_then_the_last_error() -> None:
     assert off.outcomes == ["ConnectError"]
 
 
+@pytest.mark.timing
 def test_the_deadline_bounds_the_call() -> None:
     """Refused connections: attempts until the deadline, then the last error, within the
     deadline and a little slack. A server that accepts and never answers: the attempt in
@@ -479,6 +483,7 @@ def test_the_deadline_bounds_the_call() -> None:
 
 
 # ------------------------------------------------------------------ the async client
+@pytest.mark.timing
 def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
     port = free_port()
 

@@ -217,6 +217,7 @@ def test_image_has_no_build_tools_pip_or_torch(image: str) -> None:
     assert "serve" in docker("run", "--rm", "--network", "host", image, "--help").stdout
 
 
+@pytest.mark.timing
 def test_docker_stop_ends_it_cleanly_within_10s(image: str) -> None:
     # The hardened settings of docker-compose.yml, to show the image runs under them.
     c = _start(
@@ -254,6 +255,7 @@ def _long_request(n: int) -> dict[str, Any]:
     return {"graph": {"nodes": nodes, "outputs": ["out"]}, "inputs": {}, "no_grad": True}
 
 
+@pytest.mark.timing
 def test_docker_stop_with_a_request_in_flight(image: str) -> None:
     # A long request the compute budget lets through: the shutdown is what stops it.
     c = _start(

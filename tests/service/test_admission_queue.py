@@ -51,6 +51,7 @@ async def _until_queued(c: httpx.AsyncClient, n: int) -> None:
     raise AssertionError(f"{n} requests never queued")
 
 
+@pytest.mark.timing
 async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_answers() -> None:
     async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
         admission = app.state.front.admission
@@ -94,6 +95,7 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         assert admission.active == 0
 
 
+@pytest.mark.timing
 async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> None:
     async with serving(max_concurrency=1, queue_timeout_s=0.3) as (c, app):
         await _hold_the_slot(app)
@@ -108,6 +110,7 @@ async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> Non
         assert _metric(metrics, "gradserve_queue_length") == 0
 
 
+@pytest.mark.timing
 async def test_a_request_queued_past_its_deadline_gets_504() -> None:
     async with serving(max_concurrency=1, request_timeout_s=0.5) as (c, app):
         await _hold_the_slot(app)
@@ -218,6 +221,7 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
         assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] == -5.0
 
 
+@pytest.mark.timing
 async def test_a_small_request_never_waits_behind_the_queue() -> None:
     """The fast lane: a small request that the front process computes itself takes no
     compute slot, so it is answered at once while every slot is busy and others queue."""

@@ -319,6 +319,7 @@ def _serve_in_thread(http: type, **settings: Any) -> Iterator[tuple[int, FastAPI
 
 
 @pytest.mark.parametrize("http", [HttpToolsGuard, H11Guard])
+@pytest.mark.timing
 def test_idle_and_slow_connections_are_answered_408_and_closed(http: type) -> None:
     with _serve_in_thread(http, header_timeout_s=0.5, body_timeout_s=0.5) as (port, _):
         t0 = time.monotonic()
@@ -436,6 +437,7 @@ def _log_has(server: Server, text: str, seconds: float = 5) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_30_slow_senders_and_500_idle_connections_are_closed(server: Server) -> None:
     before = httpx.get(server.base + "/metrics", timeout=10).text
     t0 = time.monotonic()
@@ -548,6 +550,7 @@ def _long_graph(matmuls: int) -> dict[str, Any]:
 
 
 @pytest.mark.integration
+@pytest.mark.timing
 def test_sigterm_drains_readiness_and_cuts_off_with_503(tmp_path: Path) -> None:
     s = start_server(tmp_path, GRADSERVE_GRACEFUL_SHUTDOWN_S="1", GRADSERVE_COMPUTE_BUDGET="1e15")
     result: dict[str, httpx.Response | BaseException] = {}

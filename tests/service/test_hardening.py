@@ -76,6 +76,7 @@ async def test_tiny_requests_compute_in_the_front_process_and_large_ones_in_work
         assert runner.ledger.total() == 0  # every reservation was given back
 
 
+@pytest.mark.timing
 async def test_a_worker_past_its_deadline_is_stopped_inside_its_kernel() -> None:
     """A 4096² float64 matmul chain takes far longer than the 1 s limit (8 matmuls of 137
     GFLOP each: about 15 s on 2 cores): the answer is 504 long before the chain could end,
@@ -95,6 +96,7 @@ async def test_a_worker_past_its_deadline_is_stopped_inside_its_kernel() -> None
         assert 'gradserve_rejections_total{reason="timeout"} 1.0' in metrics
 
 
+@pytest.mark.timing
 async def test_the_compute_budget_refuses_before_anything_runs_naming_the_costliest_node() -> None:
     async with serving(compute_budget=1e9) as (c, _):
         body = _matmuls(3, 1024)
@@ -108,6 +110,7 @@ async def test_the_compute_budget_refuses_before_anything_runs_naming_the_costli
         assert 'gradserve_rejections_total{reason="compute_budget"} 1.0' in metrics
 
 
+@pytest.mark.timing
 async def test_the_einsum_cpu_bomb_is_cheap() -> None:
     """`einsum('i,j->', ...)` on two 400,000-vectors is two sums and a product, as PyTorch
     computes it: priced and run as such, not as 1.6e11 products."""
@@ -370,6 +373,7 @@ def test_idle_workers_above_the_minimum_retire_and_the_pool_stays_warm(tmp_path:
     assert "Traceback" not in server.log_text()
 
 
+@pytest.mark.timing
 async def test_a_hung_up_client_in_process_is_not_a_500() -> None:
     """On ASGI: a disconnect while a worker computes ends the request without a response
     and frees its slot and memory."""

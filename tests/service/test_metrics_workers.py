@@ -133,6 +133,7 @@ def workers_server(tmp_path: Path) -> Iterator[Server]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(420)
+@pytest.mark.timing
 def test_every_scrape_sums_all_workers_and_survives_a_killed_one(workers_server: Server) -> None:
     server = workers_server
     started = time.monotonic()

@@ -81,6 +81,7 @@ async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch
             await manager.__aexit__(None, None, None)
 
 
+@pytest.mark.timing
 async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> None:
     """Two workers under load; idle, the one above the minimum exits and the other stays:
     the first request after the idle time starts no process and waits for none."""

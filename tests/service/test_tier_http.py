@@ -255,6 +255,7 @@ def test_without_jax_everything_works_interpreted(tmp_path: Path) -> None:
 
 
 @needs_jax
+@pytest.mark.timing
 def test_a_deadline_during_an_xla_execution_kills_the_worker(tmp_path: Path) -> None:
     """The worker of a lowered program that runs past the deadline is killed, as one of
     the interpreter is: 504, and the server keeps answering (the next request, on a new
