@@ -28,7 +28,7 @@ def backend_name(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test on NumPy, then again on array-api-strict."""
     if request.param == "array-api-strict":
         pytest.importorskip("array_api_strict")
-        from tests.strict_backend import make_strict_backend
+        from tests.support.strict_backend import make_strict_backend
 
         set_cpu_namespace(make_strict_backend)
     try:
@@ -47,7 +47,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     """The app with its default settings, started, and a client calling it in process."""
-    from tests.in_process import serving  # (here: engine-only test runs need no service)
+    from tests.support.in_process import serving  # (here: engine-only test runs need no service)
 
     async with serving() as (c, _):
         yield c

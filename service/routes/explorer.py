@@ -52,7 +52,7 @@ PAGE_PATHS = frozenset(
 )
 
 # The examples the page offers (`/explorer?example=NAME`): the contract's seed examples
-# (docs/contract.md; tests/seeds.py has the same bodies) and a small least-squares MLP.
+# (docs/contract.md; tests/support/seeds.py has the same bodies) and a small least-squares MLP.
 _SEED_INPUTS = {
     "x": {"data": 2.0, "requires_grad": True},
     "y": {"data": 3.0, "requires_grad": True},

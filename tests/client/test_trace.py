@@ -34,9 +34,9 @@ from gradserve.engine.graph import NodeSpec, TensorSpec, compile_graph, execute
 from gradserve.engine.graph.spec import RunResult
 from gradserve.service.routes.catalog import _ops_body
 from gradserve.service.schemas import Graph
-from tests.op_samples import TORCH, Sample
 from tests.support.objectives import OBJECTIVES
 from tests.support.objectives import objective_data as objective_data
+from tests.support.op_samples import TORCH, Sample
 from tests.support.ops import is_float_array, op_cases, torch_args
 
 torch = pytest.importorskip("torch")

@@ -15,7 +15,7 @@ from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import TensorSpec, compile_graph
 from gradserve.engine.ops import OPS
 from gradserve.service.schemas import Graph
-from tests.op_samples import ERRORS, SAMPLES
+from tests.support.op_samples import ERRORS, SAMPLES
 
 
 def _cases() -> list[Any]:

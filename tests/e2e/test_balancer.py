@@ -47,7 +47,6 @@ from bench.bench_compiled import (
 )
 from gradserve.client.http import Client, GradserveHTTPError, Retry
 from gradserve.wire.graph_id import GRAPH_HEADER, graph_key
-from tests.seeds import SEED_EXPR
 from tests.support.docker import (
     BASE_IMAGE,
     ROOT,
@@ -56,6 +55,7 @@ from tests.support.docker import (
     docker,
     unavailable,
 )
+from tests.support.seeds import SEED_EXPR
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 

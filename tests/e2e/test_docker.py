@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.seeds import SEED_NO_GRAD, SEED_OP
 from tests.support.docker import (
     ROOT,
     _run,
@@ -31,6 +30,7 @@ from tests.support.docker import (
     docker,
     unavailable,
 )
+from tests.support.seeds import SEED_NO_GRAD, SEED_OP
 
 # The first test also builds the image: dependencies come from PyPI on a cold cache.
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]

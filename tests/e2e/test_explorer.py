@@ -21,8 +21,8 @@ from urllib.parse import quote
 import pytest
 
 from gradserve.service.routes.explorer import ASSETS, CSP, EXAMPLES, PAGE_PATHS, STATIC
-from tests.in_process import serving
-from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
+from tests.support.in_process import serving
+from tests.support.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 from tests.support.server import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ from gradserve.engine.backends import get_backend
 from gradserve.engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.ops import OPS
-from tests.op_samples import ERRORS, TORCH, Sample
+from tests.support.op_samples import ERRORS, TORCH, Sample
 from tests.support.ops import engine_args, op_cases, run, torch_args
 from tests.support.programs import (
     differentiated_twice,

@@ -17,7 +17,7 @@ from gradserve.engine.graph.compiler import assemble
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import Meta
-from tests.op_samples import Sample
+from tests.support.op_samples import Sample
 from tests.support.ops import is_float_array, op_cases
 
 pytestmark = [
@@ -96,7 +96,7 @@ def test_the_service_lists_the_gpu_and_computes_on_it() -> None:
 
     from gradserve.service.app import create_app
     from gradserve.service.settings import Settings
-    from tests.seeds import SEED_OP
+    from tests.support.seeds import SEED_OP
 
     async def check() -> None:
         app = create_app(Settings())

@@ -13,8 +13,8 @@ import pytest
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import GraphSpec, NodeSpec, Program, TensorSpec, compile_graph, execute
 from gradserve.engine.graph.lifting import Templates
-from tests.op_samples import SAMPLES
 from tests.support.objectives import OBJECTIVES, objective_data
+from tests.support.op_samples import SAMPLES
 
 RNG = np.random.default_rng(7)
 
@@ -395,7 +395,7 @@ def _body(graph: GraphSpec, data: dict[str, np.ndarray]) -> dict[str, Any]:
 @pytest.mark.anyio
 async def test_over_http_a_new_literal_is_lifted_and_answers_as_its_own_compile() -> None:
     from gradserve.wire.graph_id import graph_key
-    from tests.in_process import serving
+    from tests.support.in_process import serving
 
     _, data = _cell_inputs(3)
     bodies = [_body(_cell(3, one, 0.5), data) for one in (1.25, 1.5, 1.75)]

@@ -14,7 +14,7 @@ import pytest
 import gradserve.engine as engine
 from gradserve.engine._tensor import apply
 from gradserve.engine.ops import OPS
-from tests.op_samples import ERRORS, SAMPLES, TORCH, Sample
+from tests.support.op_samples import ERRORS, SAMPLES, TORCH, Sample
 from tests.support.ops import engine_args, op_cases, run, torch_args
 
 try:

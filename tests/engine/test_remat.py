@@ -34,7 +34,7 @@ from gradserve.engine.graph.scan import SCAN, replay_cost
 from gradserve.engine.graph.serial import dump_program
 from gradserve.engine.ops import OPS
 from tests.engine import test_objectives, test_transforms
-from tests.op_samples import Sample
+from tests.support.op_samples import Sample
 from tests.support.ops import is_float_array, op_cases
 from tests.support.remat import sin_chain
 from tests.support.serial import corrupt, frame, round_trip, run_both, split

@@ -37,7 +37,7 @@ from gradserve.engine.graph.serial import (
 from gradserve.engine.ops import OPS
 from gradserve.service.plan_view import planned_steps, program_dot
 from tests.engine import test_objectives, test_transforms
-from tests.op_samples import Sample
+from tests.support.op_samples import Sample
 from tests.support.ops import is_float_array, op_cases
 from tests.support.serial import (
     CHECKS,

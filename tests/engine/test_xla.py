@@ -23,8 +23,8 @@ from gradserve.engine.graph.xla import BOOKKEEPING_BYTES, NotLowerable, availabl
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import NOT_LOWERED
 from tests.engine import test_compiled, test_objectives, test_transforms
-from tests.op_samples import Sample
 from tests.support.loops import forced, rnn, rnn_arrays, specs
+from tests.support.op_samples import Sample
 from tests.support.ops import op_cases
 from tests.support.programs import differentiated_twice, forward_program, with_gradients
 from tests.support.remat import sin_chain

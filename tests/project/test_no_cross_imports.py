@@ -89,12 +89,13 @@ def test_the_guard_sees_an_import(tmp_path: Path) -> None:
     source = tmp_path / "test_x.py"
     source.write_text(
         'import pytest\nmod = pytest.importorskip("tests.engine.test_ops")\n'
-        "from tests import seeds\nfrom tests.service import test_pool\nfrom . import test_plan\n"
+        "from tests.support import seeds\nfrom tests.service import test_pool\n"
+        "from . import test_plan\n"
     )
     assert {
         "pytest",
         "tests.engine.test_ops",
-        "tests.seeds",
+        "tests.support.seeds",
         "tests.service.test_pool",
         "test_plan",
     } <= set(imported_modules(source))

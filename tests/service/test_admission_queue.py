@@ -23,10 +23,10 @@ from gradserve.service.admission import Admission
 from gradserve.service.errors import ProblemError
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
-from tests.in_process import serving
-from tests.seeds import SEED_OP
+from tests.support.in_process import serving
 from tests.support.pool import worker_body
 from tests.support.problems import assert_problem, strict_json
+from tests.support.seeds import SEED_OP
 
 pytestmark = pytest.mark.anyio
 

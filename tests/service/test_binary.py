@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.in_process import serving
+from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio

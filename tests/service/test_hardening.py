@@ -31,9 +31,9 @@ from gradserve.service.lowering import PROCESS_NAME
 from gradserve.service.placement import NEW_MAX_DOCUMENT_BYTES
 from gradserve.service.request import open_envelope
 from gradserve.service.settings import Settings
-from tests.in_process import serving
-from tests.seeds import SEED_OP
+from tests.support.in_process import serving
 from tests.support.problems import assert_problem
+from tests.support.seeds import SEED_OP
 from tests.support.server import Server, start_server, stop_server
 
 pytestmark = pytest.mark.anyio

@@ -30,7 +30,7 @@ from gradserve.service.schemas import BackwardRequest
 from gradserve.service.settings import Settings
 from gradserve.wire.binary import BINARY_HEADER
 from tests.schemathesis_hooks import BODY_LIMIT, Exchange, kind_of
-from tests.seeds import SEED_OP
+from tests.support.seeds import SEED_OP
 from tests.support.server import ROOT, Server, start_server, stop_server
 
 pytestmark = pytest.mark.integration

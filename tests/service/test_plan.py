@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from bench.bench_compiled import OBJECTIVES, objectives_data
-from tests.in_process import serving
-from tests.seeds import SEED_EXPR, SEED_OP
+from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json
+from tests.support.seeds import SEED_EXPR, SEED_OP
 
 pytestmark = pytest.mark.anyio
 

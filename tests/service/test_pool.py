@@ -27,7 +27,7 @@ from gradserve.service.metrics import Metrics
 from gradserve.service.pool import Pool, _Worker
 from gradserve.service.settings import Settings
 from gradserve.service.worker import Report, Task
-from tests.in_process import serving
+from tests.support.in_process import serving
 from tests.support.pool import worker_body
 from tests.support.problems import assert_problem
 

@@ -21,7 +21,7 @@ from gradserve.service import request as request_module
 from gradserve.service.compute import Compute, Stats
 from gradserve.service.errors import ProblemError
 from gradserve.service.settings import Settings
-from tests.in_process import serving
+from tests.support.in_process import serving
 from tests.support.problems import strict_json
 
 pytestmark = pytest.mark.anyio

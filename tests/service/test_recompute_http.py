@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bench.bench_remat import chain_numpy
-from tests.in_process import serving
 from tests.support.chains import STEPS, N, chain
+from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json
 
 pytestmark = pytest.mark.anyio

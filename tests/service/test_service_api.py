@@ -22,9 +22,9 @@ from gradserve.service.app import create_app
 from gradserve.service.metrics import Metrics
 from gradserve.service.middleware import TENANT, Gateway, tenant_id
 from gradserve.service.settings import Settings
-from tests.in_process import serving
-from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
+from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json
+from tests.support.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
 pytestmark = pytest.mark.anyio
 

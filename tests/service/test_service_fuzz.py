@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradserve.engine as engine
-from tests.seeds import SEED_OP
 from tests.support.portal import app_portal  # noqa: F401 (the `portal_client` fixture)
 from tests.support.problems import PROBLEM, assert_problem, strict_json
+from tests.support.seeds import SEED_OP
 
 pytestmark = pytest.mark.anyio
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from gradserve.engine.graph import GraphSpec, NodeSpec, TensorSpec, compile_graph
 from gradserve.engine.graph.spec import BodySpec
 from gradserve.service.schemas import Graph
-from tests.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
+from tests.support.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 
 _NODE_KEYS = {"id", "op", "args", "attrs", "expr", "body", "results"}
 _BODY_KEYS = {"carry", "xs", "nodes", "next"}

@@ -15,7 +15,7 @@ except ImportError:  # (the test extra has it; the tests that need it say so)
 import gradserve.engine as engine
 from gradserve.engine._tensor import apply
 from gradserve.engine.ops import OPS
-from tests.op_samples import SAMPLES, Sample
+from tests.support.op_samples import SAMPLES, Sample
 
 
 def op_cases(only_grad: bool = False, finite_differences: bool = False) -> list[Any]:

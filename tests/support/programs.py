@@ -12,7 +12,7 @@ from gradserve.engine.graph.builder import Builder, Sym
 from gradserve.engine.graph.compiler import assemble
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import Meta
-from tests.op_samples import Sample
+from tests.support.op_samples import Sample
 from tests.support.ops import is_float_array
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gradserve.engine.errors import ArityError, AttributeError_, DTypeError
-from tests.op_samples import ErrorSample, Sample, pos, randn
+from tests.support.op_samples import ErrorSample, Sample, pos, randn
 
 
 def _away_from_zero(*shape: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gradserve.engine.errors import DTypeError, ShapeError
-from tests.op_samples import ErrorSample, Sample, pos, randn
+from tests.support.op_samples import ErrorSample, Sample, pos, randn
 
 _BROADCAST = [
     Sample([randn(), randn()], id="scalars"),

@@ -5,7 +5,7 @@ from typing import Any
 import numpy as np
 
 from gradserve.engine.errors import ArityError, AttributeError_, DTypeError, ShapeError
-from tests.op_samples import ErrorSample, Sample, ints, randn
+from tests.support.op_samples import ErrorSample, Sample, ints, randn
 
 
 def well_conditioned(*shape: int) -> np.ndarray:

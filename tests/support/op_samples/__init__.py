@@ -66,7 +66,7 @@ def _collect() -> tuple[dict[str, list[Sample]], dict[str, TorchFn], dict[str, l
     torch_fns: dict[str, TorchFn] = {}
     errors: dict[str, list[ErrorSample]] = {}
     for group in GROUP_MODULES:
-        module = importlib.import_module(f"tests.op_samples.{group}")
+        module = importlib.import_module(f"tests.support.op_samples.{group}")
         samples.update(getattr(module, "SAMPLES", {}))
         torch_fns.update(getattr(module, "TORCH", {}))
         errors.update(getattr(module, "ERRORS", {}))

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gradserve.engine.errors import ArityError, AttributeError_, ShapeError
-from tests.op_samples import ErrorSample, Sample, randn
+from tests.support.op_samples import ErrorSample, Sample, randn
 
 SAMPLES = {
     "reshape": [

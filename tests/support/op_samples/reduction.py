@@ -4,7 +4,7 @@ normalisation ops (softmax, log_softmax)."""
 import numpy as np
 
 from gradserve.engine.errors import AttributeError_, DTypeError, ShapeError
-from tests.op_samples import ErrorSample, Sample, ints, randn
+from tests.support.op_samples import ErrorSample, Sample, ints, randn
 
 # dim as absent, int, negative int, list; keepdim both ways; 0-d and size-1 dims.
 _DIMS = [

@@ -3,7 +3,7 @@
 import numpy as np
 
 from gradserve.engine.errors import DTypeError, ShapeError
-from tests.op_samples import ErrorSample, Sample, randn
+from tests.support.op_samples import ErrorSample, Sample, randn
 
 _CMP = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
 _A = np.array([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]])
