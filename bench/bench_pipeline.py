@@ -9,8 +9,11 @@ Rows:
 - costly by id: a graph whose program is past the fast lane (70 layers of a 256x256 tanh
   layer, ~8 G cost units from a few KB of body) sent in full, then 20 times by `graph_id`
   (gradserve's Client, as a user calls it): what the front process compiled and looked up
-  (its metrics, by role), its CPU time per repeat (less what it spends idle), and the p50
-  of a repeat;
+  (its metrics, by role), its CPU time per repeat (all its threads, less what it spends
+  idle), and the p50 of a repeat; beside it, at the same spacing between requests, the
+  CPU of the front's cheapest answer (`/healthz`) and of an empty uvicorn app
+  (bench/empty_app.py): a CPU that idles between requests runs each one slower, so the
+  floor is read at the repeats' own pace;
 - recycled: a 2-layer MLP's gradient (256x512 inputs, a 1.6 MB binary body) 21 times on
   2 workers, each replaced after every task (an RSS limit of 0): compiles on the host, and
   loads against worker starts;
@@ -35,6 +38,7 @@ both: the table gives each server's median, and the median of the per-round rati
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -79,10 +83,37 @@ class Server:
         return httpx.get(self.base + "/metrics", timeout=30).text
 
     def cpu_s(self) -> float:
-        """The front process's CPU time so far, all its threads (schedstat: nanoseconds,
-        where psutil's clock ticks are 10 ms)."""
-        with open(f"/proc/{self.pid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
+        """The front process's CPU time so far, all its threads."""
+        return thread_cpu_s(self.pid)
+
+
+def thread_cpu_s(pid: int) -> float:
+    """A process's CPU time so far, all its threads: each thread's schedstat (nanoseconds,
+    where psutil's clock ticks are 10 ms). The process's own schedstat is its main
+    thread's alone: a front's, without the threads that read the workers' replies."""
+    total = 0
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        with (
+            contextlib.suppress(FileNotFoundError),
+            open(f"/proc/{pid}/task/{thread}/schedstat") as f,
+        ):
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+class Floor:
+    """bench/empty_app.py, served by uvicorn: what a front costs before it does anything."""
+
+    def __init__(self, base: str, proc: Any) -> None:
+        self.base, self.pid = base, proc.pid
+
+
+@contextmanager
+def empty_floor() -> Iterator[Floor]:
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "bench.empty_app:app", "--port", str(port)]
+    with server_process([*argv, "--no-access-log"], port, ready="/") as (base, proc):
+        yield Floor(base + "/", proc)
 
 
 @contextmanager
@@ -146,7 +177,20 @@ def costly_graph() -> dict[str, Any]:
     return {"nodes": [*nodes, {"id": "loss", "expr": "sum(m69)"}], "outputs": ["loss"]}
 
 
-def costly_by_id(server: Server) -> dict[str, Any]:
+def cpu_per_request(pid: int, request: Callable[[], Any], spacing_s: float) -> float:
+    """A process's CPU time per request, `spacing_s` apart, less what it spends idle."""
+    request()
+    idle0 = thread_cpu_s(pid)
+    time.sleep(1.0)
+    idle = thread_cpu_s(pid) - idle0
+    cpu0, t0 = thread_cpu_s(pid), time.perf_counter()
+    for _ in range(REPEATS):
+        request()
+        time.sleep(spacing_s)
+    return (thread_cpu_s(pid) - cpu0 - idle * (time.perf_counter() - t0)) / REPEATS
+
+
+def costly_by_id(server: Server, floor: Floor | None = None) -> dict[str, Any]:
     before = server.metrics()
     with Client(server.base) as gs:
         first = gs.backward(costly_graph(), {"x": 0.5}, requires_grad=["x"])
@@ -163,6 +207,18 @@ def costly_by_id(server: Server) -> dict[str, Any]:
     # in another order, once it has lowered the program)
     after = server.metrics()
     out = {"cost": first.meta["compute_cost"], "p50_ms": p50(times), "front_cpu_ms": cpu * 1000}
+    # The floors at the same spacing between requests (a CPU that idles between them runs
+    # the next one slower: caches and clocks): gradserve's cheapest answer, and an empty
+    # uvicorn app's.
+    spacing = statistics.median(times)
+    out["healthz_cpu_ms"] = 1000 * cpu_per_request(
+        server.pid, lambda: httpx.get(server.base + "/healthz"), spacing
+    )
+    if floor is not None:
+        body = orjson.dumps({"graph_id": first.meta["graph_id"], "inputs": {"x": 0.5}})
+        out["empty_cpu_ms"] = 1000 * cpu_per_request(
+            floor.pid, lambda: httpx.post(floor.base, content=body), spacing
+        )
     for metric in ("gradserve_compiles_total", "gradserve_program_lookups_total"):
         a, b = role(after, metric, "front"), role(before, metric, "front")
         out[metric] = None if a is None or b is None else a - b
@@ -319,6 +375,7 @@ def main() -> None:
         servers = {
             name: stack.enter_context(serving(name, source)) for name, source in sources.items()
         }
+        floor = stack.enter_context(empty_floor())
         bodies = warm_bodies()
         for row, (make, count_) in bodies.items():
             for server in servers.values():
@@ -330,7 +387,7 @@ def main() -> None:
                     results[name].setdefault(row, []).append(http_p50(server, make, count_))
         for _ in range(3):
             for name, server in servers.items():
-                results[name].setdefault("costly", []).append(costly_by_id(server))
+                results[name].setdefault("costly", []).append(costly_by_id(server, floor))
                 results[name].setdefault("training", []).append(training(server))
     recycling = {name: recycled(source) for name, source in sources.items()}
     _print(results, recycling, args)
@@ -374,6 +431,18 @@ def _print(
     line(
         "costly graph by id, front CPU a repeat",
         [[r["front_cpu_ms"] for r in results[n]["costly"]] for n in names],
+    )
+    line(
+        "/healthz at the repeats' spacing, front CPU a request",
+        [[r["healthz_cpu_ms"] for r in results[n]["costly"]] for n in names],
+    )
+    print(
+        "| an empty uvicorn app (bench/empty_app.py) at the repeats' spacing, CPU a request | "
+        + " | ".join(
+            f"{statistics.median(r['empty_cpu_ms'] for r in results[n]['costly']):.3f} ms"
+            for n in names
+        )
+        + (" | |" if len(names) > 1 else " |")
     )
     line("training step, p50", [[r["p50_ms"] for r in results[n]["training"]] for n in names])
     med = {
