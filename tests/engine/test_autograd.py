@@ -4,8 +4,10 @@ second-order gradients, PyTorch's type promotion."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,8 +126,8 @@ def test_grad_mode_context_managers_and_decorators() -> None:
 
 
 def test_no_grad_does_not_leak_between_threads_or_pooled_jobs() -> None:
-    """A no_grad job must never switch off recording for another job, even one that later
-    reuses the same pooled thread (the server's thread pool does exactly that)."""
+    """A no_grad job must never switch off recording for another job running beside it, nor
+    for a later job that a server's thread pool runs on the same thread."""
     barrier = threading.Barrier(8)
 
     def job(k: int) -> bool:
@@ -138,13 +140,31 @@ def test_no_grad_does_not_leak_between_threads_or_pooled_jobs() -> None:
         return (x * 2).requires_grad
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(job, range(8)))
-        assert results == [k % 2 == 0 for k in range(8)]
-        # Same pool, same threads: a plain set_grad_enabled(False) call inside a job must
-        # not survive into the next job on that thread.
-        list(pool.map(lambda _: engine.set_grad_enabled(False), range(8)))
-        after = list(pool.map(lambda _: engine.is_grad_enabled(), range(32)))
-    assert all(after)
+        assert list(pool.map(job, range(8))) == [k % 2 == 0 for k in range(8)]
+
+    # asyncio.to_thread (and anyio's, which the server's framework uses) runs each job in a
+    # copy of the caller's context: a bare set_grad_enabled(False) ends with its job, though
+    # the next jobs run on the very same thread (the executor has one).
+    async def reuse_one_thread() -> list[bool]:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        await asyncio.to_thread(engine.set_grad_enabled, False)
+        return [await asyncio.to_thread(engine.is_grad_enabled) for _ in range(4)]
+
+    assert asyncio.run(reuse_one_thread()) == [True] * 4
+
+
+@needs_torch
+def test_a_bare_set_grad_enabled_lasts_for_its_thread_as_in_pytorch() -> None:
+    """Grad mode is per thread, as PyTorch's is: a bare call inside a job submitted straight to
+    a ThreadPoolExecutor (no context copied) stays for the later jobs on that thread."""
+
+    def after_a_bare_call(lib: Any) -> list[bool]:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(lib.set_grad_enabled, False).result()
+            return [pool.submit(lib.is_grad_enabled).result() for _ in range(3)]
+
+    assert after_a_bare_call(engine) == after_a_bare_call(torch) == [False] * 3
+    assert engine.is_grad_enabled() and torch.is_grad_enabled()  # the caller's thread: untouched
 
 
 def test_hundred_thousand_node_chain() -> None:
