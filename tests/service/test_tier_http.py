@@ -297,16 +297,25 @@ def test_a_second_server_loads_the_executables_from_the_store(tmp_path: Path) ->
         "GRADSERVE_PROGRAM_STORE_DIR": str(tmp_path / "store"),
         "GRADSERVE_MAX_BODY_BYTES": str(1 << 20),
     }
-    lowerings, firsts = [], []
+    metas, lowerings = [], []
     for name in ("first", "second"):
         os.makedirs(tmp_path / name)
         s = start_server(tmp_path / name, **env)
         try:
-            firsts.append(post(s, long_loop())["meta"]["tier"])
+            metas.append(post(s, long_loop())["meta"])
+            # On a loaded machine the first server's (niced) lowering can outlast the
+            # worker's wait: its request is interpreted, and the executable lands later.
+            until = time.monotonic() + 120
+            while name == "first" and time.monotonic() < until:
+                if _counter(s, "gradserve_xla_lowerings_total", 'outcome="xla"'):
+                    break
+                time.sleep(0.5)
             lowerings.append(_counter(s, "gradserve_xla_lowerings_total", 'outcome="xla"'))
         finally:
             stop_server(s)
-    assert firsts == ["xla", "xla"]
+    first, second = metas
+    assert first["tier"] == "xla" or first["tier_reason"].startswith("compiling"), first
+    assert second["tier"] == "xla", second
     assert lowerings == [1, 0]
 
 
