@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,25 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 if os.environ.get("GRADSERVE_TEST_NO_JAX") == "1":
     install_no_jax()
+
+
+# The modules that build and run the Docker image share its tag, the daemon and the host's
+# network: with --dist loadfile (pyproject.toml) they are one unit, run by one test process.
+ONE_UNIT = {"tests/e2e/test_docker.py": "docker", "tests/e2e/test_balancer.py": "docker"}
+
+
+@pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: no error without xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_UNIT.get(path, path)
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(params=["numpy", "array-api-strict"])

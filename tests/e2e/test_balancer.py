@@ -57,7 +57,7 @@ from tests.support.docker import (
 )
 from tests.support.seeds import SEED_EXPR
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 HAPROXY_TAG = "gradserve-haproxy:test"
 REPLICAS = ("api-1", "api-2", "api-3")

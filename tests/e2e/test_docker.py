@@ -33,7 +33,7 @@ from tests.support.docker import (
 from tests.support.seeds import SEED_NO_GRAD, SEED_OP
 
 # The first test also builds the image: dependencies come from PyPI on a cold cache.
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 READY_TIMEOUT_S = 60
 STOP_LIMIT_S = 10

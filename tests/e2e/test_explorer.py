@@ -25,6 +25,8 @@ from tests.support.in_process import serving
 from tests.support.seeds import SEED_EXPR, SEED_NO_GRAD, SEED_OP
 from tests.support.server import Server, start_server, stop_server
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_FILES = ["index.html", *ASSETS]
 # A request whose first node's shapes do not match: /plan and /forward answer 422 naming it.

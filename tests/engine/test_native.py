@@ -43,7 +43,8 @@ def test_the_compiled_program_tests_pass_on_the_python_source() -> None:
     env = {**os.environ, "GRADSERVE_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, check=True, timeout=60)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        # (-n0: in that one process; this suite already runs one per core)
+        [sys.executable, "-m", "pytest", "-q", "-x", "-n0", "-p", "no:cacheprovider", *tests],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -35,6 +35,8 @@ from tests.support.xla import (
     interpreter_then_tier,
 )
 
+pytestmark = pytest.mark.slow
+
 jax = pytest.importorskip("jax")
 
 

@@ -26,7 +26,7 @@ import pytest
 from tests.support.server import Server, start_server, stop_server
 from tests.support.user_code import MISTAKES, USER_CODE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST_INFO = "gradserve-0.1.0.dist-info"

@@ -33,7 +33,7 @@ from tests.schemathesis_hooks import BODY_LIMIT, Exchange, kind_of
 from tests.support.seeds import SEED_OP
 from tests.support.server import ROOT, Server, start_server, stop_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SPEC = ROOT / OPENAPI_PATH
 SCHEMATHESIS_CONFIG = ROOT / "tests" / "schemathesis.toml"
