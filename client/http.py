@@ -141,6 +141,25 @@ RETRY_ERRORS: tuple[type[httpx.TransportError], ...] = (
 RETRY_STATUSES = frozenset({502, 503})
 
 
+class Clock:
+    """The time a client's retries run on: the deadline, the backoff's waits, the time an
+    attempt is given. This one is the system's monotonic clock; a test passes its own
+    (`Retry(clock=...)`), whose waits advance it at once, to check a schedule of retries
+    without waiting it out."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+SYSTEM_CLOCK = Clock()
+
+
 @dataclass(frozen=True)
 class Retry:
     """When to send a request again (see the module's docstring): up to `attempts`
@@ -155,13 +174,15 @@ class Retry:
     error within a fraction of a second; within the client's timeout, a call with
     retries takes no longer than one without could. The backoff starts small (0.1 s) as
     another replica is usually ready at once; past that, more attempts and a longer
-    `deadline` wait out a restart. `rand` (uniform in [0, 1)) can be fixed for tests."""
+    `deadline` wait out a restart. `rand` (uniform in [0, 1)) and `clock` can be fixed for
+    tests."""
 
     attempts: int = 3
     deadline: float | None = None
     backoff: float = 0.1
     max_backoff: float = 2.0
     rand: Callable[[], float] = field(default=random.random, repr=False, compare=False)
+    clock: Clock = field(default=SYSTEM_CLOCK, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -188,7 +209,8 @@ class _Attempts:
     def __init__(self, policy: Retry, timeout: httpx.Timeout) -> None:
         self.policy = policy
         self.timeout = timeout
-        self.start = time.monotonic()
+        self.clock = policy.clock
+        self.start = self.clock.now()
         limit = policy.deadline if policy.deadline is not None else _longest(timeout)
         self.deadline = None if limit is None else self.start + limit
         self.made = 0  # attempts of the current request
@@ -201,7 +223,7 @@ class _Attempts:
         self.made += 1
         if self.deadline is None:
             return self.timeout
-        left = max(self.deadline - time.monotonic(), 0.001)
+        left = max(self.deadline - self.clock.now(), 0.001)
         t = self.timeout
         return httpx.Timeout(
             connect=_at_most(t.connect, left),
@@ -221,7 +243,7 @@ class _Attempts:
             return None
         delay = self._next(None)
         if delay is None:
-            elapsed = time.monotonic() - self.start
+            elapsed = self.clock.now() - self.start
             exc.add_note(
                 f"gradserve client: gave up after {self.made} attempt(s) in {elapsed:.2f} s"
             )
@@ -231,7 +253,7 @@ class _Attempts:
         if self.made >= self.policy.attempts:
             return None
         delay = self.policy.delay(self.made - 1, retry_after)
-        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+        if self.deadline is not None and self.clock.now() + delay >= self.deadline:
             return None  # no time for another attempt: the last error now, not later
         return delay
 
@@ -713,7 +735,7 @@ class Client(_Base):
                 delay = attempts.after_response(response)
                 if delay is None:
                     return response
-            time.sleep(delay)
+            attempts.clock.sleep(delay)
 
     def close(self) -> None:
         self._http.close()
@@ -874,7 +896,7 @@ class AsyncClient(_Base):
                 delay = attempts.after_response(response)
                 if delay is None:
                     return response
-            await asyncio.sleep(delay)
+            await attempts.clock.asleep(delay)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import email.utils
 import os
 import signal
@@ -34,6 +35,7 @@ from gradserve.client.http import (
     RETRY_ERRORS,
     AsyncClient,
     Client,
+    Clock,
     GradserveHTTPError,
     Retry,
 )
@@ -221,10 +223,35 @@ def script_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     _end(s)
 
 
-def _scripted(server: Server, script: list[Scripted], retry: Retry | int) -> tuple[Client, Tap]:
-    """A client whose tap answers `script` first, and then lets `server` answer."""
+def _scripted(
+    server: Server, script: list[Scripted], retry: Retry | int, clock: Clock | None = None
+) -> tuple[Client, Tap]:
+    """A client whose tap answers `script` first, and then lets `server` answer (its retries
+    on `clock`, when given)."""
     tap = Tap(script)
+    if clock is not None:
+        assert isinstance(retry, Retry)
+        retry = dataclasses.replace(retry, clock=clock)
     return Client(server.base, transport=tap, retries=retry), tap
+
+
+class FakeClock(Clock):
+    """Time that passes only when the client waits: each wait is recorded, and added at
+    once. A schedule of retries is then checked as events, without being waited out."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.waits: list[float] = []
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.t += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
 
 
 # ------------------------------------------------------------------ the policy itself
@@ -252,19 +279,21 @@ def test_the_policy_backs_off_with_full_jitter_and_honours_retry_after() -> None
 
 
 def test_retry_after_as_seconds_or_a_date(script_server: Server) -> None:
+    clock = FakeClock()
     date = email.utils.formatdate(time.time() + 3, usegmt=True)  # (to the second)
     gs, tap = _scripted(
         script_server,
         [_busy("0.4"), _busy(date), _busy("soon"), _busy(None)],
-        Retry(attempts=5, deadline=10, backoff=0.01, max_backoff=0.01),
+        Retry(attempts=5, deadline=10, backoff=0.01, max_backoff=0.01, rand=lambda: 0.5),
+        clock,
     )
     with gs:
         assert gs.forward(SEED, {"x": 2.0, "y": 3.0}).outputs["z"].item() == -5.0
-    gaps = np.diff(tap.times)
-    assert tap.outcomes[:4] == [503] * 4 and len(tap.outcomes) == 5
-    assert 0.4 <= gaps[0] < 0.6  # Retry-After: 0.4
-    assert 1.4 <= gaps[1] < 3.2  # an HTTP date 2 to 3 s on, less the 0.4 s
-    assert gaps[2] < 0.3 and gaps[3] < 0.3  # unreadable, or none: the backoff alone
+    assert tap.outcomes == [503] * 4 + [200]
+    jitter = 0.005  # 0.5 * min(0.01, 0.01 * 2**n)
+    assert clock.waits[0] == pytest.approx(0.4 + jitter)  # Retry-After: 0.4
+    assert 2.0 - 0.01 <= clock.waits[1] - jitter <= 3.0  # an HTTP date 2 to 3 s on
+    assert clock.waits[2:] == [jitter, jitter]  # unreadable, or none: the backoff alone
 
 
 # ------------------------------------------------------------------ what is retried
@@ -363,23 +392,27 @@ def test_503_waits_for_retry_after_and_504_is_not_retried(
     assert tap.times[-1] - t0 < 2.0 + 1.0 + 1.5  # soon after the slot came free
 
 
-@pytest.mark.timing
 def test_a_502_is_retried_and_a_503_past_the_deadline_is_not_waited_for(
     script_server: Server,
 ) -> None:
+    clock = FakeClock()
     gs, tap = _scripted(
-        script_server, [(502, {}, "about:blank"), _busy("0")], Retry(attempts=3, backoff=0.01)
+        script_server,
+        [(502, {}, "about:blank"), _busy("0")],
+        Retry(attempts=3, backoff=0.01, rand=lambda: 0.5),
+        clock,
     )
     with gs:
         assert gs.forward(SEED, {"x": 1.0, "y": 1.0}).outputs["z"].item() == 0.0
     assert tap.outcomes == [502, 503, 200]
+    assert clock.waits == [0.005, 0.01]  # the backoff, then Retry-After 0 and the backoff
 
-    gs, tap = _scripted(script_server, [_busy("5")], Retry(attempts=5, deadline=1.0))
-    t0 = time.monotonic()
+    clock = FakeClock()
+    gs, tap = _scripted(script_server, [_busy("5")], Retry(attempts=5, deadline=1.0), clock)
     with gs, pytest.raises(GradserveHTTPError) as info:
         gs.forward(SEED, {"x": 1.0, "y": 1.0})
     assert info.value.status == 503 and tap.outcomes == [503]
-    assert time.monotonic() - t0 < 0.5  # given up at once: 5 s would pass the deadline
+    assert clock.waits == []  # given up at once: 5 s would pass the deadline
 
 
 @pytest.mark.parametrize("status", [400, 401, 404, 405, 413, 415, 422, 500, 504])
@@ -449,24 +482,33 @@ def test_the_attempt_limit_then_the_last_error() -> None:
     assert off.outcomes == ["ConnectError"]
 
 
-@pytest.mark.timing
-def test_the_deadline_bounds_the_call() -> None:
-    """Refused connections: attempts until the deadline, then the last error, within the
-    deadline and a little slack. A server that accepts and never answers: the attempt in
-    flight is cut at the deadline (a read timeout, not retried)."""
-    port = free_port()
+def test_refused_connections_are_retried_on_the_backoff_until_the_deadline() -> None:
+    """Refused connections: attempts on the backoff's schedule until the next would start
+    past the deadline, then the last error, saying how many attempts were made."""
+    clock = FakeClock()
+    retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1, rand=lambda: 0.75)
     tap = Tap()
-    retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
-    t0 = time.monotonic()
     with (
-        Client(f"http://127.0.0.1:{port}", transport=tap, retries=retry) as gs,
-        pytest.raises(httpx.ConnectError),
+        Client(
+            f"http://127.0.0.1:{free_port()}",
+            transport=tap,
+            retries=dataclasses.replace(retry, clock=clock),
+        ) as gs,
+        pytest.raises(httpx.ConnectError) as info,
     ):
         gs.forward(SEED, {"x": 1.0, "y": 1.0})
-    elapsed = time.monotonic() - t0
-    assert 0.8 <= elapsed < 1.0 + 0.3, elapsed
-    assert len(tap.outcomes) >= 5 and set(tap.outcomes) == {"ConnectError"}
+    # 0.75 * min(0.1, 0.02 * 2**n): 0.015, 0.03, 0.06, then 0.075 while the sum stays
+    # under 1 s (0.105 + 11 * 0.075 = 0.93; one more would end at 1.005)
+    assert clock.waits == pytest.approx([0.015, 0.03, 0.06] + [0.075] * 11)
+    assert tap.outcomes == ["ConnectError"] * 15
+    assert "gave up after 15 attempt(s) in 0.93 s" in " ".join(info.value.__notes__)
 
+
+@pytest.mark.timing
+def test_the_deadline_cuts_an_attempt_in_flight() -> None:
+    """A server that accepts and never answers: the attempt in flight is cut at the
+    deadline (a read timeout, not retried). httpx's own timeout: real time."""
+    retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
     with socket.socket() as mute:  # listens, never accepts: connects, and no answer comes
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)
@@ -516,16 +558,19 @@ def test_async_retries(tmp_path: Path, servers: list[Server]) -> None:
             assert [op["name"] for op in await gs.ops()][:1]
             assert tap.outcomes == [503, 200]
 
-        # The deadline: refused until it passes, then the last error.
-        dead = AsyncTap()
-        retry = Retry(attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1)
-        t0 = time.monotonic()
+        # The deadline: refused until it passes, then the last error (on the async waits).
+        dead, clock = AsyncTap(), FakeClock()
+        retry = Retry(
+            attempts=10_000, deadline=1.0, backoff=0.02, max_backoff=0.1, rand=lambda: 0.75
+        )
         async with AsyncClient(
-            f"http://127.0.0.1:{free_port()}", transport=dead, retries=retry
+            f"http://127.0.0.1:{free_port()}",
+            transport=dead,
+            retries=dataclasses.replace(retry, clock=clock),
         ) as gd:
             with pytest.raises(httpx.ConnectError):
                 await gd.forward(SEED, {"x": 1.0, "y": 1.0})
-        assert 0.8 <= time.monotonic() - t0 < 1.3
-        assert len(dead.outcomes) >= 5 and set(dead.outcomes) == {"ConnectError"}
+        assert clock.waits == pytest.approx([0.015, 0.03, 0.06] + [0.075] * 11)
+        assert dead.outcomes == ["ConnectError"] * 15
 
     asyncio.run(run())
