@@ -280,6 +280,7 @@ class Load:
     retries: int | Retry = field(default_factory=lambda: Retry(attempts=5, deadline=30.0))
     call: Callable[[Client], None] = _seed_call
     reuse_graphs: bool = True
+    timeout: float = 30.0  # each call's (the client's timeout)
     max_requests: int = LOAD_MAX_REQUESTS
     max_s: float = LOAD_MAX_S
     ok: int = 0
@@ -291,7 +292,7 @@ class Load:
     def _loop(self) -> None:
         deadline = time.monotonic() + self.max_s
         with Client(
-            self.url, timeout=30.0, retries=self.retries, reuse_graphs=self.reuse_graphs
+            self.url, timeout=self.timeout, retries=self.retries, reuse_graphs=self.reuse_graphs
         ) as gs:
             for _ in range(self.max_requests):
                 if self._halt.is_set() or time.monotonic() > deadline:
@@ -547,7 +548,16 @@ def test_docker_kill_under_load_loses_no_call(cluster: Cluster) -> None:
     # in full each time (it cannot: the client does). Without retries, for the record.
     with (
         Load(cluster.url) as load,
-        Load(cluster.url, clients=2, call=_cell_call, reuse_graphs=False) as cells,
+        # (A cell's 30 s timeout ran out once, on 2 cores shared with the rest of the suite
+        # and the replicas' lowerings: a slow call, not a lost one. 120 s.)
+        Load(
+            cluster.url,
+            clients=2,
+            call=_cell_call,
+            reuse_graphs=False,
+            timeout=120.0,
+            retries=Retry(attempts=5, deadline=120.0),
+        ) as cells,
         Load(cluster.url, clients=1, retries=0) as bare,
     ):
         load.wait_ok(200)
