@@ -5,15 +5,16 @@ for at most `GRADSERVE_QUEUE_TIMEOUT_S` and never past its own deadline. It gets
 `Retry-After` only when the queue is full or its wait runs out, so that a client can back
 off or go to another replica rather than wait behind ever longer latency; one whose
 deadline passes while it waits gets 504. Each slot has a number: its line in the
-in-flight memory ledger (service/ledger.py)."""
+in-flight memory ledger (service/ledger.py). The waits and deadlines run on the front
+process's clock (service/clock.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 
 from gradserve.engine.errors import DeadlineExceeded
+from gradserve.service.clock import SYSTEM_CLOCK, Clock
 from gradserve.service.errors import ProblemError
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
@@ -24,7 +25,8 @@ RETRY_AFTER_S = 1
 class Admission:
     """The slots and their queue; used on the event loop only."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self.max_concurrency = settings.max_concurrency
         self.max_queue_size = settings.max_queue_size
         self.queue_timeout_s = settings.queue_timeout_s
@@ -48,7 +50,7 @@ class Admission:
 
     async def enter(self, deadline: float) -> int:
         """Take a compute slot (its number), waiting for one in turn if none is free; 503
-        when the queue is full or the wait runs out, 504 at `deadline` (time.monotonic())."""
+        when the queue is full or the wait runs out, 504 at `deadline` (on `clock`)."""
         if self._free:
             return self._free.pop()
         if len(self._queue) >= self.max_queue_size:
@@ -59,22 +61,22 @@ class Admission:
             )
         turn: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._queue.append(turn)
-        began = time.monotonic()
+        began = self.clock.now()
         until = min(began + self.queue_timeout_s, deadline)
         try:
             if until > began:
-                await asyncio.wait({turn}, timeout=until - began)
+                await self.clock.wait(turn, until - began)
         except BaseException:
             self._give_up(turn)
             raise
         finally:
-            self.metrics.queue_wait.observe(time.monotonic() - began)
+            self.metrics.queue_wait.observe(self.clock.now() - began)
         if turn.done():
             return turn.result()
         self._give_up(turn)
         if deadline <= until:
             self.metrics.rejected["timeout"].inc()
-            elapsed = self.request_timeout_s - (deadline - time.monotonic())
+            elapsed = self.request_timeout_s - (deadline - self.clock.now())
             raise DeadlineExceeded(
                 f"the request ran past its time limit of {self.request_timeout_s} s "
                 f"({elapsed:.2f} s) waiting for a compute slot"

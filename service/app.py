@@ -18,6 +18,7 @@ from fastapi_offline import FastAPIOffline
 from pydantic.json_schema import models_json_schema
 
 from gradserve.engine.backends import parse_device
+from gradserve.service.clock import SYSTEM_CLOCK, Clock
 from gradserve.service.errors import install_handlers
 from gradserve.service.front import Front
 from gradserve.service.metrics import Metrics
@@ -73,7 +74,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
     # The connection limits, for the HTTP protocol: handed over in the lifespan state,
     # which uvicorn gives every connection of this server.
     policy = ConnectionPolicy.from_settings(
-        settings, count=lambda reason: metrics.rejected[reason].inc(), drain=drain
+        settings,
+        count=lambda reason: metrics.rejected[reason].inc(),
+        drain=drain,
+        clock=front.clock,
     )
     housekeeping = asyncio.create_task(front.housekeeping())
     # Several front processes (`--workers N`): this one's gauges, published for any
@@ -95,7 +99,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         metrics.retire()
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    """The app for `settings` (None: from the environment). Its deadlines, waits and idle
+    times run on `clock` (service/clock.py): the host's monotonic clock unless a test
+    gives its own."""
     settings = settings or get_settings()
     metrics = Metrics()
     app = FastAPIOffline(
@@ -109,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.front = Front(settings, metrics)
+    app.state.front = Front(settings, metrics, clock)
     app.state.ready = False
     install_handlers(app)
     app.router.routes.extend(COMPUTE_ROUTES)  # (for the 405 of a method other than POST)

@@ -11,7 +11,8 @@ worker is stopped.
 
 A request that finds no free slot waits for one in a bounded queue (service/admission.py);
 one that finds no memory gets 503 at once with `Retry-After`, so that a client can back off
-or go to another replica.
+or go to another replica. A request's deadline is on the front's clock (service/clock.py),
+which the admission queue and the worker pool share.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import logging
 import os
 import shutil
-import time
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -31,6 +31,7 @@ from starlette.types import Message, Receive
 
 from gradserve.engine.errors import DeadlineExceeded
 from gradserve.service.admission import Admission
+from gradserve.service.clock import SYSTEM_CLOCK, Clock
 from gradserve.service.compute import Compute, Misplaced, Stats, warm_up
 from gradserve.service.encode import Reply
 from gradserve.service.errors import ProblemError
@@ -101,7 +102,7 @@ class Front:
     """The front process's compute path: its own computations (the fast lane), the worker
     pool, the shared in-flight memory and the admission queue."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
         sweep_orphans()  # what servers killed before they could clean up left in /dev/shm
         # The program store: the directory named, or one of this server's own (removed
         # when it stops) in shared memory where the host has it. Every process of the
@@ -113,14 +114,15 @@ class Front:
             settings = settings.model_copy(update={"program_store_dir": self._own_store})
         self.settings = settings
         self.metrics = metrics
+        self.clock = clock
         self.compute = Compute(settings, role="front")
         self.placement = Placement()
         # Writes to the store leave the event loop: they follow the answer.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="gradserve-store")
-        self.admission = Admission(settings, metrics)
+        self.admission = Admission(settings, metrics, clock)
         # One line of the ledger more than the compute slots (0 .. max_concurrency - 1): the
         # front process's own, for the requests of its fast lane.
-        self.pool = Pool(settings, settings.max_concurrency + 1, metrics)
+        self.pool = Pool(settings, settings.max_concurrency + 1, metrics, clock)
         # The host's lowering process (service/lowering.py): where the tier is on, jax is
         # installed, and there is a program store for it to write the executables into.
         self.lowerer = (
@@ -180,7 +182,7 @@ class Front:
         """The response body of one compute request ("forward", "backward", "plan" or
         "plan-dot"); `header_length`: the body is binary, with a JSON header of that many
         bytes; `tenant`: the API key's id (None with keys off)."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
+        deadline = self.clock.now() + self.settings.request_timeout_s
         # The body is held in flight from its first byte, on the bodies' line of the
         # ledger: an upload takes memory but no compute slot (a slow client holds none).
         body_bytes = 0
@@ -416,7 +418,7 @@ class Front:
             done = True
         except GradserveTimeout:
             self.metrics.rejected["timeout"].inc()
-            elapsed = self.settings.request_timeout_s - (deadline - time.monotonic())
+            elapsed = self.settings.request_timeout_s - (deadline - self.clock.now())
             raise DeadlineExceeded(
                 f"the request ran past its time limit of {self.settings.request_timeout_s} s "
                 f"({elapsed:.2f} s); its computation was stopped"

@@ -17,6 +17,9 @@ keeps the I/O, admission and its fast lane, so its event loop always answers.
   replacement starts first, with its programs, and it keeps serving until that one is warm.
 - Each worker's reports say which programs it holds (by program key): when several are
   idle, a task goes to one that holds the program it is expected to need.
+
+A task's deadline and a worker's idle time run on the front process's clock
+(service/clock.py).
 """
 
 from __future__ import annotations
@@ -30,13 +33,13 @@ import os
 import shutil
 import signal
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from gradserve.service.clock import SYSTEM_CLOCK, Clock
 from gradserve.service.ledger import Ledger
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
@@ -87,7 +90,7 @@ class _Worker:
         self.task: asyncio.Future[Outcome] | None = None  # the outcome it owes
         self.programs: OrderedDict[str, None] = OrderedDict()  # the keys of those it holds
         self.rss = self.warm_rss = 0  # now, and when it was warm
-        self.idle_since = time.monotonic()
+        self.idle_since = pool.clock.now()
         self.successor: _Worker | None = None  # starting, to replace this one (RSS)
         self.storing = False  # told to store what it holds: to be replaced once it has
         self.retired = False  # its successor is warm: it exits once free
@@ -170,8 +173,11 @@ class Pool:
     `workers_for_compute`. Used from the event loop (`start`, `submit`, `housekeeping`);
     `close` from any thread."""
 
-    def __init__(self, settings: Settings, slots: int, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, slots: int, metrics: Metrics, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.settings = settings
+        self.clock = clock
         self.slots = slots
         self._dir, self._held = own_directory("")  # (held while the server runs)
         self.ledger = Ledger.create(self._dir, slots, settings.inflight_memory_bytes)
@@ -238,10 +244,10 @@ class Pool:
         reply = worker.task = self.loop.create_future()
         try:
             await worker.send(task)
-            remaining = task.deadline - time.monotonic()
+            remaining = task.deadline - self.clock.now()
             if remaining <= 0:
                 raise GradserveTimeout(task.deadline)
-            timer = self.loop.call_later(remaining, _time_out, reply, task.deadline)
+            timer = self.clock.call_later(remaining, _time_out, reply, task.deadline)
             try:
                 return await reply
             finally:
@@ -263,9 +269,9 @@ class Pool:
         self._waiting.append(turn)
         self._maintain()  # (a worker more, if there is room)
         try:
-            remaining = task.deadline - time.monotonic()
+            remaining = task.deadline - self.clock.now()
             if remaining > 0:
-                await asyncio.wait({turn}, timeout=remaining)
+                await self.clock.wait(turn, remaining)
         except BaseException:
             self._give_up(turn)
             raise
@@ -300,7 +306,7 @@ class Pool:
         if self._waiting:
             self._waiting.popleft().set_result(worker)
             return
-        worker.idle_since = time.monotonic()
+        worker.idle_since = self.clock.now()
         self._idle.append(worker)
 
     def _kill(self, worker: _Worker) -> None:
@@ -426,7 +432,7 @@ class Pool:
         `compute_worker_idle_s` exit, the longest idle first; and the minimum is kept."""
         if self._closed or self._loop is None:
             return
-        since = time.monotonic() - self.settings.compute_worker_idle_s
+        since = self.clock.now() - self.settings.compute_worker_idle_s
         above = sum(not w.exiting and w.successor is None for w in self._workers) - self.minimum
         for worker in list(self._idle):  # (the longest idle first)
             if above <= 0 or worker.idle_since > since:

@@ -25,8 +25,8 @@ A 408 or 503 written by the protocol half-closes the connection and drops what t
 still sends for up to `LINGER_S`, so the client reads the answer rather than a reset.
 The deadlines are checked by one timer per server, once a second (`TICK_S`), over all its
 connections: a request pays for a byte counter, a few attribute reads and a dict insert
-and delete, not for timers. The app hands its settings and metrics over in the lifespan
-state (`POLICY_STATE`).
+and delete, not for timers. The app hands its settings, metrics and clock (the deadlines'
+and the timer's, service/clock.py) over in the lifespan state (`POLICY_STATE`).
 
 Why a subclass of uvicorn's protocol, and not uvicorn's own options: uvicorn has no
 request-head timeout (only the keep-alive one), and its `--limit-concurrency` answers a
@@ -65,6 +65,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from gradserve.service.clock import SYSTEM_CLOCK, Clock, Timer
 from gradserve.service.errors import SERVICE_PROBLEMS, problem_body
 from gradserve.service.middleware import PROBE_PATHS, TIMED_OUT, loggable
 from gradserve.service.settings import Settings
@@ -118,7 +119,6 @@ UVICORN_ATTRIBUTES: tuple[UvicornAttribute, ...] = (
     UvicornAttribute("protocol", "app", "read, write", kind=Callable),  # type: ignore[arg-type]
     UvicornAttribute("protocol", "app_state", "read", kind=dict),
     UvicornAttribute("protocol", "server_state", "read", kind=ServerState),
-    UvicornAttribute("protocol", "loop", "read", kind=asyncio.AbstractEventLoop),
     UvicornAttribute("protocol", "transport", "read", kind=asyncio.Transport),
     UvicornAttribute("protocol", "flow", "read", kind=FlowControl),
     UvicornAttribute("protocol", "cycle", "read"),  # None until the first request head
@@ -145,7 +145,6 @@ class _UvicornHTTP(asyncio.Protocol):
     app: Any
     app_state: dict[str, Any]
     server_state: ServerState
-    loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     flow: FlowControl
     cycle: Any
@@ -237,12 +236,6 @@ class _Uvicorn(_Base):
         """The server, as an opaque key (one for each uvicorn server)."""
         return self.server_state
 
-    def _uv_loop(self) -> asyncio.AbstractEventLoop:
-        return self.loop
-
-    def _uv_now(self) -> float:
-        return self.loop.time()
-
     def _uv_transport(self) -> asyncio.Transport:
         """The connection's transport (used through asyncio's public interface)."""
         return self.transport
@@ -332,6 +325,7 @@ class ConnectionPolicy:
     max_connections: int  # the effective cap: the setting, or less if file descriptors are short
     count: Callable[[str], None] = lambda reason: None  # a rejection, by metrics reason
     drain: Callable[[], None] = lambda: None  # shutdown began: readiness goes false
+    clock: Clock = SYSTEM_CLOCK  # the deadlines' and the watchdog's
 
     @classmethod
     def from_settings(
@@ -340,6 +334,7 @@ class ConnectionPolicy:
         *,
         count: Callable[[str], None] = lambda reason: None,
         drain: Callable[[], None] = lambda: None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> ConnectionPolicy:
         """The policy for `settings`, with the cap fitted to the open-file limit."""
         return cls(
@@ -351,6 +346,7 @@ class ConnectionPolicy:
             ),
             count=count,
             drain=drain,
+            clock=clock,
         )
 
 
@@ -495,10 +491,10 @@ def _probes_only(app: ASGIApp, policy: ConnectionPolicy) -> ASGIApp:
 # ------------------------------------------------------------------------------ the watchdog
 class _Watchdog:
     """One per server: the connection counts, the connections waiting for a request, and
-    the timer that checks the deadlines."""
+    the timer that checks the deadlines (on `clock`, the first connection's policy's)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         self.members: set[_Guard] = set()
         # Admitted connections waiting for a request with no byte of it yet (just opened,
         # or idle after a response), oldest first: the ones closed to make room at the cap.
@@ -510,12 +506,12 @@ class _Watchdog:
         self.refused = 0  # since the last summary line
         self.evicted = 0  # likewise
         self.logged_at = -REFUSAL_LOG_S
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Timer | None = None
 
     def add(self, conn: _Guard) -> None:
         self.members.add(conn)
         if self._timer is None:
-            self._timer = self.loop.call_later(TICK_S, self._sweep)
+            self._timer = self.clock.call_later(TICK_S, self._sweep)
 
     def make_room(self, now: float) -> bool:
         """Close the connection that has waited longest for a request without sending a
@@ -534,10 +530,10 @@ class _Watchdog:
             self.draining = True
             if self._timer is not None:  # look at idle connections sooner from now on
                 self._timer.cancel()
-            self._timer = self.loop.call_later(DRAIN_TICK_S, self._sweep)
+            self._timer = self.clock.call_later(DRAIN_TICK_S, self._sweep)
 
     def _sweep(self) -> None:
-        now = self.loop.time()
+        now = self.clock.now()
         for conn in list(self.members):
             conn.check(now)
         if (self.refused or self.evicted) and now - self.logged_at >= REFUSAL_LOG_S:
@@ -551,7 +547,7 @@ class _Watchdog:
             self.refused = self.evicted = 0
             self.logged_at = now
         self._timer = (
-            self.loop.call_later(DRAIN_TICK_S if self.draining else TICK_S, self._sweep)
+            self.clock.call_later(DRAIN_TICK_S if self.draining else TICK_S, self._sweep)
             if self.members
             else None
         )
@@ -561,10 +557,10 @@ class _Watchdog:
 _watchdogs: weakref.WeakKeyDictionary[object, _Watchdog] = weakref.WeakKeyDictionary()
 
 
-def _watchdog(server: object, loop: asyncio.AbstractEventLoop) -> _Watchdog:
+def _watchdog(server: object, clock: Clock) -> _Watchdog:
     dog = _watchdogs.get(server)
     if dog is None:
-        dog = _watchdogs[server] = _Watchdog(loop)
+        dog = _watchdogs[server] = _Watchdog(clock)
     return dog
 
 
@@ -576,7 +572,7 @@ class _Guard(_Uvicorn):
     # -- the adapter's hooks
     def _on_init(self) -> None:
         self._policy: ConnectionPolicy = self._uv_lifespan_state(POLICY_STATE) or _fallback_policy()
-        self._dog = _watchdog(self._uv_server(), self._uv_loop())
+        self._dog = _watchdog(self._uv_server(), self._policy.clock)
         self._admitted = False
         self._waiting = False  # in `_dog.waiting`
         self._closing = False  # answered and half-closed: input is dropped
@@ -592,7 +588,7 @@ class _Guard(_Uvicorn):
         dog = self._dog
         dog.cap = cap = self._policy.max_connections
         dog.add(self)
-        self._idle_since = now = self._uv_now()
+        self._idle_since = now = self._dog.clock.now()
         if dog.admitted >= cap and not dog.make_room(now):
             if dog.admitted >= cap + PROBE_RESERVE:
                 self._policy.count("connections")
@@ -623,11 +619,11 @@ class _Guard(_Uvicorn):
     def _on_parsed(self, size: int, request: object) -> None:
         if request is not self._request_seen:  # a request head was completed
             self._request_seen = request
-            self._body_since = self._uv_now()
+            self._body_since = self._dog.clock.now()
             self._body_base = self._received - size
 
     def _on_response_complete(self) -> None:
-        self._idle_since = self._uv_now()
+        self._idle_since = self._dog.clock.now()
 
     def _on_idle(self) -> None:
         self._wait()  # waiting for the next request
@@ -737,7 +733,7 @@ class _Guard(_Uvicorn):
             transport.close()
             return
         transport.write_eof()
-        self._linger_until = self._uv_now() + LINGER_S
+        self._linger_until = self._dog.clock.now() + LINGER_S
         dog.lingering += 1
 
 
