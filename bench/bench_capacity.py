@@ -14,7 +14,7 @@ Phases (each at most 2 minutes; every measurement bounded in requests and second
 1. replica, GRADSERVE_WORKERS=1, then 2 (a fresh server each), hit directly with as many
    keep-alive connections as it admits at once (4 per worker: no 503 by design):
    - seed: the seed example (POST /backward, 140 B, computed in the front process);
-   - cell: the recurrent cell of bench_compiled.py (24 steps, 266 nodes, forward and
+   - cell: the recurrent cell of bench/workloads.py (24 steps, 266 nodes, forward and
      backward, every gradient; a 55 KB JSON body, computed by a worker; warm: the same
      graph every request, its program cached);
    - budget: 4 clients of no_grad requests that each plan 512 MiB (a 64M-element float32
@@ -28,13 +28,13 @@ Phases (each at most 2 minutes; every measurement bounded in requests and second
    16 connections (HAProxy queues what the replicas do not admit at once). The same
    client against the 1 replica directly is the first phase's row.
 
-    python3 bench/bench_capacity.py [--seconds 10] [--rounds 3] [--phases replica,lb]
+    python3 -m bench.bench_capacity [--seconds 10] [--rounds 3] [--phases replica,lb]
                                     [--haproxy-image TAG] [--base-image TAG] [--json PATH]
+                                    [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -55,18 +55,9 @@ import numpy as np
 import orjson
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_hardening import (  # noqa: E402
-    HOST,
-    PHASE_LIMIT_S,
-    GiB,
-    MiB,
-    Sampler,
-    TreeMonitor,
-)
-from bench.bench_service import cell_bodies, free_port, server_process, stack  # noqa: E402
+from bench.harness import HOST, PHASE_LIMIT_S, GiB, MiB, Sampler, TreeMonitor, command_line, stack
+from bench.workloads import SEED, cell_bodies
+from tests.support.server import ROOT, free_port, serving
 
 WARMUP_S = 1.0
 SAMPLE_INTERVAL_S = 0.02
@@ -86,15 +77,6 @@ REPLICA_ENV = {
     "GRADSERVE_MAX_CONCURRENCY": str(CONCURRENCY_PER_WORKER),
 }
 
-SEED = orjson.dumps(
-    {
-        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-        "inputs": {
-            "x": {"data": 2.0, "requires_grad": True},
-            "y": {"data": 3.0, "requires_grad": True},
-        },
-    }
-)
 BUDGET_ELEMENTS = 64 * 2**20  # float32: 256 MiB a tensor
 BUDGET = orjson.dumps(
     {
@@ -266,14 +248,8 @@ def tree_memory(pid: int) -> tuple[int, int]:
 @contextmanager
 def replica(port: int, workers: int) -> Iterator[subprocess.Popen[bytes]]:
     env = {**REPLICA_ENV, "GRADSERVE_PORT": str(port), "GRADSERVE_WORKERS": str(workers)}
-    with server_process(
-        [sys.executable, "-m", "gradserve.service.cli", "serve"],
-        port,
-        env,
-        ready="/readyz",
-        start_s=60,
-    ) as (_, proc):
-        yield proc
+    with serving([sys.executable, "-m", "gradserve.service.cli", "serve"], port=port, env=env) as s:
+        yield s.proc
 
 
 def build_haproxy(base_image: str) -> str:
@@ -521,8 +497,8 @@ def report(results: dict[str, Any]) -> None:
             assert ph["seconds"] <= PHASE_LIMIT_S, (key, ph["seconds"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument(
         "--seconds",
         type=float,
@@ -540,13 +516,16 @@ def main() -> None:
         "--base-image", default=os.environ.get("GRADSERVE_TEST_BASE_IMAGE", "python:3.11-slim")
     )
     parser.add_argument("--json", type=Path, help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     phases = set(args.phases.split(","))
     if phases - {"replica", "lb"}:
         parser.error(f"unknown phases: {', '.join(sorted(phases - {'replica', 'lb'}))}")
+    workers = (1, 2)
+    if args.smoke:  # one replica of one worker, briefly; no image to build
+        args.seconds, args.rounds, phases, workers = 0.5, 1, {"replica"}, (1,)
     results: dict[str, Any] = {"rounds": args.rounds, "seconds": args.seconds}
     if "replica" in phases:
-        results["replica"] = [phase_replica(w, args.seconds, args.rounds) for w in (1, 2)]
+        results["replica"] = [phase_replica(w, args.seconds, args.rounds) for w in workers]
     if "lb" in phases:
         if shutil.which("docker") is None:
             print("no docker CLI: the HAProxy phase is skipped", file=sys.stderr)

@@ -1,8 +1,8 @@
 """Compile speed in process: microseconds a node, and the parse of the graph's body.
 
-    python3 bench/bench_compile.py [--rounds N] [--workloads cell,chain3k,chain30k]
+    python3 -m bench.bench_compile [--rounds N] [--workloads cell,chain3k,chain30k]
 
-For each workload (bench_compiled.py's recurrent cell, and the unrolled chains of 3,000 and
+For each workload (py's recurrent cell, and the unrolled chains of 3,000 and
 30,000 nodes, all compiled with backward=True and every input requiring grad), in
 interleaved rounds, medians:
 
@@ -24,34 +24,30 @@ The compiler's modules are the compiled ones where the package was installed wit
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # (a server has none)
 
-import bench_compiled  # noqa: E402
-
 import gradserve.engine.graph as eg  # noqa: E402
+from bench.harness import command_line  # noqa: E402
+from bench.workloads import Workload, recurrent_cell, unrolled  # noqa: E402
 from gradserve.engine.graph import autodiff, builder, executor  # noqa: E402
 from gradserve.service.request import parse_json  # noqa: E402
 from gradserve.service.schemas import BackwardRequest, Graph  # noqa: E402
 from gradserve.wire.graph_id import graph_key  # noqa: E402
 
-WORKLOADS: dict[str, Callable[[], bench_compiled.Workload]] = {
-    "cell": bench_compiled.recurrent_cell,
-    "chain3k": lambda: bench_compiled.unrolled(1000),
-    "chain30k": lambda: bench_compiled.unrolled(10000),
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "cell": recurrent_cell,
+    "chain3k": lambda: unrolled(1000),
+    "chain30k": lambda: unrolled(10000),
 }
 
 
@@ -68,7 +64,7 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, result
 
 
-def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
+def measure(w: Workload, rounds: int) -> dict[str, float]:
     specs = {
         k: eg.TensorSpec(np.asarray(a).shape, np.asarray(a).dtype.name, k in w.wrt)
         for k, a in w.inputs.items()
@@ -126,11 +122,13 @@ def measure(w: bench_compiled.Workload, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e6 / nodes for k, v in out.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.workloads = 1, "cell"
     print(
         f"compiler: {'compiled (mypyc)' if getattr(eg, 'NATIVE', False) else 'Python'}; "
         f"µs a node, medians of {args.rounds} rounds"

@@ -1,6 +1,6 @@
 """Engine benchmarks (issue: engine core). Prints one table; run it, don't time it in tests.
 
-    python3 bench/bench_engine.py            # unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE first
+    python3 -m bench.bench_engine            # unset OPENBLAS_CORETYPE OPENBLAS_L2_SIZE first
 
 (a) Per-op overhead, forward + backward, on a chain of 1,000 scalar ops and on the seed
     graph z = (x + y) * (x - y), against PyTorch eager on the CPU (same run, interleaved).
@@ -11,19 +11,15 @@ Medians of interleaved repeats, because these machines are shared and noisy.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import gradserve.engine as engine
+from bench.harness import command_line
 
 try:
     import torch
@@ -85,7 +81,7 @@ def engine_chain(x_np: np.ndarray) -> np.ndarray:
     h = engine.cos(engine.square(h)) * 2.0
     h = engine.sqrt(engine.exp(h)) - 1.0
     h = engine.sin(engine.tanh(h)) * 3.0
-    h.backward(engine.tensor(np.ones(N)))
+    h.backward(engine.tensor(np.ones(x_np.shape)))
     return x.grad.numpy()
 
 
@@ -122,14 +118,15 @@ def numpy_chain(x: np.ndarray) -> np.ndarray:
     return g * np.cos(x)
 
 
-def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = command_line(__doc__).parse_args(argv)
+    repeats = 1 if args.smoke else None
     rows = []
     if torch is not None:
         torch.set_num_threads(1)
         t = interleaved(
             {"engine": lambda: scalar_chain(engine), "torch": lambda: scalar_chain(torch)},
-            repeats=5,
+            repeats=repeats or 5,
         )
         rows.append(
             (
@@ -141,7 +138,8 @@ def main() -> None:
             )
         )
         t = interleaved(
-            {"engine": lambda: seed_graph(engine), "torch": lambda: seed_graph(torch)}, repeats=200
+            {"engine": lambda: seed_graph(engine), "torch": lambda: seed_graph(torch)},
+            repeats=repeats or 200,
         )
         rows.append(
             (
@@ -152,9 +150,11 @@ def main() -> None:
                 0.5,
             )
         )
-    x = np.random.default_rng(0).uniform(-1, 1, N)
+    x = np.random.default_rng(0).uniform(-1, 1, 1000 if args.smoke else N)
     np.testing.assert_allclose(engine_chain(x), numpy_chain(x), rtol=1e-9)
-    t = interleaved({"engine": lambda: engine_chain(x), "numpy": lambda: numpy_chain(x)}, repeats=3)
+    t = interleaved(
+        {"engine": lambda: engine_chain(x), "numpy": lambda: numpy_chain(x)}, repeats=repeats or 3
+    )
     rows.append(
         (
             "16 elementwise ops, 1M float64, fwd+bwd (ms)",

@@ -8,12 +8,11 @@ Each row: its body sent once to warm up, then `--requests` times, rounds alterna
 between the servers; the median of the rounds' p50s, and of their ratios. Loopback only;
 bounded in count and time.
 
-    python3 bench/bench_large.py [--rounds 5] [--requests 5]
+    python3 -m bench.bench_large [--rounds 5] [--requests 5]
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -25,11 +24,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_programs import gradserve  # noqa: E402
-from bench.bench_service import RawClient, free_port, server_process  # noqa: E402
+from bench.harness import RawClient, command_line
+from tests.support.server import free_port, serving
 
 # The script: JSON lists in, JSON lists out, a graph per endpoint; binary bodies as raw
 # float64 bytes (what `np.frombuffer` reads), as such a script would take them.
@@ -190,7 +186,9 @@ def p50(client: RawClient, path: str, body: bytes, headers: list[tuple[str, str]
     return statistics.median(times)
 
 
-def over_http(rounds: int, requests: int) -> list[tuple[str, str, float, float, float]]:
+def over_http(
+    rounds: int, requests: int, workloads: list[Case]
+) -> list[tuple[str, str, float, float, float]]:
     """(case, body kind, gradserve p50, script p50, median ratio) per row."""
     apps = Path(tempfile.mkdtemp(prefix="bench-large-torch-"))
     (apps / "torch_app.py").write_text(TORCH_APP)
@@ -211,12 +209,12 @@ def over_http(rounds: int, requests: int) -> list[tuple[str, str, float, float, 
     rows = []
     try:
         with (
-            gradserve() as (port, _),
-            server_process(argv, torch_port),
-            RawClient(port) as gs,
+            serving() as server,
+            serving(argv, port=torch_port, ready="/"),
+            RawClient(server.port) as gs,
             RawClient(torch_port) as pt,
         ):
-            for case in cases():
+            for case in workloads:
                 slug = "lse" if case[0].startswith("lse") else "llsq"
                 for binary in (False, True):
                     body, headers = gradserve_body(case, binary)
@@ -306,17 +304,20 @@ def in_process(case: Case, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = command_line(__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=5)
     args = parser.parse_args(argv)
-    rows = over_http(args.rounds, args.requests)
+    if args.smoke:
+        args.rounds, args.requests = 1, 1
+    sizes = {"n": 100, "rows": 16, "cols": 4} if args.smoke else {}
+    rows = over_http(args.rounds, args.requests, cases(**sizes))
     print(f"\nover HTTP, p50 of {args.requests} requests, median of {args.rounds} rounds")
     print("| workload | body | gradserve ms | script ms | gradserve / script |")
     print("|---|---|---|---|---|")
     for name, kind, ours, theirs, ratio in rows:
         print(f"| {name} | {kind} | {ours:.2f} | {theirs:.2f} | {ratio:.2f}x |")
-    for case in cases():
+    for case in cases(**sizes):
         print(f"\nin one process, JSON, {case[0]}: median of {args.rounds * 3}")
         for stage, ms in in_process(case, args.rounds * 3).items():
             print(f"  {stage:<28} {ms:8.2f} ms")

@@ -3,7 +3,7 @@ defaults, this checkout side by side with another revision's (`--baseline PATH`:
 of it; build its compiled modules first, as pip does: `python setup.py build_ext --inplace`
 there), in one run.
 
-    python3 bench/bench_pipeline.py [--baseline PATH] [--rounds N] [--tier]
+    python3 -m bench.bench_pipeline [--baseline PATH] [--rounds N] [--tier] [--smoke]
 
 Rows:
 - costly by id: a graph whose program is past the fast lane (70 layers of a 256x256 tanh
@@ -38,13 +38,12 @@ both: the table gives each server's median, and the median of the per-round rati
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,129 +51,28 @@ import httpx
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import RawClient, command_line, count, metrics, p50, role, thread_cpu_s
+from bench.workloads import SEED, cell_bodies, costly_graph, mlp_graph, unrolled
+from gradserve import Client, F
+from tests.support.server import ROOT, Server, free_port, serving
 
-from bench.bench_compiled import unrolled  # noqa: E402
-from bench.bench_service import RawClient, cell_bodies, free_port, server_process  # noqa: E402
-from gradserve import Client, F  # noqa: E402
-
-SEED = orjson.dumps(
-    {
-        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-        "inputs": {
-            "x": {"data": 2.0, "requires_grad": True},
-            "y": {"data": 3.0, "requires_grad": True},
-        },
-    }
-)
 JSON = [("Content-Type", "application/json")]
 REPEATS = 20
 
 
 # ------------------------------------------------------------------ servers
-class Server:
-    """A running `gradserve serve` (this checkout, or the one at `source`)."""
-
-    def __init__(self, name: str, base: str, port: int, proc: Any) -> None:
-        self.name, self.base, self.port, self.pid = name, base, port, proc.pid
-
-    def metrics(self) -> str:
-        return httpx.get(self.base + "/metrics", timeout=30).text
-
-    def cpu_s(self) -> float:
-        """The front process's CPU time so far, all its threads."""
-        return thread_cpu_s(self.pid)
-
-
-def thread_cpu_s(pid: int) -> float:
-    """A process's CPU time so far, all its threads: each thread's schedstat (nanoseconds,
-    where psutil's clock ticks are 10 ms). The process's own schedstat is its main
-    thread's alone: a front's, without the threads that read the workers' replies."""
-    total = 0
-    for thread in os.listdir(f"/proc/{pid}/task"):
-        with (
-            contextlib.suppress(FileNotFoundError),
-            open(f"/proc/{pid}/task/{thread}/schedstat") as f,
-        ):
-            total += int(f.read().split()[0])
-    return total / 1e9
-
-
-class Floor:
-    """bench/empty_app.py, served by uvicorn: what a front costs before it does anything."""
-
-    def __init__(self, base: str, proc: Any) -> None:
-        self.base, self.pid = base, proc.pid
-
-
 @contextmanager
-def empty_floor() -> Iterator[Floor]:
+def empty_floor() -> Iterator[Server]:
+    """bench/empty_app.py, served by uvicorn: what a front costs before it does anything."""
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", "bench.empty_app:app", "--port", str(port)]
-    with server_process([*argv, "--no-access-log"], port, ready="/") as (base, proc):
-        yield Floor(base + "/", proc)
+    with serving([*argv, "--no-access-log"], port=port, ready="/", name="floor") as floor:
+        yield floor
 
 
-@contextmanager
-def serving(name: str, source: Path | None, **env: str) -> Iterator[Server]:
-    port = free_port()
-    extra = {"PYTHONPATH": str(source)} if source is not None else {}
-    with server_process(
-        [sys.executable, "-m", "gradserve.service.cli", "serve", "--port", str(port)],
-        port,
-        env={**extra, **env},
-        ready="/readyz",
-        start_s=60,
-        cwd=source or ROOT,
-    ) as (base, proc):
-        yield Server(name, base, port, proc)
-
-
-def count(text: str, prefix: str) -> float:
-    """The sum of the samples whose line starts with `prefix` (label sets, in any order)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(prefix) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def role(text: str, metric: str, who: str) -> float | None:
-    """A counter of `who` ("front" or "worker"): None where the server has no role label."""
-    lines = [
-        line
-        for line in text.splitlines()
-        if line.startswith(metric + "{") or line.startswith(metric + " ")
-    ]
-    if not any("role=" in line for line in lines):
-        return None
-    return count("\n".join(line for line in lines if f'role="{who}"' in line), metric)
-
-
-def p50(times: list[float]) -> float:
-    return statistics.median(times) * 1000
-
-
-# ------------------------------------------------------------------ the rows
-def mlp_graph() -> dict[str, Any]:
-    return {
-        "nodes": [
-            {"id": "h", "expr": "tanh(x @ w1)"},
-            {"id": "loss", "expr": "sum((h @ w2 - y) ** 2)"},
-        ],
-        "outputs": ["loss"],
-    }
-
-
-def costly_graph() -> dict[str, Any]:
-    """70 layers of tanh(h @ a + x) on a 256x256 matrix the graph makes itself: ~8 G cost
-    units from a body of a few KB (its cost is the program's, not its data's)."""
-    nodes = [{"id": "a", "expr": "full(shape=[256, 256], value=0.01)"}]
-    nodes += [
-        {"id": f"m{i}", "expr": f"tanh({f'm{i - 1}' if i else 'a'} @ a + x)"} for i in range(70)
-    ]
-    return {"nodes": [*nodes, {"id": "loss", "expr": "sum(m69)"}], "outputs": ["loss"]}
+def gradserve(name: str, source: Path | None, **env: str) -> AbstractContextManager[Server]:
+    """`gradserve serve` of this checkout, or of the one at `source`."""
+    return serving(name=name, root=source or ROOT, env=env)
 
 
 def cpu_per_request(pid: int, request: Callable[[], Any], spacing_s: float) -> float:
@@ -190,22 +88,22 @@ def cpu_per_request(pid: int, request: Callable[[], Any], spacing_s: float) -> f
     return (thread_cpu_s(pid) - cpu0 - idle * (time.perf_counter() - t0)) / REPEATS
 
 
-def costly_by_id(server: Server, floor: Floor | None = None) -> dict[str, Any]:
-    before = server.metrics()
+def costly_by_id(server: Server, floor: Server | None = None) -> dict[str, Any]:
+    before = metrics(server)
     with Client(server.base) as gs:
         first = gs.backward(costly_graph(), {"x": 0.5}, requires_grad=["x"])
-        idle0 = server.cpu_s()
+        idle0 = thread_cpu_s(server.pid)
         time.sleep(2.0)  # (what the front process spends when idle: housekeeping, timers)
-        idle = (server.cpu_s() - idle0) / 2.0
-        cpu0, t00, times = server.cpu_s(), time.perf_counter(), []
+        idle = (thread_cpu_s(server.pid) - idle0) / 2.0
+        cpu0, t00, times = thread_cpu_s(server.pid), time.perf_counter(), []
         for _ in range(REPEATS):
             t0 = time.perf_counter()
             r = gs.backward(costly_graph(), {"x": 0.5}, requires_grad=["x"])
             times.append(time.perf_counter() - t0)
-        cpu = (server.cpu_s() - cpu0 - idle * (time.perf_counter() - t00)) / REPEATS
+        cpu = (thread_cpu_s(server.pid) - cpu0 - idle * (time.perf_counter() - t00)) / REPEATS
     assert np.allclose(r.gradients["x"], first.gradients["x"], rtol=1e-4)  # (XLA may sum
     # in another order, once it has lowered the program)
-    after = server.metrics()
+    after = metrics(server)
     out = {"cost": first.meta["compute_cost"], "p50_ms": p50(times), "front_cpu_ms": cpu * 1000}
     # The floors at the same spacing between requests (a CPU that idles between them runs
     # the next one slower: caches and clocks): gradserve's cheapest answer, and an empty
@@ -217,7 +115,7 @@ def costly_by_id(server: Server, floor: Floor | None = None) -> dict[str, Any]:
     if floor is not None:
         body = orjson.dumps({"graph_id": first.meta["graph_id"], "inputs": {"x": 0.5}})
         out["empty_cpu_ms"] = 1000 * cpu_per_request(
-            floor.pid, lambda: httpx.post(floor.base, content=body), spacing
+            floor.pid, lambda: httpx.post(floor.base + "/", content=body), spacing
         )
     for metric in ("gradserve_compiles_total", "gradserve_program_lookups_total"):
         a, b = role(after, metric, "front"), role(before, metric, "front")
@@ -234,7 +132,7 @@ def recycled(source: Path | None) -> dict[str, Any]:
         "y": rng.standard_normal((256, 10)).astype(np.float32),
     }
     with (
-        serving(
+        gradserve(
             "recycled",
             source,
             GRADSERVE_COMPUTE_WORKERS="2",
@@ -246,7 +144,7 @@ def recycled(source: Path | None) -> dict[str, Any]:
         for _ in range(REPEATS + 1):
             gs.backward(mlp_graph(), inputs, requires_grad=["w1", "w2"])
         time.sleep(1.0)  # (the last replacements warm)
-        text = server.metrics()
+        text = metrics(server)
     return {
         "compiles": count(text, "gradserve_compiles_total"),
         "loads": count(text, "gradserve_program_load_seconds_count"),
@@ -272,14 +170,14 @@ def training(server: Server, steps: int = 200) -> dict[str, Any]:
     with Client(server.base) as gs:
         for step in range(steps):
             if step == 10:
-                warm_metrics = server.metrics()
+                warm_metrics = metrics(server)
             t0 = time.perf_counter()
             r = gs.backward(loss, {"x": x, "y": y, **params}, requires_grad=["w1", "w2"])
             for k in params:
                 params[k] = params[k] - np.float32(0.05) * r.gradients[k]
             times.append(time.perf_counter() - t0)
             losses.append(float(r.outputs["loss"]))
-    text = server.metrics()
+    text = metrics(server)
     hops = role(text, "gradserve_program_lookups_total", "worker")
     warm_hops = role(warm_metrics, "gradserve_program_lookups_total", "worker")
     return {
@@ -350,8 +248,8 @@ def warm_bodies() -> dict[str, tuple[Callable[[], bytes], int]]:
 
 
 # ------------------------------------------------------------------ the table
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision")
     parser.add_argument(
         "--rounds",
@@ -364,7 +262,10 @@ def main() -> None:
         action="store_true",
         help="leave the native tier on (by default off on every server)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.others = 3
+    if args.smoke:  # every row once
+        args.rounds = args.others = 1
     if not args.tier:
         os.environ["GRADSERVE_XLA"] = "off"  # (the servers inherit it)
     sources: dict[str, Path | None] = {"this": None}
@@ -373,7 +274,7 @@ def main() -> None:
     results: dict[str, dict[str, list[Any]]] = {name: {} for name in sources}
     with ExitStack() as stack:
         servers = {
-            name: stack.enter_context(serving(name, source)) for name, source in sources.items()
+            name: stack.enter_context(gradserve(name, source)) for name, source in sources.items()
         }
         floor = stack.enter_context(empty_floor())
         bodies = warm_bodies()
@@ -385,7 +286,7 @@ def main() -> None:
             for _ in range(args.rounds):  # (short rounds, alternating: drift hits both)
                 for name, server in servers.items():
                     results[name].setdefault(row, []).append(http_p50(server, make, count_))
-        for _ in range(3):
+        for _ in range(args.others):
             for name, server in servers.items():
                 results[name].setdefault("costly", []).append(costly_by_id(server, floor))
                 results[name].setdefault("training", []).append(training(server))
@@ -408,10 +309,10 @@ def _print(
     print(
         f"# bench_pipeline: {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; the warm "
         f"rows in {args.rounds} short rounds alternating between the servers (each a p50), "
-        f"the others in 3; medians, and the median of the per-round ratios; native tier "
-        f"{'on' if args.tier else 'off'}"
+        f"the others in {args.others}; medians, and the median of the per-round ratios; "
+        f"native tier {'on' if args.tier else 'off'}"
     )
-    print("| row | " + " | ".join(names) + (" | ratio |" if len(names) > 1 else ""))
+    print("| row | " + " | ".join(names) + (" | ratio |" if len(names) > 1 else " |"))
     print("|---" * (len(names) + 1 + (len(names) > 1)) + "|")
 
     def line(label: str, per_round: list[list[float]], unit: str = "ms") -> None:

@@ -7,24 +7,19 @@ trip over `--requests` requests (a new graph per request, so that every one comp
 `+ k` salt), and the server's RSS (front process and descendants) before and after, which
 would grow by the tensors' bytes if they were allocated. Target: median < 50 ms.
 
-    python3 bench/bench_plan.py [--requests 60]
+    python3 -m bench.bench_plan [--requests 60]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_hardening import TreeMonitor  # noqa: E402
-from bench.bench_service import free_port, server_process  # noqa: E402
+from bench.harness import TreeMonitor, command_line
+from tests.support.server import free_port, serving
 
 N = 1_000_000
 
@@ -63,16 +58,18 @@ def workloads(salt: int) -> dict[str, dict[str, object]]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--requests", type=int, default=60)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests = 2
     port = free_port()
     env = {"GRADSERVE_PORT": str(port), "GRADSERVE_LOG_LEVEL": "warning"}
     argv = [sys.executable, "-m", "gradserve.service.cli", "serve"]
     with (
-        server_process(argv, port, env, ready="/readyz") as (base, server),
-        httpx.Client(base_url=base, timeout=60) as client,
+        serving(argv, port=port, env=env) as server,
+        httpx.Client(base_url=server.base, timeout=60) as client,
     ):
         tree = TreeMonitor(server.pid)
         for body in workloads(0).values():  # warm: imports, the worker pool

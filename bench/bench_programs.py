@@ -2,7 +2,7 @@
 targets of the issue, every figure measured as a user runs gradserve, over HTTP against
 `gradserve serve` with its defaults, on loopback.
 
-1. repeats   the 30,000- and 3,000-node chains (bench_compiled.unrolled, width 8, float64,
+1. repeats   the 30,000- and 3,000-node chains (bench.workloads.unrolled, width 8, float64,
              fwd+bwd): the first request, then repeats sent in full from two clients at
              once (so that both compute workers answer some: one holds the program, the
              other loads it from the store), then by graph_id. "plan" is the server's
@@ -19,7 +19,7 @@ targets of the issue, every figure measured as a user runs gradserve, over HTTP 
              a store load of each program against its compile.
 4. cell      the recurrent cell (24 steps) with a new constant every request (a new graph:
              define-by-run), over HTTP, against the FastAPI + PyTorch script a user would
-             write (bench_service's), in the same run.
+             write (bench.workloads.TORCH_APP), in the same run.
 5. soak      bench_hardening's soak mix at concurrency 16 with misbehaving clients beside it
              (200 idle connections, slow senders, uploads cut short): /healthz p99, the seed
              requests' p50, unexpected 5xx, and every 503 matched to the admission queue's
@@ -27,8 +27,8 @@ targets of the issue, every figure measured as a user runs gradserve, over HTTP 
 
 Loopback only; every loop is bounded in count and time.
 
-    python3 bench/bench_programs.py [--parts repeats,cold,compile,cell,soak] [--rounds 5]
-                                    [--idle-seconds 60] [--soak-seconds 30]
+    python3 -m bench.bench_programs [--parts repeats,cold,compile,cell,soak] [--rounds 5]
+                                    [--idle-seconds 60] [--soak-seconds 30] [--smoke]
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ import asyncio
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,86 +52,14 @@ import numpy as np
 import orjson
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_compiled import recurrent_cell, unrolled  # noqa: E402
-from bench.bench_service import (  # noqa: E402
-    TORCH_APP,
-    RawClient,
-    cell_bodies,
-    cell_rounds,
-    check_cell,
-    free_port,
-    server_process,
-)
+from bench.harness import RawClient, Report, cell_rounds, check_cell, command_line
+from bench.workloads import TORCH_APP, cell_bodies, recurrent_cell, unrolled
+from tests.support.server import ROOT, free_port, serving
 
 JSON = [("Content-Type", "application/json")]
 
 
-@dataclass
-class Row:
-    part: str
-    figure: str
-    value: str
-    target: str = ""
-    passed: bool | None = None
-
-
-@dataclass
-class Report:
-    rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def add(
-        self, part: str, figure: str, value: str, target: str = "", passed: bool | None = None
-    ) -> None:
-        self.rows.append(Row(part, figure, value, target, passed))
-
-    def print(self, header: str) -> None:
-        print(header)
-        cols = ["part", "figure", "value", "target", "result"]
-        cells = [
-            [
-                r.part,
-                r.figure,
-                r.value,
-                r.target,
-                "-" if r.passed is None else ("PASS" if r.passed else "MISS"),
-            ]
-            for r in self.rows
-        ]
-        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-        line = lambda cs: (
-            "| " + " | ".join(c.ljust(w) for c, w in zip(cs, widths, strict=True)) + " |"
-        )
-        print(line(cols))
-        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        for row in cells:
-            print(line(row))
-        for note in self.notes:
-            print(f"  note: {note}")
-
-
 # ---------------------------------------------------------------- servers and requests
-
-
-@contextmanager
-def gradserve(env: dict[str, str] | None = None) -> Iterator[tuple[int, psutil.Process]]:
-    """`gradserve serve` with its defaults (and `env`), ready; its port and process."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "gradserve.service.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    with server_process(argv, port, env, ready="/readyz", start_s=120) as (_, proc):
-        yield port, psutil.Process(proc.pid)
 
 
 def chain_bodies(steps: int) -> tuple[bytes, Callable[[str], bytes], float]:
@@ -211,19 +139,24 @@ def _med(values: list[float]) -> float:
 # ---------------------------------------------------------------- 1. repeats
 
 
-def part_repeats(report: Report, rounds: int) -> None:
-    for steps, name in ((10_000, "30,000-node chain"), (1_000, "3,000-node chain")):
+def chain_name(steps: int) -> str:
+    return f"{3 * steps:,}-node chain"
+
+
+def part_repeats(report: Report, rounds: int, chains: tuple[int, int]) -> None:
+    for steps in chains:
+        name = chain_name(steps)
         full, by_id, loss = chain_bodies(steps)
-        with gradserve() as (port, _), RawClient(port) as c:
+        with serving() as server, RawClient(server.port) as c:
             first = post(c, full, loss)
             report.add(
                 "repeats",
                 f"{name}: first request (compiles)",
                 f"{first.ms:.0f} ms (plan {first.plan:.0f}, run {first.run:.0f})",
             )
-            answers = two_clients(port, full, loss, rounds)
+            answers = two_clients(server.port, full, loss, rounds)
             graph_id = first.meta["graph_id"]
-            ids = two_clients(port, by_id(graph_id), loss, rounds)
+            ids = two_clients(server.port, by_id(graph_id), loss, rounds)
         runs = [a.run for a in answers + ids]
         for label, group, target in (("sent in full", answers, 0.1), ("by graph_id", ids, 0.05)):
             sources = sorted({a.meta["program"] for a in group})
@@ -250,13 +183,13 @@ def _warm(c: RawClient, body: bytes, loss: float, n: int) -> float:
     return _med([post(c, body, loss).ms for _ in range(n)])
 
 
-def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
+def part_cold(report: Report, rounds: int, idle_seconds: float, steps: int) -> None:
     """Each figure against two references on a server with the defaults: a warm request
     (back to back), and a warm request after a 1.5 s pause, which shows what a pause costs
     this machine whatever the server does (caches and clocks of a shared VM). Every request
     is on a new connection (a kept-alive one does not outlive the server's 10 s header
     timeout)."""
-    full, _, loss = chain_bodies(1_000)
+    full, _, loss = chain_bodies(steps)
     n = max(rounds, 5)
 
     def fresh(port: int, pause: float = 0.0) -> Answer:
@@ -264,13 +197,14 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
         with RawClient(port) as c:
             return post(c, full, loss)
 
-    with gradserve() as (port, _):
+    with serving() as server:
+        port = server.port
         fresh(port)
         warm = _med([fresh(port).ms for _ in range(n)])
         paused = _med([fresh(port, 1.5).ms for _ in range(n)])
         report.add(
             "cold",
-            "3,000-node chain, warm round trip (back to back / after a 1.5 s pause)",
+            f"{chain_name(steps)}, warm round trip (back to back / after a 1.5 s pause)",
             f"{warm:.1f} ms / {paused:.1f} ms",
         )
         time.sleep(idle_seconds)
@@ -290,18 +224,21 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
     # Every task recycles its worker (no RSS growth allowed): the replacement starts first,
     # takes over the programs, and the old worker exits once it is warm; each request here
     # comes after a pause long enough for that, and finds only the new worker.
-    with gradserve({"GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES": "0"}) as (port, _):
+    with serving(env={"GRADSERVE_COMPUTE_WORKER_MAX_RSS_GROWTH_BYTES": "0"}) as server:
+        port = server.port
         fresh(port)
         after = sorted((fresh(port, 1.5) for _ in range(n)), key=lambda a: a.ms)
     row(f"first request after its worker was recycled (median of {n})", after[n // 2])
     store = tempfile.mkdtemp(prefix="bench-programs-store-")
     try:
         env = {"GRADSERVE_PROGRAM_STORE_DIR": store}
-        with gradserve(env) as (port, _):
+        with serving(env=env) as server:
+            port = server.port
             fresh(port)
             fresh(port)  # (a cheap program is stored at its second use)
             time.sleep(2.0)  # (the store's writes follow the answers, when idle)
-        with gradserve(env) as (port, _):
+        with serving(env=env) as server:
+            port = server.port
             row("first request after a restart with a persistent store", fresh(port))
     finally:
         shutil.rmtree(store, ignore_errors=True)
@@ -310,14 +247,13 @@ def part_cold(report: Report, rounds: int, idle_seconds: float) -> None:
 # ---------------------------------------------------------------- 3. compile and load
 
 
-def part_compile(report: Report, rounds: int) -> None:
+def part_compile(report: Report, rounds: int, chains: tuple[int, int]) -> None:
     from gradserve.engine.graph import TensorSpec, compile_graph
     from gradserve.engine.graph.serial import dump_program, load_program
     from gradserve.service.schemas import Graph
 
     workloads = [
-        ("3,000-node chain", unrolled(1_000), 10.0),
-        ("30,000-node chain", unrolled(10_000), 10.0),
+        *((chain_name(steps), unrolled(steps), 10.0) for steps in chains),
         ("recurrent cell", recurrent_cell(), 5.0),
     ]
     # Memos warm from other graphs (as a server's are): compile a salted copy first.
@@ -390,7 +326,8 @@ def part_cell(report: Report, rounds: int, requests: int) -> None:
         str(apps),
     ]
     try:
-        with gradserve() as (port, _), server_process(torch_argv, torch_port) as (tb, _):
+        with serving() as server, serving(torch_argv, port=torch_port, ready="/") as peer:
+            port, tb = server.port, peer.base
             warm, _, torch_body = cell_bodies()
             check_cell(f"http://127.0.0.1:{port}", tb, warm, torch_body)
             cell = cell_rounds(rounds, port, torch_port, requests)
@@ -421,11 +358,10 @@ def part_cell(report: Report, rounds: int, requests: int) -> None:
 
 
 def part_soak(report: Report, soak_seconds: float) -> None:
-    from bench import bench_hardening as hardening
-
     out = Path(tempfile.mkdtemp(prefix="bench-programs-soak-")) / "soak.json"
     argv = ["--phases", "1,2m,9", "--soak-seconds", str(soak_seconds), "--json", str(out)]
-    hardening.main(argv)
+    # The hardening benchmark's own run, as a user would start it: its JSON is the record.
+    subprocess.run([sys.executable, "-m", "bench.bench_hardening", *argv], check=True, cwd=ROOT)
     phases = {p["key"]: p for p in orjson.loads(out.read_bytes())["phases"]}
     for key, title in (("2m", "soak, misbehaving clients beside it"), ("9", "after load")):
         phase = phases.get(key)
@@ -447,22 +383,26 @@ def part_soak(report: Report, soak_seconds: float) -> None:
 # ---------------------------------------------------------------- main
 
 PARTS: dict[str, Callable[[Report, argparse.Namespace], None]] = {
-    "repeats": lambda r, a: part_repeats(r, a.rounds),
-    "cold": lambda r, a: part_cold(r, a.rounds, a.idle_seconds),
-    "compile": lambda r, a: part_compile(r, a.rounds),
+    "repeats": lambda r, a: part_repeats(r, a.rounds, a.chains),
+    "cold": lambda r, a: part_cold(r, a.rounds, a.idle_seconds, a.chains[-1]),
+    "compile": lambda r, a: part_compile(r, a.rounds, a.chains),
     "cell": lambda r, a: part_cell(r, a.rounds, a.cell_requests),
     "soak": lambda r, a: part_soak(r, a.soak_seconds),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_line(__doc__)
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cell-requests", type=int, default=100)
     p.add_argument("--idle-seconds", type=float, default=60.0)
     p.add_argument("--soak-seconds", type=float, default=30.0)
     args = p.parse_args(argv)
+    args.chains = (10_000, 1_000)  # steps: the 30,000- and 3,000-node chains
+    if args.smoke:
+        args.chains, args.rounds, args.cell_requests = (300, 100), 1, 5
+        args.idle_seconds, args.soak_seconds = 0.5, 2.0
     parts = [s for s in args.parts.split(",") if s]
     unknown = set(parts) - set(PARTS)
     if unknown:
@@ -475,13 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             PARTS[part](report, args)
         except Exception as exc:  # a part that fails is reported, and the others still run
-            report.add(part, "ERROR", f"{type(exc).__name__}: {str(exc)[:160]}", "", False)
+            report.error(part, exc)
     report.print(
         f"gradserve programs bench, {started}, {os.cpu_count()} CPUs, "
         f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
         f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}"
     )
-    return 0
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":

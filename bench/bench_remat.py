@@ -17,7 +17,7 @@ the targets of the issue.
             (l = 2, c = 1024, hidden 14) over HTTP under a 256 MiB budget, against PyTorch
             (ode) and NumPy (lstm) in float64.
 
-    python3 bench/bench_remat.py [--parts chain,scan,http,gradbench] [--chain-steps 2000]
+    python3 -m bench.bench_remat [--parts chain,scan,http,gradbench] [--chain-steps 2000]
                                  [--time-steps 600] [--rounds 3]
 """
 
@@ -28,55 +28,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_programs import Report, gradserve  # noqa: E402
-from gradserve.engine.graph import GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph  # noqa: E402
-from gradserve.engine.graph.executor import execute  # noqa: E402
-from gradserve.engine.graph.spec import BodySpec  # noqa: E402
+from bench.harness import Report, command_line
+from bench.workloads import chain_numpy, chain_spec, lstm, ode_graph, ode_torch, rnn_spec
+from gradserve.engine.graph import GraphSpec, Limits, TensorSpec, compile_graph
+from gradserve.engine.graph.executor import execute
+from tests.support.server import serving
 
 N = 1_000_000
-
-
-def chain_spec(steps: int) -> GraphSpec:
-    nodes = [NodeSpec(f"h{i}", expr=f"sin(h{i - 1}) * 0.999") for i in range(1, steps + 1)]
-    nodes.append(NodeSpec("loss", "sum", [f"h{steps}"]))
-    return GraphSpec(nodes, ["loss"])
-
-
-def chain_numpy(x: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
-    """The chain's loss and gradient by hand, in NumPy."""
-    h, g = x, np.ones_like(x)
-    hs = []
-    for _ in range(steps):
-        hs.append(h)
-        h = np.sin(h) * 0.999
-    for h_prev in reversed(hs):
-        g = g * 0.999 * np.cos(h_prev)
-    return float(h.sum()), g
-
-
-def rnn_spec(steps: int) -> GraphSpec:
-    """The issue's loop: h = 0.95 h + 0.05 tanh(x + 1.1 h), x read by every step."""
-    body = BodySpec(
-        carry=["h"],
-        xs=[],
-        nodes=[NodeSpec("h2", expr="0.95 * h + 0.05 * tanh(x + 1.1 * h)")],
-        next={"h": "h2"},
-    )
-    return GraphSpec(
-        [
-            NodeSpec("loop", "scan", ["h0"], {"length": steps}, body=body, results={"hT": "h"}),
-            NodeSpec("loss", "sum", ["hT"]),
-        ],
-        ["loss"],
-    )
 
 
 def compile_for(
@@ -108,16 +71,16 @@ def timed_runs(
     return out
 
 
-def part_chain(report: Report, steps: int, time_steps: int, rounds: int) -> None:
-    x = np.linspace(-1.0, 1.0, N)
-    inputs = {"h0": TensorSpec((N,), "float64", True)}
+def part_chain(report: Report, steps: int, time_steps: int, rounds: int, n: int = N) -> None:
+    x = np.linspace(-1.0, 1.0, n)
+    inputs = {"h0": TensorSpec((n,), "float64", True)}
     plain, _ = compile_for(chain_spec(steps), inputs, None)
     budget = plain.planned_peak_bytes // 10
     rec, ms = compile_for(chain_spec(steps), inputs, budget)
     r = execute(rec, {"h0": x})
     report.add(
         "chain",
-        f"{steps} steps on 10^6 float64: planned peak without / with "
+        f"{steps} steps on {n:,} float64: planned peak without / with "
         "recomputation (budget a tenth)",
         f"{plain.planned_peak_bytes / 2**20:.0f} MiB / {rec.planned_peak_bytes / 2**20:.0f}"
         f" MiB (budget {budget / 2**20:.0f} MiB)",
@@ -182,10 +145,10 @@ def part_scan(report: Report, rounds: int, steps: int = 10_000, width: int = 409
     )
 
 
-def part_http(report: Report, steps: int = 600) -> None:
+def part_http(report: Report, steps: int = 600, n: int = N) -> None:
     from gradserve.client.http import Client
 
-    x = np.linspace(-1.0, 1.0, N)
+    x = np.linspace(-1.0, 1.0, n)
     graph = {
         "nodes": [{"id": f"h{i}", "expr": f"sin(h{i - 1}) * 0.999"} for i in range(1, steps + 1)]
         + [{"id": "loss", "op": "sum", "args": [f"h{steps}"]}],
@@ -195,17 +158,15 @@ def part_http(report: Report, steps: int = 600) -> None:
         "GRADSERVE_MEMORY_BUDGET_BYTES": str(8 << 30),
         "GRADSERVE_INFLIGHT_MEMORY_BYTES": str(12 << 30),
     }
-    with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
+    with serving(env=env) as server, Client(server.base, timeout=600) as gs:
         body = {
             "graph": graph,
-            "inputs": {"h0": {"shape": [N], "dtype": "float64", "requires_grad": True}},
+            "inputs": {"h0": {"shape": [n], "dtype": "float64", "requires_grad": True}},
         }
-        import httpx
-
-        plan = httpx.post(f"http://127.0.0.1:{port}/plan", json=body, timeout=600).json()
+        plan = httpx.post(server.base + "/plan", json=body, timeout=600).json()
         budget = plan["planned_peak_bytes"] // 10
         plan = httpx.post(
-            f"http://127.0.0.1:{port}/plan",
+            server.base + "/plan",
             json={**body, "memory_budget_bytes": budget},
             timeout=600,
         ).json()
@@ -231,79 +192,20 @@ def part_http(report: Report, steps: int = 600) -> None:
     )
 
 
-def ode_graph(n: int, s: int) -> dict[str, Any]:
-    """GradBench's ode (its JAX tool's definition): y' = f(y), f(y)_i = x_0 for i = 0 and
-    x_i * y_{i-1} after, from y = 0 over tf = 2 in s RK4 steps (a scan); the output is the
-    last component of the final state. `m` is the one-hot of component 0 (where(i == 0,
-    ...) as arithmetic: x * (m + (1 - m) * roll(y, 1)), the same values)."""
-    h = 2.0 / s
-
-    def f(name: str, v: str) -> dict[str, Any]:
-        roll = f"cat(slice({v}, dim=0, start={n - 1}), slice({v}, dim=0, stop={n - 1}))"
-        return {"id": name, "expr": f"x * (m + (1.0 - m) * {roll})"}
-
-    body = [
-        f("k1", "y"),
-        {"id": "a2", "expr": f"y + {h / 2!r} * k1"},
-        f("k2", "a2"),
-        {"id": "a3", "expr": f"y + {h / 2!r} * k2"},
-        f("k3", "a3"),
-        {"id": "a4", "expr": f"y + {h!r} * k3"},
-        f("k4", "a4"),
-        {"id": "y2", "expr": f"y + {h / 6!r} * (k1 + ((2.0 * k2) + (2.0 * k3) + k4))"},
-    ]
-    return {
-        "nodes": [
-            {"id": "y0", "op": "zeros", "attrs": {"shape": [n], "dtype": "float64"}},
-            {
-                "id": "loop",
-                "op": "scan",
-                "args": ["y0"],
-                "attrs": {"length": s},
-                "body": {"carry": ["y"], "xs": [], "nodes": body, "next": {"y": "y2"}},
-                "results": {"yT": "y"},
-            },
-            {"id": "out", "expr": f"sum(slice(yT, dim=0, start={n - 1}))"},
-        ],
-        "outputs": ["out"],
-    }
-
-
-def ode_torch(x: np.ndarray, s: int) -> tuple[float, np.ndarray]:
-    import torch
-
-    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    i0 = torch.arange(len(x)) == 0
-    h = 2.0 / s
-
-    def f(y: Any) -> Any:
-        return torch.where(i0, xt, xt * torch.roll(y, 1))
-
-    y = torch.zeros_like(xt)
-    for _ in range(s):
-        k1 = f(y)
-        k2 = f(y + h / 2 * k1)
-        k3 = f(y + h / 2 * k2)
-        k4 = f(y + h * k3)
-        y = y + h / 6 * (k1 + ((2 * k2) + (2 * k3) + k4))
-    y[-1].backward()
-    return float(y[-1]), xt.grad.numpy()  # type: ignore[union-attr]
-
-
-def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
+def part_gradbench(
+    report: Report, budget: int = 256 << 20, n: int = 100_000, s: int = 100, c: int = 1024
+) -> None:
     """GradBench's ode (n = 100,000, s = 100: its largest) and lstm (l = 2, c = 1024,
-    hidden 14: bench_compiled's GradBench lstm) over HTTP with a 256 MiB budget, checked
+    hidden 14: bench.workloads' GradBench lstm) over HTTP with a 256 MiB budget, checked
     against PyTorch in float64 (GradBench's own harness is not part of this repository)."""
-    from bench.bench_compiled import lstm
     from gradserve.client.http import Client
 
     rng = np.random.default_rng(31337)
-    n, s = 100_000, 100
     x = rng.random(n)
     m = np.zeros(n)
     m[0] = 1.0
     env = {"GRADSERVE_MAX_NODES": "200000"}
-    with gradserve(env) as (port, _), Client(f"http://127.0.0.1:{port}", timeout=600) as gs:
+    with serving(env=env) as server, Client(server.base, timeout=600) as gs:
         plain = gs.backward(ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"])
         r = gs.backward(
             ode_graph(n, s), {"x": x, "m": m}, requires_grad=["x"], memory_budget_bytes=budget
@@ -321,7 +223,7 @@ def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
             "validates",
             ok and r.meta["peak_bytes"] <= budget,
         )
-        w = lstm(2, 14, 1024)
+        w = lstm(2, 14, c)
         r = gs.backward(w.graph, w.inputs, requires_grad=w.wrt, memory_budget_bytes=budget)
         loss, grads = w.numpy(w.inputs)  # type: ignore[misc]
         ok = np.isclose(float(r.outputs["loss"]), float(loss), rtol=1e-10) and all(
@@ -329,7 +231,7 @@ def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
         )
         report.add(
             "gradbench",
-            "lstm l=2 c=1024 (hidden 14) within 256 MiB",
+            f"lstm l=2 c={c} (hidden 14) within 256 MiB",
             f"peak {r.meta['peak_bytes'] / 2**20:.1f} MiB; loss and gradients "
             f"against NumPy {'equal' if ok else 'DIFFERENT'}",
             "validates",
@@ -337,16 +239,23 @@ def part_gradbench(report: Report, budget: int = 256 << 20) -> None:
         )
 
 
+# Each part at its size, or at the smallest (--smoke: the same code on tiny inputs).
 PARTS: dict[str, Callable[[Report, argparse.Namespace], None]] = {
-    "chain": lambda r, a: part_chain(r, a.chain_steps, a.time_steps, a.rounds),
-    "scan": lambda r, a: part_scan(r, a.rounds),
-    "http": lambda r, a: part_http(r),
-    "gradbench": lambda r, a: part_gradbench(r),
+    "chain": lambda r, a: (
+        part_chain(r, 2000, 600, 1, n=100)
+        if a.smoke
+        else part_chain(r, a.chain_steps, a.time_steps, a.rounds)
+    ),
+    "scan": lambda r, a: part_scan(r, 1, 2000, 16) if a.smoke else part_scan(r, a.rounds),
+    "http": lambda r, a: part_http(r, 600, 100) if a.smoke else part_http(r),
+    "gradbench": lambda r, a: (
+        part_gradbench(r, n=1000, s=10, c=16) if a.smoke else part_gradbench(r)
+    ),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = command_line(__doc__)
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--chain-steps", type=int, default=2000)
     p.add_argument("--time-steps", type=int, default=600)
@@ -359,12 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             PARTS[part](report, args)
         except Exception as exc:
-            report.add(part, "ERROR", f"{type(exc).__name__}: {str(exc)[:160]}", "", False)
+            report.error(part, exc)
     report.print(
         f"gradserve recomputation bench, {time.strftime('%Y-%m-%d %H:%M:%S')}, "
         f"{time.monotonic() - t0:.0f} s, rounds {args.rounds}"
     )
-    return 0
+    return 1 if report.failed else 0
 
 
 if __name__ == "__main__":

@@ -4,17 +4,17 @@ over a 64x64 float64 state, whose stacked residuals (a tanh result a step, 328 M
 planner's k, recomputing the forward body) and with a budget large enough for the plain
 loop; both run, their gradients compared bit for bit, their peaks planned and measured.
 
-    PYTHONPATH=. python3 bench/bench_scan_checkpoint.py [--steps N] [--repeat R]
+    python3 -m bench.bench_scan_checkpoint [--steps N] [--repeat R]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import numpy as np
 
+from bench.harness import command_line
 from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.ir import Program
@@ -53,11 +53,13 @@ def timed(
     return [(statistics.median(t), r) for t, r in zip(times, results, strict=True)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.repeat = 2000, 1
     rng = np.random.default_rng(0)
     arrays = {
         "h0": rng.standard_normal((64, 64)) * 0.1,

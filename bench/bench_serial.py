@@ -1,6 +1,6 @@
 """Stored programs (engine.graph.serial): dump and load against compile.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/bench_serial.py [--quick]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 -m bench.bench_serial [--quick]
 
 Prints one table. For each workload: the program's steps and bytes; the time to compile it
 (a cold compile: a new graph each call, so that no memo of the compiler hits), to dump it,
@@ -13,8 +13,8 @@ first pass over the loaded program (`gc.collect(1)` right after the load, the pr
 kept), which the load leaves to its caller. Also what the two checksums the format could
 use take over the same bytes (CRC-32, which it uses, and BLAKE2b-128).
 
-Workloads: bench/bench_compiled.py's unrolled recurrence (1,000 and 10,000 steps: 3 op
-nodes a step, fwd+bwd) and its 24-step recurrent cell; bench/bench_transforms.py's RNN as
+Workloads: bench/workloads.py's unrolled recurrence (1,000 and 10,000 steps: 3 op
+nodes a step, fwd+bwd) and its 24-step recurrent cell; bench/workloads.py's RNN as
 one `scan` node (64 steps, fwd+bwd: a program, its loop body and the body's VJP); the seed
 example `(x + y) * (x - y)` on scalars, fwd+bwd.
 
@@ -25,7 +25,6 @@ before its time is read, alike for both, and the cycle collector runs as it woul
 
 from __future__ import annotations
 
-import argparse
 import gc
 import hashlib
 import itertools
@@ -34,43 +33,40 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import bench_compiled as bc
-from bench import bench_transforms as bt
+from bench.harness import Gradserve, command_line, compile_json, measure, median_ratio
+from bench.workloads import Workload, op, recurrent_cell, rnn_data, rnn_scan, salt_input, unrolled
 from gradserve.engine.graph import serial
 from gradserve.engine.graph.serial import dump_program, load_program
 
 
 def workloads(quick: bool) -> dict[str, Callable[[float], Any]]:
     """Per workload, a compile of a new graph (its salt: an unused node's constant)."""
-    gs = bc.Gradserve()
+    gs = Gradserve()
     out: dict[str, Callable[[float], Any]] = {}
     for w in (
-        [bc.unrolled(100), bc.recurrent_cell()]
+        [unrolled(100), recurrent_cell()]
         if quick
-        else [bc.unrolled(1000), bc.unrolled(10_000), bc.recurrent_cell()]
+        else [unrolled(1000), unrolled(10_000), recurrent_cell()]
     ):
 
-        def compile_(salt: float, w: bc.Workload = w) -> Any:
+        def compile_(salt: float, w: Workload = w) -> Any:
             graph = {
                 **w.graph,
-                "nodes": [*w.graph["nodes"], bc.op("salt", "mul", bc._salt_input(w), salt)],
+                "nodes": [*w.graph["nodes"], op("salt", "mul", salt_input(w), salt)],
             }
             return gs.compile(graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
 
         out[w.name] = compile_
-    d = bt.rnn_data(64)
-    out["RNN 64 steps as one scan, fwd+bwd"] = lambda salt: bt.compile_json(
-        bt.rnn_scan(salt), d, ["w", "u", "b", "h0"], backward=True
+    d = rnn_data(64)
+    out["RNN 64 steps as one scan, fwd+bwd"] = lambda salt: compile_json(
+        rnn_scan(salt), d, ["w", "u", "b", "h0"], backward=True
     )
     scalars = {"x": np.float64(2.0), "y": np.float64(3.0)}
-    out["seed (x + y) * (x - y), fwd+bwd"] = lambda salt: bt.compile_json(
+    out["seed (x + y) * (x - y), fwd+bwd"] = lambda salt: compile_json(
         {
             "nodes": [
                 {"id": "z", "expr": "(x + y) * (x - y)"},
@@ -103,19 +99,20 @@ def first_collection(data: bytes, rounds: int) -> float:
     return statistics.median(spent)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args()
-    rounds = args.rounds or (2 if args.quick else 7)
+    args = parser.parse_args(argv)
+    args.quick |= args.smoke
+    rounds = args.rounds or (1 if args.smoke else 2 if args.quick else 7)
     salt = (i * 1e-3 for i in itertools.count(1))
     rows = []
     for name, compile_ in workloads(args.quick).items():
         program = compile_(next(salt))
         data = dump_program(program)
         load_program(data)  # (the memo of kernels warm, as in a worker that runs programs)
-        samples = bc.measure(
+        samples = measure(
             {
                 "compile": lambda compile_=compile_: compile_(next(salt)),
                 "dump": lambda program=program: dump_program(program),
@@ -139,7 +136,7 @@ def main() -> None:
                 f"{ms['load']:.3f}",
                 f"{ms['cold']:.3f}",
                 f"{ms['load'] * 1e6 / steps:.0f}",
-                f"{bc._ratio(samples, 'compile', 'load'):.1f}x",
+                f"{median_ratio(samples, 'compile', 'load'):.1f}x",
                 f"{first_collection(data, rounds) * 1e3:.3f}",
                 f"{ms['crc32']:.3f}",
                 f"{ms['blake2b']:.3f}",

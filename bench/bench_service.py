@@ -6,7 +6,7 @@
    HTTP/1.1 client on asyncio streams, so that client overhead does not hide server time.
 2. A 4M-element float32 tensor through POST /forward (`x * 2`, no_grad) with the Python
    client: base64 against JSON lists, end to end.
-3. The recurrent cell of bench_compiled.py (24 steps, batch 4, width 16, float32, forward +
+3. The recurrent cell of bench/workloads.py (24 steps, batch 4, width 16, float32, forward +
    backward, gradients of every input) at concurrency 1: POST /backward against the FastAPI
    + PyTorch endpoint a user would write for it (JSON lists in, torch forward and backward,
    JSON lists out), served by the same uvicorn setup. gradserve warm (the same graph every
@@ -30,52 +30,39 @@ between rounds, and a ratio of two medians taken minutes apart would measure the
 uvicorn serves both with the same HTTP parser and event loop (httptools and uvloop where
 installed, else h11 and asyncio); the header says which.
 
-    python bench/bench_service.py [--rounds 3] [--requests 2000] [--cell-requests 200]
-                                  [--parts seed,tensor,cell,wire]
+    python3 -m bench.bench_service [--rounds 3] [--requests 2000] [--cell-requests 200]
+                                  [--parts seed,tensor,cell,wire] [--smoke]
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import itertools
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 import pybase64
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_compiled import (  # noqa: E402
-    recurrent_data,
-    recurrent_graph,
-    recurrent_numpy,
-    unrolled,
+from bench.harness import (
+    Parts,
+    RawClient,
+    Response,
+    cell_rounds,
+    check_cell,
+    command_line,
+    http_latency,
+    stack,
 )
+from bench.workloads import CELL_STEPS, SEED, TORCH_APP, cell_bodies, unrolled
+from tests.support.server import free_port, serving
 
-SEED = orjson.dumps(
-    {
-        "graph": {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]},
-        "inputs": {
-            "x": {"data": 2.0, "requires_grad": True},
-            "y": {"data": 3.0, "requires_grad": True},
-        },
-    }
-)
 FLOOR_APP = """
 from fastapi import FastAPI
 app = FastAPI()
@@ -84,158 +71,6 @@ app = FastAPI()
 async def floor() -> dict[str, bool]:
     return {"ok": True}
 """
-# The script a user would write to serve the recurrent cell with PyTorch (bench_compiled's
-# workload 1). A plain `def`: FastAPI runs it in its thread pool, as gradserve runs a graph
-# of this size in a worker thread.
-TORCH_APP = """
-import torch
-from fastapi import FastAPI
-from pydantic import BaseModel
-
-app = FastAPI()
-
-
-class CellIn(BaseModel):
-    xs: list[list[list[float]]]
-    w: list[list[float]]
-    u: list[list[float]]
-    b: list[float]
-    h0: list[list[float]]
-
-
-@app.post("/cell")
-def cell(req: CellIn) -> dict:
-    xs = torch.tensor(req.xs, requires_grad=True)
-    w = torch.tensor(req.w, requires_grad=True)
-    u = torch.tensor(req.u, requires_grad=True)
-    b = torch.tensor(req.b, requires_grad=True)
-    h0 = torch.tensor(req.h0, requires_grad=True)
-    h = h0
-    for t in range(xs.shape[0]):
-        a = xs[t] @ w + h @ u + b
-        h = torch.sigmoid(a + 1) * h + torch.sigmoid(a) * torch.tanh(a)
-    loss = torch.sum(h * h)
-    loss.backward()
-    grads = {"xs": xs.grad, "w": w.grad, "u": u.grad, "b": b.grad, "h0": h0.grad}
-    return {"loss": loss.item(), "gradients": {k: g.tolist() for k, g in grads.items()}}
-"""
-MAX_SECONDS_PER_RUN = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def server(argv: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    with server_process(argv, port, env) as (base, _):
-        yield base
-
-
-@contextmanager
-def server_process(
-    argv: list[str],
-    port: int,
-    env: dict[str, str] | None = None,
-    ready: str = "/docs",
-    start_s: float = 30.0,
-    cwd: Path = ROOT,
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A server started from `argv` in `cwd`, once `ready` answers (200, or 404 where the
-    server has no such page) within `start_s`; terminated (killed if it lingers) after."""
-    proc = subprocess.Popen(
-        argv,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_s
-        while True:
-            with suppress(httpx.TransportError):
-                if httpx.get(base + ready, timeout=1).status_code in (200, 404):
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server {argv} did not start")
-            time.sleep(0.1)
-        yield base, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-async def _connection(
-    port: int, requests: Iterator[bytes], count: int, stop_at: float, latencies: list[float]
-) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        for _ in range(count):
-            if time.monotonic() > stop_at:
-                break
-            request = next(requests)
-            t0 = time.perf_counter()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            status = int(head.split(b" ", 2)[1])
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            await reader.readexactly(length)
-            latencies.append(time.perf_counter() - t0)
-            if status != 200:
-                raise RuntimeError(f"status {status}")
-    finally:
-        writer.close()
-
-
-def _request(path: str, body: bytes) -> bytes:
-    return (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-
-
-async def _load(
-    port: int, path: str, body: bytes | Iterator[bytes], total: int, concurrency: int
-) -> tuple[list[float], float]:
-    """`body`: one body for every request, or an iterator with a body per request."""
-    if isinstance(body, bytes):
-        requests: Iterator[bytes] = itertools.repeat(_request(path, body))
-    else:
-        requests = (_request(path, b) for b in body)
-    latencies: list[float] = []
-    stop_at = time.monotonic() + MAX_SECONDS_PER_RUN
-    t0 = time.perf_counter()
-    await asyncio.gather(
-        *(
-            _connection(port, requests, total // concurrency, stop_at, latencies)
-            for _ in range(concurrency)
-        )
-    )
-    return latencies, time.perf_counter() - t0
-
-
-def measure(
-    port: int,
-    path: str,
-    body: bytes | Iterator[bytes],
-    total: int,
-    concurrency: int,
-    warmup: int = 200,
-) -> tuple[float, float, float]:
-    asyncio.run(_load(port, path, body, min(total, warmup), concurrency))
-    latencies, seconds = asyncio.run(_load(port, path, body, total, concurrency))
-    ms = np.array(latencies) * 1000
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), len(ms) / seconds
 
 
 def paired(
@@ -244,23 +79,14 @@ def paired(
     """(floor medians, seed medians, median of the per-round p50 ratios)."""
     floors, seeds = [], []
     for _ in range(rounds):
-        floors.append(measure(floor_port, "/floor", SEED, total, concurrency))
-        seeds.append(measure(gs_port, "/backward", SEED, total, concurrency))
+        floors.append(http_latency(floor_port, "/floor", SEED, total, concurrency))
+        seeds.append(http_latency(gs_port, "/backward", SEED, total, concurrency))
     ratio = statistics.median(s[0] / f[0] for f, s in zip(floors, seeds, strict=True))
 
     def med(rows: list[tuple[float, float, float]]) -> tuple[float, ...]:
         return tuple(statistics.median(col) for col in zip(*rows, strict=True))
 
     return med(floors), med(seeds), ratio
-
-
-def stack() -> str:
-    """The HTTP parser and event loop uvicorn picks by default ("auto")."""
-    import importlib.util
-
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    return f"uvicorn {http} + {loop}"
 
 
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
@@ -283,117 +109,12 @@ def big_tensor(base: str, rounds: int) -> dict[str, float]:
     return times
 
 
-# ------------------------------------------------------------------ 3. the recurrent cell
-
-CELL_STEPS = 24
-
-
-def _lists(arrays: dict[str, np.ndarray]) -> dict[str, list]:
-    return {k: a.tolist() for k, a in arrays.items()}
-
-
-def cell_bodies() -> tuple[bytes, Iterable[bytes], bytes]:
-    """(gradserve warm body, gradserve cold bodies: a new graph each, PyTorch app body);
-    the same float32 data in all of them, as JSON lists. A cold body's new graph differs
-    in one float literal, so that the service lifts it into the program of the last
-    (engine.graph.lifting); `renamed_cell_bodies` are new graphs it compiles."""
-    data = recurrent_data(CELL_STEPS)
-    lists = _lists(data)
-    inputs = {f"x{t}": {"data": lists["xs"][t], "requires_grad": True} for t in range(CELL_STEPS)}
-    inputs |= {k: {"data": lists[k], "requires_grad": True} for k in ("w", "u", "b", "h0")}
-
-    def gradserve(one: float) -> bytes:
-        return orjson.dumps({"graph": recurrent_graph(CELL_STEPS, one), "inputs": inputs})
-
-    # A constant that differs in every request (1 + k / 2**20), so each is a graph the
-    # service has not seen; the math stays that of the warm graph to float32 precision.
-    cold = (gradserve(1.0 + k * 2.0**-20) for k in itertools.count(1))
-    return gradserve(1.0), cold, orjson.dumps(lists)
-
-
-def renamed_cell_bodies() -> Iterable[bytes]:
-    """The cell as a new graph each request that no program of another can serve: its loss
-    node named anew (an id is part of a graph's shape), so that each is compiled."""
-    warm = orjson.loads(cell_bodies()[0])
-    for k in itertools.count(1):
-        nodes = warm["graph"]["nodes"]
-        nodes[-1]["id"] = f"loss_{k}"
-        warm["graph"]["outputs"] = [f"loss_{k}"]
-        yield orjson.dumps(warm)
-
-
-def check_cell(gs_base: str, torch_base: str, gs_body: bytes, torch_body: bytes) -> None:
-    """Both endpoints agree with bench_compiled's hand-written NumPy cell, or raise."""
-    loss, grads = recurrent_numpy(recurrent_data(CELL_STEPS))
-    r = httpx.post(
-        gs_base + "/backward",
-        content=gs_body,
-        timeout=60,
-        headers={"Content-Type": "application/json"},
-    )
-    r.raise_for_status()
-    gs = orjson.loads(r.content)
-    gs_grads = {k: np.array(gs["gradients"][k]["data"]) for k in ("w", "u", "b", "h0")}
-    gs_grads["xs"] = np.stack([gs["gradients"][f"x{t}"]["data"] for t in range(CELL_STEPS)])
-    r = httpx.post(
-        torch_base + "/cell",
-        content=torch_body,
-        timeout=60,
-        headers={"Content-Type": "application/json"},
-    )
-    r.raise_for_status()
-    pt = orjson.loads(r.content)
-    pt_grads = {k: np.array(v) for k, v in pt["gradients"].items()}
-    for name, value, got in (
-        ("gradserve", gs["outputs"]["loss"]["data"], gs_grads),
-        ("FastAPI+PyTorch", pt["loss"], pt_grads),
-    ):
-        np.testing.assert_allclose(value, loss, rtol=1e-4, err_msg=f"{name}: loss")
-        assert set(got) == set(grads), (name, sorted(got))
-        for k, g in grads.items():
-            np.testing.assert_allclose(
-                got[k], g, rtol=1e-4, atol=1e-4 * np.abs(g).max(), err_msg=f"{name}: gradient {k}"
-            )
-
-
-def cell_rounds(
-    rounds: int, gs_port: int, torch_port: int, total: int
-) -> dict[str, tuple[float, ...]]:
-    """Per endpoint, the medians over rounds of (p50, p99, req/s); and the medians of the
-    per-round p50 ratios against FastAPI + PyTorch."""
-    warm, cold, torch_body = cell_bodies()
-    renamed = renamed_cell_bodies()
-    samples: dict[str, list[tuple[float, float, float]]] = {
-        "torch": [],
-        "warm": [],
-        "cold": [],
-        "compiled": [],
-    }
-    for _ in range(rounds):
-        samples["torch"].append(measure(torch_port, "/cell", torch_body, total, 1, warmup=20))
-        samples["warm"].append(measure(gs_port, "/backward", warm, total, 1, warmup=20))
-        samples["cold"].append(measure(gs_port, "/backward", iter(cold), total, 1, warmup=20))
-        samples["compiled"].append(
-            measure(gs_port, "/backward", iter(renamed), total, 1, warmup=20)
-        )
-    out: dict[str, tuple[float, ...]] = {
-        k: tuple(statistics.median(col) for col in zip(*v, strict=True)) for k, v in samples.items()
-    }
-    for k in ("warm", "cold", "compiled"):
-        out[k + "/torch"] = (
-            statistics.median(
-                s[0] / t[0] for s, t in zip(samples[k], samples["torch"], strict=True)
-            ),
-        )
-    return out
-
-
 # ------------------------------------------------------------------ 4. the wire
 
 WIRE_GRAPH = {"nodes": [{"id": "y", "expr": "x * 2 + 1"}], "outputs": ["y"]}
 WIRE_SHAPE = (2000, 2000)  # 4M float32: nested lists for the JSON contender
 FAST_REPS = 3  # requests per round for every contender but JSON lists (one)
-CHAIN_STEPS, CHAIN_WIDTH = 10_000, 512  # bench_compiled.unrolled: 30,001 op nodes
+CHAIN_STEPS, CHAIN_WIDTH = 10_000, 512  # bench.workloads.unrolled: 30,001 op nodes
 CHAIN_REPS = 4  # requests per round, each way
 RSS_ELEMENTS = 64 * 2**20  # 256 MiB of float32
 RSS_INTERVAL_S = 0.003
@@ -435,70 +156,6 @@ async def app(scope, receive, send):
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 """
-
-Parts = list[bytes | memoryview]
-Response = tuple[int, dict[str, str], np.ndarray]  # status, headers (lower case), body
-
-
-class RawClient:
-    """A minimal blocking HTTP/1.1 client on one keep-alive socket: the head, then each
-    part of the body as it lies (no joined copy); the response body read straight into one
-    buffer of its Content-Length (uninitialised: `bytearray(n)` would zero it first, with
-    the GIL held)."""
-
-    def __init__(self, port: int, timeout: float = 120.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sent = 0  # bytes of the last request, head included
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> RawClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def post(self, path: str, parts: Parts, headers: Sequence[tuple[str, str]] = ()) -> Response:
-        views = [memoryview(p).cast("B") for p in parts]
-        length = sum(v.nbytes for v in views)
-        head = "".join(
-            [
-                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {length}\r\n",
-                *(f"{k}: {v}\r\n" for k, v in headers),
-                "\r\n",
-            ]
-        ).encode()
-        self.sock.sendall(head)
-        for view in views:
-            self.sock.sendall(view)
-        self.sent = len(head) + length
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("the server closed the connection")
-            data += chunk
-        raw_head, _, rest = data.partition(b"\r\n\r\n")
-        lines = raw_head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split(" ", 2)[1])
-        fields = {}
-        for line in lines[1:]:
-            key, _, value = line.partition(":")
-            fields[key.strip().lower()] = value.strip()
-        if "content-length" not in fields:
-            raise RuntimeError(f"no Content-Length in the response ({lines[0]})")
-        body = np.empty(int(fields["content-length"]), np.uint8)
-        view = memoryview(body)
-        view[: len(rest)] = rest
-        at = len(rest)
-        while at < len(body):
-            n = self.sock.recv_into(view[at:])
-            if not n:
-                raise ConnectionError("the server closed the connection mid-body")
-            at += n
-        return status, fields, body
 
 
 def encode_tensor_request(x: np.ndarray, encoding: str) -> tuple[Parts, list[tuple[str, str]]]:
@@ -902,13 +559,13 @@ def wire(
         ]
 
     out: dict[str, Any] = {"env": WIRE_ENV}
-    with server(gs_argv(gs_port), gs_port, WIRE_ENV):
-        with server(echo_argv, echo_port):
+    with serving(gs_argv(gs_port), port=gs_port, env=WIRE_ENV, ready="/"):
+        with serving(echo_argv, port=echo_port, ready="/"):
             out["tensor"] = wire_tensor(gs_port, echo_port, rounds, shape)
         out["graph"] = wire_graph(gs_port, rounds, steps, width)
     # A fresh server for the RSS: its heap has seen nothing larger before.
-    with server_process(gs_argv(rss_port), rss_port, WIRE_ENV) as (_, proc):
-        out["rss"] = wire_rss(rss_port, proc.pid, rounds, rss_elements)
+    with serving(gs_argv(rss_port), port=rss_port, env=WIRE_ENV, ready="/") as rss_server:
+        out["rss"] = wire_rss(rss_port, rss_server.pid, rounds, rss_elements)
     return out
 
 
@@ -1008,7 +665,7 @@ def print_wire(w: dict[str, Any], rounds: int) -> None:
         f"binary {ms['binary']:.1f}, base64 {ms['base64']:.1f}, JSON lists {ms['json']:.0f}"
     )
     print(
-        f"- graph: POST /backward of bench_compiled's unrolled recurrence "
+        f"- graph: POST /backward of bench.workloads' unrolled recurrence "
         f"({g['graph_nodes']:,} op nodes), gradients of its 3 inputs of width "
         f"{g['width']} float64, sent as JSON lists; one compute worker, so the id is held "
         f"by the process that answers; "
@@ -1049,8 +706,8 @@ def print_wire(w: dict[str, Any], rounds: int) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument(
@@ -1062,7 +719,9 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="seed,tensor,cell,wire", help="comma-separated: seed, tensor, cell, wire"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:  # every part, one round of a few requests
+        args.rounds, args.requests, args.cell_requests = 1, 50, 5
     parts = set(args.parts.split(","))
     unknown = parts - {"seed", "tensor", "cell", "wire"}
     if unknown:
@@ -1105,9 +764,10 @@ def main() -> None:
     # 16 slots: at concurrency 16 the default 8 would answer some requests 503 (by design).
     gs_env = {"GRADSERVE_MAX_CONCURRENCY": "16"}
     if parts & {"seed", "tensor", "cell"}:
-        with server(gs_argv, gs_port, gs_env) as base:
+        with serving(gs_argv, port=gs_port, env=gs_env, ready="/") as gs_server:
+            base = gs_server.base
             if "seed" in parts:
-                with server(floor_argv, floor_port):
+                with serving(floor_argv, port=floor_port, ready="/"):
                     for conc in (1, 16):
                         rows.append(
                             (conc, *paired(args.rounds, floor_port, gs_port, args.requests, conc))
@@ -1115,7 +775,8 @@ def main() -> None:
             if "tensor" in parts:
                 tensor = big_tensor(base, args.rounds)
             if "cell" in parts:
-                with server(torch_argv, torch_port) as torch_base:
+                with serving(torch_argv, port=torch_port, ready="/") as peer:
+                    torch_base = peer.base
                     warm, _, torch_body = cell_bodies()
                     check_cell(base, torch_base, warm, torch_body)
                     cell = cell_rounds(args.rounds, gs_port, torch_port, args.cell_requests)

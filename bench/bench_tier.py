@@ -2,7 +2,7 @@
 the tier on (`GRADSERVE_XLA=auto`, jax installed) beside the same server with it off, in
 one run.
 
-    python3 bench/bench_tier.py [--steps N] [--seconds S]
+    python3 -m bench.bench_tier [--steps N] [--seconds S] [--smoke]
 
 Rows:
 - one-off long loop: a `scan` of N steps over 4 values (a small body: a GradBench descent's
@@ -21,25 +21,21 @@ Rows:
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.bench_pipeline import SEED, Server, count, serving  # noqa: E402
+from bench.harness import command_line, count, metrics
+from bench.workloads import SEED
+from tests.support.server import Server, serving
 
 JSON = {"Content-Type": "application/json"}
 
@@ -122,8 +118,8 @@ def timed(client: httpx.Client, server: Server, body: bytes) -> tuple[float, dic
 def pair(**env: str) -> Iterator[tuple[Server, Server]]:
     big = {"GRADSERVE_MAX_BODY_BYTES": str(1 << 22), **env}
     with (
-        serving("tier on", None, **big) as on,
-        serving("tier off", None, GRADSERVE_XLA="off", **big) as off,
+        serving(name="tier on", env=big) as on,
+        serving(name="tier off", env={"GRADSERVE_XLA": "off", **big}) as off,
     ):
         yield on, off
 
@@ -195,18 +191,20 @@ def lowerings_on_a_host(steps: int) -> list[float]:
         "GRADSERVE_MAX_BODY_BYTES": str(1 << 22),
     }
     for _ in range(2):  # (a restart on the same store)
-        with serving("tier on", None, **env) as server, httpx.Client() as client:
+        with serving(name="tier on", env=env) as server, httpx.Client() as client:
             for _ in range(4):
                 timed(client, server, long_loop(steps))
-            counts.append(count(server.metrics(), 'gradserve_xla_lowerings_total{outcome="xla"}'))
+            counts.append(count(metrics(server), 'gradserve_xla_lowerings_total{outcome="xla"}'))
     return counts
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--steps", type=int, default=200_000)
     parser.add_argument("--seconds", type=float, default=20.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:  # a short loop, briefly
+        args.steps, args.seconds = 2_000, 2.0
     print(f"# bench_tier: {time.strftime('%Y-%m-%d')}, long loop of {args.steps} steps")
     print("| row | tier on | tier off | on/off |")
     print("| --- | --- | --- | --- |")

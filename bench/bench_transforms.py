@@ -1,7 +1,7 @@
 """`scan`, `grad` and `jvp` nodes: what a loop compiled once and a derivative inside the
 graph cost, against the unrolled graph and PyTorch.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/bench_transforms.py [--quick]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 -m bench.bench_transforms [--quick]
 
 Prints one table:
 
@@ -26,105 +26,30 @@ are shared and noisy). PyTorch runs with one intra-op thread.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from bench.bench_compiled import (
+from bench.harness import command_line, compile_json, measure, median_ratio, run
+from bench.workloads import (
     OBJECTIVES,
-    _objectives_torch,
-    _ratio,
+    RNN_WRT,
     ex,
-    measure,
+    hvp_graph,
     objectives_data,
+    objectives_torch,
+    rnn_data,
+    rnn_scan,
+    rnn_torch,
+    rnn_unrolled,
+    unrolled_inputs,
 )
-from gradserve.engine.graph import TensorSpec, compile_graph, execute
-from gradserve.service.schemas import Graph
 
 Arrays = dict[str, np.ndarray]
-CELL = "tanh({x} @ w + {h} @ u + b)"
-
-
-def compile_json(graph: dict[str, Any], inputs: Arrays, wrt: list[str], *, backward: bool) -> Any:
-    """The service's path from a JSON graph: the wire model, the engine's spec, compile."""
-    spec = Graph.model_validate(graph)
-    specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
-    return compile_graph(spec, specs, backward=backward, no_grad=not backward)
-
-
-def run(program: Any, inputs: Arrays) -> Any:
-    return execute(program, inputs)
-
-
-# ---------------------------------------------------------------- 1. RNN: scan vs unrolled
-def rnn_data(steps: int, batch: int = 4, width: int = 16) -> Arrays:
-    rng = np.random.default_rng(0)
-    f = np.float32
-    return {
-        "xs": rng.standard_normal((steps, batch, width)).astype(f),
-        "w": (rng.standard_normal((width, width)) * 0.3).astype(f),
-        "u": (rng.standard_normal((width, width)) * 0.3).astype(f),
-        "b": (rng.standard_normal(width) * 0.1).astype(f),
-        "h0": rng.standard_normal((batch, width)).astype(f),
-    }
-
-
-def rnn_scan(salt: float = 0.0) -> dict[str, Any]:
-    return {
-        "nodes": [
-            {
-                "id": "rnn",
-                "op": "scan",
-                "args": ["h0", "xs"],
-                "body": {
-                    "carry": ["h"],
-                    "xs": ["x"],
-                    "nodes": [{"id": "h2", "expr": CELL.format(x="x", h="h")}],
-                    "next": {"h": "h2"},
-                },
-                "results": {"h_last": "h"},
-                "attrs": {"length": None},
-            },
-            ex("loss", f"sum(h_last * h_last) + {salt}"),
-        ],
-        "outputs": ["loss"],
-    }
-
-
-def rnn_unrolled(steps: int, salt: float = 0.0) -> dict[str, Any]:
-    nodes, h = [], "h0"
-    for t in range(steps):
-        nodes.append(ex(f"h{t + 1}", CELL.format(x=f"x{t}", h=h)))
-        h = f"h{t + 1}"
-    nodes.append(ex("loss", f"sum({h} * {h}) + {salt}"))
-    return {"nodes": nodes, "outputs": ["loss"]}
-
-
-def unrolled_inputs(d: Arrays) -> Arrays:
-    return {
-        **{f"x{t}": x for t, x in enumerate(d["xs"])},
-        **{k: v for k, v in d.items() if k != "xs"},
-    }
-
-
-def rnn_torch(d: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    h = d["h0"]
-    for x in d["xs"]:
-        h = torch.tanh(x @ d["w"] + h @ d["u"] + d["b"])
-    return list(torch.autograd.grad((h * h).sum(), [d[k] for k in ("w", "u", "b", "h0")]))
-
-
-RNN_WRT = ["w", "u", "b", "h0"]
 
 
 def check_rnn(steps: int) -> tuple[Any, Any, dict[str, torch.Tensor]]:
@@ -173,8 +98,8 @@ def bench_rnn(steps: int, rounds: int) -> list[list[str]]:
         rounds,
         budget_s=0.3,
     )
-    compile_speedup = _ratio(compiles, "unrolled", "scan")
-    run_ratio = _ratio(runs, "scan", "unrolled")
+    compile_speedup = median_ratio(compiles, "unrolled", "scan")
+    run_ratio = median_ratio(runs, "scan", "unrolled")
     ms = {k: statistics.median(v) * 1e3 for k, v in runs.items()}
     cms = {k: statistics.median(v) * 1e3 for k, v in compiles.items()}
     return [
@@ -193,18 +118,11 @@ def bench_rnn(steps: int, rounds: int) -> list[list[str]]:
             f"{ms['scan']:.2f}",
             f"{ms['unrolled']:.2f}",
             f"{ms['torch']:.2f}",
-            f"scan/unrolled {run_ratio:.2f}x, scan/torch {_ratio(runs, 'scan', 'torch'):.2f}x",
+            f"scan/unrolled {run_ratio:.2f}x, "
+            f"scan/torch {median_ratio(runs, 'scan', 'torch'):.2f}x",
             "ok" if (run_ratio or 9) <= 1.3 else "scan/unrolled>1.3x",
         ],
     ]
-
-
-# ---------------------------------------------------------------- 2. HVP on the objectives
-def hvp_graph(nodes: list[dict[str, Any]], output: str, wrt: list[str]) -> dict[str, Any]:
-    grads = [ex(f"g_{w}", f"grad({output}, {w})") for w in wrt]
-    dot = " + ".join(f"sum(g_{w} * v_{w})" for w in wrt)
-    hvs = [ex(f"hv_{w}", f"grad(dot, {w})") for w in wrt]
-    return {"nodes": [*nodes, *grads, ex("dot", dot), *hvs], "outputs": [f"hv_{w}" for w in wrt]}
 
 
 def check_hvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
@@ -217,7 +135,7 @@ def check_hvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
     program = compile_json(hvp_graph(nodes, output, wrt), inputs, [], backward=False)
     t = {k: torch.tensor(v, requires_grad=k in wrt) for k, v in data.items()}
     vs = [torch.tensor(inputs[f"v_{w}"]) for w in wrt]
-    fn = _objectives_torch()[name]
+    fn = objectives_torch()[name]
 
     def double_backward() -> Any:
         ws = [t[w] for w in wrt]
@@ -243,7 +161,7 @@ def bench_hvp(rounds: int) -> list[list[str]]:
             rounds,
             budget_s=0.05,
         )
-        ratio = _ratio(s, "gradserve", "torch")
+        ratio = median_ratio(s, "gradserve", "torch")
         us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         rows.append(
             [
@@ -269,7 +187,7 @@ def check_jvp(name: str) -> tuple[Any, Arrays, Callable[[], Any]]:
     graph = {"nodes": [*nodes, ex("pushed", f"jvp({output}, {w}, tangent)")], "outputs": ["pushed"]}
     program = compile_json(graph, inputs, [], backward=False)
     t = {k: torch.tensor(v) for k, v in data.items()}
-    fn = _objectives_torch()[name]
+    fn = objectives_torch()[name]
     tangent = torch.tensor(inputs["tangent"])
 
     def forward_mode() -> Any:
@@ -302,21 +220,22 @@ def bench_jvp(rounds: int) -> list[list[str]]:
                 f"{us['gradserve']:.0f}",
                 "-",
                 f"{us['torch']:.0f}",
-                f"gs/torch.func.jvp {_ratio(s, 'gradserve', 'torch'):.2f}x",
+                f"gs/torch.func.jvp {median_ratio(s, 'gradserve', 'torch'):.2f}x",
                 "",
             ]
         )
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="100 steps, 2 rounds: seconds")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rounds = 2 if args.quick else 5
+    rounds = 1 if args.smoke else 2 if args.quick else 5
     started = time.perf_counter()
-    rows = bench_rnn(100 if args.quick else 1000, rounds) + bench_hvp(rounds)
+    steps = 10 if args.smoke else 100 if args.quick else 1000
+    rows = bench_rnn(steps, rounds) + bench_hvp(rounds)
     rows += bench_jvp(rounds)
     cols = ["workload", "unit", "gradserve", "unrolled", "PyTorch", "ratios", "targets"]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]

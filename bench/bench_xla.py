@@ -1,7 +1,8 @@
 """The native tier (XLA through JAX) against the interpreter, JAX itself, hand-written
 NumPy and the FastAPI + PyTorch script: one table, side by side, in one run.
 
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 bench/bench_xla.py [--quick]
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python3 -m bench.bench_xla [--quick]
+        [--rounds N] [--only NAME] [--http] [--device DEV] [--smoke]
 
 In process (a program compiled once; the timed call is its execution, NumPy in and out):
 
@@ -15,7 +16,7 @@ In process (a program compiled once; the timed call is its execution, NumPy in a
   numpy   hand-written NumPy (forward, and backward by the chain rule), where there is one.
 
 Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values),
-bench_compiled's 24-step recurrent cell (unrolled, as a `scan`, and as a `scan` with its
+bench.workloads' 24-step recurrent cell (unrolled, as a `scan`, and as a `scan` with its
 inputs' projection hoisted as the hand-written NumPy does), GradBench-style lse, llsq and
 ode (written as its JAX tool writes them), GradBench's kmeans as its eval asks for it
 (`dir`: the gradient over the Hessian's diagonal, both inside one forward program) and
@@ -36,7 +37,6 @@ Medians over interleaved rounds; ratios are medians of per-round ratios.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import math
@@ -45,7 +45,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +53,23 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.bench_compiled import Gradserve, _ratio, _timed, measure, recurrent_cell
-from bench.bench_compiled import _close as close
-from bench.bench_compiled import gmm as gmm_workload
-from bench.bench_remat import ode_graph
+from bench.harness import (
+    HOST,
+    Conn,
+    Gradserve,
+    close_all,
+    close_to,
+    command_line,
+    compile_request,
+    measure,
+    median_ratio,
+    time_once,
+    trickle,
+    watch,
+)
+from bench.workloads import gmm as gmm_workload
+from bench.workloads import ode_graph, recurrent_cell, recurrent_torch, seed_body
+from tests.support.server import free_port, serving
 
 try:
     import jax
@@ -174,7 +185,7 @@ def llsq(n: int = 1024, m: int = 128) -> Case:
 
 
 def ode(n: int = 1000, s: int = 100) -> Case:
-    """GradBench's ode (bench_remat's graph: RK4 as a scan)."""
+    """GradBench's ode (bench.workloads.ode_graph: RK4 as a scan)."""
     x = np.random.default_rng(3).uniform(0.0, 1.0, n)
     h = 2.0 / s
 
@@ -334,7 +345,7 @@ def gmm_objective(
 
 def gmm(d: int = 10, k: int = 25, n: int = 1000) -> Case:
     """GradBench's gmm: the gradient of the log posterior with respect to alpha, mu and
-    the precisions' parameters; bench_compiled's graph (q and l one input, icf, as
+    the precisions' parameters; bench.workloads' graph (q and l one input, icf, as
     ADBench has them) and GradBench's JAX objective (gamma = 1, m = 0, as there), given
     icf's two parts."""
     w = gmm_workload(d, k, n)
@@ -361,7 +372,7 @@ def _cell_step(h: Any, a: Any) -> Any:
 
 
 def cell(steps: int = 24, batch: int = 4, width: int = 16) -> Case:
-    """bench_compiled's cell as define-by-run records it: `steps` unrolled copies of the
+    """bench.workloads' cell as define-by-run records it: `steps` unrolled copies of the
     step, each step's input its own tensor; JAX's contender unrolled alike."""
     w = recurrent_cell(steps, batch, width)
 
@@ -433,16 +444,6 @@ def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
 # ---------------------------------------------------------------- running
 
 
-def compile_request(graph: Graph, inputs: Arrays, wrt: Collection[str], device: str = "cpu") -> Any:
-    """As the service compiles a request: its wire schema, then the compiler; a backward
-    program when `wrt` names inputs to differentiate, else a forward one."""
-    from gradserve.engine.graph import TensorSpec, compile_graph
-    from gradserve.service.schemas import Graph
-
-    specs = {k: TensorSpec(a.shape, a.dtype.name, k in wrt) for k, a in inputs.items()}
-    return compile_graph(Graph.model_validate(graph), specs, backward=bool(wrt), device=device)
-
-
 def compile_program(c: Case, device: str = "cpu") -> Any:
     return compile_request(c.graph, c.inputs, c.wrt, device)
 
@@ -459,11 +460,11 @@ class Row:
     served_jax: float | None = None  # its time over JAX's (median of per-round ratios)
 
 
-def _close(a: Any, b: Any, what: str) -> None:
-    """Equal to summation order (bench_compiled's check): 1e-9 of the tensor's scale in
+def assert_agree(a: Any, b: Any, what: str) -> None:
+    """Equal to summation order (bench.harness' check): 1e-9 of the tensor's scale in
     float64, 1e-5 in float32 (XLA sums and multiplies in its own order)."""
     a, b = np.asarray(a), np.asarray(b)
-    close(a, b, 1e-5 if np.float32 in (a.dtype, b.dtype) else 1e-9, what)
+    close_to(a, b, 1e-5 if np.float32 in (a.dtype, b.dtype) else 1e-9, what)
 
 
 def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
@@ -482,9 +483,9 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
         lowered, note = None, f"stays interpreted: {e}"
     if lowered is not None:
         r = lowered.run(c.inputs)
-        _close(r.outputs[c.output], value[c.output], f"{c.name}: xla value")
+        assert_agree(r.outputs[c.output], value[c.output], f"{c.name}: xla value")
         for k in c.wrt:
-            _close(r.gradients[k], grads[k], f"{c.name}: xla gradient {k}")
+            assert_agree(r.gradients[k], grads[k], f"{c.name}: xla gradient {k}")
         fns["xla"] = lambda: lowered.run(c.inputs)
     if c.jax_fn is not None and jax is not None:
         order = c.order or c.wrt
@@ -499,15 +500,15 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
             else (jax.block_until_ready(jitted(*args)), ())
         )
         compile_ms["jax"] = (time.perf_counter() - t) * 1e3
-        _close(v, value[c.output], f"{c.name}: jax value")
+        assert_agree(v, value[c.output], f"{c.name}: jax value")
         for k, gk in zip(c.wrt, g, strict=True):
-            _close(gk, grads[k], f"{c.name}: jax gradient {k}")
+            assert_agree(gk, grads[k], f"{c.name}: jax gradient {k}")
         fns["jax"] = lambda: jax.block_until_ready(jitted(*args))
     if c.numpy is not None:
         v, g = c.numpy(c.numpy_inputs or c.inputs)
-        _close(v, value[c.output], f"{c.name}: numpy value")
+        assert_agree(v, value[c.output], f"{c.name}: numpy value")
         for k in c.wrt if g.keys() == set(c.wrt) else ():  # (else its inputs are others)
-            _close(g[k], grads[k], f"{c.name}: numpy gradient {k}")
+            assert_agree(g[k], grads[k], f"{c.name}: numpy gradient {k}")
         fns["numpy"] = lambda: c.numpy(c.numpy_inputs or c.inputs)
     samples = measure(fns, rounds, budget_s)
     ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
@@ -516,12 +517,12 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
     return Row(
         c.name,
         ms,
-        {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax", "numpy")},
+        {f"xla/{b}": median_ratio(samples, "xla", b) for b in ("interp", "jax", "numpy")},
         compile_ms,
         note,
         c.gradbench,
         served,
-        _ratio(samples, served, "jax"),
+        median_ratio(samples, served, "jax"),
     )
 
 
@@ -1012,7 +1013,7 @@ def bench_eval(ev: Evaluation, gs: Gradserve, rounds: int) -> EvalRow:
     return EvalRow(
         ev.name,
         {k: statistics.median(v) * 1e3 for k, v in samples.items()},
-        {f"xla/{b}": _ratio(samples, "xla", b) for b in ("interp", "jax")},
+        {f"xla/{b}": median_ratio(samples, "xla", b) for b in ("interp", "jax")},
         max(n for _, n in runs),
         servers["interp"].bound,
         {k: s.build_seconds * 1e3 for k, s in servers.items()},
@@ -1055,7 +1056,6 @@ def device_rows(device: str, rounds: int, budget_s: float) -> list[tuple[str, st
     (name, what gradserve ran, gradserve ms, torch ms)."""
     import torch
 
-    from bench.bench_compiled import recurrent_torch
     from gradserve.engine.backends import get_backend
     from gradserve.engine.graph import execute, xla
 
@@ -1091,9 +1091,9 @@ def device_rows(device: str, rounds: int, budget_s: float) -> list[tuple[str, st
             return loss.detach().cpu().numpy(), {k: v.grad.cpu().numpy() for k, v in t.items()}  # type: ignore[union-attr]
 
         (outputs, gradients), (value, grads) = via_gradserve(), via_torch()
-        _close(outputs[c.output], value, f"{c.name} on {device}: value")
+        assert_agree(outputs[c.output], value, f"{c.name} on {device}: value")
         for k in grads.keys() & gradients.keys():  # (the unrolled cell's xs are 24 inputs)
-            _close(gradients[k], grads[k], f"{c.name} on {device}: gradient {k}")
+            assert_agree(gradients[k], grads[k], f"{c.name} on {device}: gradient {k}")
         samples = measure({"gradserve": via_gradserve, "torch": via_torch}, rounds, budget_s)
         rows.append(
             (
@@ -1165,8 +1165,6 @@ def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[N
     byte a second (in a thread of their own, on their own event loop)."""
     import orjson
 
-    from bench.bench_hardening import HOST, Conn, _close_all, _trickle, _watch, seed_body
-
     body = orjson.dumps(seed_body(2.0, 3.0, "expr"))
     request = (
         b"POST /backward HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
@@ -1186,10 +1184,10 @@ def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[N
                         )
                         conn = Conn(kind, writer)
                         conns.append(conn)
-                        tasks.append(asyncio.create_task(_watch(conn, reader)))
+                        tasks.append(asyncio.create_task(watch(conn, reader)))
                         if kind == "slow":
                             tasks.append(
-                                asyncio.create_task(_trickle(conn, request, time.monotonic() + 600))
+                                asyncio.create_task(trickle(conn, request, time.monotonic() + 600))
                             )
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -1198,7 +1196,7 @@ def misbehaving(ports: list[int], idle: int = 200, slow: int = 20) -> Iterator[N
         asyncio.run_coroutine_threadsafe(open_all(), loop).result(timeout=120)
         yield
     finally:
-        asyncio.run_coroutine_threadsafe(_close_all(conns, tasks), loop).result(timeout=60)
+        asyncio.run_coroutine_threadsafe(close_all(conns, tasks), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
@@ -1220,7 +1218,6 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
     import httpx
     import orjson
 
-    from bench.bench_service import free_port, server
     from gradserve import Client
 
     app_dir = Path(tempfile.mkdtemp(prefix="gradserve-xla-bench-"))
@@ -1252,9 +1249,9 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
     ]
     rows: list[HttpRow] = []
     with (
-        server(gs_argv, gs_port) as gs_base,
-        server(torch_argv, torch_port) as torch_base,
-        Client(gs_base, timeout=60) as gs,
+        serving(gs_argv, port=gs_port, ready="/") as gs_server,
+        serving(torch_argv, port=torch_port, ready="/") as peer,
+        Client(gs_server.base, timeout=60) as gs,
         httpx.Client(timeout=60) as http,
     ):
         contenders = []
@@ -1269,7 +1266,7 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
 
             def via_torch(path: str = path, body: bytes = body) -> Any:
                 r = http.post(
-                    torch_base + path, content=body, headers={"Content-Type": "application/json"}
+                    peer.base + path, content=body, headers={"Content-Type": "application/json"}
                 )
                 r.raise_for_status()
                 return r.json()
@@ -1287,7 +1284,9 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
                 samples: dict[str, list[float]] = {"gradserve": [], "torch": []}
                 for _ in range(rounds):
                     for name, fn in (("gradserve", via_gradserve), ("torch", via_torch)):
-                        samples[name].append(statistics.median(_timed(fn) for _ in range(requests)))
+                        samples[name].append(
+                            statistics.median(time_once(fn) for _ in range(requests))
+                        )
                 rows.append(
                     (
                         c.name,
@@ -1303,8 +1302,8 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
                 (
                     c.name,
                     "first request",
-                    _timed(via_gradserve) * 1e3,
-                    _timed(via_torch) * 1e3,
+                    time_once(via_gradserve) * 1e3,
+                    time_once(via_torch) * 1e3,
                     "interpreter (cold)",
                 )
             )
@@ -1315,12 +1314,12 @@ def http_rows(rounds: int, requests: int, quick: bool, idle_s: float) -> list[Ht
                 time.sleep(0.05)
                 r = via_gradserve()
             t = via_torch()
-            _close(r.outputs[c.output], t["out"], f"{c.name}: over HTTP")
-            _close(r.gradients["x"], np.array(t["x"]), f"{c.name}: gradient over HTTP")
+            assert_agree(r.outputs[c.output], t["out"], f"{c.name}: over HTTP")
+            assert_agree(r.gradients["x"], np.array(t["x"]), f"{c.name}: gradient over HTTP")
         warm("warm")
         time.sleep(idle_s)
         for c, via_gradserve, via_torch in contenders:
-            gs_ms, torch_ms = _timed(via_gradserve) * 1e3, _timed(via_torch) * 1e3
+            gs_ms, torch_ms = time_once(via_gradserve) * 1e3, time_once(via_torch) * 1e3
             rows.append((c.name, f"first after {idle_s:.0f} s idle", gs_ms, torch_ms, tier()))
         with misbehaving([gs_port, torch_port]):
             warm("warm, misbehaving clients beside")
@@ -1341,8 +1340,8 @@ def print_http(rows: list[HttpRow], rounds: int) -> None:
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--only", default="")
@@ -1359,9 +1358,11 @@ def main() -> None:
         default=60.0,
         help="over HTTP: the pause before the first request after idle",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if jax is None:
         raise SystemExit("JAX is needed (pip install -e '.[test]' or '.[xla]')")
+    if args.smoke:  # the quick sizes, one round, and the HTTP part briefly
+        args.quick, args.rounds, args.http, args.requests, args.idle_seconds = True, 1, True, 2, 0.5
     quick = args.quick
     rounds = args.rounds or (2 if quick else 5)
     budget = 0.02 if quick else 0.15

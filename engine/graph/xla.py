@@ -65,7 +65,7 @@ BOOKKEEPING_BYTES = 4096
 # computation at once: a gradient accumulated over an unrolled loop's steps
 # (dW = Σ x_tᵀ·da_t, added one step at a time in the plan) becomes one fusion of all its
 # terms, each a matmul's result that no fusion can absorb, so all of them are live
-# together (the 24-step recurrent cell of bench/bench_compiled.py: 2 x 24 16x16 float32
+# together (the 24-step recurrent cell of bench/workloads.py: 2 x 24 16x16 float32
 # terms, 48 KiB, against a plan of 34,692 bytes in all; XLA 79,532). The memory-optimized
 # scheduler alone computes one such sum after the other (46,700); without fusion each
 # step's result is materialized and freed as the plan frees it, and that scheduler keeps

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_compiled import (
+from bench.workloads import (
     recurrent_data,
     recurrent_graph,
     recurrent_inputs,
@@ -262,7 +262,7 @@ CELL_LOSS, _ = recurrent_numpy(CELL_DATA)
 
 
 def _cell_call(gs: Client) -> None:
-    """The recurrent cell of bench/bench_compiled.py (266 nodes), batch 2048, width 64:
+    """The recurrent cell of bench/workloads.py (266 nodes), batch 2048, width 64:
     ~0.2 s a request, a 13 MB body, over HAProxy's 16 KiB buffer, so HAProxy cannot send
     it again: a replica killed under it answers the client 502, and the client resends."""
     r = gs.backward(recurrent_graph(CELL_STEPS), recurrent_inputs(CELL_DATA))

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench import bench_compiled as bc
+from bench.harness import Gradserve
+from bench.workloads import Workload, small_workloads
 from gradserve.engine.errors import BackwardError, Cancelled, GradserveError
 from gradserve.engine.graph import BodySpec, GraphSpec, NodeSpec, TensorSpec, compile_graph, serial
 from gradserve.engine.graph.checkpoint import checkpoint_every
@@ -166,13 +167,13 @@ def test_objectives_load_as_compiled(name: str, twins: _Twins) -> None:
 
 # ---------------------------------------------------------------- the benchmark's workloads
 
-WORKLOADS = bc.small_workloads()
+WORKLOADS = small_workloads()
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
-def test_the_benchmark_workloads_load_as_compiled(workload: bc.Workload) -> None:
+def test_the_benchmark_workloads_load_as_compiled(workload: Workload) -> None:
     w = workload
-    fresh = bc.Gradserve().compile(w.graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
+    fresh = Gradserve().compile(w.graph, w.inputs, w.wrt, w.grad_outputs, w.no_grad)
     run_both(fresh, round_trip(fresh), w.inputs, grad_outputs=w.grad_outputs)
 
 

@@ -246,11 +246,11 @@ def test_recomputed_values_are_the_plans() -> None:
 
 
 def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
-    """bench_compiled's 24-step cell: XLA's defaults hold every term of dW and dU at once
+    """bench.workloads' 24-step cell: XLA's defaults hold every term of dW and dU at once
     (79,532 bytes against a plan of 34,692); `lower` compiles it again with the memory-
     optimized scheduler and no fusion, which keeps to the plan, and it gives the same."""
-    from bench.bench_compiled import recurrent_cell
-    from bench.bench_xla import compile_request
+    from bench.harness import compile_request
+    from bench.workloads import recurrent_cell
 
     cell = recurrent_cell()
     program = compile_request(cell.graph, cell.inputs, cell.wrt)
@@ -265,12 +265,12 @@ def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
 
 
 def test_gradbenchs_gmm_tiers_up_within_the_plan() -> None:
-    """bench_compiled's gmm (GradBench's medium size): with YNNPACK's reductions XLA holds
+    """bench.workloads' gmm (GradBench's medium size): with YNNPACK's reductions XLA holds
     a recomputed f64[1000,25,10] more than the plan (8,338,384 bytes against 8,130,408);
     `lower` compiles it again with XLA's own reductions, which keeps within the plan, and
     it gives the same."""
-    from bench.bench_compiled import gmm
-    from bench.bench_xla import compile_request
+    from bench.harness import compile_request
+    from bench.workloads import gmm
 
     w = gmm()
     program = compile_request(w.graph, w.inputs, w.wrt)

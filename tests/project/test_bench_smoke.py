@@ -1,11 +1,8 @@
-"""bench/bench_compiled.py's workloads are right: gradserve, the hand-written NumPy and the
+"""bench/workloads.py's workloads are right: gradserve, the hand-written NumPy and the
 PyTorch eager versions agree on the value and every gradient (small sizes; no timing)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,47 +11,48 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench import bench_compiled as bc
+from bench import harness, workloads
 from gradserve.engine.graph import xla
+from tests.support.server import free_port
 
-WORKLOADS = bc.small_workloads()
+WORKLOADS = workloads.small_workloads()
 
 
 @pytest.fixture(scope="module")
-def gs() -> bc.Gradserve:
-    return bc.Gradserve()
+def gs() -> harness.Gradserve:
+    return harness.Gradserve()
 
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=[w.name for w in WORKLOADS])
-def test_implementations_agree(workload: bc.Workload, gs: bc.Gradserve) -> None:
+def test_implementations_agree(workload: workloads.Workload, gs: harness.Gradserve) -> None:
     baselines = [impl for impl in (workload.numpy, workload.torch) if impl is not None]
     assert baselines, "nothing to compare gradserve with"
-    bc.check(workload, gs)  # raises AssertionError on any disagreement
+    harness.check(workload, gs)  # raises AssertionError on any disagreement
 
 
-def test_check_catches_a_wrong_gradient(gs: bc.Gradserve) -> None:
-    w = bc.gmm(2, 3, 10)
+def test_check_catches_a_wrong_gradient(gs: harness.Gradserve) -> None:
+    w = workloads.gmm(2, 3, 10)
     numpy_gmm = w.numpy
     assert numpy_gmm is not None
 
-    def wrong(inputs: bc.Arrays) -> tuple[np.ndarray, bc.Arrays]:
+    def wrong(inputs: workloads.Arrays) -> tuple[np.ndarray, workloads.Arrays]:
         value, grads = numpy_gmm(inputs)
         return value, {**grads, "means": grads["means"] * 1.001}
 
     w.numpy = wrong
     with pytest.raises(AssertionError, match="means"):
-        bc.check(w, gs)
+        harness.check(w, gs)
 
 
 def test_objectives_are_the_tests_objectives(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies in the bench still say what the tests' objectives say."""
     tests = pytest.importorskip("tests.support.objectives")
-    assert set(bc.OBJECTIVES) == set(tests.OBJECTIVES)
+    assert set(workloads.OBJECTIVES) == set(tests.OBJECTIVES)
     monkeypatch.setattr(tests, "RNG", np.random.default_rng(42))  # its first draws
-    data = bc.objectives_data()
+    data = workloads.objectives_data()
     for k, v in tests.objective_data().items():
         np.testing.assert_array_equal(data[k], v, err_msg=k)
-    for name, (nodes, output, wrt) in bc.OBJECTIVES.items():
+    for name, (nodes, output, wrt) in workloads.OBJECTIVES.items():
         theirs, their_output, their_wrt, _ = tests.OBJECTIVES[name]
         assert (output, wrt) == (their_output, their_wrt), name
         ours = [
@@ -110,22 +108,21 @@ def test_wire_part_runs_small() -> None:
 def test_capacity_load_runs_small() -> None:
     """bench/bench_capacity.py's load generator and its accounting against one replica
     (no timing): every answer a 200, the tree's RSS and CPU seen."""
-    from bench import bench_capacity as bc
+    from bench import bench_capacity
 
-    port = bc.free_port()
-    with bc.replica(port, 1) as proc:
-        m = bc.load(port, bc.SEED, 2, 0.5, 200, [proc.pid])
+    port = free_port()
+    with bench_capacity.replica(port, 1) as proc:
+        m = bench_capacity.load(port, workloads.SEED, 2, 0.5, 200, [proc.pid])
     assert m.requests > 0 and m.statuses == {}, m
     assert m.peak_rss > 0 and m.server_cpu_ms > 0, m
 
 
 def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
-    """bench/bench_remat.py's ode (GradBench's, an RK4 scan) against its PyTorch reference,
+    """bench.workloads' ode (GradBench's, an RK4 scan) against its PyTorch reference,
     with the server's budget and with one that checkpoints its loop: the same gradient."""
     import json
     import time
 
-    from bench import bench_remat as br
     from gradserve.engine.errors import MemoryBudgetError
     from gradserve.service.compute import Compute, Stats
     from gradserve.service.settings import Settings
@@ -134,12 +131,12 @@ def test_the_gradbench_ode_graph_is_gradbenchs_ode() -> None:
     x = np.random.default_rng(5).random(n)
     m = np.zeros(n)
     m[0] = 1.0
-    want, grad = br.ode_torch(x, s)
+    want, grad = workloads.ode_torch(x, s)
     compute = Compute(Settings(program_store_bytes=0))
 
     def run(budget: int | None) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "graph": br.ode_graph(n, s),
+            "graph": workloads.ode_graph(n, s),
             "inputs": {
                 "x": {"data": x.tolist(), "dtype": "float64", "requires_grad": True},
                 "m": {"data": m.tolist(), "dtype": "float64"},
@@ -176,7 +173,7 @@ def test_the_native_tier_benchmark_agrees_with_jax() -> None:
     own derivative of the same function agree (bench_case checks it, to 1e-9)."""
     from bench import bench_xla as bx
 
-    gs = bc.Gradserve()
+    gs = harness.Gradserve()
     for case in (
         bx.rnn_scan(20),
         bx.lse(100),
@@ -197,7 +194,7 @@ def test_the_cell_as_a_scan_agrees_with_jax_and_numpy() -> None:
     (bench_case checks it, to 1e-5 in float32), and both fit their plans (lowered)."""
     from bench import bench_xla as bx
 
-    gs = bc.Gradserve()
+    gs = harness.Gradserve()
     for hoisted in (False, True):
         row = bx.bench_case(bx.cell_scan(hoisted), gs, rounds=1, budget_s=0.0)
         assert {"interp", "xla", "jax", "numpy"} <= set(row.ms), row.note
@@ -237,7 +234,7 @@ def test_gradbench_particle_and_saddle_programs() -> None:
     the objective's central difference in float64."""
     from bench import bench_xla as bx
 
-    gs = bc.Gradserve()
+    gs = harness.Gradserve()
     for ev, reference in (
         (bx.particle(16), lambda p: _particle_reference(float(p[0]))),
         (bx.saddle(16), _saddle_reference),
@@ -261,7 +258,7 @@ def test_gradbench_particle_and_saddle_evaluations() -> None:
     at the start and at the answer (where the objective is near 0: to 1e-12 absolute)."""
     from bench import bench_xla as bx
 
-    gs = bc.Gradserve()
+    gs = harness.Gradserve()
     for ev in (bx.particle(), bx.saddle()):
         runs = set()
         for build in (bx.lowered, bx.jax_built):
@@ -303,7 +300,7 @@ def test_the_gradbench_kmeans_dir_is_its_closed_form() -> None:
     want = np.stack([(C[j] - P[nearest == j]).sum(0) / (nearest == j).sum() for j in range(len(C))])
     program = bx.compile_program(case)
     assert not program.backward
-    gs = bc.Gradserve()
+    gs = harness.Gradserve()
     outputs, _, _ = gs.run(program, case.inputs)
     np.testing.assert_allclose(outputs["out"], want, rtol=1e-12, atol=1e-14)
     assert case.numpy is not None
@@ -314,19 +311,19 @@ def test_the_gradbench_kmeans_dir_is_its_closed_form() -> None:
 
 
 def test_the_gradbench_gmm_is_gradbenchs_definition() -> None:
-    """bench_compiled's gmm is GradBench's log posterior: on a 1-d, 1-component model it
+    """bench.workloads' gmm is GradBench's log posterior: on a 1-d, 1-component model it
     is the Gaussian log likelihood of the points plus the log Wishart (here gamma-
     distribution) density of the precision exp(2 q), at gamma = 1, m = 0."""
     from math import lgamma, log, pi
 
     n = 5
-    w = bc.gmm(1, 1, n)
+    w = workloads.gmm(1, 1, n)
     x, mu, q = w.inputs["x"][:, 0], w.inputs["means"][0, 0], w.inputs["icf"][0, 0]
     tau = np.exp(2 * q)  # the precision, Q^T Q
     likelihood = np.sum(0.5 * np.log(tau / (2 * pi)) - 0.5 * tau * (x - mu) ** 2)
     # Wishart_1(V = 1/gamma^2 = 1, dof 2): a gamma density of shape 1, scale 2.
     prior = -tau / 2 - log(2) - lgamma(1)
-    outputs, _, _ = bc.Gradserve().run_graph(w.graph, w.inputs, w.wrt)
+    outputs, _, _ = harness.Gradserve().run_graph(w.graph, w.inputs, w.wrt)
     np.testing.assert_allclose(outputs["loss"], likelihood + prior, rtol=1e-12)
 
 
@@ -385,20 +382,3 @@ def test_the_large_tensor_benchmark_agrees_with_torch() -> None:
                 np.testing.assert_allclose(got[1:], grad, rtol=1e-10, atol=1e-12)
             else:
                 bench_large.check(memoryview(content), case)
-
-
-SCRIPTS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "bench").glob("bench_*.py"))
-
-
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_bench_script_imports_and_parses_its_arguments(
-    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """No script rots unseen (bench_compile once failed at import, and nothing noticed): each
-    imports, and its `main` builds its command line and answers --help."""
-    module = importlib.import_module(f"bench.{script}")
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
-    with pytest.raises(SystemExit) as exit_:
-        module.main()
-    assert exit_.value.code == 0
-    assert "usage:" in capsys.readouterr().out

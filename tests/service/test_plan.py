@@ -12,7 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
-from bench.bench_compiled import OBJECTIVES, objectives_data
+from bench.workloads import OBJECTIVES, objectives_data
 from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json
 from tests.support.seeds import SEED_EXPR, SEED_OP

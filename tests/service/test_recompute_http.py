@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.bench_remat import chain_numpy
+from bench.workloads import chain_numpy
 from tests.support.chains import STEPS, N, chain
 from tests.support.in_process import serving
 from tests.support.problems import assert_problem, strict_json

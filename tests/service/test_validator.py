@@ -9,8 +9,6 @@ in any field, or one change away from well-formed."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -343,12 +341,9 @@ def test_the_oracle_refuses_what_it_should() -> None:
 
 # ------------------------------------------------------------------ what it accepts compiles
 def _workload_graphs() -> list[dict[str, Any]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    try:
-        import bench_compiled
-    finally:
-        sys.path.pop(0)
-    return [w.graph for w in bench_compiled.small_workloads()]
+    from bench.workloads import small_workloads
+
+    return [w.graph for w in small_workloads()]
 
 
 def _spec(graph: dict[str, Any]) -> GraphSpec:
