@@ -2,7 +2,9 @@
 busy waits for one, first come first served, within the queue's bound, its wait's bound
 and its own deadline.
 
-The apps run in process on ASGI. Every loop is bounded in count and time.
+The apps run in process on ASGI, their time on a `ManualClock` (service/clock.py): a test
+moves it, and asserts what was answered before and after, rather than time a wait. Every
+loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from starlette.requests import ClientDisconnect
 
 from gradserve.engine.errors import DeadlineExceeded
 from gradserve.service.admission import Admission
+from gradserve.service.clock import ManualClock
 from gradserve.service.errors import ProblemError
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
@@ -39,7 +42,8 @@ def _metric(text: str, name: str) -> float:
 
 async def _hold_the_slot(app: FastAPI) -> int:
     """The only compute slot, taken as a long computation would hold it."""
-    slot: int = await app.state.front.admission.enter(time.monotonic() + 60)
+    admission = app.state.front.admission
+    slot: int = await admission.enter(admission.clock.now() + 60)
     return slot
 
 
@@ -51,9 +55,12 @@ async def _until_queued(c: httpx.AsyncClient, n: int) -> None:
     raise AssertionError(f"{n} requests never queued")
 
 
-@pytest.mark.timing
 async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_answers() -> None:
-    async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
+    """With the clock still, the third request is refused and the probes answer: neither
+    waited for any timer. Then 1.5 s pass with the two in the queue, and it drains in
+    order, each having waited exactly that."""
+    clock = ManualClock()
+    async with serving(clock, max_concurrency=1, max_queue_size=2) as (c, app):
         admission = app.state.front.admission
         slot = await _hold_the_slot(app)
         done: list[int] = []
@@ -68,16 +75,14 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         second = asyncio.create_task(send(2))
         await _until_queued(c, 2)
         # The queue is full: refused at once, and the probes still answer.
-        t0 = time.perf_counter()
         r = await c.post("/forward", json=worker_body(3.0))
-        assert time.perf_counter() - t0 < 1.0
         assert_problem(r, 503, "overloaded", "the queue's bound")
         assert r.headers["retry-after"] == "1"
         for _ in range(5):
-            t0 = time.perf_counter()
             assert (await c.get("/healthz")).json() == {"status": "ok"}
-            assert time.perf_counter() - t0 < 0.5
         assert (await c.get("/readyz")).status_code == 200
+        clock.advance(1.5)  # (within the queue's wait bound and the requests' deadline)
+        await asyncio.sleep(0.05)
         assert not first.done() and not second.done()
 
         admission.leave(slot)  # the long computation ends: the queue drains in order
@@ -89,36 +94,46 @@ async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_ans
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, "gradserve_queue_length") == 0
         assert _metric(metrics, "gradserve_queue_wait_seconds_count") == 2
-        assert _metric(metrics, "gradserve_queue_wait_seconds_sum") > 0
+        assert _metric(metrics, "gradserve_queue_wait_seconds_sum") == 2 * 1.5
         assert _metric(metrics, 'gradserve_rejections_total{reason="queue_full"}') == 1
         assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 0
         assert admission.active == 0
 
 
-@pytest.mark.timing
 async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> None:
-    async with serving(max_concurrency=1, queue_timeout_s=0.3) as (c, app):
+    """Refused when the clock reaches the wait's bound (0.3 s), not before."""
+    clock = ManualClock()
+    async with serving(clock, max_concurrency=1, queue_timeout_s=0.3) as (c, app):
         await _hold_the_slot(app)
-        t0 = time.monotonic()
-        r = await c.post("/forward", json=worker_body())
-        elapsed = time.monotonic() - t0
+        waiting = asyncio.create_task(c.post("/forward", json=worker_body()))
+        await _until_queued(c, 1)
+        clock.advance(0.29)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        clock.advance(0.01)
+        r = await asyncio.wait_for(waiting, 30)
         assert_problem(r, 503, "overloaded", "no compute slot came free within 0.3 s")
-        assert r.headers["retry-after"] == "1" and 0.3 <= elapsed < 2.0
+        assert r.headers["retry-after"] == "1"
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 1
         assert _metric(metrics, "gradserve_queue_wait_seconds_count") == 1
+        assert _metric(metrics, "gradserve_queue_wait_seconds_sum") == pytest.approx(0.3)
         assert _metric(metrics, "gradserve_queue_length") == 0
 
 
-@pytest.mark.timing
 async def test_a_request_queued_past_its_deadline_gets_504() -> None:
-    async with serving(max_concurrency=1, request_timeout_s=0.5) as (c, app):
+    """Answered 504 when the clock reaches the request's deadline (0.5 s), not before."""
+    clock = ManualClock()
+    async with serving(clock, max_concurrency=1, request_timeout_s=0.5) as (c, app):
         await _hold_the_slot(app)
-        t0 = time.monotonic()
-        r = await c.post("/forward", json=worker_body())
-        elapsed = time.monotonic() - t0
+        waiting = asyncio.create_task(c.post("/forward", json=worker_body()))
+        await _until_queued(c, 1)
+        clock.advance(0.49)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        clock.advance(0.01)
+        r = await asyncio.wait_for(waiting, 30)
         assert_problem(r, 504, "timeout", "waiting for a compute slot")
-        assert 0.5 <= elapsed < 2.0
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, 'gradserve_rejections_total{reason="timeout"}') == 1
         assert _metric(metrics, 'gradserve_rejections_total{reason="queue_timeout"}') == 0
@@ -161,19 +176,22 @@ async def test_the_queue_is_first_come_first_served_and_loses_no_slot() -> None:
 
 
 async def test_the_queue_bounds_and_deadlines_directly() -> None:
+    clock = ManualClock()
     admission = Admission(
         Settings(max_concurrency=1, max_queue_size=1, queue_timeout_s=5, request_timeout_s=0.2),
         Metrics(),
+        clock,
     )
-    await admission.enter(time.monotonic() + 30)
-    waiter = asyncio.create_task(admission.enter(time.monotonic() + 0.2))
+    await admission.enter(clock.now() + 30)
+    waiter = asyncio.create_task(admission.enter(clock.now() + 0.2))
     await asyncio.sleep(0)
     with pytest.raises(ProblemError, match="queue's bound"):
-        await admission.enter(time.monotonic() + 30)
+        await admission.enter(clock.now() + 30)
+    clock.advance(0.2)
     with pytest.raises(DeadlineExceeded, match="waiting for a compute slot"):
         await waiter
     with pytest.raises(DeadlineExceeded):  # a deadline already past: no wait at all
-        await admission.enter(time.monotonic() - 1)
+        await admission.enter(clock.now() - 1)
 
 
 async def test_16_clients_on_8_slots_all_wait_their_turn() -> None:
@@ -221,20 +239,19 @@ async def test_a_client_that_hangs_up_while_queued_leaves_the_queue() -> None:
         assert strict_json(await c.post("/backward", json=SEED_OP))["outputs"]["z"]["data"] == -5.0
 
 
-@pytest.mark.timing
 async def test_a_small_request_never_waits_behind_the_queue() -> None:
     """The fast lane: a small request that the front process computes itself takes no
-    compute slot, so it is answered at once while every slot is busy and others queue."""
-    async with serving(max_concurrency=1, max_queue_size=2) as (c, app):
+    compute slot, so it is answered while every slot is busy and others queue, with the
+    clock still: it waited for nothing."""
+    clock = ManualClock()
+    async with serving(clock, max_concurrency=1, max_queue_size=2) as (c, app):
         slot = await _hold_the_slot(app)
         queued = [
             asyncio.create_task(c.post("/forward", json=worker_body(float(k)))) for k in (1, 2)
         ]
         await _until_queued(c, 2)
         for _ in range(5):
-            t0 = time.perf_counter()
             r = await c.post("/backward", json=SEED_OP)
-            assert time.perf_counter() - t0 < 0.5
             assert strict_json(r)["outputs"]["z"]["data"] == -5.0
         assert not any(t.done() for t in queued)
         app.state.front.admission.leave(slot)

@@ -34,6 +34,16 @@ def test_timers_run_in_order_at_their_time_when_advanced() -> None:
         clock.advance(-1)
 
 
+def test_advancing_in_steps_reaches_a_timer_that_float_sums_fall_short_of() -> None:
+    clock = ManualClock()  # (on the monotonic scale, where 0.29 + 0.01 < 0.3)
+    ran: list[float] = []
+    clock.call_later(0.3, lambda: ran.append(clock.now()))
+    clock.advance(0.29)
+    assert ran == []
+    clock.advance(0.01)
+    assert len(ran) == 1 and clock.pending() == []
+
+
 async def test_wait_returns_at_its_timeout_or_when_the_future_is_done() -> None:
     clock = ManualClock(start=0.0)
     future: asyncio.Future[int] = asyncio.get_running_loop().create_future()

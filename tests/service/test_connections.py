@@ -29,6 +29,7 @@ from fastapi import FastAPI
 
 from gradserve.service import protocol
 from gradserve.service.app import create_app
+from gradserve.service.clock import SYSTEM_CLOCK, Clock, ManualClock
 from gradserve.service.middleware import TIMED_OUT, loggable
 from gradserve.service.protocol import GradserveProtocol, H11Guard, HttpToolsGuard
 from gradserve.service.settings import Settings
@@ -291,10 +292,25 @@ def test_uvicorn_takes_the_protocol_class() -> None:
     assert config.http_protocol_class is GradserveProtocol is HttpToolsGuard
 
 
+def _until_watched(clock: ManualClock, n: int) -> None:
+    """Until the watchdog of the server on `clock` holds `n` connections (each accepted, its
+    deadlines set on the clock), waiting at most 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        dogs = [d for d in list(protocol._watchdogs.values()) if d.clock is clock]
+        if dogs and len(dogs[0].members) == n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server never held {n} connections")
+
+
 @contextmanager
-def _serve_in_thread(http: type, **settings: Any) -> Iterator[tuple[int, FastAPI]]:
-    """A uvicorn server with `http` as its protocol, in a thread of this process."""
-    app = create_app(Settings(**settings))
+def _serve_in_thread(
+    http: type, clock: Clock = SYSTEM_CLOCK, **settings: Any
+) -> Iterator[tuple[int, FastAPI]]:
+    """A uvicorn server with `http` as its protocol, in a thread of this process, its time
+    on `clock`."""
+    app = create_app(Settings(**settings), clock)
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
@@ -319,24 +335,33 @@ def _serve_in_thread(http: type, **settings: Any) -> Iterator[tuple[int, FastAPI
 
 
 @pytest.mark.parametrize("http", [HttpToolsGuard, H11Guard])
-@pytest.mark.timing
 def test_idle_and_slow_connections_are_answered_408_and_closed(http: type) -> None:
-    with _serve_in_thread(http, header_timeout_s=0.5, body_timeout_s=0.5) as (port, _):
-        t0 = time.monotonic()
+    """On the server's clock (a `ManualClock`): idle connections, heads and bodies sent a
+    byte at a time, all past their 0.5 s deadlines when the watchdog looks, at its 1 s
+    tick, are answered 408 and closed; none was before it looked."""
+    clock = ManualClock()
+    with _serve_in_thread(http, clock, header_timeout_s=0.5, body_timeout_s=0.5) as (port, _):
         idle = [_connect(port) for _ in range(5)]
         head = [_connect(port) for _ in range(3)]
         body = [_connect(port) for _ in range(3)]
         for s in body:
             s.sendall(SLOW_BODY)
-        answers = _trickle(head + body, [TRICKLED_HEAD] * 3 + [TRICKLED_BODY] * 3, seconds=5)
-        answers += [_read_all(s, 5) for s in idle]
-        elapsed = time.monotonic() - t0
-        for s in idle + head + body:
+        trickled = head + body
+        payloads = [TRICKLED_HEAD] * 3 + [TRICKLED_BODY] * 3
+        _until_watched(clock, 11)
+        for tick in range(4):  # a byte each 0.2 s: still sending, for 0.8 s
+            for s, payload in zip(trickled, payloads, strict=True):
+                s.sendall(payload[tick : tick + 1])
+            clock.advance(0.2)
+        readable, _, _ = select.select(idle + trickled, [], [], 0.2)
+        assert readable == [], "answered before the watchdog looked"
+        clock.advance(0.2)  # the tick: every deadline is past
+        answers = [_read_all(s, 5) for s in idle + trickled]
+        for s in idle + trickled:
             s.close()
         for answer in answers:
             assert _status(answer) == 408 and _problem_type(answer) == "request-timeout", answer
             assert b"content-type: application/problem+json" in answer
-        assert elapsed < 4, elapsed  # the tick is 1 s: each is closed within 0.5 + 1 s or so
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
             assert client.get("/healthz").status_code == 200
             metrics = client.get("/metrics").text

@@ -22,6 +22,7 @@ import pytest
 from asgi_lifespan import LifespanManager
 
 from gradserve.service.app import create_app
+from gradserve.service.clock import ManualClock
 from gradserve.service.compute import WARM_UP
 from gradserve.service.metrics import Metrics
 from gradserve.service.pool import Pool, _Worker
@@ -81,32 +82,34 @@ async def test_readiness_waits_for_a_warm_worker(monkeypatch: pytest.MonkeyPatch
             await manager.__aexit__(None, None, None)
 
 
-@pytest.mark.timing
 async def test_idle_workers_retire_down_to_the_minimum_and_it_stays_warm() -> None:
-    """Two workers under load; idle, the one above the minimum exits and the other stays:
-    the first request after the idle time starts no process and waits for none."""
-    async with serving(compute_workers=2, compute_worker_idle_s=0.5) as (c, app):
-        runner = app.state.front
-        pool = runner.pool
+    """Two workers under load; idle on the app's clock (a `ManualClock`) for less than the
+    idle time, both stay; for the idle time, the one above the minimum exits and the other
+    stays, however long the clock then runs on: the first request after that starts no
+    process and waits for none."""
+    clock = ManualClock()
+    async with serving(clock, compute_workers=2, compute_worker_idle_s=0.5) as (c, app):
+        pool = app.state.front.pool
         assert pool.warm == 1 and pool.starts == 1
         replies = await asyncio.gather(*(c.post("/forward", json=worker_body(k)) for k in range(6)))
         assert [r.status_code for r in replies] == [200] * 6
-        await _until("a second worker", lambda: pool.starts == 2)
-        deadline = time.monotonic() + 20
-        while len(pool.pids()) > 1 and time.monotonic() < deadline:
-            runner.pool.housekeeping()  # (the app's own runs once a second)
-            await asyncio.sleep(0.1)
-        assert len(pool.pids()) == 1 and pool.warm == 1
+        await _until("a second worker, warm and idle", lambda: len(pool._idle) == 2)
+        clock.advance(0.4)
+        pool.housekeeping()  # (the app's own runs once a second)
+        assert len(pool.pids()) == 2
+        clock.advance(0.1)
+        pool.housekeeping()
+        await _until("the one above the minimum to exit", lambda: len(pool.pids()) == 1)
+        assert pool.warm == 1
         kept = pool.pids()
-        await asyncio.sleep(1.5)  # idle for three times the idle time: still there
+        clock.advance(1.5)  # idle for three times the idle time: still there
+        pool.housekeeping()
         assert pool.pids() == kept
         starts, waits = pool.starts, pool.waits
-        t0 = time.perf_counter()
         r = await c.post("/forward", json=worker_body(9.0))
-        elapsed = time.perf_counter() - t0
         assert r.status_code == 200 and r.json()["outputs"]["s"]["data"] == 45000.0
         assert (pool.starts, pool.waits) == (starts, waits), "the request started a worker"
-        assert pool.pids() == kept and elapsed < 2.0
+        assert pool.pids() == kept
         metrics = (await c.get("/metrics")).text
         assert 'gradserve_compute_worker_exits_total{reason="idle"} 1.0' in metrics
         assert "gradserve_compute_workers 1.0" in metrics
