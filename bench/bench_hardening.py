@@ -71,6 +71,7 @@ from bench.harness import (
     close_all,
     command_line,
     percentile,
+    revision,
     trickle,
     watch,
 )
@@ -1315,27 +1316,6 @@ def machine_busy() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
-def git_rev() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-        return rev + (" (modified)" if dirty.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "?"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command_line(__doc__)
     p.add_argument(
@@ -1454,7 +1434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for s in list(_SERVERS):  # interrupted: leave no server behind
             s.stop(graceful=False)
     root = args.server_root.resolve()
-    server = f"git {git_rev()}" if root == ROOT else f"servers from {root}"
+    server = f"git {revision()}" if root == ROOT else f"servers from {root}"
     head = (
         f"gradserve hardening bench{': ' + args.label if args.label else ''}, {started}, "
         f"{server}, "

@@ -12,11 +12,13 @@ import math
 import os
 import socket
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -695,3 +697,21 @@ def command_line(doc: str | None) -> argparse.ArgumentParser:
         "runs end to end (its figures mean nothing)",
     )
     return parser
+
+
+def revision() -> str:
+    """The checkout's commit, marked when its tracked files have changes; "unknown" where
+    git cannot say."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head} with changes" if dirty else head

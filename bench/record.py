@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.harness import revision
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADER = "<!-- written by `python3 -m bench.record`; run it again rather than edit this -->"
@@ -74,28 +76,6 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):
         load = ", load average {:.2f} {:.2f} {:.2f} at the start".format(*os.getloadavg())
     return f"{cpu}, {os.cpu_count()} cores{memory}, {platform.system()}{load}"
-
-
-def revision() -> str:
-    """The checkout's commit, marked when the tree has changes."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head} with changes" if dirty else head
 
 
 def software() -> str:

@@ -55,6 +55,18 @@ async def _until_queued(c: httpx.AsyncClient, n: int) -> None:
     raise AssertionError(f"{n} requests never queued")
 
 
+async def _answered_at(c: httpx.AsyncClient, clock: ManualClock, seconds: float) -> httpx.Response:
+    """A request sent with the only slot held: unanswered when the clock is 0.01 s short of
+    `seconds`, answered when it gets there."""
+    waiting = asyncio.create_task(c.post("/forward", json=worker_body()))
+    await _until_queued(c, 1)
+    clock.advance(seconds - 0.01)
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    clock.advance(0.01)
+    return await asyncio.wait_for(waiting, 30)
+
+
 async def test_a_request_waits_in_turn_and_a_full_queue_is_503_while_healthz_answers() -> None:
     """With the clock still, the third request is refused and the probes answer: neither
     waited for any timer. Then 1.5 s pass with the two in the queue, and it drains in
@@ -105,13 +117,7 @@ async def test_a_request_that_waits_its_bound_gets_503_with_retry_after() -> Non
     clock = ManualClock()
     async with serving(clock, max_concurrency=1, queue_timeout_s=0.3) as (c, app):
         await _hold_the_slot(app)
-        waiting = asyncio.create_task(c.post("/forward", json=worker_body()))
-        await _until_queued(c, 1)
-        clock.advance(0.29)
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        clock.advance(0.01)
-        r = await asyncio.wait_for(waiting, 30)
+        r = await _answered_at(c, clock, 0.3)
         assert_problem(r, 503, "overloaded", "no compute slot came free within 0.3 s")
         assert r.headers["retry-after"] == "1"
         metrics = (await c.get("/metrics")).text
@@ -126,13 +132,7 @@ async def test_a_request_queued_past_its_deadline_gets_504() -> None:
     clock = ManualClock()
     async with serving(clock, max_concurrency=1, request_timeout_s=0.5) as (c, app):
         await _hold_the_slot(app)
-        waiting = asyncio.create_task(c.post("/forward", json=worker_body()))
-        await _until_queued(c, 1)
-        clock.advance(0.49)
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        clock.advance(0.01)
-        r = await asyncio.wait_for(waiting, 30)
+        r = await _answered_at(c, clock, 0.5)
         assert_problem(r, 504, "timeout", "waiting for a compute slot")
         metrics = (await c.get("/metrics")).text
         assert _metric(metrics, 'gradserve_rejections_total{reason="timeout"}') == 1
