@@ -393,15 +393,33 @@ class RawClient:
                 "\r\n",
             ]
         ).encode()
-        self.sock.sendall(head)
-        for view in views:
-            self.sock.sendall(view)
         self.sent = len(head) + length
+        try:
+            self.sock.sendall(head)
+            for view in views:
+                self.sock.sendall(view)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            # The server answered before the body was all sent (a 408 for a body that came
+            # too slowly, a 413, a 503) and closed: that answer is the response, if it can
+            # still be read. The connection is spent either way.
+            try:
+                return self._response(early=True)
+            except OSError:
+                raise ConnectionError(
+                    f"the server closed the connection while {path}'s body was being sent, "
+                    "and no answer could be read"
+                ) from exc
+        return self._response()
+
+    def _response(self, early: bool = False) -> Response:
         data = b""
         while b"\r\n\r\n" not in data:
             chunk = self.sock.recv(65536)
             if not chunk:
-                raise ConnectionError("the server closed the connection")
+                raise ConnectionError(
+                    "the server closed the connection"
+                    + (" before the body was all sent" if early else "")
+                )
             data += chunk
         raw_head, _, rest = data.partition(b"\r\n\r\n")
         lines = raw_head.decode("latin-1").split("\r\n")

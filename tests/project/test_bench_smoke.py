@@ -89,6 +89,31 @@ def test_wire_client_encodes_and_decodes(encoding: str) -> None:
     assert got.dtype == np.float32 and got.shape == (3, 5)
 
 
+def test_raw_client_reads_an_answer_sent_before_the_body() -> None:
+    """A server that answers 413 on the head and closes while the client is still sending
+    a large body: the client returns that answer rather than a broken pipe."""
+    import socket
+    import threading
+
+    answer = b"HTTP/1.1 413 Content Too Large\r\nContent-Length: 7\r\n\r\ntoo big"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def refuse() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while b"\r\n\r\n" not in conn.recv(65536):
+                    pass
+                conn.sendall(answer)
+                conn.shutdown(socket.SHUT_WR)
+
+        server = threading.Thread(target=refuse)
+        server.start()
+        with harness.RawClient(listener.getsockname()[1], timeout=30) as client:
+            status, fields, body = client.post("/forward", [bytes(64 << 20)])
+        server.join(timeout=30)
+    assert (status, fields["content-length"], bytes(body)) == (413, "7", b"too big")
+
+
 @pytest.mark.integration
 def test_wire_part_runs_small() -> None:
     """The wire part end to end at small sizes (no timing): its three servers start, every
