@@ -15,9 +15,11 @@ In process (a program compiled once; the timed call is its execution, NumPy in a
           is made to wait;
   numpy   hand-written NumPy (forward, and backward by the chain rule), where there is one.
 
-Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values),
-bench.workloads' 24-step recurrent cell (unrolled, as a `scan`, and as a `scan` with its
-inputs' projection hoisted as the hand-written NumPy does), GradBench-style lse, llsq and
+Workloads: a 1,000-step RNN `scan` (`h = 0.95 h + 0.05 tanh(x + 1.1 h)`, 4 values), a
+300-step chain as define-by-run records it (one node a step: lowered as a loop, and also
+as it is, for its compile), bench.workloads' 24-step recurrent cell (unrolled, as a
+`scan`, and as a `scan` with its inputs' projection hoisted as the hand-written NumPy
+does), GradBench-style lse, llsq and
 ode (written as its JAX tool writes them), GradBench's kmeans as its eval asks for it
 (`dir`: the gradient over the Hessian's diagonal, both inside one forward program) and
 gmm. Then GradBench's particle and saddle, whole evaluations: the client runs GradBench's
@@ -101,6 +103,7 @@ class Case:
     numpy: Callable[[Arrays], tuple[Any, Arrays]] | None = None
     numpy_inputs: Arrays | None = None
     gradbench: bool = False  # one of the target's GradBench evaluations (the summary)
+    unrolled_too: bool = False  # also lowered as it is (roll=False): its compile and run
 
 
 # ---------------------------------------------------------------- workloads
@@ -387,6 +390,34 @@ def cell(steps: int = 24, batch: int = 4, width: int = 16) -> Case:
     )
 
 
+def chain(steps: int = 300, width: int = 8) -> Case:
+    """A recurrence as define-by-run records it, one node a step: `h = tanh(h * w + x) *
+    0.5`; the tier lowers it as a loop (engine.graph.rolling); JAX's contender unrolled
+    alike (a Python loop under jit)."""
+    rng = np.random.default_rng(2)
+    nodes = [{"id": f"h{i}", "expr": f"tanh(h{i - 1} * w + x) * 0.5"} for i in range(1, steps + 1)]
+    graph = {
+        "nodes": [*nodes, {"id": "loss", "op": "sum", "args": [f"h{steps}"]}],
+        "outputs": ["loss"],
+    }
+    inputs = {k: rng.standard_normal(width) for k in ("h0", "w", "x")}
+
+    def f(h: Any, w: Any, x: Any) -> Any:
+        for _ in range(steps):
+            h = jnp.tanh(h * w + x) * 0.5
+        return jnp.sum(h)
+
+    return Case(
+        f"chain {steps} steps x {width} f64, unrolled",
+        graph,
+        inputs,
+        ["h0", "w", "x"],
+        "loss",
+        f,
+        unrolled_too=True,
+    )
+
+
 def cell_scan(hoisted: bool, batch: int = 4, width: int = 16) -> Case:
     """The same cell written as a loop: a `scan` over its 24 steps (as `trace` records
     `scan`, or a user writes the graph); `hoisted`: the inputs' projection `xs @ w + b` of
@@ -481,6 +512,13 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
         compile_ms["xla"] = (time.perf_counter() - t) * 1e3
     except xla.NotLowerable as e:
         lowered, note = None, f"stays interpreted: {e}"
+    if lowered is not None and c.unrolled_too:
+        t = time.perf_counter()
+        plain = xla.lower(program, roll=False)
+        plain_ms = (time.perf_counter() - t) * 1e3
+        fns["xla unrolled"] = lambda: plain.run(c.inputs)
+        how = "rolled" if lowered.rolled else "not rolled"
+        note = f"{how}; lowered as it is: compile {plain_ms:.0f} ms"
     if lowered is not None:
         r = lowered.run(c.inputs)
         assert_agree(r.outputs[c.output], value[c.output], f"{c.name}: xla value")
@@ -512,6 +550,8 @@ def bench_case(c: Case, gs: Gradserve, rounds: int, budget_s: float) -> Row:
         fns["numpy"] = lambda: c.numpy(c.numpy_inputs or c.inputs)
     samples = measure(fns, rounds, budget_s)
     ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    if "xla unrolled" in ms:
+        note += f", run {ms['xla unrolled']:.3g} ms (the tier's, rolled: {ms['xla']:.3g} ms)"
     # As the service decides (service/tier.py): the lowered program while it is faster.
     served = "xla" if "xla" in ms and ms["xla"] < ms["interp"] else "interp"
     return Row(
@@ -1369,6 +1409,7 @@ def main(argv: list[str] | None = None) -> None:
     gs = Gradserve()
     cases = [
         rnn_scan(100 if quick else 1000),
+        chain(50 if quick else 300),
         cell(),
         cell_scan(False),
         cell_scan(True),

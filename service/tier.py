@@ -46,6 +46,7 @@ import numpy as np
 
 from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Program, RunResult
+from gradserve.engine.graph.compiler import rolled_fraction
 from gradserve.engine.graph.scan import compiled_steps, executed_steps
 from gradserve.service.lowering import LoweringQueue
 from gradserve.service.programs import Lru
@@ -75,6 +76,9 @@ XLA_UNITS_MS = 1.1e8
 COMPILE_BASE_MS = 150.0
 COMPILE_STEP_MS = 2.0
 LOAD_MS = 50.0  # loading a stored executable
+# Programs this many steps or more are looked at for loops to roll (~1 ms for 1,000 steps)
+# when their compile is predicted: below, the base of the compile is most of it.
+ROLL_LOOKED_AT_STEPS = 100
 JAX_IMPORT_MS = 900.0  # a process's first load imports jax (and starts XLA's client) first
 # A saving under this a run is not worth an executable kept in memory, whatever the reuse.
 MIN_SAVING_MS = 0.05
@@ -111,13 +115,18 @@ class Prediction:
 
 
 def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
-    """The cost model (see the module's docstring)."""
+    """The cost model (see the module's docstring). XLA compiles the program with its
+    unrolled loops rolled (xla.lower): a program large enough for that to matter is sized
+    as rolled."""
     executed = executed_steps(program)
     cost = program.compute_cost
+    compiled = compiled_steps(program)
+    if compiled >= ROLL_LOOKED_AT_STEPS:
+        compiled = int(compiled * rolled_fraction(program))
     return Prediction(
         interpreted_ms=executed * INTERPRETER_STEP_MS + cost / INTERPRETER_UNITS_MS,
         xla_ms=XLA_CALL_MS + executed * XLA_STEP_MS + cost / XLA_UNITS_MS,
-        compile_ms=(COMPILE_BASE_MS + compiled_steps(program) * COMPILE_STEP_MS) * compile_scale,
+        compile_ms=(COMPILE_BASE_MS + compiled * COMPILE_STEP_MS) * compile_scale,
     )
 
 

@@ -113,7 +113,7 @@ def _derive(
                     )
                     b.origin = step.origin
                     for slot, sym in _scan_vjp(
-                        b, step, [None if g is None else syms[g] for g in cts], active
+                        b, step, [None if g is None else syms[g] for g in cts], active, pending
                     ):
                         _accumulate(b, pending, slot, sym.slot)
                 continue
@@ -158,12 +158,19 @@ def _scan_active(b: Builder, step: Step, active: set[int]) -> tuple[set[int], li
 
 
 def _scan_vjp(
-    b: Builder, step: Step, cts: list[Sym | None], active: set[int]
+    b: Builder,
+    step: Step,
+    cts: list[Sym | None],
+    active: set[int],
+    pending: dict[int, int],
 ) -> list[tuple[int, Sym]]:
     """The VJP of a scan step: a scan the other way over the VJP of its body, emitted on
     `b` (engine.graph.scan). Its carries are the carries' cotangents and a running sum of
-    each closure's; per step it reads the results' cotangents, the sequences, and the body
-    values the VJP needs (stacked by this step as extra results)."""
+    each closure's, which starts from the closure's cotangent so far (taken from
+    `pending`): the sum is then in the order an unrolled loop's backward meets its terms,
+    the same bits (engine.graph.rolling); per step it reads the results' cotangents, the
+    sequences, and the body values the VJP needs (stacked by this step as extra
+    results)."""
     body: Body = step.attrs["body"]
     assert not body.shifted and body.replay is None, "a loop derived to run once"
     bb = body.b
@@ -247,7 +254,13 @@ def _scan_vjp(
         vjp_of=None if b.create_graph else step,
     )
     inits = [cts[k] if cts[k] is not None else b.zeros_like(syms[step.outs[k]]) for k in ct_carries]
-    inits += [b.zeros_like(syms[args[nc + nx + i]]) for i in closures]
+    for i in closures:
+        outer = args[nc + nx + i]
+        so_far = pending.get(outer)
+        if so_far is not None and b.metas[so_far] == b.metas[outer] and outer not in args[:nc]:
+            inits.append(syms[pending.pop(outer)])
+        else:
+            inits.append(b.zeros_like(syms[outer]))
     sequences = [cts[nc + j] for j in ct_ys]
     sequences += stacked(b, step, [shifts.get(slot, slot) for slot in residuals])
     sequences += [syms[args[nc + i]] for i in read_xs]

@@ -37,10 +37,11 @@ from gradserve.engine.graph.checkpoint import checkpoint_loops
 from gradserve.engine.graph.executor import bind
 from gradserve.engine.graph.expr import Span, expand_expr, piece_of
 from gradserve.engine.graph.facts import literal_key
-from gradserve.engine.graph.ir import BYTE_COST, DERIVED, NODE, Lit, Program
+from gradserve.engine.graph.ir import BACKWARD, BYTE_COST, DERIVED, NODE, Lit, Program, Step
 from gradserve.engine.graph.lifting import GraphLiteral, Templates
 from gradserve.engine.graph.plan import plan
 from gradserve.engine.graph.remat import rematerialize
+from gradserve.engine.graph.rolling import roll_loops
 from gradserve.engine.graph.scan import SCAN, Body, emit_scan
 from gradserve.engine.graph.spec import GraphLike, Limits, NodeLike, TensorSpec
 from gradserve.engine.graph.transforms import Derivations, emit_grad, emit_jvp
@@ -239,6 +240,30 @@ def _compile(
 
     input_slots = {name: slots[scope.names[name]] for name in inputs}
     outputs = [(name, slots[key]) for name, key in named_outputs]
+    program = _finish(
+        b, inputs, input_slots, outputs, grad_syms, grad_outputs, no_grad, backward, device, limits
+    )
+    program.plan_ms = (time.perf_counter() - started) * 1000
+    if lifting is not None:
+        templates.learn(*lifting, program)  # type: ignore[union-attr]
+    return program
+
+
+def _finish(
+    b: Builder,
+    inputs: Mapping[str, TensorSpec],
+    input_slots: dict[str, int],
+    outputs: list[tuple[str, int]],
+    grad_syms: Mapping[str, Sym],
+    grad_outputs: Mapping[str, TensorSpec] | None,
+    no_grad: bool,
+    backward: bool,
+    device: str,
+    limits: Limits,
+) -> Program:
+    """A program from its forward emitted on `b`: requires_grad, the derived backward, the
+    plan (recomputing to fit the memory budget), the budgets checked, the kernels bound."""
+    errors = _Errors(limits.max_errors)
     wrt = [] if no_grad else [input_slots[n] for n, t in inputs.items() if t.requires_grad]
     active = active_slots(b, b.steps, wrt)
     requires_grad = [False] * len(b.metas)
@@ -277,10 +302,76 @@ def _compile(
         program.peak_without_recompute = without
     check_budgets(program, limits, no_grad)
     program.run = bind(program, device, facts=b.facts)
-    program.plan_ms = (time.perf_counter() - started) * 1000
-    if lifting is not None:
-        templates.learn(*lifting, program)  # type: ignore[union-attr]
     return program
+
+
+def roll_program(program: Program, device: str = "cpu") -> Program | None:
+    """`program` with the unrolled loops of its forward rolled (engine.graph.rolling) and
+    its backward derived again from the loops: the same inputs, outputs and gradients, by
+    name, and the same values bit for bit. None where nothing rolls, or where a memory
+    budget shaped the program (its recomputation is planned for the unrolled steps)."""
+    rolled_forward = _rolled_forward(program)
+    if rolled_forward is None:
+        return None
+    b, renames = rolled_forward
+    metas = program.metas
+    inputs = {
+        name: TensorSpec(metas[slot].shape, metas[slot].dtype, program.requires_grad[slot])
+        for name, slot in program.inputs.items()
+    }
+    grad_outputs = {
+        name: TensorSpec(metas[slot].shape, metas[slot].dtype)
+        for name, slot in program.grad_inputs.items()
+    }
+    rolled = _finish(
+        b,
+        inputs,
+        dict(program.inputs),
+        [(name, renames.get(slot, slot)) for name, slot in program.outputs],
+        {name: b.syms[slot] for name, slot in program.grad_inputs.items()},
+        grad_outputs if program.backward else None,
+        program.no_grad,
+        program.backward,
+        device,
+        Limits(),
+    )
+    rolled.plan_ms = program.plan_ms
+    return rolled
+
+
+def rolled_fraction(program: Program) -> float:
+    """What is left of the steps XLA compiles once `program` is rolled as `roll_program`
+    rolls it (1.0: nothing rolls), from its forward alone (the backward of a loop is a loop
+    as well): for the native tier's predicted compile."""
+    rolled_forward = _rolled_forward(program)
+    if rolled_forward is None:
+        return 1.0
+    forward = sum(step.kind != BACKWARD for step in _steps_of(program))
+    b = rolled_forward[0]
+    left = sum(1 + len(step.attrs["body"].steps) if step.op is SCAN else 1 for step in b.steps)
+    return min(1.0, left / max(forward, 1))
+
+
+def _steps_of(program: Program) -> Sequence[Step]:
+    """A program's steps: a loaded program's are a Sequence, not a list (engine.graph.serial),
+    which this module compiled by mypyc must not read as its declared list."""
+    steps: Sequence[Step] = getattr(program, "steps")  # noqa: B009 (an untyped read)
+    return steps
+
+
+def _rolled_forward(program: Program) -> tuple[Builder, dict[int, int]] | None:
+    """The forward of `program` on a Builder of its own, rolled, and the renames of its
+    outputs; None where nothing rolls or a memory budget shaped the program (its
+    recomputation is planned for the unrolled steps)."""
+    if program.recompute_cost:
+        return None
+    b = Builder()
+    b.metas = list(program.metas)
+    b.steps = [step for step in _steps_of(program) if step.kind != BACKWARD]
+    renames = roll_loops(b, {slot for _, slot in program.outputs})
+    if not any(step.op is SCAN and step.attrs["body"].unrolled_nodes for step in b.steps):
+        return None
+    return b, renames
 
 
 def _shape(

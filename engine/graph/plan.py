@@ -58,7 +58,8 @@ def plan(
         f = per_step[i]
         if f is None:
             if step.op is SCAN:
-                nodes += step.attrs["body"].program.nodes
+                body = step.attrs["body"]
+                nodes += body.unrolled_nodes or body.program.nodes
                 for a in args:
                     last_use[a] = i  # type: ignore[index]
                 viewed.update(args)  # type: ignore[arg-type]

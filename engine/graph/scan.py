@@ -81,6 +81,9 @@ class Body:
     # sequences and closures are the step's arguments after its own closures, and whose
     # `replayed` values its program is given after its closures.
     replay: Body | None = None
+    # A loop that engine.graph.rolling made of an unrolled one: the client's nodes its
+    # blocks hold (what the program reports as run, as unrolled); 0 for a client's scan.
+    unrolled_nodes: int = 0
     # Set where a reverse loop is derived to run once (no create_graph): the scan step
     # whose VJP it is, which engine.graph.checkpoint may checkpoint. Compile time only.
     vjp_of: Step | None = None
@@ -245,13 +248,19 @@ def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:
 
 
 def emit_scan(
-    b: Builder, body: Body, inits: list[Sym], xs: list[Sym], closures: list[Sym]
+    b: Builder,
+    body: Body,
+    inits: list[Sym],
+    xs: list[Sym],
+    closures: list[Sym],
+    hoist: bool = True,
 ) -> list[Sym]:
     """Append the scan step of `body` to `b`: its final carries (metas of the initial
-    ones) and its stacked results, as Syms of `b`. The body's steps that read nothing
-    that changes from step to step run once, before the loop (their values become
-    closures)."""
-    closures = _hoist(b, body, list(closures))
+    ones) and its stacked results, as Syms of `b`. With `hoist`, the body's steps that
+    read nothing that changes from step to step run once, before the loop (their values
+    become closures)."""
+    if hoist:
+        closures = _hoist(b, body, list(closures))
     metas = body.b.metas
     outs = [b.value(init.meta) for init in inits]
     outs += [b.value(Meta((body.length, *metas[y].shape), metas[y].dtype)) for y in body.ys]

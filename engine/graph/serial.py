@@ -106,7 +106,7 @@ from gradserve.engine.graph.scan import SCAN, Body
 from gradserve.engine.ops import OPS
 from gradserve.engine.ops.registry import Meta, OpDef, bind_attributes, literal_meta
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: a body's unrolled_nodes
 MAGIC = b"GSPROG\r\n"
 _PREFIX = struct.Struct("<8sIIQ")  # magic, version, CRC-32 and length of what follows
 _U32 = struct.Struct("<I")
@@ -451,6 +451,7 @@ class _Writer:
                 "shifted": [list(pair) for pair in body.shifted],
                 "every": body.every,
                 "replayed": body.replayed,
+                "unrolled_nodes": body.unrolled_nodes,
                 "replay": replay,
             }
         for loop in loops:
@@ -1102,6 +1103,7 @@ class _Reader:
             ys=ys,
             length=length,
             reverse=_typed(spec["reverse"], bool, "a body's reverse"),
+            unrolled_nodes=_typed(spec["unrolled_nodes"], int, "a body's unrolled nodes"),
             shifted=[(i, j) for i, j in pairs],
             every=every,
             replayed=replayed,

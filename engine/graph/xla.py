@@ -43,6 +43,7 @@ import numpy as np
 
 from gradserve.engine.backends.base import namespace_with
 from gradserve.engine.errors import GradserveError
+from gradserve.engine.graph.compiler import roll_program
 from gradserve.engine.graph.executor import given_of, wrong_input
 from gradserve.engine.graph.ir import RECOMPUTE, Program, Step
 from gradserve.engine.graph.scan import SCAN, Body
@@ -282,11 +283,13 @@ class Lowered:
         memory_bytes: int,
         compile_ms: float,
         deferred: list[Deferred],
+        rolled: bool = False,
     ) -> None:
         self.program = program
         self.device = device
         self.memory_bytes = memory_bytes
         self.compile_ms = compile_ms
+        self.rolled = rolled  # compiled from the program with its unrolled loops rolled
         self._compiled = compiled
         # (name, shape, dtype, upstream) of each argument: checked on every run
         self._given = [
@@ -355,6 +358,7 @@ class Lowered:
             "compile_ms": round(self.compile_ms, 3),
             "checks": checks,
             "jax": _jax().__version__,
+            "rolled": self.rolled,
         }
 
     @classmethod
@@ -383,6 +387,7 @@ class Lowered:
                 int(meta["memory_bytes"]),
                 float(meta["compile_ms"]),
                 checks,
+                bool(meta.get("rolled")),
             )
         except NotLowerable:
             raise
@@ -403,39 +408,57 @@ def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]
     return out
 
 
-def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -> Lowered:
+def lower(
+    program: Program, device: str = "cpu", *, budget: int | None = None, roll: bool = True
+) -> Lowered:
     """`program` traced and compiled by XLA for `device`; raises NotLowerable (an op
     without a lowering, a checkpointed loop, XLA's memory over `budget`, by default the
     program's planned peak and XLA's bookkeeping, no jax). Slow (XLA compiles): call it off
-    the request path."""
+    the request path.
+
+    `roll`: what XLA compiles is the program with its unrolled loops rolled
+    (compiler.roll_program): one block compiled, not k, and run as XLA's loop; within the
+    same budget, else the program as it is."""
     try:
         jax = _jax()
     except Exception as exc:
         raise NotLowerable(f"jax cannot be imported ({exc})") from None
+    if budget is None:
+        budget = program.planned_peak_bytes + BOOKKEEPING_BYTES
+    rolled = roll_program(program, device) if roll else None
+    if rolled is not None:
+        try:
+            return _lower(jax, program, rolled, device, budget)
+        except NotLowerable:
+            pass  # (over the budget as a loop, or a body XLA refuses: as it is)
+    return _lower(jax, program, program, device, budget)
+
+
+def _lower(jax: Any, program: Program, steps_of: Program, device: str, budget: int) -> Lowered:
+    """`steps_of` (the program whose steps XLA compiles: `program`, or it rolled) lowered, as an
+    executable of `program` (the same inputs and results, by name)."""
     started = time.perf_counter()
     target = _device(jax, device)
     sharding = jax.sharding.SingleDeviceSharding(target)
-    given = _given(program)
-    results = [slot for _, slot in program.outputs]
-    if program.backward:
-        results += [slot for _, slot in program.gradients]
+    given = _given(steps_of)
+    results = [slot for _, slot in steps_of.outputs]
+    if steps_of.backward:
+        results += [slot for _, slot in steps_of.gradients]
     tracer = _Tracer(jax)
     deferred: list[Deferred] = []
 
     def whole(*arrays: Any) -> Any:
-        env: list[Any] = [None] * len(program.metas)
+        env: list[Any] = [None] * len(steps_of.metas)
         for (_, slot, _, _, _), array in zip(given, arrays, strict=True):
             env[slot] = array
         deferred.clear()
-        tracer.run(program, env, deferred)
+        tracer.run(steps_of, env, deferred)
         return [env[s] for s in results], [d[1] for d in deferred]
 
     specs = [
         jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
         for _, _, shape, dtype, _ in given
     ]
-    if budget is None:
-        budget = program.planned_peak_bytes + BOOKKEEPING_BYTES
     attempts = CPU_ATTEMPTS if target.platform == "cpu" else ({},)
     # Float32 products in full precision, as NumPy and PyTorch compute them (not TF32).
     with jax.default_matmul_precision("highest"):
@@ -464,4 +487,6 @@ def lower(program: Program, device: str = "cpu", *, budget: int | None = None) -
             f"{program.planned_peak_bytes} (allowed: {budget})"
         )
     compile_ms = (time.perf_counter() - started) * 1000
-    return Lowered(program, device, compiled, need, compile_ms, list(deferred))
+    return Lowered(
+        program, device, compiled, need, compile_ms, list(deferred), rolled=steps_of is not program
+    )

@@ -248,13 +248,15 @@ def test_recomputed_values_are_the_plans() -> None:
 def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
     """bench.workloads' 24-step cell: XLA's defaults hold every term of dW and dU at once
     (79,532 bytes against a plan of 34,692); `lower` compiles it again with the memory-
-    optimized scheduler and no fusion, which keeps to the plan, and it gives the same."""
+    optimized scheduler and no fusion, which keeps to the plan, and it gives the same. (It
+    is not rolled: its steps read an input each.)"""
     from bench.harness import compile_request
     from bench.workloads import recurrent_cell
 
     cell = recurrent_cell()
     program = compile_request(cell.graph, cell.inputs, cell.wrt)
     lowered = lower(program)
+    assert not lowered.rolled
     assert lowered.memory_bytes <= program.planned_peak_bytes + BOOKKEEPING_BYTES
     got, expected = lowered.run(cell.inputs), execute(program, cell.inputs)
     assert_equivalent(got.outputs["loss"], expected.outputs["loss"])
@@ -262,6 +264,30 @@ def test_the_recurrent_cell_tiers_up_within_the_plan() -> None:
         np.testing.assert_allclose(
             got.gradients[name], value, rtol=1e-5, atol=1e-5 * np.abs(value).max(), err_msg=name
         )
+
+
+def test_a_long_unrolled_chain_is_compiled_as_a_loop() -> None:
+    """A 200-step chain as define-by-run records it: XLA compiles one step of it, within the
+    plan (its executable stored and loaded as rolled), and answers as the interpreter
+    does; unrolled (`roll=False`) it compiles its 2,400 steps."""
+    nodes = [NodeSpec(f"h{i}", expr=f"tanh(h{i - 1} * w + x) * 0.5") for i in range(1, 201)]
+    spec = GraphSpec([*nodes, NodeSpec("loss", "sum", ["h200"])], ["loss"])
+    vector = TensorSpec((8,), "float64", True)
+    program = compile_graph(spec, {"h0": vector, "w": vector, "x": vector}, backward=True)
+    lowered = lower(program)
+    assert lowered.rolled and not lower(program, roll=False).rolled
+    assert lowered.memory_bytes <= program.planned_peak_bytes + BOOKKEEPING_BYTES
+    rng = np.random.default_rng(5)
+    arrays = {k: rng.standard_normal(8) for k in ("h0", "w", "x")}
+    expected = execute(program, arrays)
+    got = lowered.run(arrays)
+    np.testing.assert_allclose(got.outputs["loss"], expected.outputs["loss"], rtol=1e-12)
+    for name, value in expected.gradients.items():
+        np.testing.assert_allclose(got.gradients[name], value, rtol=1e-10, atol=1e-14)
+    payload, meta = lowered.export()
+    loaded = type(lowered).load(program, payload, meta)
+    assert loaded.rolled
+    np.testing.assert_array_equal(loaded.run(arrays).outputs["loss"], got.outputs["loss"])
 
 
 def test_gradbenchs_gmm_tiers_up_within_the_plan() -> None:

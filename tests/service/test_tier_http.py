@@ -207,6 +207,41 @@ def test_a_one_off_long_loop_is_lowered_before_its_first_run(server: Server) -> 
     )  # (a sum of 200,000 terms, XLA's and NumPy's)
 
 
+def unrolled_chain(steps: int = 400) -> dict[str, Any]:
+    """A recurrence as define-by-run records it: one node a step."""
+    nodes = [{"id": f"h{i}", "expr": f"tanh(h{i - 1} * w + x) * 0.5"} for i in range(1, steps + 1)]
+    return {
+        "graph": {
+            "nodes": [*nodes, {"id": "loss", "op": "sum", "args": [f"h{steps}"]}],
+            "outputs": ["loss"],
+        },
+        "inputs": {
+            name: {
+                "data": list(np.linspace(-1, 1, 64) + k),
+                "dtype": "float64",
+                "requires_grad": True,
+            }
+            for k, name in enumerate(("h0", "w", "x"))
+        },
+    }
+
+
+@needs_jax
+def test_an_unrolled_chain_is_predicted_and_lowered_as_a_loop(server: Server) -> None:
+    """The 400-step chain (some 4,800 steps with its backward): its compile is predicted
+    for the loop XLA compiles (one step), not for 4,800 steps (~10 s); it tiers up, within
+    the plan, and answers as the interpreter did."""
+    body = unrolled_chain()
+    first = post(server, body)
+    assert first["meta"]["tier"] == "interpreter"
+    found = re.search(r"\(a ~(\d+) ms compile\)", first["meta"]["tier_reason"] or "")
+    assert found and int(found[1]) < 1000, first["meta"]
+    tiered = until_xla(server, body)
+    assert_same(first, tiered)
+    assert tiered["meta"]["peak_bytes"] <= tiered["meta"]["planned_peak_bytes"] + 4096
+    assert tiered["meta"]["nodes"] == first["meta"]["nodes"] == 4 * 400 + 1  # (after expr)
+
+
 def test_the_front_process_keeps_tiny_programs_interpreted(server: Server) -> None:
     """The seed runs in the front process's fast lane, which never loads XLA."""
     metas = [post(server, seed())["meta"] for _ in range(5)]
