@@ -6,6 +6,7 @@ step leave it unrolled; a rolled program measures the memory it planned."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from gradserve.engine.graph import (
 )
 from gradserve.engine.graph.compiler import roll_program, rolled_fraction
 from gradserve.engine.graph.serial import dump_program, load_program
+from tests.engine import test_compiled, test_transforms
 from tests.support.objectives import OBJECTIVES, objective_data
 
 RNG = np.random.default_rng(11)
@@ -244,3 +246,66 @@ def test_a_rolled_program_is_stored_and_loaded_as_it_is() -> None:
         np.testing.assert_array_equal(got.gradients[k], want.gradients[k], strict=True)  # type: ignore[index]
     again = roll_program(load_program(dump_program(program)))  # (a stored program's steps)
     assert again is not None and _loops(again) == [8]
+
+
+# ---------------------------------------------------------------- the suites' graphs, rolled
+
+
+def rolled_too(
+    program: Program,
+    inputs: Mapping[str, Any],
+    *,
+    grad_outputs: Mapping[str, Any] | None = None,
+    **kw: Any,
+) -> Any:
+    """`execute` as the suites call it, checked: where the program rolls, the rolled one
+    answers the same bits (or the same error)."""
+    try:
+        result = execute(program, inputs, grad_outputs=grad_outputs, **kw)
+    except Exception as error:
+        rolled = roll_program(program, program.run.backend.device)
+        if rolled is not None:
+            with pytest.raises(type(error)):
+                execute(rolled, inputs, grad_outputs=grad_outputs, **kw)
+        raise
+    rolled = roll_program(program, program.run.backend.device)
+    if rolled is not None:
+        again = execute(rolled, inputs, grad_outputs=grad_outputs, **kw)
+        backend = program.run.backend
+        for part in ("outputs", "gradients"):
+            want, got = getattr(result, part) or {}, getattr(again, part) or {}
+            assert want.keys() == got.keys()
+            for k in want:
+                np.testing.assert_array_equal(
+                    backend.to_host(got[k]), backend.to_host(want[k]), strict=True, err_msg=k
+                )
+        assert again.nodes == result.nodes
+    return result
+
+
+globals().update(
+    {
+        f"{name}_rolled": fn
+        for module in (test_compiled, test_transforms)
+        for name, fn in vars(module).items()
+        if name.startswith("test_")
+        and callable(fn)
+        and name
+        not in {
+            "test_forward_is_the_eager_forward",
+            "test_gradients_are_the_eager_gradients_and_torch",
+            "test_second_order_by_differentiating_the_program_twice",
+        }
+    }
+)
+
+
+@pytest.fixture(autouse=True)
+def _roll_the_suites(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """For the suites' tests: `execute` is `rolled_too`."""
+    if request.function.__module__ != __name__:
+        for module in (test_compiled, test_transforms):
+            monkeypatch.setattr(module, "execute", rolled_too)
+    yield

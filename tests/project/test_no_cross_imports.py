@@ -18,6 +18,7 @@ TESTS = Path(__file__).resolve().parents[1]
 REPLAYS = {  # (paths under tests/)
     "engine/test_checkpoint.py": {"test_transforms"},
     "engine/test_remat.py": {"test_objectives", "test_transforms"},
+    "engine/test_rolling.py": {"test_compiled", "test_transforms"},
     "engine/test_serial.py": {"test_objectives", "test_transforms"},
     "engine/test_xla.py": {"test_compiled", "test_objectives", "test_transforms"},
     "service/test_xla_service.py": {
