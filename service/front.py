@@ -45,6 +45,7 @@ from gradserve.service.settings import Settings
 from gradserve.service.shm import (
     SHM_MIN_BYTES,
     Payload,
+    Spares,
     create_segment,
     open_payload,
     own_directory,
@@ -123,6 +124,7 @@ class Front:
         # One line of the ledger more than the compute slots (0 .. max_concurrency - 1): the
         # front process's own, for the requests of its fast lane.
         self.pool = Pool(settings, settings.max_concurrency + 1, metrics, clock)
+        self.spares = Spares()  # body segments done with, for the next large bodies
         # The host's lowering process (service/lowering.py): where the tier is on, jax is
         # installed, and there is a program store for it to write the executables into.
         self.lowerer = (
@@ -153,6 +155,7 @@ class Front:
         if self.lowerer is not None:
             self.lowerer.close()
         self.pool.close()
+        self.spares.clear()
         self._writer.shutdown(wait=True)
         if self._own_store is not None:
             os.close(self._held)
@@ -335,7 +338,9 @@ class Front:
         and the segment; or None, having read nothing, if /dev/shm has no room."""
         # (With room for an answer's JSON header, longer than the request's, so that the
         # worker can write an answer of the body's size back into the same segment.)
-        segment = create_segment(name, size + ANSWER_HEADER_ROOM)
+        segment = self.spares.take(name, size + ANSWER_HEADER_ROOM) or create_segment(
+            name, size + ANSWER_HEADER_ROOM
+        )
         if segment is None:
             return None
         buf = segment.buf
@@ -444,8 +449,10 @@ class Front:
                 [view], outcome.header_length, media_type=outcome.media_type, release=release
             )
         finally:
-            if not isinstance(task.body, bytes):  # (the worker's answer went elsewhere)
-                unlink(name)
+            if not isinstance(task.body, bytes):
+                # Kept for a next body, unless the answer is in it: then open_payload has
+                # unlinked it, and its pages go with the reply.
+                self.spares.give(name)
 
     def _observe(self, stats: Stats) -> None:
         """A computation's figures: into the metrics, and the placement's facts."""

@@ -41,7 +41,7 @@ def test_what_a_dead_server_left_goes_and_a_live_ones_stays(tmp_path: Path) -> N
         path.mkdir()
         (path / OWNER).write_bytes(b"")
         (path / "ledger").write_bytes(b"\0" * 64)
-    segments = [Path(SHM_DIR) / f"gs{dead}-7", Path(SHM_DIR) / f"gs{dead}-7o"]
+    segments = [Path(SHM_DIR) / f"gs{dead}-{n}" for n in ("7", "7o", "0s")]  # (a spare too)
     for path in segments:
         path.write_bytes(b"x")
     # A live server's (this process's own): held, so kept, and so are its segments.
@@ -136,4 +136,76 @@ def test_the_names_it_reads_are_the_names_it_makes() -> None:
     assert shm._owner_alive(os.path.join(path, OWNER)) is False
     shutil.rmtree(path)
     assert shm._SEGMENT.match("gs123-4") and shm._SEGMENT.match("gs123-4o")
+    assert shm._SEGMENT.match("gs123-4s")  # (a spare: shm.Spares)
     assert not shm._SEGMENT.match("gs123-4x") and not shm._SEGMENT.match("psm_123")
+
+
+@needs_shm
+def test_a_body_segment_done_with_is_kept_for_the_next_body() -> None:
+    """Spares: a segment given back is renamed and kept; a body it fits within twice takes
+    it (the same file, cut to the body's size, its pages already there); one too small or
+    too large does not; past SPARES they are removed; clear removes the kept ones."""
+    spares = shm.Spares()
+    size = shm.SHM_MIN_BYTES
+    names = [f"gs{os.getpid()}-test{k}" for k in range(shm.SPARES + 2)]
+    try:
+        first = shm.Segment(names[0], 2 * size)
+        first.buf[:4] = b"body"
+        first.close()
+        inode = os.stat(os.path.join(SHM_DIR, names[0])).st_ino
+        spares.give(names[0])
+        assert not os.path.exists(os.path.join(SHM_DIR, names[0])) and spares.bytes == 2 * size
+        assert spares.take(names[1], size // 2) is None  # (2 MiB kept for 0.5 MiB: too large)
+        assert spares.take(names[1], 3 * size) is None  # (too small)
+        taken = spares.take(names[1], size + 1)
+        assert taken is not None and taken.size == size + 1 and spares.bytes == 0
+        assert os.stat(os.path.join(SHM_DIR, names[1])).st_ino == inode
+        assert bytes(taken.buf[:4]) == b"body"  # (a body overwrites what it was)
+        taken.close()
+        for name in names[1:]:  # at most SPARES kept; the others removed
+            if not os.path.exists(os.path.join(SHM_DIR, name)):
+                shm.Segment(name, size).close()
+            spares.give(name)
+        assert len(spares._kept) == shm.SPARES
+        assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
+        kept = [n for _, n in spares._kept]
+        assert all(shm._SEGMENT.match(n) for n in kept)  # (swept if the server dies)
+        spares.clear()
+        assert spares.bytes == 0 and not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in kept)
+        small = shm.Segment(names[0], 4096)
+        small.close()
+        spares.give(names[0])  # (below SHM_MIN_BYTES: never a body's segment, removed)
+        assert spares.bytes == 0 and not os.path.exists(os.path.join(SHM_DIR, names[0]))
+    finally:
+        spares.clear()
+        for name in names:
+            shm.unlink(name)
+
+
+@needs_shm
+def test_large_binary_bodies_one_after_another_answer_their_own_values(tmp_path: Path) -> None:
+    """Bodies of 1 and 2 MiB in turn through a real server (their segments kept and taken
+    again): each answer is its own body's, not a former one's."""
+    server = start_server(tmp_path)
+    try:
+        rng = np.random.default_rng(4)
+        for n in (1 << 17, 1 << 18, 1 << 17, 1 << 18, 1 << 17):
+            x = rng.standard_normal(n)
+            head = (
+                b'{"graph": {"nodes": [{"id": "y", "expr": "sum(x * 2.0)"}], "outputs": ["y"]},'
+                b' "inputs": {"x": {"dtype": "float64", "shape": [%d], "binary_data_size": %d}}}'
+                % (n, x.nbytes)
+            )
+            r = httpx.post(
+                server.base + "/forward",
+                content=head + x.tobytes(),
+                headers={
+                    "Content-Type": "application/octet-stream",
+                    "Inference-Header-Content-Length": str(len(head)),
+                },
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["outputs"]["y"]["data"], 2 * x.sum(), rtol=1e-12)
+    finally:
+        stop_server(server)
