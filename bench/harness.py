@@ -10,6 +10,7 @@ import gc
 import itertools
 import math
 import os
+import select
 import socket
 import statistics
 import subprocess
@@ -370,9 +371,25 @@ class RawClient:
     the GIL held)."""
 
     def __init__(self, port: int, timeout: float = 120.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.port, self.timeout = port, timeout
+        self.sock = self._connect()
         self.sent = 0  # bytes of the last request, head included
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _closed_by_server(self) -> bool:
+        """Whether the server has closed this idle keep-alive connection (uvicorn closes
+        one after 5 s by default), as an HTTP client checks before reusing one."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if not readable:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def close(self) -> None:
         self.sock.close()
@@ -394,6 +411,9 @@ class RawClient:
             ]
         ).encode()
         self.sent = len(head) + length
+        if self._closed_by_server():
+            self.sock.close()
+            self.sock = self._connect()
         try:
             self.sock.sendall(head)
             for view in views:

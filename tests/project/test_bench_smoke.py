@@ -3,6 +3,7 @@ PyTorch eager versions agree on the value and every gradient (small sizes; no ti
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,36 @@ def test_raw_client_reads_an_answer_sent_before_the_body() -> None:
             status, fields, body = client.post("/forward", [bytes(64 << 20)])
         server.join(timeout=30)
     assert (status, fields["content-length"], bytes(body)) == (413, "7", b"too big")
+
+
+def test_raw_client_reconnects_where_the_server_closed_an_idle_connection() -> None:
+    """A server that answers one request and closes the connection (as uvicorn closes an
+    idle keep-alive one after 5 s): the client's next request goes on a new connection."""
+    import socket
+    import threading
+
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def one_answer_each() -> None:
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    data = b""
+                    while b"\r\n\r\nbody" not in data:
+                        data += conn.recv(65536)
+                    conn.sendall(answer)
+
+        server = threading.Thread(target=one_answer_each)
+        server.start()
+        with harness.RawClient(listener.getsockname()[1], timeout=30) as client:
+            first = client.post("/echo", [b"body"])
+            server_side_closed = time.monotonic() + 10
+            while not client._closed_by_server() and time.monotonic() < server_side_closed:
+                time.sleep(0.01)
+            second = client.post("/echo", [b"body"])
+        server.join(timeout=30)
+    assert [(r[0], bytes(r[2])) for r in (first, second)] == [(200, b"ok")] * 2
 
 
 @pytest.mark.integration
