@@ -25,10 +25,20 @@ from gradserve.service.compute import Compute, Stats, warm_up
 from gradserve.service.errors import ProblemError, as_problem
 from gradserve.service.ledger import Ledger, overloaded
 from gradserve.service.settings import Settings
-from gradserve.service.shm import Payload, Segment, pack, trim_memory, unpack
+from gradserve.service.shm import (
+    KEPT_FREE_BYTES,
+    Payload,
+    Segment,
+    keep_freed_memory,
+    pack,
+    trim_memory,
+    unpack,
+)
 from gradserve.service.tier import CPUS
 
-TRIM_AFTER_BYTES = 16 << 20  # a task that planned this much gives free memory back after
+# A task that planned more than the allocator keeps gives its free memory back after; a
+# smaller one leaves it to the next (its pages already faulted in) until the worker idles.
+TRIM_AFTER_BYTES = KEPT_FREE_BYTES
 TRIM_IDLE_S = 1.0  # a worker idle this long gives its free memory back (once)
 WORKER_NICENESS = 10  # below the front process, whose event loop answers health checks
 FULL_COLLECTION_EVERY = 64  # tasks between two full collections under continuous load
@@ -150,9 +160,10 @@ def _after_reply(compute: Compute, tasks: int, waiting: bool) -> None:
 
 def _start(settings_json: str, ledger_path: str, slots: int, limit: int) -> Compute:
     """Leave Ctrl-C to the front process (it reaches the whole process group), die with the
-    forkserver (which exits with the front process), step aside for the front process, and
-    warm up."""
+    forkserver (which exits with the front process), step aside for the front process, keep
+    freed memory for the next task, and warm up."""
     global _compute, _ledger
+    keep_freed_memory()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if _prctl is not None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -209,3 +209,36 @@ def test_large_binary_bodies_one_after_another_answer_their_own_values(tmp_path:
             np.testing.assert_allclose(r.json()["outputs"]["y"]["data"], 2 * x.sum(), rtol=1e-12)
     finally:
         stop_server(server)
+
+
+# A process that keeps freed memory reuses a task's pages for the next task; by default
+# glibc gives them back (the heap's top past its trim threshold) and the next task faults
+# every page in again.
+_FAULTS = """
+import resource, sys
+import numpy as np
+from gradserve.service import shm
+if sys.argv[1] == "keep":
+    shm.keep_freed_memory()
+def faults_of_a_task():  # six 8 MiB arrays alive at once, as a computation's temporaries
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    arrays = [np.ones(1 << 20) for _ in range(6)]
+    del arrays
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_a_task()  # (the first one faults in either case)
+print(min(faults_of_a_task() for _ in range(3)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("policy", "at_least", "at_most"), [("keep", 0, 100), ("default", 1000, None)]
+)
+def test_a_worker_keeps_freed_memory_for_the_next_task(
+    policy: str, at_least: int, at_most: int | None
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS, policy], capture_output=True, text=True, check=True
+    )
+    faults = int(out.stdout)
+    assert faults >= at_least  # (48 MiB is 12,288 pages; the default gives most back)
+    assert at_most is None or faults <= at_most
