@@ -593,6 +593,159 @@ def ba(n_cams: int = 16, n_points: int = 256, n_obs: int = 512) -> Workload:
     )
 
 
+def lse(n: int = 100_000) -> Workload:
+    """GradBench's lse: logsumexp of a vector and its gradient."""
+    x = np.random.default_rng(5).standard_normal(n)
+    graph = {"nodes": [ex("loss", "logsumexp(x, dim=0)")], "outputs": ["loss"]}
+    return Workload(
+        f"lse n={n:,} f64",
+        graph,
+        {"x": x},
+        ["x"],
+        "loss",
+        torch=torch_impl(lambda t: torch.logsumexp(t["x"], 0), ["x"]) if torch else None,
+    )
+
+
+def llsq(rows: int = 1024, cols: int = 128) -> Workload:
+    """GradBench's llsq: 0.5 * |s - T x|^2 for the fit of sign(t) by a polynomial of degree
+    cols - 1 at `rows` points of [-1, 1] (T their powers, given as GradBench's data is);
+    the gradient with respect to x."""
+    t = -1.0 + 2.0 * np.arange(rows) / (rows - 1)
+    inputs = {
+        "x": np.random.default_rng(6).standard_normal(cols) / cols,
+        "T": t[:, None] ** np.arange(cols),
+        "s": np.sign(t),
+    }
+    graph = {"nodes": [ex("loss", "0.5 * sum((s - T @ x) ** 2)")], "outputs": ["loss"]}
+    return Workload(
+        f"llsq {rows}x{cols} f64",
+        graph,
+        inputs,
+        ["x"],
+        "loss",
+        torch=(
+            torch_impl(lambda a: 0.5 * torch.sum((a["s"] - a["T"] @ a["x"]) ** 2), ["x"])
+            if torch
+            else None
+        ),
+    )
+
+
+def kmeans(n: int = 1000, k: int = 100, d: int = 8) -> Workload:
+    """GradBench's kmeans cost (each point's squared distance to its nearest centroid,
+    summed; the distances as its tools write them, through one matmul) and its gradient
+    with respect to the centroids; the data as its eval makes it (uniform points, the last
+    k of them the centroids)."""
+    points = np.random.default_rng(7).random((n, d))
+    graph = {
+        "nodes": [
+            ex(
+                "dist",
+                "unsqueeze(sum(P * P, dim=1), dim=1) + unsqueeze(sum(C * C, dim=1), dim=0)"
+                " - 2 * (P @ transpose(C, dim0=0, dim1=1))",
+            ),
+            ex("loss", "sum(min(dist, dim=1))"),
+        ],
+        "outputs": ["loss"],
+    }
+
+    def torch_kmeans(a: dict[str, Any]) -> Any:
+        P, C = a["P"], a["C"]
+        dist = torch.sum(P * P, 1)[:, None] + torch.sum(C * C, 1)[None, :] - 2 * (P @ C.T)
+        return torch.sum(torch.min(dist, 1).values)
+
+    return Workload(
+        f"kmeans n={n:,} k={k} d={d} f64",
+        graph,
+        {"P": points, "C": points[-k:].copy()},
+        ["C"],
+        "loss",
+        torch=torch_impl(torch_kmeans, ["C"]) if torch else None,
+    )
+
+
+def det(ell: int = 64) -> Workload:
+    """GradBench's det: the determinant of an ell x ell matrix and its gradient."""
+    A = np.random.default_rng(8).standard_normal((ell, ell)) + 2 * np.eye(ell)
+    graph = {"nodes": [ex("loss", "det(A)")], "outputs": ["loss"]}
+    return Workload(
+        f"det {ell}x{ell} f64",
+        graph,
+        {"A": A},
+        ["A"],
+        "loss",
+        torch=torch_impl(lambda a: torch.linalg.det(a["A"]), ["A"]) if torch else None,
+    )
+
+
+# The user's pattern (bench.bench_objectives): GradBench's objectives at two sizes each, as
+# a user sends them; the FastAPI + PyTorch script (OBJECTIVES_APP) serves the same ones.
+def user_objectives(smoke: bool = False) -> dict[str, Workload]:
+    """slug -> workload: lse, gmm, least squares, k-means, determinant, LSTM and bundle
+    adjustment, sizes S and M (`smoke`: tiny ones)."""
+    if smoke:
+        sizes: dict[str, Callable[[], Workload]] = {
+            "lse-S": lambda: lse(100),
+            "gmm-S": lambda: gmm(2, 3, 20),
+            "llsq-S": lambda: llsq(16, 4),
+            "kmeans-S": lambda: kmeans(50, 5, 3),
+            "det-S": lambda: det(4),
+            "lstm-S": lambda: lstm(1, 3, 3),
+            "ba-S": lambda: ba(4, 16, 32),
+        }
+    else:
+        sizes = {
+            "lse-S": lambda: lse(1_000),
+            "lse-M": lambda: lse(100_000),
+            "gmm-S": lambda: gmm(2, 5, 1000),
+            "gmm-M": lambda: gmm(10, 25, 1000),
+            "llsq-S": lambda: llsq(128, 16),
+            "llsq-M": lambda: llsq(1024, 128),
+            "kmeans-S": lambda: kmeans(1000, 10, 8),
+            "kmeans-M": lambda: kmeans(10_000, 100, 8),
+            "det-S": lambda: det(8),
+            "det-M": lambda: det(64),
+            "lstm-S": lambda: lstm(2, 14, 10),
+            "lstm-M": lambda: lstm(2, 14, 50),
+            "ba-S": lambda: ba(16, 256, 512),
+            "ba-M": lambda: ba(128, 2048, 8192),
+        }
+    return {slug: make() for slug, make in sizes.items()}
+
+
+# The script a competent engineer writes to serve those objectives with PyTorch: strict JSON
+# in and out with orjson (NumPy arrays written as they lie), torch on the CPU, each
+# objective's code its own (bench.workloads' PyTorch references), computed on the event
+# loop (no thread hop for work of milliseconds). GRADSERVE_BENCH_SMOKE picks the sizes.
+OBJECTIVES_APP = """
+import os
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request, Response
+
+from bench.workloads import user_objectives
+
+app = FastAPI()
+WORKLOADS = user_objectives(smoke=os.environ.get("GRADSERVE_BENCH_SMOKE") == "1")
+
+
+@app.post("/{slug}")
+async def objective(slug: str, request: Request) -> Response:
+    w = WORKLOADS[slug]
+    sent = orjson.loads(await request.body())
+    arrays = {k: np.asarray(v, dtype=w.inputs[k].dtype) for k, v in sent.items()}
+    value, gradients = w.torch(arrays)
+    return Response(
+        orjson.dumps(
+            {"value": float(value), "gradients": gradients}, option=orjson.OPT_SERIALIZE_NUMPY
+        ),
+        media_type="application/json",
+    )
+"""
+
+
 # tests/engine/test_objectives.py's objectives, copied as JSON dicts rather than imported
 # (the bench's only tie to gradserve is the wire form and the adapter in bench.harness);
 # tests/project/test_bench_smoke.py checks that the copies still match.
