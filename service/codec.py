@@ -2,9 +2,11 @@
 
 Requests and responses are strict JSON (RFC 8259): `loads` refuses the bare tokens NaN,
 Infinity and -Infinity, so non-finite values travel only as the strings "NaN",
-"Infinity" and "-Infinity". Decoding checks data against the declared dtype and shape and
-raises `TensorDataError` with `loc` naming the input. Encoding goes through orjson, and
-only arrays that hold NaN or infinities take the slower path that writes those strings.
+"Infinity" and "-Infinity". A request's tensors (`loads_tensors`) parse the same, but a
+large array of numbers is read straight into a NumPy array (`Numbers`), never a list of
+Python numbers. Decoding checks data against the declared dtype and shape and raises
+`TensorDataError` with `loc` naming the input. Encoding goes through orjson, and only
+arrays that hold NaN or infinities take the slower path that writes those strings.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 import orjson
 import pybase64
+import simdjson
 from pydantic_core import from_json
 
 from gradserve.engine import collector
@@ -28,12 +32,14 @@ from gradserve.wire.numbers import NONFINITE, dumps, json_data
 
 __all__ = [
     "JSONError",
+    "Numbers",
     "check_shape",
     "decode_tensor",
     "dtype_name",
     "dumps",
     "encode_tensor",
     "loads",
+    "loads_tensors",
 ]
 
 Loc = tuple[str | int, ...]
@@ -82,6 +88,105 @@ def _explain(body: bytes | str, message: str) -> str:
     )
 
 
+class Numbers(NamedTuple):
+    """A JSON array of numbers read without making a Python number of each: its values
+    shaped as its nesting, float64 when any is written with a fraction or an exponent
+    (kind "f"), else int64 (kind "i"), as `loads` would have read them."""
+
+    array: np.ndarray
+    kind: str
+
+
+# A tensors member split into its tensors' fields, each left as raw bytes (a tensor given
+# as bare data instead of an object fails it: then each tensor is split on its own).
+_TENSOR_FIELDS = msgspec.json.Decoder(dict[str, dict[str, msgspec.Raw]])
+_MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# Arrays of numbers this long or longer are read as Numbers; shorter ones parse as fast
+# as Python numbers (~200 numbers).
+NUMBERS_MIN_BYTES = 4096
+_NUMBER_CHARS = b"0123456789+-.eE \t\n\r"  # what a number, or the space around it, holds
+
+
+def loads_tensors(raw: bytes | memoryview) -> Any:
+    """A request's `inputs` or `grad_outputs` member, parsed as `loads` parses it, except
+    that every large array of numbers (a tensor's `data`, or a tensor given as bare data)
+    becomes `Numbers`: its numbers parsed straight into an array by simdjson, with no
+    Python object for each (lse of 100,000 numbers: 9.0 -> 3.9 ms from the bytes to the
+    array). Anything it does not read so (an array with a string or a boolean in it, one
+    that is ragged or empty, a number too large for 64 bits) parses as `loads` does, so
+    that the answer, and each error, is the one `loads` gives."""
+    if len(raw) < NUMBERS_MIN_BYTES:
+        return loads(bytes(raw))
+    try:
+        try:
+            fields = _TENSOR_FIELDS.decode(raw)
+        except msgspec.ValidationError:  # (a tensor given as bare data)
+            return {name: _tensor(value) for name, value in _MEMBERS.decode(raw).items()}
+    except (msgspec.DecodeError, RecursionError):
+        return loads(bytes(raw))  # (which says what is wrong)
+    return {
+        name: {
+            key: (_data(value) if key == "data" else loads(bytes(value)))
+            for key, value in f.items()
+        }
+        for name, f in fields.items()
+    }
+
+
+def _tensor(raw: msgspec.Raw) -> Any:
+    """One tensor of a tensors member: an object, or bare data."""
+    if memoryview(raw)[:1] == b"{":
+        return {
+            k: (_data(v) if k == "data" else loads(bytes(v)))
+            for k, v in _MEMBERS.decode(raw).items()
+        }
+    return _data(raw)
+
+
+def _data(raw: msgspec.Raw) -> Any:
+    """A tensor's data: Numbers where it is a large array of numbers, else parsed."""
+    numbers = _numbers(bytes(raw)) if len(raw) >= NUMBERS_MIN_BYTES else None
+    return loads(bytes(raw)) if numbers is None else numbers
+
+
+def _numbers(text: bytes) -> Numbers | None:
+    """A JSON array of numbers, rectangular and not empty, as Numbers; None for any other
+    text (left to `loads`)."""
+    kind = "f" if b"." in text or b"e" in text or b"E" in text else "i"
+    try:
+        doc = simdjson.Parser().parse(text)
+        shape: list[int] = []
+        first: Any = doc
+        while isinstance(first, simdjson.Array):
+            if len(first) == 0 or len(shape) == MAX_DIMS:
+                return None
+            shape.append(len(first))
+            first = first[0]
+        if not shape:
+            return None
+        values = doc.as_buffer(of_type="d" if kind == "f" else "i")  # (every number, flat)
+    except (ValueError, TypeError, RuntimeError):  # not a number of that kind, or too large
+        return None
+    # Every number is one of the buffer's: the array is that rectangular `shape` if its
+    # text holds no bracket but its first (one dim), or if what is left of it without its
+    # numbers is the nesting of `shape` exactly (`[[,],[,]]` for 2 x 2).
+    if len(shape) == 1:
+        if text.find(b"[", 1) != -1:
+            return None
+    elif text.translate(None, _NUMBER_CHARS) != _nesting(shape):
+        return None
+    array = np.frombuffer(values, np.float64 if kind == "f" else np.int64)
+    return Numbers(array.reshape(shape), kind)
+
+
+def _nesting(shape: list[int]) -> bytes:
+    """The brackets and commas of a JSON array of `shape` with its numbers left out."""
+    text = b"[" + b"," * (shape[-1] - 1) + b"]"
+    for n in reversed(shape[:-1]):
+        text = b"[" + b",".join([text] * n) + b"]"
+    return text
+
+
 def _error(loc: Loc, field: str, message: str) -> TensorDataError:
     what = "input" if loc[0] == "inputs" else str(loc[0])
     return TensorDataError(f"{what} {quoted(str(loc[-1]))}: {message}", loc=(*loc, field))
@@ -107,7 +212,10 @@ def decode_tensor(
     if type(data) is float and (dtype is None or dtype == "float32") and not shape:
         # The common scalar: a JSON float to float32 (what the general path gives it).
         return np.array(data, dtype=np.float32)
-    array = _from_json(loc, data, dtype)
+    if type(data) is Numbers:
+        array = _convert(loc, data.array, data.kind, dtype)
+    else:
+        array = _from_json(loc, data, dtype)
     if shape is not None:
         shape = tuple(shape)
         if array.ndim == 0 and shape:

@@ -38,7 +38,13 @@ from gradserve.service.errors import ProblemError
 from gradserve.service.ledger import Ledger, overloaded
 from gradserve.service.lowering import Lowerer
 from gradserve.service.metrics import Metrics
-from gradserve.service.placement import FAST_LANE, Facts, Lane, Placement
+from gradserve.service.placement import (
+    FAST_LANE,
+    KNOWN_MAX_DOCUMENT_BYTES,
+    Facts,
+    Lane,
+    Placement,
+)
 from gradserve.service.pool import GradserveTimeout, Pool, Task, WorkerDied
 from gradserve.service.request import Envelope, open_envelope
 from gradserve.service.settings import Settings
@@ -53,6 +59,7 @@ from gradserve.service.shm import (
     sweep_orphans,
     trim_memory,
     unlink,
+    unpack,
 )
 from gradserve.service.tier import off_reason
 
@@ -60,9 +67,15 @@ log = logging.getLogger("gradserve")
 T = TypeVar("T")
 
 # A body's JSON document is opened (split into members, its graph's bytes hashed: ~1 ms a
-# MB) on the event loop up to this size; a larger one is placed by its size alone.
-OPEN_MAX_BYTES = 4 << 20
+# MB) on the event loop up to the size the fast lane takes; a larger one goes to a worker
+# by its size alone, which opens it (once: the scan is not done twice).
+OPEN_MAX_BYTES = KNOWN_MAX_DOCUMENT_BYTES
 TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
+COPY_OUT_BYTES = 8 << 20  # an answer in its body's segment up to this size is copied out
+# A body's segment has room beyond it for the answer, which its worker writes there when it
+# fits: its JSON header (longer than the request's), and for a JSON body half as much again
+# (an answer's numbers may be written longer than the request's). A segment is sparse: room
+# never written takes no memory.
 ANSWER_HEADER_ROOM = 64 << 10
 
 # Parsing a body takes memory beyond its bytes: per JSON value a Python object and a
@@ -195,23 +208,26 @@ class Front:
                 self._grow_bodies(declared)
                 body_bytes = declared
             direct = None
-            if header_length is not None and declared and declared >= SHM_MIN_BYTES:
-                # A large binary body goes straight into shared memory as it arrives: this
-                # process never holds it (but its JSON document), and the worker decodes
-                # views on it.
+            if declared and declared >= SHM_MIN_BYTES:
+                # A large body goes straight into shared memory as it arrives (into a segment
+                # kept from an earlier body where one fits: its pages are there already), and
+                # the worker reads it where it lies: a binary body's tensors are views on it.
+                # This process keeps a copy of its JSON document only if it opens it.
                 direct = await self._read_into_segment(receive, declared, name, header_length)
+            document: bytes | None
             if direct is not None:
                 assert declared is not None
                 body: bytes = b""
-                document, direct_payload = direct
-                reservation = declared + parse_reservation(document)
+                reservation, document, direct_payload = direct
+                document_bytes = declared if header_length is None else min(header_length, declared)
             else:
                 body, counted = await self._read_body(receive, declared)
                 body_bytes = max(body_bytes, counted)
                 reservation = parse_reservation(body, header_length)
                 document = body if header_length is None else body[:header_length]
+                document_bytes = len(document)
             envelope, facts = self._facts(
-                kind, body, document, declared or len(body), header_length
+                kind, body, document, document_bytes, declared or len(body), header_length
             )
             lane = self.placement.place(facts)
             if lane.fast and direct is None:
@@ -268,12 +284,18 @@ class Front:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
 
     def _facts(
-        self, kind: str, body: bytes, document: bytes, body_bytes: int, header_length: int | None
+        self,
+        kind: str,
+        body: bytes,
+        document: bytes | None,
+        document_bytes: int,
+        body_bytes: int,
+        header_length: int | None,
     ) -> tuple[Envelope | None, Facts]:
         """The body's envelope (when its document is small enough to open here) and the
         facts that place it."""
-        if len(document) > OPEN_MAX_BYTES:
-            return None, Facts(body_bytes, len(document), None, None)
+        if document is None or document_bytes > OPEN_MAX_BYTES:
+            return None, Facts(body_bytes, document_bytes, None, None)
         envelope = open_envelope(
             body or document, header_length if body else None, self.compute.programs
         )
@@ -331,16 +353,15 @@ class Front:
                 self._writer.submit(self.compute.programs.flush)
 
     async def _read_into_segment(
-        self, receive: Receive, size: int, name: str, header_length: int
-    ) -> tuple[bytes, Payload] | None:
-        """The body written into a new shared memory segment as it arrives (its
-        `Content-Length` is `size`): its first `header_length` bytes (its JSON document),
-        and the segment; or None, having read nothing, if /dev/shm has no room."""
-        # (With room for an answer's JSON header, longer than the request's, so that the
-        # worker can write an answer of the body's size back into the same segment.)
-        segment = self.spares.take(name, size + ANSWER_HEADER_ROOM) or create_segment(
-            name, size + ANSWER_HEADER_ROOM
-        )
+        self, receive: Receive, size: int, name: str, header_length: int | None
+    ) -> tuple[int, bytes | None, Payload] | None:
+        """The body written into a shared memory segment as it arrives (its
+        `Content-Length` is `size`; `header_length`: a binary body's JSON header's, None for
+        a JSON body): what parsing it holds in flight (`parse_reservation`), a copy of its
+        JSON document when it is small enough to open here (else None), and the segment; or
+        None, having read nothing, if /dev/shm has no room."""
+        room = size + ANSWER_HEADER_ROOM + (size // 2 if header_length is None else 0)
+        segment = self.spares.take(name, room) or create_segment(name, room)
         if segment is None:
             return None
         buf = segment.buf
@@ -365,11 +386,16 @@ class Front:
                 raise ProblemError(
                     "bad-request", f"the body ended after {at} of its Content-Length's {size} bytes"
                 )
-            document = bytes(buf[: min(header_length, size)])
+            if header_length is None:
+                reservation = parse_reservation(buf[:size])
+                document = bytes(buf[:size]) if size <= OPEN_MAX_BYTES else None
+            else:
+                document = bytes(buf[: min(header_length, size)])
+                reservation = size + parse_reservation(document)
         finally:
             del buf
             segment.close()
-        return document, (name, size)
+        return reservation, document, (name, size)
 
     def _grow_bodies(self, nbytes: int) -> None:
         if not self.ledger.grow(self.ledger.bodies, nbytes):
@@ -439,12 +465,17 @@ class Front:
             self._observe(outcome.stats)
             if outcome.problem is not None:
                 raise outcome.problem
-            assert outcome.body is not None
-            if isinstance(outcome.body, bytes):
-                return Reply([outcome.body], outcome.header_length, media_type=outcome.media_type)
-            # Sent from the worker's segment (the body's own, or a new one) as it lies; it
-            # goes once the reply is sent.
-            view, release = open_payload(outcome.body)
+            answer = outcome.body
+            assert answer is not None
+            if not isinstance(answer, bytes) and answer[0] == name and answer[1] <= COPY_OUT_BYTES:
+                # In the body's own segment: copied out, so that the segment is kept for the
+                # next body (a new one's pages cost ~1 ms a MB to fault in; a copy 0.2).
+                answer = unpack(answer)
+            if isinstance(answer, bytes):
+                return Reply([answer], outcome.header_length, media_type=outcome.media_type)
+            # Sent from the worker's segment (a larger answer in the body's own, or a new
+            # one) as it lies; it goes once the reply is sent.
+            view, release = open_payload(answer)
             return Reply(
                 [view], outcome.header_length, media_type=outcome.media_type, release=release
             )

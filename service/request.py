@@ -69,7 +69,7 @@ class Envelope:
     JSON object, which the parse then says), a binary body's tail, and the raw key of the
     graph's bytes as sent (None: no graph in the body)."""
 
-    document: bytes
+    document: bytes | memoryview  # (a view where the body lies in shared memory)
     members: Mapping[str, memoryview] | None
     tail: memoryview | None
     raw_key: str | None
@@ -101,7 +101,7 @@ def open_envelope(
     """Split a body (a binary one at its JSON header's end), and key its graph's bytes
     (`raw_key`: already keyed by the process that placed it)."""
     if header_length is None:
-        document, tail = bytes(body), None  # (a no-op on bytes)
+        document, tail = body, None
     else:
         try:
             head, tail = split(body, header_length)
@@ -261,7 +261,9 @@ class Parser:
                 _check_id(req, graph_id)
                 self.programs.grant(tenant, graph_id)
                 return rest, req, graph_id, None, 0
-        data = parse_json(envelope.document)
+        data = _parse_members(envelope.members)
+        if data is None:  # (not a JSON object, or a member that is not JSON: it says how)
+            data = parse_json(envelope.document)
         self._check_sizes(data)
         req = _validate(data, model)
         graph = req.graph
@@ -328,9 +330,10 @@ class Parser:
         return graph
 
 
-def parse_json(document: bytes) -> Any:
+def parse_json(document: bytes | memoryview) -> Any:
     """Strict JSON (RFC 8259: no bare NaN or Infinity), parsed once by pydantic-core:
     malformed JSON is 400."""
+    document = bytes(document)  # (a no-op on bytes)
     if not document or document.isspace():  # (not `strip()`: a copy of up to 64 MiB)
         raise ProblemError("malformed-json", "the request body is empty; send a JSON object")
     try:
@@ -355,13 +358,24 @@ def _parse_graph(canonical: bytes) -> Graph:
     return _validate(codec.loads(canonical), Graph)
 
 
-def _parse_members(members: Mapping[str, memoryview] | None, skip: str) -> dict[str, Any] | None:
-    """Every member but `skip` parsed as the full parse would, or None where that parse
-    would refuse one (it then runs, and says what is wrong)."""
+# The members that hold tensors: their large arrays of numbers are read as arrays.
+TENSOR_MEMBERS = frozenset({"inputs", "grad_outputs"})
+
+
+def _parse_members(
+    members: Mapping[str, memoryview] | None, skip: str | None = None
+) -> dict[str, Any] | None:
+    """Every member but `skip` parsed as the full parse would (the tensors' members by
+    `codec.loads_tensors`), or None where that parse would refuse one (it then runs, and
+    says what is wrong)."""
     if members is None:
         return None
     try:
-        return {k: codec.loads(bytes(v)) for k, v in members.items() if k != skip}
+        return {
+            k: codec.loads_tensors(v) if k in TENSOR_MEMBERS else codec.loads(bytes(v))
+            for k, v in members.items()
+            if k != skip
+        }
     except codec.JSONError:
         return None
 

@@ -32,7 +32,6 @@ from gradserve.service.shm import (
     keep_freed_memory,
     pack,
     trim_memory,
-    unpack,
 )
 from gradserve.service.tier import CPUS
 
@@ -201,9 +200,9 @@ def run_task(task: Task) -> Outcome:
         task.slot, ledger.busy(compute.settings.max_concurrency), compute.settings.max_concurrency
     )
     segment = None
-    if task.header_length is None or isinstance(task.body, bytes):  # (parsed from bytes)
-        body: bytes | memoryview = unpack(task.body, consume=True)
-    else:  # a large binary body: its tensors view it where it lies
+    if isinstance(task.body, bytes):
+        body: bytes | memoryview = task.body
+    else:  # a large body, read where it lies (a binary one's tensors view it)
         name, size = task.body
         segment = Segment(name)
         body = segment.buf[:size]

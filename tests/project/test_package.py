@@ -40,6 +40,7 @@ SERVER_ONLY = (
     "pydantic",
     "pydantic_settings",
     "msgspec",
+    "simdjson",
     "prometheus_client",
 )
 # The eager engine: the client traces with the rules alone.

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from gradserve.engine.errors import TensorDataError
+from gradserve.service import codec
 from gradserve.service.codec import decode_tensor, dumps, encode_tensor
 
 LOC = ("inputs", "x")
@@ -150,3 +151,135 @@ def test_the_wire_dtypes_are_the_engines() -> None:
     from gradserve.service.schemas import DType
 
     assert get_args(DType) == DTYPES
+
+
+# ------------------------------------------------ large arrays read straight into arrays
+# codec.loads_tensors reads a large JSON array of numbers without a Python number for each
+# (Numbers); whatever it reads, and every error, must be what the general parse gives.
+def _decoded(member: dict[str, object], raw: bytes, fast: bool) -> dict[str, object]:
+    """Each tensor of a tensors member decoded, or its error's message, through the fast
+    parse or the general one."""
+    tensors = codec.loads_tensors(raw) if fast else codec.loads(raw)
+    out: dict[str, object] = {}
+    for name, value in tensors.items():
+        fields = value if isinstance(value, dict) else {"data": value}
+        try:
+            out[name] = decode_tensor(
+                ("inputs", name),
+                data=fields.get("data"),
+                dtype=fields.get("dtype"),
+                shape=fields.get("shape"),
+            )
+        except TensorDataError as err:
+            out[name] = f"{err} at {err.loc}"
+    return out
+
+
+def _assert_same_as_general_parse(member: dict[str, object], raw: bytes | None = None) -> None:
+    raw = json.dumps(member).encode() if raw is None else raw
+    fast, general = _decoded(member, raw, True), _decoded(member, raw, False)
+    assert fast.keys() == general.keys()
+    for name in general:
+        a, b = fast[name], general[name]
+        if isinstance(b, str):
+            assert a == b, name
+        else:
+            assert isinstance(a, np.ndarray), (name, a)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+            assert a.tobytes() == b.tobytes(), name  # bit for bit (-0.0, subnormals too)
+
+
+def _numbers(n: int, seed: int = 0) -> list[float]:
+    return np.random.default_rng(seed).standard_normal(n).tolist()
+
+
+BIG = 2000  # numbers: well past codec.NUMBERS_MIN_BYTES
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        {"x": {"data": _numbers(BIG), "dtype": "float64"}},  # flat
+        {"x": {"data": _numbers(BIG)}},  # default dtype: float32
+        {"x": {"data": _numbers(BIG), "dtype": "float16"}},
+        {"x": {"data": np.reshape(_numbers(BIG), (40, 50)).tolist(), "dtype": "float64"}},
+        {"x": {"data": np.reshape(_numbers(BIG), (10, 4, 50)).tolist(), "requires_grad": True}},
+        {"x": {"data": _numbers(BIG), "shape": [40, 50], "dtype": "float64"}},  # flat + shape
+        {"x": {"data": _numbers(BIG), "shape": [41, 50], "dtype": "float64"}},  # wrong shape
+        {"x": {"data": list(range(-BIG, BIG))}},  # ints: int64
+        {"x": {"data": list(range(BIG)), "dtype": "float32"}},
+        {"x": {"data": list(range(BIG)), "dtype": "int32"}},
+        {"x": {"data": [*range(BIG), 2**40], "dtype": "int32"}},  # out of int32's range
+        {"x": {"data": [*range(BIG), 2**63]}},  # past int64: the general parse's error
+        {"x": {"data": [*range(BIG), 2**70, 1.5], "dtype": "float64"}},  # past 64 bits
+        {"x": {"data": [*range(BIG), 2.5]}},  # ints and floats: floats
+        {"x": {"data": [*range(BIG), 2.5], "dtype": "int64"}},  # a fraction for an int
+        {"x": {"data": [*_numbers(BIG), True]}},  # a boolean among numbers
+        {"x": {"data": [*_numbers(BIG), "NaN", "-Infinity"], "dtype": "float64"}},
+        {"x": {"data": [*_numbers(BIG), "nan"]}},  # not one of the three strings
+        {"x": {"data": [*_numbers(BIG), None]}},
+        {"x": {"data": [_numbers(50, k) for k in range(40)] + [_numbers(49)]}},  # ragged
+        {"x": {"data": [_numbers(50, k) for k in range(40)] + [[_numbers(50)]]}},  # deeper
+        {"x": {"data": [*_numbers(BIG), [1.5]]}},  # a list among numbers
+        {"x": {"data": [[] for _ in range(BIG)]}},  # empty rows
+        {"x": {"data": [[True, False] * 50 for _ in range(30)], "dtype": "bool"}},
+        {"x": {"data": [1e308, -1e308, 5e-324, -0.0, 0.0, 2.2250738585072014e-308] * 400}},
+        {"x": {"data": _numbers(BIG), "dtype": "float64"}, "y": {"data": [1.0, 2.0]}},
+        {"x": _numbers(BIG), "y": 3.0},  # bare data
+        {"x": np.reshape(_numbers(BIG), (50, 40)).tolist(), "y": {"data": _numbers(BIG)}},
+    ],
+    ids=lambda m: None,
+)
+def test_large_arrays_read_as_the_general_parse_reads_them(member: dict[str, object]) -> None:
+    _assert_same_as_general_parse(member)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # numbers as other writers write them: exponents, spaces, newlines, long digits
+        b'{"x": {"data": [' + b", ".join(b"%.17e" % v for v in _numbers(BIG)) + b"]}}",
+        b'{"x": {"data": [\n  ' + b",\n  ".join(b"%r" % v for v in _numbers(BIG)) + b"\n]}}",
+        b'{"x": {"data": [' + b",".join(b"%.3E" % v for v in _numbers(BIG)) + b"]}}",
+        b'{"x": {"data": [' + b",".join(b"1e%d" % k for k in range(-300, 300)) + b"]}}",
+        b'{"x": {"data": [' + b",".join(b"%d" % k for k in range(BIG)) + b", 1e400]}}",
+        b'{"x": {"data": [' + b",".join(b"-0" for _ in range(BIG)) + b"]}}",  # int zeros
+        b'{"x": {"data": [' + b",".join(b"%d.0" % k for k in range(BIG)) + b"]}}",
+        b'{"x": {"data": [' + b",".join(b"0.1" for _ in range(BIG)) + b']}, "x": {"data": 2}}',
+        b'{"x": {"data": [' + b",".join(b"0.1" for _ in range(BIG)) + b'], "data": [1, 2]}}',
+    ],
+    ids=[
+        "exponents",
+        "newlines",
+        "short-E",
+        "powers",
+        "overflow",
+        "minus-zero",
+        "dot-zero",
+        "dup-tensor",
+        "dup-data",
+    ],
+)
+def test_numbers_written_any_way_read_as_the_general_parse_reads_them(text: bytes) -> None:
+    _assert_same_as_general_parse({}, text)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    arrays(np.float64, array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=30)),
+    st.sampled_from(["float64", "float32", None]),
+)
+def test_any_float_array_reads_bit_for_bit(array: np.ndarray, dtype: str | None) -> None:
+    array = np.nan_to_num(array)  # (non-finite numbers travel as strings)
+    # as many copies along its first dim as take its text past the fast parse's threshold
+    copies = -(-codec.NUMBERS_MIN_BYTES // len(json.dumps(array.tolist()))) + 1
+    array = np.concatenate([array] * copies)
+    _assert_same_as_general_parse({"x": {"data": array.tolist(), "dtype": dtype}})
+
+
+def test_large_arrays_are_read_as_arrays_not_python_numbers() -> None:
+    raw = json.dumps({"x": {"data": _numbers(BIG)}, "y": {"data": [1.0, 2.0]}}).encode()
+    tensors = codec.loads_tensors(raw)
+    assert isinstance(tensors["x"]["data"], codec.Numbers)
+    assert tensors["x"]["data"].kind == "f"
+    assert tensors["y"]["data"] == [1.0, 2.0]  # (small: the general parse)
