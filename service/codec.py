@@ -162,7 +162,7 @@ def _numbers(text: bytes) -> Numbers | None:
                 return None
             shape.append(len(first))
             first = first[0]
-        if not shape:
+        if not isinstance(doc, simdjson.Array):
             return None
         values = doc.as_buffer(of_type="d" if kind == "f" else "i")  # (every number, flat)
     except (ValueError, TypeError, RuntimeError):  # not a number of that kind, or too large

@@ -23,7 +23,7 @@ from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
 from gradserve.service.settings import Settings
-from gradserve.service.tier import INTERPRETER, XLA, Tier
+from gradserve.service.tier import FAST_LANE, INTERPRETER, OFF, XLA, Tier
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
 PLAN, PLAN_DOT = "plan", "plan-dot"  # POST /plan, answered as JSON or as DOT
@@ -59,6 +59,7 @@ class Stats:
     cache_bytes: int = 0  # of the program cache of the process that computed
     graph_evictions: int = 0
     tier: str | None = None  # the tier that ran it: "interpreter" or "xla"
+    lowered: bool = False  # the program has an executable (its runs belong in a worker)
     pid: int = 0  # the worker that computed (0: the front process)
     store_evictions: int = 0  # by that process since it last reported
     store_damaged: int = 0
@@ -70,8 +71,9 @@ class Stats:
 
 
 class Misplaced(Exception):
-    """A request placed in the front process's fast lane whose program turns out too
-    costly to run there: it goes to a worker, and the front process learns its figures."""
+    """A request placed in the front process's lanes whose program turns out too costly to
+    run there, or lowered to XLA (which the front process does not load): it goes to a
+    worker, and the front process learns its figures."""
 
     def __init__(self, stats: Stats) -> None:
         super().__init__("too costly for the fast lane")
@@ -87,9 +89,22 @@ class Bounds:
     nodes: int
     cost: int
     steps: int
+    peak_bytes: int | None = None  # its planned peak (None: the cost bounds it enough)
+    # Its runs answer `fast lane: ...` (what the contract shows for a tiny request) rather
+    # than the tier's books on the program (which the front process keeps too).
+    fast_lane: bool = True
+
+    def admits(self, cost: int, steps: int, peak_bytes: int) -> bool:
+        return (
+            cost <= self.cost
+            and steps <= self.steps
+            and (self.peak_bytes is None or peak_bytes <= self.peak_bytes)
+        )
 
     def admit(self, program: Program) -> bool:
-        return program.compute_cost <= self.cost and executed_steps(program) <= self.steps
+        return self.admits(
+            program.compute_cost, executed_steps(program), program.planned_peak_bytes
+        )
 
 
 class Compute:
@@ -137,7 +152,7 @@ class Compute:
         if kind in (PLAN, PLAN_DOT):
             return plan_reply(self, request, stats, dot=kind == PLAN_DOT, bounds=bounds)
         program = self.program(request, stats, bounds)
-        return self.run(request, program, deadline, reserve, stats)
+        return self.run(request, program, deadline, reserve, stats, bounds)
 
     # ------------------------------------------------------------------ the program
     def program(self, request: Request, stats: Stats, bounds: Bounds | None = None) -> Program:
@@ -220,10 +235,16 @@ class Compute:
 
     # ------------------------------------------------------------------ the run
     def run(
-        self, request: Request, program: Program, deadline: float, reserve: Reserve, stats: Stats
+        self,
+        request: Request,
+        program: Program,
+        deadline: float,
+        reserve: Reserve,
+        stats: Stats,
+        bounds: Bounds | None = None,
     ) -> Reply:
         """Check the budgets, reserve the planned bytes, run (lowered, or interpreted), and
-        encode the answer."""
+        encode the answer (`bounds`: the front process's lane it runs in)."""
         try:
             check_budgets(
                 program, self.limits(request.budget, self.settings.compute_budget), request.no_grad
@@ -231,9 +252,12 @@ class Compute:
         except GradserveError as err:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
+        key = request.program_key
+        if not self.tier.loads and self.tier.lowered(key):  # (run in XLA by a worker)
+            stats.lowered = True
+            raise Misplaced(stats)
         plan_ms = (time.perf_counter() - request.started) * 1000  # parse, find, compile
         reserve(program.planned_peak_bytes + output_bytes(program, request.encoding))
-        key = request.program_key
         lowered, tier = self.tier.choose(key, program, request.device, deadline)
         inputs, grad_outputs = request.inputs, request.grad_outputs
         try:
@@ -266,6 +290,9 @@ class Compute:
         del inputs, grad_outputs  # (the inputs' memory goes before the answer's)
         stats.peak_bytes = result.peak_bytes
         stats.tier = XLA if tier == XLA else INTERPRETER
+        stats.lowered = self.tier.lowered(key)
+        if not self.tier.loads and tier != OFF and (bounds is None or bounds.fast_lane):
+            tier = FAST_LANE
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(
             program,

@@ -39,7 +39,7 @@ from gradserve.service.ledger import Ledger, overloaded
 from gradserve.service.lowering import Lowerer
 from gradserve.service.metrics import Metrics
 from gradserve.service.placement import (
-    FAST_LANE,
+    IDLE_MAX_BODY_BYTES,
     KNOWN_MAX_DOCUMENT_BYTES,
     Facts,
     Lane,
@@ -53,6 +53,7 @@ from gradserve.service.shm import (
     Payload,
     Spares,
     create_segment,
+    keep_freed_memory,
     open_payload,
     own_directory,
     pack,
@@ -67,8 +68,9 @@ log = logging.getLogger("gradserve")
 T = TypeVar("T")
 
 # A body's JSON document is opened (split into members, its graph's bytes hashed: ~1 ms a
-# MB) on the event loop up to the size the fast lane takes; a larger one goes to a worker
-# by its size alone, which opens it (once: the scan is not done twice).
+# MB) on the event loop up to the size the fast lane takes (the idle lane's, when no compute
+# slot is busy); a larger one goes to a worker by its size alone, which opens it (once: the
+# scan is not done twice).
 OPEN_MAX_BYTES = KNOWN_MAX_DOCUMENT_BYTES
 TRIM_AFTER_BODY_BYTES = 8 << 20  # the front process gives memory back after such a body
 COPY_OUT_BYTES = 8 << 20  # an answer in its body's segment up to this size is copied out
@@ -118,6 +120,10 @@ class Front:
 
     def __init__(self, settings: Settings, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
         sweep_orphans()  # what servers killed before they could clean up left in /dev/shm
+        # Its lanes' computations keep what they free for the next, as a worker's do; it
+        # goes back once the lanes have been quiet a second (housekeeping).
+        keep_freed_memory()
+        self._computed_since_trim = False
         # The program store: the directory named, or one of this server's own (removed
         # when it stops) in shared memory where the host has it. Every process of the
         # server (the workers too, through these settings) opens the same one.
@@ -175,10 +181,14 @@ class Front:
             shutil.rmtree(self._own_store, ignore_errors=True)
 
     async def housekeeping(self) -> None:
-        """Retire idle workers and replace lost ones, now and then (runs for the life of
+        """Retire idle workers and replace lost ones, now and then, and give back what the
+        lanes' computations freed once they have been quiet a second (runs for the life of
         the app)."""
         while True:
+            computed, self._computed_since_trim = self._computed_since_trim, False
             await asyncio.sleep(1.0)
+            if computed and not self._computed_since_trim:  # (a second without)
+                trim_memory()
             self.pool.housekeeping()
             if self.lowerer is not None:
                 await asyncio.to_thread(self.lowerer.housekeeping)
@@ -234,7 +244,7 @@ class Front:
                 self.ledger.shrink(self.ledger.bodies, body_bytes)
                 body_bytes = 0
                 reply = self._fast(
-                    kind, body, envelope, header_length, reservation, deadline, tenant
+                    kind, body, envelope, header_length, reservation, deadline, tenant, lane
                 )
                 if reply is not None:
                     return reply
@@ -294,8 +304,10 @@ class Front:
     ) -> tuple[Envelope | None, Facts]:
         """The body's envelope (when its document is small enough to open here) and the
         facts that place it."""
-        if document is None or document_bytes > OPEN_MAX_BYTES:
-            return None, Facts(body_bytes, document_bytes, None, None)
+        idle = self.admission.active == 0
+        opened = IDLE_MAX_BODY_BYTES if idle else OPEN_MAX_BYTES
+        if document is None or document_bytes > opened:
+            return None, Facts(body_bytes, document_bytes, None, None, idle)
         envelope = open_envelope(
             body or document, header_length if body else None, self.compute.programs
         )
@@ -305,7 +317,7 @@ class Front:
             graph_id = self.compute.programs.alias(envelope.raw_key)
             if graph_id is None or self.placement.known(graph_id) is None:
                 nodes = bytes(graph).count(b'"id"')  # (a body's too: a bound, enough here)
-        return envelope, Facts(body_bytes, len(document), graph_id, nodes)
+        return envelope, Facts(body_bytes, len(document), graph_id, nodes, idle)
 
     def _fast(
         self,
@@ -316,10 +328,11 @@ class Front:
         reservation: int,
         deadline: float,
         tenant: str | None,
+        lane: Lane,
     ) -> Reply | None:
         """Compute a request here, on the front process's own line of the ledger (one at a
         time: this runs on the event loop without a pause); None when its program turns
-        out too costly for the fast lane (it then goes to a worker)."""
+        out too costly for its lane (it then goes to a worker)."""
         stats = Stats()
         try:
             self._hold(self.front, reservation, refuse_at_limit=True)
@@ -337,7 +350,7 @@ class Front:
                 reserve,
                 stats,
                 envelope=envelope,
-                bounds=FAST_LANE,
+                bounds=lane.bounds,
             )
         except Misplaced:
             return None
@@ -346,6 +359,7 @@ class Front:
                 return None
             raise
         finally:
+            self._computed_since_trim = True
             self.ledger.release(self.front)
             self.compute.report(stats)
             self._observe(stats)

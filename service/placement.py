@@ -11,6 +11,13 @@ with few nodes (counted in the graph's bytes, not parsed) is compiled and run in
 lane; anything else goes to a worker, which reports back. The front never compiles,
 loads or serialises a program in order to place a request.
 
+When no compute slot is busy (the server idle but for this request), the front process
+has nothing better to do than the work itself, and a hop to a worker and back (~1 ms: a
+pipe each way, two processes woken) is all a worker would add: a known program then runs
+here up to larger bounds (the idle lane: some 10 ms of work), unless it has been lowered
+to XLA, which the front process does not load (its tier keeps the books of the runs, and
+asks for the lowering: service/tier.py).
+
 The decision is a guess that the process which runs the request checks: the fast lane
 runs a program only within its bounds (service/compute.py `Bounds`), and a request whose
 program turns out past them goes to a worker after all.
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 
 from gradserve.service.compute import Bounds, Stats
 from gradserve.service.programs import Lru
+from gradserve.service.shm import SHM_MIN_BYTES
 
 # A new graph runs in the fast lane when its document is this small, it has at most this
 # many nodes (compiled in ~1 ms at most), and its body is this small (its data, on which
@@ -38,6 +46,14 @@ KNOWN_MAX_BODY_BYTES = 4 << 20
 # engine.graph.ir.Program's: a 2-layer MLP's training step, 256x32 -> 64 -> 10, is 1.5e7
 # and runs in ~0.5 ms here; and each step costs the interpreter about a microsecond).
 FAST_LANE = Bounds(nodes=NEW_MAX_NODES, cost=30_000_000, steps=2_000)
+# The idle lane's: a known program of up to ~10 ms (a k-means of 10,000 points is 1.6e9
+# units and 10 ms; 10,000 steps ~12 ms of the interpreter's overhead), whose planned peak
+# the front process may hold, in a body below the size that goes to shared memory (for a
+# worker) as it arrives.
+IDLE_LANE = Bounds(
+    nodes=NEW_MAX_NODES, cost=2_000_000_000, steps=10_000, peak_bytes=32 << 20, fast_lane=False
+)
+IDLE_MAX_BODY_BYTES = SHM_MIN_BYTES
 REMEMBERED = 8192  # graphs (by id) whose figures the front remembers
 
 
@@ -49,6 +65,7 @@ class Facts:
     document_bytes: int  # its JSON document (a binary body's header)
     graph_id: str | None  # sent, or the id of the graph's bytes seen before
     nodes: int | None  # nodes its graph's bytes show (a graph sent in the body)
+    idle: bool = False  # no compute slot is busy
 
 
 @dataclass(frozen=True)
@@ -60,12 +77,15 @@ class Known:
     program_key: str
     cost: int
     steps: int
+    peak_bytes: int
+    lowered: bool  # it has an XLA executable: a worker runs it
 
 
 @dataclass(frozen=True)
 class Lane:
     fast: bool  # in the front process
     affinity: str | None = None  # the program key a worker may hold
+    bounds: Bounds = FAST_LANE  # what it may run there
 
 
 WORKER = Lane(fast=False)
@@ -84,13 +104,21 @@ class Placement:
     def place(self, facts: Facts) -> Lane:
         known = None if facts.graph_id is None else self.known(facts.graph_id)
         if known is not None:
-            fast = (
+            key = known.program_key
+            if (
                 facts.document_bytes <= KNOWN_MAX_DOCUMENT_BYTES
                 and facts.body_bytes <= KNOWN_MAX_BODY_BYTES
-                and known.cost <= FAST_LANE.cost
-                and known.steps <= FAST_LANE.steps
-            )
-            return Lane(fast, affinity=known.program_key)
+                and FAST_LANE.admits(known.cost, known.steps, known.peak_bytes)
+            ):
+                return Lane(True, affinity=key)
+            if (
+                facts.idle
+                and not known.lowered
+                and facts.body_bytes < IDLE_MAX_BODY_BYTES
+                and IDLE_LANE.admits(known.cost, known.steps, known.peak_bytes)
+            ):
+                return Lane(True, affinity=key, bounds=IDLE_LANE)
+            return Lane(False, affinity=key)
         if facts.document_bytes > NEW_MAX_DOCUMENT_BYTES:
             return WORKER
         if facts.nodes is not None:  # a graph in the body, new or unreported
@@ -102,7 +130,9 @@ class Placement:
         return WORKER if facts.graph_id is not None else Lane(fast=True)
 
     def learn(self, stats: Stats) -> None:
-        """What a computation reported (a run, or a fast-lane request found misplaced)."""
+        """What a computation reported (a run, or a fast-lane request found misplaced). A
+        program once lowered stays the workers' (a worker that could not load it, or found
+        it slower in XLA, runs it interpreted: no worse than before)."""
         if (
             stats.graph_id is None
             or stats.program_key is None
@@ -110,4 +140,17 @@ class Placement:
             or stats.steps is None
         ):
             return
-        self._known.put(stats.graph_id, Known(stats.program_key, stats.compute_cost, stats.steps))
+        before = self.known(stats.graph_id)
+        lowered = stats.lowered or (
+            before is not None and before.lowered and before.program_key == stats.program_key
+        )
+        self._known.put(
+            stats.graph_id,
+            Known(
+                stats.program_key,
+                stats.compute_cost,
+                stats.steps,
+                stats.planned_peak_bytes or 0,
+                lowered,
+            ),
+        )

@@ -20,11 +20,16 @@ Then, in a compute worker:
 `meta.tier_reason` says which, with the figures. A lowered program's first runs are timed:
 slower than its fastest interpreted run, it goes back to the interpreter for good.
 
+The front process's tier keeps the same books of the programs its lanes run (their runs,
+and asking for a lowering once they would have paid for it), but never loads XLA: a
+program whose executable is in the store runs in a worker from then on
+(`lowered_elsewhere`; the lane sends it on: compute.Misplaced).
+
 The lowering process does every lowering of the host (niced, one at a time), writes the
 executable into the program store (`x-` entries: XLA's own serialisation, no pickle) or
 the reason it could not (`r-` entries), and every process loads it from there: a program
 is lowered once per host, surviving recycled workers and restarts on a persistent store.
-The front process never loads XLA: its fast lane runs programs of a millisecond or less,
+The front process never loads XLA: its lanes run programs of some milliseconds at most,
 interpreted (importing jax there would cost its event loop its memory and collector).
 Without a program store there is no lowering process, and no tier.
 """
@@ -90,6 +95,7 @@ WAIT_EXTRA_S = 5.0
 LOOK_EVERY_S = 0.1
 
 INTERPRETER, XLA = "interpreter", "xla"
+ELSEWHERE: Any = object()  # what the front process keeps of an executable: it is there
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason and the
 # decisions' texts (`reason`).
 OFF, UNAVAILABLE, NO_STORE, FAST_LANE = (
@@ -148,9 +154,8 @@ class Tier:
 
     def __init__(self, settings: Settings, role: str, store: Store | None = None) -> None:
         self.settings = settings
-        self.off: str | None = (
-            FAST_LANE if role == "front" and settings.xla != "off" else off_reason(settings)
-        )
+        self.off: str | None = off_reason(settings)
+        self.loads = role != "front"  # (the front process keeps the books, and loads nothing)
         self.queue = None if self.off is not None or store is None else LoweringQueue(store)
         self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
@@ -162,6 +167,11 @@ class Tier:
         self._outcomes: list[tuple[str, float, float]] = []
         self._scale = 1.0  # this host's compile times against the model's, as seen
 
+    def lowered(self, key: str) -> bool:
+        """Whether program `key` has an executable: loaded here (a worker), or seen in the
+        store (the front process, which loads none: a worker runs it)."""
+        return self._lowered.get(key) is not None
+
     # ------------------------------------------------------------------ a run
     def choose(
         self, key: str, program: Program, device: str, deadline: float
@@ -172,7 +182,7 @@ class Tier:
         if self.off is not None:
             return None, self.off
         lowered = self._lowered.get(key)
-        if lowered is not None:
+        if lowered is not None and self.loads:
             return lowered, XLA
         refused = self._refused.get(key)
         if refused is not None:
@@ -182,7 +192,12 @@ class Tier:
         if self._look(key, program, device, seen):
             return self._lowered.get(key), XLA
         p = seen.prediction
-        if seen.runs == 0 and not seen.asked and p.saving_ms > p.compile_ms + _load_ms():
+        if (
+            self.loads
+            and seen.runs == 0
+            and not seen.asked
+            and p.saving_ms > p.compile_ms + _load_ms()
+        ):
             lowered = self._lower_first(key, program, device, seen, deadline)
             if lowered is not None:
                 return lowered, XLA
@@ -277,7 +292,8 @@ class Tier:
         """Whether the program's executable is loaded now: looked for in the store (every
         LOOK_EVERY_S while it is asked for, once at first), and loaded; a refusal there is
         remembered. (A load in the background would hold the GIL for its import: it is
-        done here, once per process and program.)"""
+        done here, once per process and program.) The front process loads nothing: it
+        notes the executable as there (`lowered_elsewhere`)."""
         now = time.monotonic()
         if seen.looked and (not seen.asked or now - seen.looked < LOOK_EVERY_S):
             return False
@@ -308,6 +324,9 @@ class Tier:
             self._refused.put(key, str(meta))
             return False
         if meta.get("device") != device:
+            return False
+        if not self.loads:
+            self._lowered.put(key, ELSEWHERE)
             return False
         try:
             lowered = xla.Lowered.load(program, payload, meta)

@@ -200,12 +200,25 @@ def test_a_lowered_program_slower_than_the_interpreter_goes_back(
     assert re.fullmatch(r"slower in XLA: 2\d\.\d{3} ms against 5\.000 ms interpreted", why), why
 
 
-def test_the_front_process_never_loads_xla() -> None:
-    tier = Tier(Settings(xla="auto"), role="front")
-    assert tier.choose("k", _program("x * 2", x=()), "cpu", time.monotonic() + 60) == (
-        None,
-        tier_module.FAST_LANE,
-    )
+def test_the_front_process_keeps_the_books_but_never_loads_xla(tmp_path: Path) -> None:
+    """The front process's tier counts the runs of the programs its lanes run, and notes an
+    executable in the store (a worker then runs the program), but loads none itself: a
+    payload that is no executable at all goes unread."""
+    settings = Settings(xla="auto", program_store_dir=str(tmp_path / "store"))
+    store = Programs(settings).store
+    assert store is not None
+    tier = Tier(settings, role="front", store=store)
+    if tier.off is not None:
+        pytest.skip(f"the tier is {tier.off} here")
+    program = _program("sum(x * 2)", x=(3,))
+    assert not tier.loads
+    lowered, _ = tier.choose("a" * 32, program, "cpu", time.monotonic() + 5)
+    assert lowered is None and not tier.lowered("a" * 32)
+    assert tier.interpreted("a" * 32, program, 0.01).startswith("small: ")  # (its books)
+    meta = {"device": "cpu", "compile_ms": 1.0, "memory_bytes": 8, "checks": [], "jax": "0"}
+    store.put("x-" + "e" * 32, b"never read", meta)
+    assert tier.choose("e" * 32, program, "cpu", time.monotonic() + 5)[0] is None
+    assert tier.lowered("e" * 32)  # (there: a worker runs it)
 
 
 # ------------------------------------------------------------------ the lowering process

@@ -20,6 +20,7 @@ import pytest
 from gradserve.service import request as request_module
 from gradserve.service.compute import Compute, Stats
 from gradserve.service.errors import ProblemError
+from gradserve.service.placement import IDLE_MAX_BODY_BYTES
 from gradserve.service.settings import Settings
 from tests.support.in_process import serving
 from tests.support.problems import strict_json
@@ -376,13 +377,15 @@ async def test_over_http_an_id_resolves_only_for_the_key_that_sent_the_graph(
 
 # ---------------------------------------------------------------- across worker processes
 
-# Inputs of this many values: a JSON document past the 64 KiB the front process's fast lane
-# takes even for a graph known to be cheap (service/placement.py): a worker computes it.
-BIG = 4000
+# Inputs of this many values: a body past what the front process's lanes take even for a
+# graph known to be cheap on an idle server (service/placement.py): a worker computes it.
+BIG = 60_000
 
 
 async def _worker_request(c: Any, x: list[float]) -> dict[str, Any]:
-    r = await c.post("/backward", json=chain_body(x))
+    body = chain_body(x)
+    assert len(json.dumps(body)) >= IDLE_MAX_BODY_BYTES
+    r = await c.post("/backward", json=body)
     doc = strict_json(r)
     _, grad = chain_numpy(np.array(x))
     np.testing.assert_allclose(doc["gradients"]["x"]["data"], grad, rtol=1e-5)

@@ -1,0 +1,138 @@
+"""Where a request computes (service/placement.py): the fast lane for the cheapest, the idle
+lane when no compute slot is busy (a known program of some milliseconds runs in the front
+process: a hop to a worker would only add its ~1 ms), and a worker otherwise, or when the
+native tier may yet lower the program (its runs count in the workers)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gradserve.service.compute import Stats
+from gradserve.service.placement import (
+    FAST_LANE,
+    IDLE_LANE,
+    IDLE_MAX_BODY_BYTES,
+    KNOWN_MAX_DOCUMENT_BYTES,
+    Facts,
+    Placement,
+)
+from tests.support.in_process import serving
+from tests.support.problems import strict_json
+
+pytestmark = pytest.mark.anyio
+
+GRAPH = "g" * 32
+
+
+def _known(cost: int, steps: int, peak: int = 1 << 20, lowered: bool = False) -> Placement:
+    placement = Placement()
+    stats = Stats(graph_id=GRAPH, program_key="k", compute_cost=cost, steps=steps)
+    stats.planned_peak_bytes, stats.lowered = peak, lowered
+    placement.learn(stats)
+    return placement
+
+
+def _facts(document: int, idle: bool, body: int | None = None) -> Facts:
+    return Facts(body or document, document, GRAPH, None, idle)
+
+
+def test_a_cheap_known_program_takes_the_fast_lane_busy_or_not() -> None:
+    placement = _known(FAST_LANE.cost, FAST_LANE.steps)
+    for idle in (False, True):
+        lane = placement.place(_facts(KNOWN_MAX_DOCUMENT_BYTES, idle))
+        assert lane.fast and lane.bounds is FAST_LANE and lane.affinity == "k"
+
+
+@pytest.mark.parametrize(
+    ("cost", "steps", "peak", "document", "fast"),
+    [
+        (IDLE_LANE.cost, IDLE_LANE.steps, IDLE_LANE.peak_bytes, 200_000, True),
+        (IDLE_LANE.cost + 1, 10, 1 << 20, 200_000, False),  # too costly
+        (10, IDLE_LANE.steps + 1, 1 << 20, 200_000, False),  # too many steps
+        (10, 10, (IDLE_LANE.peak_bytes or 0) + 1, 200_000, False),  # too much memory
+        (10, 10, 1 << 20, IDLE_MAX_BODY_BYTES, False),  # a body for shared memory
+    ],
+)
+def test_an_idle_server_runs_a_known_program_of_milliseconds_in_the_front(
+    cost: int, steps: int, peak: int, document: int, fast: bool
+) -> None:
+    placement = _known(cost, steps, peak)
+    lane = placement.place(_facts(document, idle=True))
+    assert lane.fast is fast and lane.affinity == "k"
+    if fast:
+        assert lane.bounds is IDLE_LANE
+    assert not placement.place(_facts(document, idle=False)).fast  # a busy server: a worker
+
+
+def test_a_program_lowered_to_xla_runs_in_a_worker() -> None:
+    assert not _known(FAST_LANE.cost + 1, 10, lowered=True).place(_facts(200_000, True)).fast
+
+
+# ---------------------------------------------------------------- over HTTP, in process
+def _body(n: int, salt: float) -> dict[str, Any]:
+    """A JSON body past the 64 KiB the fast lane takes: a worker's, the idle lane's once
+    its program is known."""
+    x = np.linspace(-1.0, 1.0, n).tolist()
+    graph = {
+        "nodes": [{"id": "loss", "expr": f"sum(tanh(x * {salt}) * exp(x) @ W)"}],
+        "outputs": ["loss"],
+    }
+    W = np.ones((n, 8)).tolist()
+    return {
+        "graph": graph,
+        "inputs": {
+            "x": {"data": x, "dtype": "float64", "requires_grad": True},
+            "W": {"data": W, "dtype": "float64"},
+        },
+    }
+
+
+async def _front_runs(c: Any) -> float:
+    """The programs the front process has found for the requests it ran (its lookups)."""
+    text = (await c.get("/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith('gradserve_program_lookups_total{role="front"')
+    )
+
+
+async def test_over_http_an_idle_server_answers_a_known_program_in_its_front_process() -> None:
+    body = _body(4000, 0.5)
+    async with serving(compute_workers=1) as (c, _):
+        first = strict_json(await c.post("/backward", json=body))
+        assert await _front_runs(c) == 0  # (new: a worker compiles it and reports)
+        again = strict_json(await c.post("/backward", json=body))
+        assert await _front_runs(c) == 1
+    assert again["gradients"] == first["gradients"] and again["outputs"] == first["outputs"]
+
+
+async def test_over_http_a_busy_server_sends_it_to_a_worker() -> None:
+    body = _body(4000, 0.25)
+    # ~2 s in a worker: 30 matmuls of 600 x 600, chained
+    n = 600
+    heavy_nodes = [{"id": "m0", "expr": "A @ A"}]
+    heavy_nodes += [{"id": f"m{k}", "expr": f"m{k - 1} @ A * 0.001"} for k in range(1, 30)]
+    heavy_nodes += [{"id": "s", "expr": "sum(m29)"}]
+    heavy = {
+        "graph": {"nodes": heavy_nodes, "outputs": ["s"]},
+        "inputs": {"A": {"data": (np.eye(n) * 0.5).tolist(), "dtype": "float64"}},
+        "no_grad": True,
+    }
+    async with serving(compute_workers=2, min_compute_workers=2) as (c, app):
+        strict_json(await c.post("/backward", json=body))  # (known now)
+        slow = asyncio.ensure_future(c.post("/forward", json=heavy))
+        while app.state.front.admission.active == 0:  # (until it holds its slot)
+            await asyncio.sleep(0.01)
+            assert not slow.done()
+        busy = strict_json(await c.post("/backward", json=body))
+        assert not slow.done()  # (the slot was still taken)
+        assert await _front_runs(c) == 0
+        strict_json(await slow)
+        idle = strict_json(await c.post("/backward", json=body))
+        assert await _front_runs(c) == 1
+    assert busy["gradients"] == idle["gradients"]
