@@ -371,6 +371,7 @@ class Lowered:
 
             if meta.get("jax") != jax.__version__:
                 raise NotLowerable(f"an executable of jax {meta.get('jax')}, not {jax.__version__}")
+            _find_lapack()
             checks: list[Deferred] = [
                 (IndexRange(size, dim), [None] * n, origin, op)
                 for size, dim, origin, op, n in meta["checks"]
@@ -395,6 +396,15 @@ class Lowered:
             raise NotLowerable(
                 f"the stored executable does not load ({type(exc).__name__}: {exc})"
             ) from None
+
+
+def _find_lapack() -> None:
+    """XLA's CPU kernels of the LAPACK ops (det, inv, solve) look LAPACK's functions up when
+    jax first lowers such an op in a process: a process that only loads executables must
+    have them looked up, or such a kernel calls nothing, and the process dies (SIGSEGV)."""
+    from jaxlib import lapack
+
+    lapack._lapack.initialize()
 
 
 def _given(program: Program) -> list[tuple[str, int, tuple[int, ...], str, bool]]:

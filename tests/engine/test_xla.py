@@ -5,6 +5,7 @@ without jax."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -351,6 +352,51 @@ def test_gradserve_imports_and_runs_without_jax() -> None:
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert available()
+
+
+# What every worker does: load an executable another process (the lowering process)
+# compiled, and run it. The LAPACK ops' kernels find LAPACK only where jax has been asked to.
+_LOAD_IN_A_NEW_PROCESS = """
+import pickle, sys
+import numpy as np
+from gradserve.engine.graph.executor import execute
+from gradserve.engine.graph.xla import Lowered
+from tests.support.ops import op_cases
+from tests.support.programs import with_gradients
+from tests.support.xla import assert_same_run
+payloads = pickle.load(open(sys.argv[1], "rb"))
+for case in op_cases(only_grad=True):
+    name, sample = case.values
+    if case.id in payloads:
+        program, arrays, _, _ = with_gradients(name, sample)
+        loaded = Lowered.load(program, *payloads[case.id])
+        assert_same_run(loaded.run(arrays), execute(program, arrays))
+print("ok", len(payloads))
+"""
+
+
+def test_an_executable_loaded_by_another_process_runs_the_lapack_ops(tmp_path: Path) -> None:
+    """det, inv and solve (and their gradients), lowered here and loaded and run in a new
+    process, as the lowering process and a worker do: the answers are the interpreter's
+    (before LAPACK was looked up on load, such a worker died of SIGSEGV)."""
+    payloads = {}
+    for case in op_cases(only_grad=True):
+        name, sample = case.values
+        if name in ("det", "inv", "solve"):
+            program, _, _, _ = with_gradients(name, sample)
+            payloads[case.id] = lower(program, budget=UNBOUNDED).export()
+    assert {k.split("-")[0] for k in payloads} == {"det", "inv", "solve"}
+    (tmp_path / "payloads").write_bytes(pickle.dumps(payloads))
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(tmp_path / "payloads")],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=root,
+    )
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["ok", str(len(payloads))]
 
 
 # ---------------------------------------------------------------- the suites' graphs, twice
