@@ -87,6 +87,10 @@ ROLL_LOOKED_AT_STEPS = 100
 JAX_IMPORT_MS = 900.0  # a process's first load imports jax (and starts XLA's client) first
 # A saving under this a run is not worth an executable kept in memory, whatever the reuse.
 MIN_SAVING_MS = 0.05
+# What a run costs more in a worker than in the front process's lanes (a pipe each way, two
+# processes woken; measured ~0.8-1 ms here): a program that the front runs pays it once
+# lowered (a worker runs it then), so its saving is counted net of it.
+WORKER_HOP_MS = 1.0
 # How long a worker waits for the lowering of a program that pays on its first run,
 # beyond the predicted compile (the lowering process may be busy with another).
 WAIT_EXTRA_S = 5.0
@@ -156,6 +160,7 @@ class Tier:
         self.settings = settings
         self.off: str | None = off_reason(settings)
         self.loads = role != "front"  # (the front process keeps the books, and loads nothing)
+        self.hop_ms = 0.0 if self.loads else WORKER_HOP_MS  # (XLA's runs are a worker's)
         self.queue = None if self.off is not None or store is None else LoweringQueue(store)
         self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
@@ -221,7 +226,7 @@ class Tier:
         refused = self._refused.get(key)
         if refused is not None:
             return refused
-        saving = seen.fastest_ms - seen.prediction.xla_ms
+        saving = seen.fastest_ms - seen.prediction.xla_ms - self.hop_ms
         if saving < MIN_SAVING_MS:
             reason = (
                 f"small: XLA would save {max(saving, 0.0):.3f} ms a run at most "
@@ -239,7 +244,7 @@ class Tier:
         if seen.asked:
             return f"compiling: predicted {p.compile_ms:.0f} ms, in the lowering process"
         interpreted = seen.fastest_ms if seen.runs else p.interpreted_ms
-        saving = interpreted - p.xla_ms
+        saving = interpreted - p.xla_ms - self.hop_ms
         if saving <= 0:
             return f"cold: XLA predicted no faster ({p.xla_ms:.3f} ms a run)"
         runs = int(p.compile_ms / saving) + 1
