@@ -11,9 +11,10 @@ Then, in a compute worker:
 
 - when one run saves more than the compile (a long loop over small values: a GradBench
   descent), the program is lowered before it runs: the worker asks, waits, loads, runs;
-- when it saves something, it is lowered once its runs so far would have paid for the
-  compile (reuse seen is reuse to come), in the background: the interpreter answers
-  meanwhile;
+- when it saves something, it is lowered once the runs it is expected to have yet would
+  pay for the compile (reuse seen is reuse to come: as many runs again as it has had, and
+  at least 8 once it has run twice: a program sent again is seldom sent only twice), in
+  the background: the interpreter answers meanwhile;
 - when it saves nothing worth a compile (a tiny program, a large BLAS call XLA's kernels
   do more slowly), never.
 
@@ -87,6 +88,9 @@ ROLL_LOOKED_AT_STEPS = 100
 JAX_IMPORT_MS = 900.0  # a process's first load imports jax (and starts XLA's client) first
 # A saving under this a run is not worth an executable kept in memory, whatever the reuse.
 MIN_SAVING_MS = 0.05
+# Runs to come that a program run twice is expected to have at least (a loop, a benchmark's
+# repetitions: a program sent again is seldom sent only twice); later, as many as it has had.
+REUSE_EXPECTED = 8
 # What a run costs more in a worker than in the front process's lanes (a pipe each way, two
 # processes woken; measured ~0.8-1 ms here): a program that the front runs pays it once
 # lowered (a worker runs it then), so its saving is counted net of it.
@@ -213,7 +217,7 @@ class Tier:
 
     def interpreted(self, key: str, program: Program, run_ms: float) -> str:
         """An interpreted run of `key` took `run_ms`: count it, ask for the program's
-        lowering when its runs so far would have paid for it, and say why the interpreter
+        lowering when its runs to come would pay for it, and say why the interpreter
         answered."""
         if self.off is not None:
             return self.off
@@ -234,7 +238,7 @@ class Tier:
             )
             self._refused.put(key, reason)
             return reason
-        if not seen.asked and saving * seen.runs >= seen.prediction.compile_ms:
+        if not seen.asked and saving * _runs_to_come(seen.runs) >= seen.prediction.compile_ms:
             self._ask(key, program, seen, seen.device)
         return self.reason(seen)
 
@@ -247,7 +251,7 @@ class Tier:
         saving = interpreted - p.xla_ms - self.hop_ms
         if saving <= 0:
             return f"cold: XLA predicted no faster ({p.xla_ms:.3f} ms a run)"
-        runs = int(p.compile_ms / saving) + 1
+        runs = 2 if saving * REUSE_EXPECTED >= p.compile_ms else int(p.compile_ms / saving) + 1
         return (
             f"cold: XLA would save ~{saving:.3f} ms a run; lowered once it has run "
             f"{runs} times (a ~{p.compile_ms:.0f} ms compile)"
@@ -409,6 +413,12 @@ def _freeze_jax() -> None:
         _jax_frozen = True
         gc.collect()
         gc.freeze()
+
+
+def _runs_to_come(runs: int) -> int:
+    """The runs a program that has run `runs` times is expected to have yet: as many again
+    (reuse seen is reuse to come), and at least REUSE_EXPECTED once it has been reused."""
+    return max(runs, REUSE_EXPECTED) if runs >= 2 else runs
 
 
 def _load_ms() -> float:

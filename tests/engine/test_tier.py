@@ -176,6 +176,23 @@ def test_a_program_is_lowered_once_its_runs_would_have_paid(
         time.sleep(0.05)
 
 
+def test_a_program_reused_is_expected_to_be_reused_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A program whose saving pays for its compile within REUSE_EXPECTED runs is asked for
+    at its second run (reuse seen), not its first (which may be its only one)."""
+    program = _chain(8)
+    tier, queue = _tier(monkeypatch, {id(program): 0.0})
+    p = predict(program)
+    saving = p.compile_ms / tier_module.REUSE_EXPECTED + 0.5
+    assert saving < p.compile_ms  # (not paid by one run: not lowered before the first)
+    first = tier.interpreted("chain", program, run_ms=p.xla_ms + saving)
+    assert queue.asked == []
+    assert re.fullmatch(r"cold: .*; lowered once it has run 2 times \(a ~\d+ ms compile\)", first)
+    assert tier.interpreted("chain", program, run_ms=p.xla_ms + saving).startswith("compiling: ")
+    assert queue.asked == ["chain"]
+
+
 def test_a_lowered_program_slower_than_the_interpreter_goes_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
