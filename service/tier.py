@@ -24,7 +24,7 @@ slower than its fastest interpreted run, it goes back to the interpreter for goo
 The front process's tier keeps the same books of the programs its lanes run (their runs,
 and asking for a lowering once they would have paid for it), but never loads XLA: a
 program whose executable is in the store runs in a worker from then on
-(`lowered_elsewhere`; the lane sends it on: compute.Misplaced).
+(`lowered`; the lane sends it on: compute.Misplaced).
 
 The lowering process does every lowering of the host (niced, one at a time), writes the
 executable into the program store (`x-` entries: XLA's own serialisation, no pickle) or
@@ -44,7 +44,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,14 +71,21 @@ TRIALS = 3  # runs of a lowered program timed against the interpreter's fastest
 
 # The cost model (measured on 2 cores here, 2026-12-02; fitted, then rounded up where a
 # wrong guess costs a compile): the interpreter runs a step in ~1.2 us and ~1.5e8 cost
-# units a ms (BLAS); XLA runs a program in one call of ~20 us, at ~1.1e8 units a ms (its
-# CPU kernels: NumPy's BLAS is faster on one large matmul), and compiles in ~150 ms plus
-# ~2 ms a step (a 941-step recurrent cell: 6 s; a 1,000-step chain: 1 s).
+# units a ms (BLAS), each op reading and writing its arrays in full; XLA fuses a chain of
+# ops into one kernel that reads its inputs once, so its time is not in cost units: one
+# call (~0.25 ms with its arguments' checks), its flops at ~1.1e8 a ms (its CPU kernels:
+# NumPy's BLAS is faster on one large matmul), and the bytes the
+# program's ops move at ~1.5e8 a ms (fitted on 13 programs, 2026-12-07: GradBench's ode,
+# llsq, lse, kmeans, gmm and ba, the cell, det; within 2x of the measured time but for
+# one large k-means, where it is optimistic: the first runs' trial catches that). XLA
+# compiles in ~150 ms plus ~2 ms a step (a 941-step recurrent cell: 6 s; a 1,000-step
+# chain: 1 s).
 INTERPRETER_STEP_MS = 1.2e-3
 INTERPRETER_UNITS_MS = 1.5e8
-XLA_CALL_MS = 0.02
+XLA_CALL_MS = 0.25
 XLA_STEP_MS = 5e-5
-XLA_UNITS_MS = 1.1e8
+XLA_FLOPS_MS = 1.1e8
+XLA_BYTES_MS = 1.5e8
 COMPILE_BASE_MS = 150.0
 COMPILE_STEP_MS = 2.0
 LOAD_MS = 50.0  # loading a stored executable
@@ -98,8 +105,9 @@ WORKER_HOP_MS = 1.0
 # How long a worker waits for the lowering of a program that pays on its first run,
 # beyond the predicted compile (the lowering process may be busy with another).
 WAIT_EXTRA_S = 5.0
-# How often a process looks in the store for an executable it asked for (a missed file
-# open, ~10 us): a program run every few ms is lowered within a few runs of its compile.
+# How often a process looks in the store for a program's executable (a missed file open,
+# ~10 us), whoever asked for it (this process, another worker, the front process's books):
+# a program run every few ms runs in XLA within a few runs of its lowering.
 LOOK_EVERY_S = 0.1
 
 INTERPRETER, XLA = "interpreter", "xla"
@@ -139,7 +147,10 @@ def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
         compiled = int(compiled * rolled_fraction(program))
     return Prediction(
         interpreted_ms=executed * INTERPRETER_STEP_MS + cost / INTERPRETER_UNITS_MS,
-        xla_ms=XLA_CALL_MS + executed * XLA_STEP_MS + cost / XLA_UNITS_MS,
+        xla_ms=XLA_CALL_MS
+        + executed * XLA_STEP_MS
+        + program.flops / XLA_FLOPS_MS
+        + program.bytes_moved / XLA_BYTES_MS,
         compile_ms=(COMPILE_BASE_MS + compiled * COMPILE_STEP_MS) * compile_scale,
     )
 
@@ -165,6 +176,9 @@ class Tier:
         self.off: str | None = off_reason(settings)
         self.loads = role != "front"  # (the front process keeps the books, and loads nothing)
         self.hop_ms = 0.0 if self.loads else WORKER_HOP_MS  # (XLA's runs are a worker's)
+        # Called when this process asks for a lowering (the front process has its idle
+        # workers load XLA meanwhile: Pool.prepare_xla).
+        self.on_ask: Callable[[], None] | None = None
         self.queue = None if self.off is not None or store is None else LoweringQueue(store)
         self._seen: Lru = Lru(REMEMBERED)  # program key -> _Seen
         self._refused: Lru = Lru(REMEMBERED)  # program key -> why it stays interpreted
@@ -296,15 +310,25 @@ class Tier:
         seen.asked = time.monotonic()
         if not self.queue.request(key, program, device, seen.prediction.compile_ms):
             self._refused.put(key, "the program store cannot be written: no lowering")
+        elif self.on_ask is not None:
+            self.on_ask()
+
+    def prepare(self) -> None:
+        """Load XLA (import jax, ~0.9 s) ahead of a first executable to load: a lowering
+        asked for compiles meanwhile, so the first run in XLA waits for neither."""
+        if self.off is None and self.loads:
+            from gradserve.engine.graph import xla
+
+            if xla.available():
+                _freeze_jax()
 
     def _look(self, key: str, program: Program, device: str, seen: _Seen) -> bool:
         """Whether the program's executable is loaded now: looked for in the store (every
-        LOOK_EVERY_S while it is asked for, once at first), and loaded; a refusal there is
-        remembered. (A load in the background would hold the GIL for its import: it is
-        done here, once per process and program.) The front process loads nothing: it
-        notes the executable as there (`lowered_elsewhere`)."""
+        LOOK_EVERY_S), and loaded; a refusal there is remembered. (A load in the background
+        would hold the GIL for its import: it is done here, once per process and program.)
+        The front process loads nothing: it notes the executable as there (`lowered`)."""
         now = time.monotonic()
-        if seen.looked and (not seen.asked or now - seen.looked < LOOK_EVERY_S):
+        if seen.looked and now - seen.looked < LOOK_EVERY_S:
             return False
         seen.looked = now
         assert self.queue is not None
