@@ -151,6 +151,8 @@ class Front:
             if off_reason(settings) is not None
             else Lowerer(settings, lambda outcome: metrics.lowered(*outcome), self.pool.post)
         )
+        if self.lowerer is not None:
+            self.compute.tier.on_ask = self.pool.prepare_xla
         self.front = settings.max_concurrency
         self.ledger: Ledger = self.pool.ledger
         self._worker_cache_bytes: dict[int, int] = {}  # worker pid -> its cache's bytes

@@ -44,7 +44,7 @@ from gradserve.service.ledger import Ledger
 from gradserve.service.metrics import Metrics
 from gradserve.service.settings import Settings
 from gradserve.service.shm import own_directory, unlink
-from gradserve.service.worker import EXIT, STORE, Outcome, Report, Task, worker_main
+from gradserve.service.worker import EXIT, PREPARE, STORE, Outcome, Report, Task, worker_main
 
 log = logging.getLogger("gradserve.workers")
 
@@ -92,6 +92,7 @@ class _Worker:
         self.rss = self.warm_rss = 0  # now, and when it was warm
         self.idle_since = pool.clock.now()
         self.successor: _Worker | None = None  # starting, to replace this one (RSS)
+        self.prepared = False  # told to load XLA (a lowering was asked for)
         self.storing = False  # told to store what it holds: to be replaced once it has
         self.retired = False  # its successor is warm: it exits once free
         self.exiting = False  # told to exit, or killed: it takes no more tasks
@@ -147,6 +148,11 @@ class _Worker:
         """Write what it holds to the program store, before its next task."""
         self.storing = True
         self._send(ForkingPickler.dumps(STORE))
+
+    def prepare(self) -> None:
+        """Load XLA before its next task (it is busy until it says so)."""
+        self.prepared = True
+        self._send(ForkingPickler.dumps(PREPARE))
 
     def kill(self) -> None:
         """Stop it now, whatever it computes (any thread)."""
@@ -295,6 +301,14 @@ class Pool:
                     return idle.pop(i)
         return idle.pop() if idle else None
 
+    def prepare_xla(self) -> None:
+        """A lowering was asked for: the idle workers that have not loaded XLA load it now
+        (jax's import, ~0.9 s), while it compiles, rather than at their first run of its
+        executable. Each is busy meanwhile; a task takes another, or waits for one."""
+        for worker in [w for w in self._idle if not w.prepared]:
+            self._idle.remove(worker)
+            worker.prepare()
+
     def _free(self, worker: _Worker) -> None:
         """`worker` is free: to the first task waiting, or idle (or gone, if retired)."""
         if worker.exiting or self._closed:
@@ -352,6 +366,10 @@ class Pool:
             return
         if report.kind == "stored":
             self._replace(worker)
+            return
+        if report.kind == "prepared":
+            worker.warm_rss = worker.rss  # (XLA's memory is not growth: it stays)
+            self._free(worker)
             return
         owed, worker.task = worker.task, None
         outcome = report.outcome

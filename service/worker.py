@@ -78,7 +78,9 @@ class Outcome:
 
 # What the front process may send a worker besides a Task: to exit (once idle), or to
 # write what it holds to the program store now (it is about to be replaced).
-EXIT, STORE = None, "store"
+# What else than a task a worker's pipe brings: exit; write what it holds to the store; load
+# XLA (jax) now, while a lowering it may soon run compiles (tier.Tier.prepare).
+EXIT, STORE, PREPARE = None, "store", "prepare"
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,10 @@ def worker_main(
             if task == STORE:
                 compute.programs.store_held()
                 report = Report("stored", _rss())
+                continue
+            if task == PREPARE:
+                compute.tier.prepare()
+                report = Report("prepared", _rss())
                 continue
             tasks += 1
             gc.disable()

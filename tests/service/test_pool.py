@@ -15,12 +15,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
+from gradserve.engine.graph import xla
 from gradserve.service.app import create_app
 from gradserve.service.clock import ManualClock
 from gradserve.service.compute import WARM_UP
@@ -276,5 +278,33 @@ async def test_a_program_goes_to_the_idle_worker_that_holds_it() -> None:
             assert outcome.stats.pid == holder[which], (which, outcome.stats.pid, holder)
         outcome = await pool.submit(_task(pool, "a", 0), "a key no worker holds")
         assert outcome.stats.pid in holder.values() and pool.waits == 0
+    finally:
+        await asyncio.to_thread(pool.close)
+
+
+async def test_a_lowering_asked_for_has_the_idle_workers_load_xla_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """pool.prepare_xla: each idle worker that has not loaded XLA is told to (jax's
+    import, where it is installed), is busy until it says it has (a task meanwhile waits,
+    then runs), and is told once; its memory then is what it holds warm (XLA's is not
+    growth)."""
+    settings = Settings(
+        compute_workers=2, min_compute_workers=2, program_store_dir=str(tmp_path / "store")
+    )
+    pool = Pool(settings, settings.max_concurrency, Metrics())
+    try:
+        await pool.start()
+        before = {w.pid: w.warm_rss for w in pool._workers}
+        pool.prepare_xla()
+        assert pool._idle == [] and all(w.prepared for w in pool._workers)
+        outcome = await pool.submit(_task(pool, "a", 0))  # (waits for one of them)
+        assert json.loads(outcome.body)["outputs"]["z"]["data"] == -5.0  # type: ignore[arg-type]
+        await _until("both prepared and idle", lambda: len(pool._idle) == 2)
+        after = {w.pid: w.warm_rss for w in pool._workers}
+        if xla.available():  # (jax's modules and XLA's client: ~100 MiB)
+            assert all(after[pid] > before[pid] + (30 << 20) for pid in before), (before, after)
+        pool.prepare_xla()  # (none is told twice)
+        assert len(pool._idle) == 2
     finally:
         await asyncio.to_thread(pool.close)
