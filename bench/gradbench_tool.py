@@ -72,13 +72,28 @@ def lse(function: str, input: dict[str, Any]) -> Call:
 
 def llsq(function: str, input: dict[str, Any]) -> Call:
     """0.5 * sum_i (sign(t_i) - sum_j x_j t_i^j)^2 at n points t_i of [-1, 1] (GradBench's
-    definition: the points' powers made in the graph, not sent)."""
+    definition: the points' powers made in the graph, not sent: each the last times t, as
+    its tools' cumulative product makes them)."""
     n, m = input["n"], len(input["x"])
+    powers = {
+        "id": "powers",
+        "op": "scan",
+        "args": ["ones_n"],
+        "attrs": {"length": m},
+        "body": {
+            "carry": ["p"],
+            "xs": [],
+            "nodes": [{"id": "t_j", "expr": "p * 1.0"}, {"id": "p_next", "expr": "p * t"}],
+            "next": {"p": "p_next"},
+        },
+        "results": {"P": "t_j"},  # (m, n): t_i^j
+    }
     graph = {
         "nodes": [
             {"id": "t", "expr": f"-1.0 + 2.0 * arange(end={n}, dtype='float64') / {n - 1.0!r}"},
-            {"id": "T", "expr": f"unsqueeze(t, dim=1) ** arange(end={m}, dtype='float64')"},
-            {"id": "out", "expr": "0.5 * sum((sign(t) - T @ x) ** 2)"},
+            {"id": "ones_n", "op": "ones", "attrs": {"shape": [n], "dtype": "float64"}},
+            powers,
+            {"id": "out", "expr": "0.5 * sum((sign(t) - x @ P) ** 2)"},
         ],
         "outputs": ["out"],
     }
