@@ -114,16 +114,22 @@ def loads_tensors(raw: bytes | memoryview) -> Any:
     Python object for each (lse of 100,000 numbers: 9.0 -> 3.9 ms from the bytes to the
     array). Anything it does not read so (an array with a string or a boolean in it, one
     that is ragged or empty, a number too large for 64 bits) parses as `loads` does, so
-    that the answer, and each error, is the one `loads` gives."""
+    that the answer, and each error, is the one `loads` gives. A member of small tensors
+    only is parsed whole, at once."""
     if len(raw) < NUMBERS_MIN_BYTES:
         return loads(bytes(raw))
     try:
         try:
             fields = _TENSOR_FIELDS.decode(raw)
         except msgspec.ValidationError:  # (a tensor given as bare data)
-            return {name: _tensor(value) for name, value in _MEMBERS.decode(raw).items()}
+            tensors = _MEMBERS.decode(raw)
+            if all(len(v) < NUMBERS_MIN_BYTES for v in tensors.values()):
+                return loads(bytes(raw))
+            return {name: _tensor(value) for name, value in tensors.items()}
     except (msgspec.DecodeError, RecursionError):
         return loads(bytes(raw))  # (which says what is wrong)
+    if all(len(f.get("data", b"")) < NUMBERS_MIN_BYTES for f in fields.values()):
+        return loads(bytes(raw))
     return {
         name: {
             key: (_data(value) if key == "data" else loads(bytes(value)))
