@@ -22,19 +22,24 @@ from gradserve.service.clock import SYSTEM_CLOCK, Clock
 from gradserve.service.errors import install_handlers
 from gradserve.service.front import Front
 from gradserve.service.metrics import Metrics
-from gradserve.service.middleware import Gateway
+from gradserve.service.middleware import PROBE_PATHS, Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
 from gradserve.service.routes import catalog, explorer, health, operation_id
 from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
 from gradserve.service.routes.compute import ComputeDoor, operations
 from gradserve.service.schemas import (
+    TENSOR_SCALAR_SCHEMA,
     BackwardRequest,
     BackwardResponse,
+    DevicesResponse,
     ForwardRequest,
     ForwardResponse,
+    Health,
+    OpsResponse,
     PlanRequest,
     PlanResponse,
     Problem,
+    WireJsonSchema,
     with_body_limit,
 )
 from gradserve.service.settings import Settings, get_settings
@@ -148,8 +153,9 @@ def _add_routes(app: FastAPI, router: APIRouter) -> None:
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document of its routes, plus the compute routes, which are plain ASGI
-    endpoints (service/routes/compute.py), with their models, and with the bounds that are
-    this app's settings (the body limit)."""
+    endpoints (service/routes/compute.py), with every model written as the client
+    generators read it (`WireJsonSchema`), with the bounds that are this app's settings
+    (the body limit), and the API keys (required where the server has keys)."""
     if app.openapi_schema is None:
         schema = get_openapi(
             title=app.title, version=app.version, description=app.description, routes=app.routes
@@ -163,16 +169,52 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 (BackwardResponse, "serialization"),
                 (PlanResponse, "serialization"),
                 (Problem, "serialization"),
+                (OpsResponse, "serialization"),
+                (DevicesResponse, "serialization"),
+                (Health, "serialization"),
             ],
             ref_template="#/components/schemas/{model}",
+            schema_generator=WireJsonSchema,
         )
         settings: Settings = app.state.settings
         schema["paths"] = {**operations(settings.max_body_bytes), **schema["paths"]}
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(
-            with_body_limit(defs["$defs"], settings.max_body_bytes)
+        components = schema.setdefault("components", {})
+        components.setdefault("schemas", {}).update(
+            with_body_limit(defs["$defs"], settings.max_body_bytes),
+            TensorScalar=TENSOR_SCALAR_SCHEMA,
         )
+        components["securitySchemes"] = SECURITY_SCHEMES
+        keyed = bool(settings.api_keys)
+        for path, methods in schema["paths"].items():
+            if path in PROBE_PATHS:
+                continue
+            for operation in methods.values():
+                operation["security"] = [{name: []} for name in SECURITY_SCHEMES]
+                if not keyed:  # (this server asks for no key: anonymous too)
+                    operation["security"].append({})
+                operation["responses"].setdefault("401", UNAUTHORIZED)
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+# An API key, as the Gateway reads it (service/middleware.py): either header.
+SECURITY_SCHEMES = {
+    "bearer": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "`Authorization: Bearer KEY`, with one of the server's API keys",
+    },
+    "apiKey": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "X-API-Key",
+        "description": "`X-API-Key: KEY`, the same keys",
+    },
+}
+UNAUTHORIZED = {
+    "description": "An API key is required (the server has keys, and none valid was sent)",
+    "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}},
+}
 
 
 def app_from_env() -> FastAPI:

@@ -88,6 +88,22 @@ SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
     "internal": (500, "Internal server error"),
 }
 
+# Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status; any other
+# status they raise is "http".
+_OTHER_HTTP = "http"
+
+# Every problem type there is (the OpenAPI document lists them).
+PROBLEM_TYPES: tuple[str, ...] = tuple(
+    sorted(
+        TYPE_PREFIX + slug
+        for slug in {
+            *SERVICE_PROBLEMS,
+            *(slug for _, slug, _ in ENGINE_PROBLEMS.values()),
+            _OTHER_HTTP,
+        }
+    )
+)
+
 # Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status.
 _STATUS_SLUGS = {
     status: slug
@@ -333,7 +349,7 @@ def install_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         slug = _STATUS_SLUGS.get(exc.status_code)
         title = SERVICE_PROBLEMS[slug][1] if slug else HTTPStatus(exc.status_code).phrase
-        slug = slug or "http"
+        slug = slug or _OTHER_HTTP
         detail = exc.detail if isinstance(exc.detail, str) else title
         if exc.status_code == 404:
             detail = f"no route for {request.method} {request.url.path}"

@@ -6,32 +6,68 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
-from pydantic.json_schema import WithJsonSchema
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, WithJsonSchema
+from pydantic_core import core_schema
 
+from gradserve.service.errors import PROBLEM_TYPES
 from gradserve.wire.catalog import OpInfo
 
 DType = Literal["float16", "float32", "float64", "int32", "int64", "bool"]
 Encoding = Literal["json", "base64", "binary"]
 
-_NUMBER_OR_NONFINITE = {
+# One element of tensor data, a component of the document (service/app.py adds it).
+TENSOR_SCALAR_SCHEMA = {
     "anyOf": [
         {"type": "number"},
         {"type": "boolean"},
         {"enum": ["NaN", "Infinity", "-Infinity"]},
-    ]
+    ],
+    "description": 'a number, a boolean, or "NaN"/"Infinity"/"-Infinity" (strings: bare '
+    "NaN and Infinity are not JSON)",
 }
+_SCALAR = {"$ref": "#/components/schemas/TensorScalar"}
 # Tensor data: a number, a non-finite string, or (nested) lists of them. Kept as plain
-# JSON values here: the codec turns them into an array in one pass.
-TensorData = Annotated[
-    Any,
-    WithJsonSchema(
-        {
-            "anyOf": [_NUMBER_OR_NONFINITE, {"type": "array", "items": {}}],
-            "description": 'a number, "NaN"/"Infinity"/"-Infinity" (strings: bare NaN and '
-            "Infinity are not JSON), or nested lists of them",
-        }
-    ),
-]
+# JSON values here: the codec turns them into an array in one pass. In the document,
+# lists of lists to `TYPED_DIMS` deep, of scalars: a client's type is nested numbers. Not
+# one recursive schema: TypeScript refuses a type that holds itself by name in a list (as
+# openapi-typescript writes one). Deeper data (the codec takes 64 dims) goes as b64 or
+# binary.
+TYPED_DIMS = 8
+
+
+def _nested(dims: int) -> dict[str, Any]:
+    items = _nested(dims - 1) if dims > 1 else _SCALAR
+    return {"anyOf": [_SCALAR, {"type": "array", "items": items}]}
+
+
+TENSOR_DATA_SCHEMA = {
+    **_nested(TYPED_DIMS),
+    "description": f"a scalar (`TensorScalar`), or lists of them nested up to {TYPED_DIMS} "
+    "deep (deeper: send the tensor as `b64` or binary)",
+}
+TensorData = Annotated[Any, WithJsonSchema(TENSOR_DATA_SCHEMA)]
+
+
+class WireJsonSchema(GenerateJsonSchema):
+    """The models' JSON Schema as the OpenAPI document gives it, written for the client
+    generators users point at it (openapi-typescript, openapi-python-client):
+
+    - no `default`: openapi-typescript types a field that has one as always present, so a
+      request could not leave out what the server defaults (docs/contract.md gives each
+      default, and each field's description);
+    - a response field that the server leaves out when it has no value (a default of
+      None) is its value's schema: optional, and never null."""
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        inner = schema["schema"]
+        if (
+            self.mode == "serialization"
+            and "default" in schema
+            and schema["default"] is None
+            and inner["type"] == "nullable"
+        ):
+            return self.generate_inner(inner["schema"])
+        return self.generate_inner(inner)
 
 
 class Wire(BaseModel):
@@ -104,8 +140,24 @@ def _given(**fields: dict[str, Any]) -> dict[str, Any]:
     return {"required": list(fields), "properties": fields}
 
 
-_NULL = {"type": "null"}  # absent, or null: the same to the models
-_OBJECT = {"type": "object"}
+def _not_given(*names: str) -> dict[str, Any]:
+    """None of the fields is given: each is absent, or null (the same to the models). Said
+    with `not`, which the client generators leave out of a type: a property whose only
+    type is null comes out of openapi-fetch as `never`, and no value fits it."""
+    return {
+        "not": {
+            "anyOf": [
+                {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+                for name in names
+            ]
+        }
+    }
+
+
+def _ref(model: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model}"}
+
+
 _STRING = {"type": "string"}
 _ARRAY = {"type": "array"}
 _DATA = _given(data={"type": ["number", "boolean", "string", "array"]})  # any but null
@@ -165,36 +217,27 @@ class Node(Wire):
             "oneOf": [
                 # an infix expression: no op, args, attrs, body or results
                 {
-                    "required": ["expr"],
-                    "properties": {
-                        "expr": _STRING,
-                        "op": _NULL,
-                        "args": _NULL,
-                        "attrs": _NULL,
-                        "body": _NULL,
-                        "results": _NULL,
-                    },
+                    **_given(expr=_STRING),
+                    **_not_given("op", "args", "attrs", "body", "results"),
                 },
                 # an op other than scan: no expr, body or results
                 {
-                    "required": ["op"],
-                    "properties": {
-                        "op": {"type": "string", "not": {"const": "scan"}},
-                        "expr": _NULL,
-                        "body": _NULL,
-                        "results": _NULL,
-                    },
+                    **_given(op={"type": "string", "not": {"const": "scan"}}),
+                    **_not_given("expr", "body", "results"),
                 },
-                # a scan, with its body and results
+                # a scan, with its body and (at least one of) its results
                 {
-                    "required": ["op", "body", "results"],
-                    "properties": {
-                        "op": {"const": "scan"},
-                        "expr": _NULL,
-                        "body": _OBJECT,
-                        "results": {"type": "object", "minProperties": 1},
-                    },
-                },  # "at least one result"
+                    **_given(
+                        op={"const": "scan"},
+                        body=_ref("Body"),
+                        results={
+                            "type": "object",
+                            "minProperties": 1,
+                            "additionalProperties": _STRING,
+                        },
+                    ),
+                    **_not_given("expr"),
+                },
             ]
         }
     )
@@ -262,7 +305,7 @@ MemoryBudget = Annotated[
 
 
 # "a request needs 'graph' or 'graph_id'"
-_GRAPH_OR_ID = {"anyOf": [_given(graph=_OBJECT), _given(graph_id=_STRING)]}
+_GRAPH_OR_ID = {"anyOf": [_given(graph=_ref("Graph")), _given(graph_id=_STRING)]}
 
 
 class _ComputeRequest(Wire):
@@ -301,6 +344,9 @@ class BackwardRequest(_ComputeRequest):
     grad_outputs: dict[str, Tensor] | None = None
 
 
+PlanPath = Literal["no_grad", "forward", "backward"]
+
+
 class TensorSpecIn(Wire):
     """A tensor described without its data (POST /plan)."""
 
@@ -335,7 +381,7 @@ class PlanRequest(Wire):
         _GRAPH_OR_ID,
         {
             "anyOf": [  # "grad_outputs belongs to path 'backward'"
-                {"properties": {"grad_outputs": _NULL}},
+                _not_given("grad_outputs"),
                 {"properties": {"path": {"const": "backward"}}},
             ]
         },
@@ -348,7 +394,7 @@ class PlanRequest(Wire):
         None, description="path backward: the upstream gradients, as specs or data"
     )
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
-    path: Literal["no_grad", "forward", "backward"] = Field(
+    path: PlanPath = Field(
         "backward",
         description="no_grad: /forward with no_grad; forward: /forward with "
         "grad recording; backward: /backward",
@@ -389,8 +435,20 @@ class Recomputation(BaseModel):
     steps: int = Field(description="recomputation steps in the program")
 
 
+class Timings(BaseModel):
+    """Where the request's time went, in milliseconds."""
+
+    plan: float = Field(
+        description="parsing, decoding, and compiling or looking up the compiled graph"
+    )
+    forward: float = Field(description="the forward pass (with tier xla: the whole call)")
+    backward: float | None = Field(
+        None, description="the backward pass, when one ran in the interpreter"
+    )
+
+
 class Meta(BaseModel):
-    device: str
+    device: str = Field(pattern=r"^(cpu|cuda:[0-9]+)$", description="the device that ran it")
     graph_id: str = Field(description="send it as `graph_id` instead of the graph")
     no_grad: bool
     nodes: int
@@ -416,7 +474,7 @@ class Meta(BaseModel):
         "`small: ...`, `slower in XLA: ...`, or why the tier refused the "
         "program (e.g. an op without a lowering)"
     )
-    timings_ms: dict[str, float]
+    timings_ms: Timings
 
 
 class ForwardResponse(BaseModel):
@@ -434,12 +492,12 @@ class PlannedStep(BaseModel):
         description="the client's node it serves (a derived step's, the node it differentiates)"
     )
     op: str
-    kind: str = Field(
+    kind: Literal["node", "cast", "constant", "derived", "backward", "recompute"] = Field(
         description="node, cast, constant, derived (grad/jvp), backward, or "
         "recompute (a forward value computed again in the backward)"
     )
     shape: list[int]
-    dtype: str
+    dtype: DType
     bytes: int
     cost: int = Field(description="cost units: flops plus 8 per byte moved")
     freed_after: int | None = Field(
@@ -462,7 +520,7 @@ class PlanResponse(BaseModel):
         description="within both budgets: /forward or /backward would "
         "run it (the in-flight memory allowing)"
     )
-    path: str
+    path: PlanPath
     graph_id: str
     nodes: list[PlannedStep]
     recompute: PlanRecomputation | None = Field(
@@ -474,16 +532,38 @@ class PlanResponse(BaseModel):
     )
 
 
-class Problem(BaseModel):
-    """RFC 9457 problem details."""
+# Every problem type the server answers (service/errors.py), as the document lists them.
+ProblemType = Annotated[str, WithJsonSchema({"type": "string", "enum": list(PROBLEM_TYPES)})]
 
-    type: str
+
+class ProblemItem(BaseModel):
+    loc: list[str | int] = Field(
+        description="where, as a path into the request: `graph.nodes.<id>` names a node"
+    )
+    msg: str
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details: every error, of every route. The fields after `detail`
+    are there when they apply."""
+
+    type: ProblemType
     title: str
     status: int
     detail: str
-    node: str | None = None
-    errors: list[dict[str, Any]] | None = None
-    request_id: str | None = None
+    node: str | None = Field(
+        None,
+        description="the graph node at fault (for a backward step, the forward node it "
+        "differentiates)",
+    )
+    errors: list[ProblemItem] | None = Field(
+        None, description="each fault found, where it is (one validation pass finds several)"
+    )
+    planned_bytes: int | None = Field(None, description="memory-budget: the planned peak")
+    budget_bytes: int | None = Field(None, description="memory-budget: the budget it is over")
+    compute_cost: int | None = Field(None, description="compute-budget: the program's cost")
+    compute_budget: float | None = Field(None, description="compute-budget: the budget it is over")
+    request_id: str | None = Field(None, description="quote it when reporting a problem")
 
 
 class OpsResponse(BaseModel):

@@ -215,6 +215,11 @@ BINARY_BODY = (
     "way (`application/octet-stream`, the same header)."
 )
 _BINARY_SCHEMA = {"type": "string", "format": "binary", "description": BINARY_BODY}
+# A 200's other media types, each answered only when the request asks for it (a field of
+# its body, a query parameter): kept out of the response's `content`, where a generated
+# client would type every JSON answer as JSON-or-string (openapi-fetch's `data`). Each says
+# what asks for it.
+ASKED_FOR = "x-gradserve-asked-for"
 
 
 def _examples(*names: str) -> dict[str, Any]:
@@ -241,11 +246,15 @@ def _compute(
         "operationId": kind,
         "responses": {
             "200": {
-                "description": "Outputs (and gradients); with encoding binary, framed as a "
-                "binary body",
-                "content": {
-                    "application/json": {"schema": _ref(response)},
-                    "application/octet-stream": {"schema": _BINARY_SCHEMA},
+                "description": 'Outputs (and gradients). With `"encoding": "binary"` the '
+                "answer is a binary body instead (application/octet-stream: "
+                f"`{ASKED_FOR}`)",
+                "content": {"application/json": {"schema": _ref(response)}},
+                ASKED_FOR: {
+                    "application/octet-stream": {
+                        "schema": _BINARY_SCHEMA,
+                        "when": "encoding binary",
+                    }
                 },
             },
             **problem_responses(max_body_bytes),
@@ -336,10 +345,14 @@ def operations(max_body_bytes: int) -> dict[str, dict[str, Any]]:
                 },
                 "responses": {
                     "200": {
-                        "description": "The plan; with ?format=dot, Graphviz DOT of the program",
-                        "content": {
-                            "application/json": {"schema": _ref("PlanResponse")},
-                            "text/vnd.graphviz": {"schema": {"type": "string"}},
+                        "description": "The plan. With `?format=dot`, Graphviz DOT of the "
+                        f"program instead (text/vnd.graphviz: `{ASKED_FOR}`)",
+                        "content": {"application/json": {"schema": _ref("PlanResponse")}},
+                        ASKED_FOR: {
+                            "text/vnd.graphviz": {
+                                "schema": {"type": "string"},
+                                "when": "format dot",
+                            }
                         },
                     },
                     **problem_responses(max_body_bytes),

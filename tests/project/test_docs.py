@@ -319,6 +319,15 @@ def deploys_the_manifests(text: str) -> None:
         assert int(port) in {p["port"] for p in service["spec"]["ports"]}
 
 
+def run_by_the_other_languages_test(text: str) -> None:
+    """tests/e2e/test_other_languages.py (slow, with Node and npm) runs the page's examples
+    from the page itself: the TypeScript and the generated Python client, type-checked
+    strictly, and the curl commands, each against a live server, their answers checked."""
+    repository_names_exist(text)
+    test = (ROOT / "tests" / "e2e" / "test_other_languages.py").read_text()
+    assert '"docs" / "other-languages.md"' in test
+
+
 @dataclass(frozen=True)
 class NotRun:
     reason: str
@@ -339,6 +348,20 @@ NOT_RUN: dict[tuple[str, str], NotRun] = {
         "client from openapi/openapi.json with the same options and runs the seed with it",
         generates_the_client_as_its_test_does,
     ),
+    **{
+        ("docs/other-languages.md", needle): NotRun(
+            "needs Node, npm and packages from their registries, and a generated client; "
+            "tests/e2e/test_other_languages.py runs it, from this page",
+            run_by_the_other_languages_test,
+        )
+        for needle in (
+            "npm install openapi-fetch",
+            "import createClient",
+            "curl -s 'localhost:8000/plan?format=dot'",
+            "pip install openapi-python-client",
+            "from gradserve_openapi_client import",
+        )
+    },
     ("docs/operations.md", "bench.bench_capacity"): NotRun(
         "a benchmark of minutes, with Docker and HAProxy; tests/project/test_bench_smoke.py "
         "runs its load generator against one replica",
@@ -698,8 +721,8 @@ def test_every_block_is_run_or_listed() -> None:
         for page, needle in table:
             matching = [b.id for b in BLOCKS if b.page == page and at(b, needle)]
             assert len(matching) == 1, f"{page} {needle!r} names {matching}"
-    assert {b.lang for b in BLOCKS} <= {"python", "json", *SHELL}, {b.lang for b in BLOCKS}
-    assert len(BLOCKS) >= 30 and len(of("not run")) <= 10  # (a fence the pattern misses)
+    assert {b.lang for b in BLOCKS} <= {"python", "json", "ts", *SHELL}, {b.lang for b in BLOCKS}
+    assert len(BLOCKS) >= 30 and len(of("not run")) <= 15  # (a fence the pattern misses)
 
 
 @pytest.mark.parametrize("block", of("not run"))

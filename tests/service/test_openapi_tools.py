@@ -26,10 +26,11 @@ import pytest
 
 from gradserve.service.app import create_app
 from gradserve.service.cli import OPENAPI_PATH
+from gradserve.service.errors import PROBLEM_TYPES
 from gradserve.service.schemas import BackwardRequest
 from gradserve.service.settings import Settings
 from gradserve.wire.binary import BINARY_HEADER
-from tests.schemathesis_hooks import BODY_LIMIT, Exchange, kind_of
+from tests.schemathesis_hooks import BODY_LIMIT, Exchange, asked_for, kind_of
 from tests.support.seeds import SEED_OP
 from tests.support.server import ROOT, Server, start_server, stop_server
 
@@ -124,7 +125,8 @@ def test_schemathesis_without_hooks_finds_nothing_the_document_could_say(
     # The run a user makes with the published document alone. Each failure it reports (its
     # NDJSON report has every case, request and answer) must be of one of the kinds that
     # no JSON Schema can express (tests/schemathesis_hooks.py: `KINDS`, each with its
-    # reason); a failure of any other kind, or of any other check, fails the test.
+    # reason), or an answer in a media type the request asked for (`asked_for`, there); a
+    # failure of any other kind, or of any other check, fails the test.
     report = tmp_path / "run.ndjson"
     run = subprocess.run(
         [
@@ -176,12 +178,12 @@ def test_schemathesis_without_hooks_finds_nothing_the_document_could_say(
                 interaction = recorder["interactions"].get(case_id, {})
                 failure = (check.get("failure_info") or {}).get("failure", {})
                 kind = None
-                if (
-                    check["status"] == "failure"
-                    and failure.get("code") == "ST202"
-                    and interaction.get("response") is not None
-                ):
-                    kind = kind_of(_exchange(spec, recorder["label"], interaction))
+                if check["status"] == "failure" and interaction.get("response") is not None:
+                    exchange = _exchange(spec, recorder["label"], interaction)
+                    if failure.get("code") == "ST202":  # a schema-valid request refused
+                        kind = kind_of(exchange)
+                    elif failure.get("code") == "ST105" and asked_for(exchange):
+                        kind = asked_for
                 if kind is None:
                     unexcused.append((recorder["label"], check, interaction))
                 else:
@@ -208,6 +210,10 @@ def _exchange(spec: dict[str, Any], label: str, interaction: dict[str, Any]) -> 
         body=_payload(request.get("body")),
         status=response["status_code"],
         content=_payload(response.get("content")),
+        media_type=next(
+            (v[0] for k, v in response.get("headers", {}).items() if k.lower() == "content-type"),
+            "",
+        ),
     )
 
 
@@ -387,3 +393,62 @@ def test_the_binary_header_and_sizes_are_bounded_as_the_document_says(server: Se
     big = document.replace(b'"binary_data_size": 4', b'"binary_data_size": %d' % (BODY_LIMIT + 1))
     r = post(len(big), big + tail)
     assert r.status_code == 400 and r.json()["type"].endswith("malformed-body"), r.text
+
+
+# ------------------------------------------------------------------ for client generators
+def _walk(value: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object within `value` (a `properties` map is none: its keys are names)."""
+    if isinstance(value, dict):
+        yield value
+        for key, inner in value.items():
+            if key == "properties":
+                for prop in inner.values():
+                    yield from _walk(prop)
+            else:
+                yield from _walk(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            yield from _walk(inner)
+
+
+def test_the_document_is_written_for_client_generators() -> None:
+    """What openapi-typescript and openapi-fetch misread, absent (tests/e2e/
+    test_other_languages.py runs the generated clients): no `default` (read as "always
+    present"), no property whose only type is null (openapi-fetch's `never`), no bare object
+    (`Record<string, never>`), and each compute route's 200 JSON alone."""
+    spec = json.loads(SPEC.read_text())
+    schemas = spec["components"]["schemas"]
+    for name, schema in schemas.items():
+        for part in _walk(schema):
+            assert "default" not in part, name
+            for prop in (part.get("properties") or {}).values():
+                assert prop != {"type": "null"}, name
+                assert prop != {"type": "object"}, name
+    for path in ("/forward", "/backward", "/plan"):
+        ok = spec["paths"][path]["post"]["responses"]["200"]
+        assert list(ok["content"]) == ["application/json"], path
+    # Optional where the server has a default; the request's own required fields only.
+    assert "required" not in schemas["BackwardRequest"]
+    assert schemas["TensorIn"].get("required") is None
+    assert schemas["Graph"]["required"] == ["outputs"]
+    # A problem as it is sent: its types listed, its other fields declared.
+    problem = schemas["Problem"]
+    assert problem["required"] == ["type", "title", "status", "detail"]
+    assert set(problem["properties"]["type"]["enum"]) == set(PROBLEM_TYPES)
+    assert {"planned_bytes", "budget_bytes", "compute_cost", "compute_budget"} <= set(
+        problem["properties"]
+    )
+
+
+@pytest.mark.parametrize("keys", [(), ("k1",)])
+def test_the_document_declares_the_api_keys(keys: tuple[str, ...]) -> None:
+    spec = create_app(Settings(api_keys=keys)).openapi()
+    assert set(spec["components"]["securitySchemes"]) == {"bearer", "apiKey"}
+    for path, methods in spec["paths"].items():
+        for operation in methods.values():
+            if path in ("/healthz", "/readyz"):
+                assert "security" not in operation and "401" not in operation["responses"]
+                continue
+            assert "401" in operation["responses"], path
+            anonymous = {} in operation["security"]
+            assert anonymous == (not keys), (path, operation["security"])
