@@ -64,15 +64,18 @@ def _example(language: str) -> str:
 
 
 def _expected_output(code: str, call: str, comment: str) -> list[str]:
-    """The lines the example prints, as the page says: the comment line after each line
-    that holds `call`."""
-    lines = code.splitlines()
-    expected = []
-    for i, line in enumerate(lines):
+    """The lines the example prints, as the page says: the first comment line after each
+    `call` (which may span lines)."""
+    expected: list[str] = []
+    pending = None
+    for line in code.splitlines():
         if call in line:
-            following = lines[i + 1].strip()
-            assert following.startswith(comment), f"no expected output after {line!r}"
-            expected.append(following[len(comment) :].strip())
+            assert pending is None, f"no expected output after {pending!r}"
+            pending = line
+        elif pending is not None and line.strip().startswith(comment):
+            expected.append(line.strip()[len(comment) :].strip())
+            pending = None
+    assert pending is None, f"no expected output after {pending!r}"
     assert expected, f"no {call} in the example"
     return expected
 
