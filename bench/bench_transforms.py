@@ -19,6 +19,9 @@ Prints one table:
  3. `jvp(loss, w, t)` on the same objectives (built on reverse mode: the VJP of a VJP)
     against torch.func.jvp (PyTorch's forward mode, one JVP rule per op): no target, the
     measurement behind building `jvp` on reverse mode.
+ 4. `detect_anomaly` on runs with no anomaly, fwd+bwd: the 24-step recurrent cell as
+    define-by-run records it (bench.workloads.recurrent_cell), the RNN's scan, and each of
+    the 10 objectives, against the same program run plainly. Target: <= 1.5x plain.
 
 Medians over interleaved rounds; ratios are medians of per-round ratios (these machines
 are shared and noisy). PyTorch runs with one intra-op thread.
@@ -42,12 +45,14 @@ from bench.workloads import (
     hvp_graph,
     objectives_data,
     objectives_torch,
+    recurrent_cell,
     rnn_data,
     rnn_scan,
     rnn_torch,
     rnn_unrolled,
     unrolled_inputs,
 )
+from gradserve.engine.graph import execute
 
 Arrays = dict[str, np.ndarray]
 
@@ -227,6 +232,51 @@ def bench_jvp(rounds: int) -> list[list[str]]:
     return rows
 
 
+def bench_anomaly(steps: int, rounds: int) -> list[list[str]]:
+    """fwd+bwd with detect_anomaly against the plain run, the same program and inputs."""
+    cell = recurrent_cell()
+    data = objectives_data()
+    cases = [
+        (cell.name, compile_json(cell.graph, cell.inputs, cell.wrt, backward=True), cell.inputs),
+        (
+            f"RNN scan, {steps} steps",
+            compile_json(rnn_scan(), rnn_data(steps), RNN_WRT, backward=True),
+            rnn_data(steps),
+        ),
+    ]
+    for name, (nodes, output, wrt) in OBJECTIVES.items():
+        graph = {"nodes": nodes, "outputs": [output]}
+        cases.append((name, compile_json(graph, data, wrt, backward=True), data))
+    rows = []
+    for name, program, inputs in cases:
+        plain, watched = run(program, inputs), execute(program, inputs, detect_anomaly=True)
+        for part in ("outputs", "gradients"):  # (the same answers, bit for bit)
+            for k, v in getattr(plain, part).items():
+                np.testing.assert_array_equal(getattr(watched, part)[k], v, err_msg=name)
+        s = measure(
+            {
+                "watched": lambda p=program, i=inputs: execute(p, i, detect_anomaly=True),
+                "plain": lambda p=program, i=inputs: run(p, i),
+            },
+            rounds,
+            budget_s=0.05,
+        )
+        ratio = median_ratio(s, "watched", "plain")
+        us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
+        rows.append(
+            [
+                f"detect_anomaly: {name}",
+                "µs",
+                f"{us['watched']:.0f}",
+                f"{us['plain']:.0f}",
+                "-",
+                f"anomaly/plain {ratio:.2f}x",
+                "ok" if (ratio or 9) <= 1.5 else "anomaly/plain>1.5",
+            ]
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="100 steps, 2 rounds: seconds")
@@ -236,12 +286,12 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     steps = 10 if args.smoke else 100 if args.quick else 1000
     rows = bench_rnn(steps, rounds) + bench_hvp(rounds)
-    rows += bench_jvp(rounds)
-    cols = ["workload", "unit", "gradserve", "unrolled", "PyTorch", "ratios", "targets"]
+    rows += bench_jvp(rounds) + bench_anomaly(steps, rounds)
+    cols = ["workload", "unit", "gradserve", "unrolled/plain", "PyTorch", "ratios", "targets"]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print(
         "targets: scan compiles >= 50x faster than unrolled, fwd+bwd <= 1.3x unrolled; "
-        "HVP <= 1x PyTorch double backward"
+        "HVP <= 1x PyTorch double backward; detect_anomaly <= 1.5x plain"
     )
     print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(cols)))
     print("-|-".join("-" * w for w in widths))

@@ -456,6 +456,7 @@ class _Base:
         grad_outputs: Mapping[str, ArrayLike] | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
+        detect_anomaly: bool = False,
     ) -> _Call:
         arrays = {name: np.asarray(v) for name, v in inputs.items()}
         if requires_grad is None:  # backward: every floating input; forward: none
@@ -475,6 +476,8 @@ class _Base:
             fields["memory_budget_bytes"] = memory_budget_bytes
         if recompute != "auto":
             fields["recompute"] = recompute
+        if detect_anomaly:
+            fields["detect_anomaly"] = True
         if grad_outputs is not None:  # after the inputs: their bytes follow the inputs'
             fields["grad_outputs"] = {
                 n: self._tensor(np.asarray(v), False, tail) for n, v in grad_outputs.items()
@@ -628,6 +631,7 @@ class Client(_Base):
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
+        detect_anomaly: bool = False,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
@@ -640,6 +644,7 @@ class Client(_Base):
                 device=device,
                 no_grad=no_grad,
                 memory_budget_bytes=memory_budget_bytes,
+                detect_anomaly=detect_anomaly,
             ),
             Result,
         )
@@ -654,9 +659,12 @@ class Client(_Base):
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
+        detect_anomaly: bool = False,
     ) -> BackwardResult:
         """`memory_budget_bytes`: a budget below the server's for this request; `recompute`:
-        "never" refuses a request over its budget (422) rather than recompute to fit it."""
+        "never" refuses a request over its budget (422) rather than recompute to fit it;
+        `detect_anomaly`: the first step to make NaN or inf from finite inputs is a 422
+        `non-finite` naming its node, phase and op."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
         return self._send(
@@ -669,6 +677,7 @@ class Client(_Base):
                 grad_outputs=grad_outputs,
                 memory_budget_bytes=memory_budget_bytes,
                 recompute=recompute,
+                detect_anomaly=detect_anomaly,
             ),
             BackwardResult,
         )
@@ -779,6 +788,7 @@ class AsyncClient(_Base):
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
+        detect_anomaly: bool = False,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
@@ -791,6 +801,7 @@ class AsyncClient(_Base):
                 device=device,
                 no_grad=no_grad,
                 memory_budget_bytes=memory_budget_bytes,
+                detect_anomaly=detect_anomaly,
             ),
             Result,
         )
@@ -805,6 +816,7 @@ class AsyncClient(_Base):
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
+        detect_anomaly: bool = False,
     ) -> BackwardResult:
         """As Client.backward."""
         if not isinstance(graph, Mapping):
@@ -819,6 +831,7 @@ class AsyncClient(_Base):
                 grad_outputs=grad_outputs,
                 memory_budget_bytes=memory_budget_bytes,
                 recompute=recompute,
+                detect_anomaly=detect_anomaly,
             ),
             BackwardResult,
         )

@@ -120,6 +120,18 @@ class ComputeBudgetError(GradserveError):
         self.budget = budget
 
 
+class NonFiniteError(GradserveError):
+    """With detect_anomaly: a step made NaN or infinite values from finite inputs. `node`
+    is the graph node (a backward step's: the forward node it differentiates), `op` the
+    primitive (a backward step's: the forward primitive whose derivative it computes),
+    `phase` "forward" or "backward", `count` how many values of its result."""
+
+    def __init__(self, message: str, *, phase: str, count: int, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.phase = phase
+        self.count = count
+
+
 class DeadlineExceeded(GradserveError):
     """The run went past its time limit; it was stopped between two nodes."""
 

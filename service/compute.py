@@ -23,7 +23,7 @@ from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
 from gradserve.service.settings import Settings
-from gradserve.service.tier import FAST_LANE, INTERPRETER, OFF, XLA, Tier
+from gradserve.service.tier import ANOMALY, FAST_LANE, INTERPRETER, OFF, XLA, Tier
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
 PLAN, PLAN_DOT = "plan", "plan-dot"  # POST /plan, answered as JSON or as DOT
@@ -253,12 +253,15 @@ class Compute:
             stats.rejected = _REJECTIONS.get(type(err).__name__)
             raise
         key = request.program_key
-        if not self.tier.loads and self.tier.lowered(key):  # (run in XLA by a worker)
+        anomaly = request.detect_anomaly  # (looked for step by step: the interpreter's)
+        if not anomaly and not self.tier.loads and self.tier.lowered(key):  # (XLA: a worker's)
             stats.lowered = True
             raise Misplaced(stats)
         plan_ms = (time.perf_counter() - request.started) * 1000  # parse, find, compile
         reserve(program.planned_peak_bytes + output_bytes(program, request.encoding))
-        lowered, tier = self.tier.choose(key, program, request.device, deadline)
+        lowered, tier = (
+            (None, ANOMALY) if anomaly else self.tier.choose(key, program, request.device, deadline)
+        )
         inputs, grad_outputs = request.inputs, request.grad_outputs
         try:
             result = None
@@ -279,8 +282,9 @@ class Compute:
                     if grad_outputs is None
                     else {n: backend.from_host(a) for n, (a, _) in grad_outputs.items()},
                     deadline=deadline,
+                    detect_anomaly=anomaly,
                 )
-                if self.tier.off is None:
+                if self.tier.off is None and not anomaly:
                     tier = self.tier.interpreted(
                         key, program, (time.perf_counter() - started) * 1000
                     )
@@ -291,7 +295,11 @@ class Compute:
         stats.peak_bytes = result.peak_bytes
         stats.tier = XLA if tier == XLA else INTERPRETER
         stats.lowered = self.tier.lowered(key)
-        if not self.tier.loads and tier != OFF and (bounds is None or bounds.fast_lane):
+        if (
+            not self.tier.loads
+            and tier not in (OFF, ANOMALY)
+            and (bounds is None or bounds.fast_lane)
+        ):
             tier = FAST_LANE
         result.timings_ms["plan"] = round(plan_ms, 3)  # this request's, cached or not
         return encode_result(

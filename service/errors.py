@@ -32,6 +32,7 @@ from gradserve.engine.errors import (
     GradserveError,
     GraphError,
     MemoryBudgetError,
+    NonFiniteError,
     ShapeError,
     TensorDataError,
     UnknownOpError,
@@ -66,6 +67,7 @@ ENGINE_PROBLEMS: dict[type[GradserveError], tuple[int, str, str]] = {
     BackwardError: (422, "backward", "Invalid backward request"),
     MemoryBudgetError: (422, "memory-budget", "Planned memory over budget"),
     ComputeBudgetError: (422, "compute-budget", "Planned compute over budget"),
+    NonFiniteError: (422, "non-finite", "Non-finite values"),
     DeadlineExceeded: (504, "timeout", "Request timed out"),
     Cancelled: (503, "cancelled", "Request cancelled"),
     GradserveError: (422, "invalid-request", "Invalid request"),
@@ -86,6 +88,7 @@ SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
     "overloaded": (503, "Server busy"),
     "not-ready": (503, "Not ready"),
     "internal": (500, "Internal server error"),
+    "request-timeout": (408, "Request timeout"),  # (written by the protocol: service/protocol.py)
 }
 
 # Framework HTTPExceptions (404, 405, ...) reuse the service slugs by status; any other
@@ -278,6 +281,9 @@ def engine_problem(err: GradserveError) -> tuple[int, str, str, dict[str, Any]]:
     if isinstance(first, ComputeBudgetError):
         fields["compute_cost"] = first.cost
         fields["compute_budget"] = first.budget
+    if isinstance(first, NonFiniteError):
+        fields["phase"] = first.phase
+        fields["op"] = first.op
     return status, slug, title, fields
 
 

@@ -146,6 +146,7 @@ class Request:
     input_specs: Mapping[str, TensorSpec] | None = None
     grad_output_specs: Mapping[str, TensorSpec] | None = None
     path: str = ""  # /plan's `path`
+    detect_anomaly: bool = False  # the first step to make NaN or inf from finite inputs: 422
 
     @property
     def budget_shapes_program(self) -> bool:
@@ -243,6 +244,7 @@ class Parser:
             graphs_evicted=evicted,
             input_specs=specs,
             grad_output_specs=grad_specs,
+            detect_anomaly=getattr(req, "detect_anomaly", False),
             path=path,
         )
 

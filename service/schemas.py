@@ -323,6 +323,12 @@ class _ComputeRequest(Wire):
     encoding: Encoding = "json"
     recompute: Recompute = "auto"
     memory_budget_bytes: MemoryBudget = None
+    detect_anomaly: bool = Field(
+        False,
+        description="the first step (forward or backward) that makes NaN or infinite values "
+        "from finite inputs fails the request: 422 non-finite, naming its node, phase and op "
+        "(the run is interpreted, and costs a little more)",
+    )
 
     @model_validator(mode="after")
     def _a_graph(self) -> _ComputeRequest:
@@ -563,6 +569,14 @@ class Problem(BaseModel):
     budget_bytes: int | None = Field(None, description="memory-budget: the budget it is over")
     compute_cost: int | None = Field(None, description="compute-budget: the program's cost")
     compute_budget: float | None = Field(None, description="compute-budget: the budget it is over")
+    phase: Literal["forward", "backward"] | None = Field(
+        None, description="non-finite: where the step ran"
+    )
+    op: str | None = Field(
+        None,
+        description="non-finite: the primitive (a backward step's: the forward primitive "
+        "whose derivative made the values)",
+    )
     request_id: str | None = Field(None, description="quote it when reporting a problem")
 
 

@@ -114,11 +114,12 @@ INTERPRETER, XLA = "interpreter", "xla"
 ELSEWHERE: Any = object()  # what the front process keeps of an executable: it is there
 # Why the interpreter answered (meta.tier_reason), besides a refusal's own reason and the
 # decisions' texts (`reason`).
-OFF, UNAVAILABLE, NO_STORE, FAST_LANE = (
+OFF, UNAVAILABLE, NO_STORE, FAST_LANE, ANOMALY = (
     "off",
     "unavailable",
     "no program store: no lowering process",
     "fast lane: interpreted (the front process does not load XLA)",
+    "detect_anomaly: interpreted, every step looked at",
 )
 
 

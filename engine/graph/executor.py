@@ -15,16 +15,25 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from gradserve.engine.backends import Backend, get_backend
 from gradserve.engine.dtypes import ITEMSIZE
-from gradserve.engine.errors import Cancelled, DeadlineExceeded, GradserveError, ShapeError
+from gradserve.engine.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    GradserveError,
+    NonFiniteError,
+    ShapeError,
+)
 from gradserve.engine.graph.builder import Memo
 from gradserve.engine.graph.facts import Facts, facts_of
-from gradserve.engine.graph.ir import BACKWARD, RECOMPUTE, Lit, Program, Step
+from gradserve.engine.graph.ir import BACKWARD, DERIVED, NODE, RECOMPUTE, Lit, Program, Step
 from gradserve.engine.graph.scan import MADE, OUTER, SCAN, Body, carry_sources
 from gradserve.engine.graph.spec import RunResult
 from gradserve.engine.shapes import fmt, numel
@@ -271,10 +280,37 @@ def execute(
     deadline: float | None = None,
     cancel: threading.Event | None = None,
     verify: bool = False,
+    detect_anomaly: bool = False,
 ) -> RunResult:
     """Run `program` (compiled and bound) on arrays of its backend. `deadline` is a
     `time.monotonic()` value; setting `cancel` stops the run at its next check. `verify`
-    checks every result against its planned shape and dtype (tests)."""
+    checks every result against its planned shape and dtype (tests). `detect_anomaly`:
+    the first step that makes NaN or infinite values from finite inputs raises
+    NonFiniteError (`Watch`)."""
+    if not detect_anomaly:
+        return _execute(program, inputs, grad_outputs, deadline, cancel, verify, None)
+    backend = program.run.backend
+    watch = Watch(backend, exact=backend.xp is not np)
+    with watch.traps():
+        result = _execute(program, inputs, grad_outputs, deadline, cancel, verify, watch)
+    if not watch.exact and any(
+        watch.non_finite(a) for a in (*result.outputs.values(), *(result.gradients or {}).values())
+    ):
+        # A kernel that made them without the floating-point flags (BLAS, LAPACK), or an
+        # input's: looked for step by step (it raises where one is found).
+        _execute(program, inputs, grad_outputs, deadline, cancel, verify, Watch(backend, True))
+    return result
+
+
+def _execute(
+    program: Program,
+    inputs: Mapping[str, Any],
+    grad_outputs: Mapping[str, Any] | None,
+    deadline: float | None,
+    cancel: threading.Event | None,
+    verify: bool,
+    watch: Watch | None,
+) -> RunResult:
     started = time.monotonic()
     bound: Bound = program.run
     backend = bound.backend
@@ -310,7 +346,7 @@ def execute(
     state = [live, live]  # live bytes, peak
     with backend.activate():
         t0 = time.perf_counter()
-        _loop(bound.forward, slots, sizes, state, check, program, verify, 0, backend)
+        _loop(bound.forward, slots, sizes, state, check, program, verify, 0, backend, watch)
         backend.synchronize()
         t1 = time.perf_counter()
         if bound.backward:
@@ -324,6 +360,7 @@ def execute(
                 verify,
                 len(bound.forward),
                 backend,
+                watch,
             )
             backend.synchronize()
     timings = {"plan": round(program.plan_ms, 3), "forward": round((t1 - t0) * 1000, 3)}
@@ -351,15 +388,20 @@ def _loop(
     verify: bool,
     offset: int,
     backend: Backend,
+    watch: Watch | None = None,
 ) -> None:
     live, peak = state
     nbytes = backend.nbytes
+    if watch is not None:
+        runs = watch.out_of_place(runs)
     k = 0
     try:
         for k, (code, fn, out, a0, a1, rest, frees) in enumerate(runs):
             if check is not None and not k % CHECK_EVERY:
                 check()
-            if code == BINARY:
+            if watch is not None and code != ALIAS and code != LOOP:
+                r = watch.run(program, offset + k, code, fn, s, a0, a1, rest)
+            elif code == BINARY:
                 r = fn(s[a0], s[a1])  # type: ignore[misc]
             elif code == UNARY:
                 r = fn(s[a0])  # type: ignore[misc]
@@ -375,7 +417,7 @@ def _loop(
                     s[f] = None
                 continue
             elif code == LOOP:
-                held, results = rest.run(s, check, verify, backend)
+                held, results = rest.run(s, check, verify, backend, watch)
                 peak = max(peak, live + held)
                 for slot, r in results:
                     s[slot] = r
@@ -515,12 +557,17 @@ class _Loop:
         self.results = [(slot, k) for k, slot in enumerate(step.outs) if wanted[k]]
 
     def run(
-        self, s: list[Any], check: Callable[[], None] | None, verify: bool, backend: Backend
+        self,
+        s: list[Any],
+        check: Callable[[], None] | None,
+        verify: bool,
+        backend: Backend,
+        watch: Watch | None = None,
     ) -> tuple[int, list[tuple[int, Any]]]:
         """Run the loop on the outer slots `s`: the most bytes it held beyond what the
         outer program counts, and its results (outer slot, array)."""
         if self.replay is not None:
-            return self._segments(s, check, verify, backend)
+            return self._segments(s, check, verify, backend, watch)
         body, inner = self.body, self.inner
         program = body.program
         assert program is not None
@@ -567,7 +614,7 @@ class _Loop:
             for slot, seq, first in shifted:
                 slots[slot] = seq[t + ahead, ...] if p < length - 1 else first
             state = [given, given]
-            _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend)
+            _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend, watch)
             if made + state[1] - given > most:
                 most = made + state[1] - given
             for k, y in ys:
@@ -584,7 +631,12 @@ class _Loop:
         return held + most, results
 
     def _segments(
-        self, s: list[Any], check: Callable[[], None] | None, verify: bool, backend: Backend
+        self,
+        s: list[Any],
+        check: Callable[[], None] | None,
+        verify: bool,
+        backend: Backend,
+        watch: Watch | None,
     ) -> tuple[int, list[tuple[int, Any]]]:
         """A checkpointed reverse loop: per segment from the last, the forward body replayed
         from its checkpoint into the buffers (the last segment's the forward filled), then
@@ -649,6 +701,7 @@ class _Loop:
                         verify,
                         0,
                         backend,
+                        watch,
                     )
                     if made + f_made + state[1] - replay_given > most:
                         most = made + f_made + state[1] - replay_given
@@ -669,7 +722,7 @@ class _Loop:
                 for c, buffer, checkpoint in lagging:
                     slots[c] = buffer[i - 1, ...] if i else checkpoint[segment, ...]
                 state = [given, given]
-                _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend)
+                _loop(runs, slots, sizes.copy(), state, check, program, verify, 0, backend, watch)
                 if made + state[1] - given > most:
                     most = made + state[1] - given
                 for k, y in ys:
@@ -678,6 +731,130 @@ class _Loop:
                 made, outer = inner.made(carries, outer, nbytes)
         results = [(slot, carries[k] if k < nc else stacks[k]) for slot, k in self.results]
         return held + most, results
+
+
+class Watch:
+    """detect_anomaly over a run. On NumPy the run goes under NumPy's floating-point traps
+    (`traps`): a kernel that makes a NaN or an infinity (invalid, overflow, division by
+    zero) raises, and costs nothing when none does; that step is then run again with the
+    traps off and blamed if its inputs were finite (quiet NaNs pass through a kernel
+    without a flag: a NaN given is never blamed on a step). `exact` (CuPy, and the second
+    look when a run's answers hold what no flag announced): every step's result is looked
+    at. Kernels that would overwrite an operand run out of place, so that a step's inputs
+    can still be looked at."""
+
+    def __init__(self, backend: Backend, exact: bool) -> None:
+        self.xp = backend.xp
+        self.exact = exact
+        self._out_of_place: dict[int, tuple[list[Run], list[Run]]] = {}
+
+    @contextmanager
+    def traps(self) -> Iterator[None]:
+        if self.exact:
+            yield
+            return
+        with np.errstate(invalid="raise", over="raise", divide="raise", under="ignore"):
+            yield
+
+    def out_of_place(self, runs: list[Run]) -> list[Run]:
+        """`runs` with each in-place kernel run out of place (its dead operand freed after
+        it instead); kept by list, as a loop body runs its list at every step."""
+        known = self._out_of_place.get(id(runs))
+        if known is not None and known[0] is runs:
+            return known[1]
+        plain = [
+            (
+                UNARY if code == UNARY_INTO else BINARY,
+                partial(fn, out=None),  # type: ignore[arg-type]
+                out,
+                a0,
+                a1,
+                None,
+                (*frees, rest),
+            )
+            if code in (UNARY_INTO, BINARY_INTO)
+            else (code, fn, out, a0, a1, rest, frees)
+            for code, fn, out, a0, a1, rest, frees in runs
+        ]
+        self._out_of_place[id(runs)] = (runs, plain)
+        return plain
+
+    def run(
+        self,
+        program: Program,
+        index: int,
+        code: int,
+        fn: Any,
+        s: list[Any],
+        a0: int,
+        a1: int,
+        rest: Any,
+    ) -> Any:
+        """One step's result, looked at as the watch does."""
+        args = (
+            (s[a0],)
+            if code == UNARY
+            else (s[a0], s[a1])
+            if code == BINARY
+            else ()
+            if code == NULLARY
+            else tuple(s[j] for j in rest)
+        )
+        if not self.exact:
+            try:
+                return fn(*args)
+            except FloatingPointError:
+                with np.errstate(all="ignore"):
+                    r = fn(*args)
+        else:
+            r = fn(*args)
+        count = self.non_finite(r)
+        if count and not any(self.non_finite(a) for a in args):
+            raise _blame(program, index, r, count)
+        return r
+
+    def non_finite(self, a: Any) -> int:
+        """How many values of `a` are NaN or infinite (0 for an integer, a bool, a literal)."""
+        dtype = getattr(a, "dtype", None)
+        if dtype is None or dtype.kind not in "fc":
+            return 0
+        return int(a.size - self.xp.count_nonzero(self.xp.isfinite(a)))
+
+
+def _blame(program: Program, index: int, result: Any, count: int) -> NonFiniteError:
+    step = program.steps[index]
+    backward = step.kind == BACKWARD or step.kind == DERIVED
+    op = _differentiated(program, step) if backward else step.op.name
+    size = int(getattr(result, "size", 1))
+    values = "all" if count == size else f"{count} of {size}"
+    where = f"the derivative of {op!r} (in the backward)" if backward else f"{op!r}"
+    return NonFiniteError(
+        f"{values} values of {where} are NaN or infinite, from finite inputs (detect_anomaly)",
+        node=step.origin,
+        op=op,
+        phase="backward" if backward else "forward",
+        count=count,
+    )
+
+
+def _differentiated(program: Program, step: Step) -> str:
+    """The forward primitive whose derivative a backward step computes (PyTorch's
+    `SqrtBackward0`): the nearest forward step of its node whose result or arguments it
+    reads, directly or through the backward steps of its node; else its own primitive."""
+    made = {t.out: t for t in program.steps}
+    level, seen = list(step.slots), set()
+    while level:
+        found = []
+        for slot in level:
+            seen.add(slot)
+            t = made.get(slot)
+            if t is not None and t.origin == step.origin:
+                found.append(t)
+        forward = [t for t in found if t.kind == NODE]
+        if forward:
+            return forward[0].op.name
+        level = [a for t in found for a in t.slots if a not in seen]
+    return step.op.name
 
 
 def _stack(backend: Backend, rows: int, meta: Any) -> Any:

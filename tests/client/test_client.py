@@ -607,3 +607,26 @@ def test_async_client(server: Server, tmp_path: Path) -> None:
         asyncio.run(run(other))
     finally:
         stop_server(other)
+
+
+def test_detect_anomaly_is_an_argument_of_both_calls(server: Server) -> None:
+    graph = {"nodes": [{"id": "z", "expr": "sqrt(x) * 0"}], "outputs": ["z"]}
+    with Client(server.base) as client:
+        plain = client.backward(graph, {"x": np.array(0.0)})
+        assert plain.gradients is not None and np.isnan(plain.gradients["x"])
+        with pytest.raises(GradserveHTTPError) as info:
+            client.backward(graph, {"x": np.array(0.0)}, detect_anomaly=True)
+        with pytest.raises(GradserveHTTPError) as forward:
+            client.forward(
+                {"nodes": [{"id": "l", "expr": "log(x)"}], "outputs": ["l"]},
+                {"x": np.array([-1.0])},
+                detect_anomaly=True,
+            )
+    problem = info.value.problem
+    assert (info.value.status, info.value.node, problem["phase"], problem["op"]) == (
+        422,
+        "z",
+        "backward",
+        "sqrt",
+    )
+    assert forward.value.type.endswith(":non-finite") and forward.value.problem["op"] == "log"
