@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -290,7 +291,7 @@ def execute(
     if not detect_anomaly:
         return _execute(program, inputs, grad_outputs, deadline, cancel, verify, None)
     backend = program.run.backend
-    watch = Watch(backend, exact=backend.xp is not np)
+    watch = Watch(backend, exact=backend.ufuncs is not np)  # (traps: NumPy's alone)
     with watch.traps():
         result = _execute(program, inputs, grad_outputs, deadline, cancel, verify, watch)
     if not watch.exact and any(
@@ -733,6 +734,13 @@ class _Loop:
         return held + most, results
 
 
+# Run lists made out of place for a watch, by the list they came from (a program's, a loop
+# body's), for the programs watched most recently (a watch is made anew for every run).
+_MADE: OrderedDict[int, tuple[list[Run], list[Run]]] = OrderedDict()
+_MADE_KEPT = 64
+_MADE_LOCK = threading.Lock()
+
+
 class Watch:
     """detect_anomaly over a run. On NumPy the run goes under NumPy's floating-point traps
     (`traps`): a kernel that makes a NaN or an infinity (invalid, overflow, division by
@@ -746,7 +754,6 @@ class Watch:
     def __init__(self, backend: Backend, exact: bool) -> None:
         self.xp = backend.xp
         self.exact = exact
-        self._out_of_place: dict[int, tuple[list[Run], list[Run]]] = {}
 
     @contextmanager
     def traps(self) -> Iterator[None]:
@@ -758,10 +765,12 @@ class Watch:
 
     def out_of_place(self, runs: list[Run]) -> list[Run]:
         """`runs` with each in-place kernel run out of place (its dead operand freed after
-        it instead); kept by list, as a loop body runs its list at every step."""
-        known = self._out_of_place.get(id(runs))
-        if known is not None and known[0] is runs:
-            return known[1]
+        it instead)."""
+        with _MADE_LOCK:
+            known = _MADE.get(id(runs))
+            if known is not None and known[0] is runs:
+                _MADE.move_to_end(id(runs))
+                return known[1]
         plain = [
             (
                 UNARY if code == UNARY_INTO else BINARY,
@@ -776,7 +785,10 @@ class Watch:
             else (code, fn, out, a0, a1, rest, frees)
             for code, fn, out, a0, a1, rest, frees in runs
         ]
-        self._out_of_place[id(runs)] = (runs, plain)
+        with _MADE_LOCK:
+            _MADE[id(runs)] = (runs, plain)
+            if len(_MADE) > _MADE_KEPT:
+                _MADE.popitem(last=False)
         return plain
 
     def run(
