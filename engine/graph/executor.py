@@ -771,20 +771,7 @@ class Watch:
             if known is not None and known[0] is runs:
                 _MADE.move_to_end(id(runs))
                 return known[1]
-        plain = [
-            (
-                UNARY if code == UNARY_INTO else BINARY,
-                partial(fn, out=None),  # type: ignore[arg-type]
-                out,
-                a0,
-                a1,
-                None,
-                (*frees, rest),
-            )
-            if code in (UNARY_INTO, BINARY_INTO)
-            else (code, fn, out, a0, a1, rest, frees)
-            for code, fn, out, a0, a1, rest, frees in runs
-        ]
+        plain = [_out_of_place(run) for run in runs]
         with _MADE_LOCK:
             _MADE[id(runs)] = (runs, plain)
             if len(_MADE) > _MADE_KEPT:
@@ -831,6 +818,16 @@ class Watch:
         if dtype is None or dtype.kind not in "fc":
             return 0
         return int(a.size - self.xp.count_nonzero(self.xp.isfinite(a)))
+
+
+def _out_of_place(run: Run) -> Run:
+    """A step that writes into a dead operand's buffer, writing a new array instead (the
+    operand freed after it)."""
+    code, fn, out, a0, a1, rest, frees = run
+    if code not in (UNARY_INTO, BINARY_INTO) or fn is None:
+        return run
+    code = UNARY if code == UNARY_INTO else BINARY
+    return code, partial(fn, out=None), out, a0, a1, None, (*frees, rest)
 
 
 def _blame(program: Program, index: int, result: Any, count: int) -> NonFiniteError:
