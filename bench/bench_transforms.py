@@ -161,23 +161,16 @@ def bench_hvp(rounds: int) -> list[list[str]]:
     rows = []
     for name in OBJECTIVES:
         program, inputs, double_backward = check_hvp(name)
-        s = measure(
-            {"gradserve": lambda p=program, i=inputs: run(p, i), "torch": double_backward},
-            rounds,
-            budget_s=0.05,
-        )
-        ratio = median_ratio(s, "gradserve", "torch")
-        us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         rows.append(
-            [
+            _timed_row(
                 f"HVP {name} [{program.nodes} nodes]",
-                "µs",
-                f"{us['gradserve']:.0f}",
-                "-",
-                f"{us['torch']:.0f}",
-                f"gs/torch {ratio:.2f}x",
-                "ok" if (ratio or 9) <= 1 else "gs/torch>1",
-            ]
+                lambda p=program, i=inputs: run(p, i),
+                double_backward,
+                rounds,
+                against="torch",
+                ratio="gs/torch",
+                target=1,
+            )
         )
     return rows
 
@@ -212,22 +205,15 @@ def bench_jvp(rounds: int) -> list[list[str]]:
     rows = []
     for name in OBJECTIVES:
         program, inputs, forward_mode = check_jvp(name)
-        s = measure(
-            {"gradserve": lambda p=program, i=inputs: run(p, i), "torch": forward_mode},
-            rounds,
-            budget_s=0.05,
-        )
-        us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         rows.append(
-            [
+            _timed_row(
                 f"JVP {name}",
-                "µs",
-                f"{us['gradserve']:.0f}",
-                "-",
-                f"{us['torch']:.0f}",
-                f"gs/torch.func.jvp {median_ratio(s, 'gradserve', 'torch'):.2f}x",
-                "",
-            ]
+                lambda p=program, i=inputs: run(p, i),
+                forward_mode,
+                rounds,
+                against="torch",
+                ratio="gs/torch.func.jvp",
+            )
         )
     return rows
 
@@ -253,28 +239,39 @@ def bench_anomaly(steps: int, rounds: int) -> list[list[str]]:
         for part in ("outputs", "gradients"):  # (the same answers, bit for bit)
             for k, v in getattr(plain, part).items():
                 np.testing.assert_array_equal(getattr(watched, part)[k], v, err_msg=name)
-        s = measure(
-            {
-                "watched": lambda p=program, i=inputs: execute(p, i, detect_anomaly=True),
-                "plain": lambda p=program, i=inputs: run(p, i),
-            },
-            rounds,
-            budget_s=0.05,
-        )
-        ratio = median_ratio(s, "watched", "plain")
-        us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         rows.append(
-            [
+            _timed_row(
                 f"detect_anomaly: {name}",
-                "µs",
-                f"{us['watched']:.0f}",
-                f"{us['plain']:.0f}",
-                "-",
-                f"anomaly/plain {ratio:.2f}x",
-                "ok" if (ratio or 9) <= 1.5 else "anomaly/plain>1.5",
-            ]
+                lambda p=program, i=inputs: execute(p, i, detect_anomaly=True),
+                lambda p=program, i=inputs: run(p, i),
+                rounds,
+                against="plain",
+                ratio="anomaly/plain",
+                target=1.5,
+            )
         )
     return rows
+
+
+def _timed_row(
+    workload: str,
+    ours: Callable[[], Any],
+    theirs: Callable[[], Any],
+    rounds: int,
+    *,
+    against: str,
+    ratio: str,
+    target: float | None = None,
+) -> list[str]:
+    """A table row in µs: `ours` against `theirs` (shown as the "plain" column or the
+    "torch" one: `against`), interleaved, their median ratio named `ratio`, and whether it
+    is within `target` (None: no target)."""
+    s = measure({"ours": ours, "theirs": theirs}, rounds, budget_s=0.05)
+    found = median_ratio(s, "ours", "theirs")
+    us = {k: f"{statistics.median(v) * 1e6:.0f}" for k, v in s.items()}
+    plain, torch_us = (us["theirs"], "-") if against == "plain" else ("-", us["theirs"])
+    verdict = "" if target is None else "ok" if (found or 9) <= target else f"{ratio}>{target:g}"
+    return [workload, "µs", us["ours"], plain, torch_us, f"{ratio} {found:.2f}x", verdict]
 
 
 def main(argv: list[str] | None = None) -> None:
