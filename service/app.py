@@ -26,7 +26,7 @@ from gradserve.service.middleware import PROBE_PATHS, Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
 from gradserve.service.routes import catalog, explorer, health, operation_id
 from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
-from gradserve.service.routes.compute import ComputeDoor, operations
+from gradserve.service.routes.compute import ComputeDoor, operations, problem_answer
 from gradserve.service.schemas import (
     TENSOR_SCALAR_SCHEMA,
     BackwardRequest,
@@ -211,10 +211,9 @@ SECURITY_SCHEMES = {
         "description": "`X-API-Key: KEY`, the same keys",
     },
 }
-UNAUTHORIZED = {
-    "description": "An API key is required (the server has keys, and none valid was sent)",
-    "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}},
-}
+UNAUTHORIZED = problem_answer(
+    "An API key is required (the server has keys, and none valid was sent)"
+)
 
 
 def app_from_env() -> FastAPI:

@@ -154,7 +154,8 @@ def _not_given(*names: str) -> dict[str, Any]:
     }
 
 
-def _ref(model: str) -> dict[str, str]:
+def schema_ref(model: str) -> dict[str, str]:
+    """A reference to `model`'s schema among the document's components."""
     return {"$ref": f"#/components/schemas/{model}"}
 
 
@@ -229,7 +230,7 @@ class Node(Wire):
                 {
                     **_given(
                         op={"const": "scan"},
-                        body=_ref("Body"),
+                        body=schema_ref("Body"),
                         results={
                             "type": "object",
                             "minProperties": 1,
@@ -305,7 +306,7 @@ MemoryBudget = Annotated[
 
 
 # "a request needs 'graph' or 'graph_id'"
-_GRAPH_OR_ID = {"anyOf": [_given(graph=_ref("Graph")), _given(graph_id=_STRING)]}
+_GRAPH_OR_ID = {"anyOf": [_given(graph=schema_ref("Graph")), _given(graph_id=_STRING)]}
 
 
 class _ComputeRequest(Wire):

@@ -26,6 +26,7 @@ from gradserve.service.front import Front
 from gradserve.service.middleware import TENANT
 from gradserve.service.request import framing_problem
 from gradserve.service.routes.explorer import EXAMPLES
+from gradserve.service.schemas import schema_ref
 from gradserve.wire.binary import BINARY_HEADER, FramingError, header_length_of
 
 _OCTETS = (b"content-type", b"application/octet-stream")
@@ -185,12 +186,7 @@ def _check_content_type(value: str | None, binary: bool = False) -> None:
 def problem_responses(max_body_bytes: int) -> dict[str, dict[str, Any]]:
     """The compute routes' problem answers, by status (413 with the server's body limit)."""
     return {
-        str(status): {
-            "description": why,
-            "content": {
-                "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}
-            },
-        }
+        str(status): problem_answer(why)
         for status, why in {
             400: "The body is not strict JSON (bare NaN and Infinity included), is empty, or "
             "is nested too deeply; or a binary body's sizes do not add up",
@@ -203,6 +199,14 @@ def problem_responses(max_body_bytes: int) -> dict[str, dict[str, Any]]:
             503: "The server is at its concurrency or in-flight memory limit (see Retry-After)",
             504: "The request ran past its time limit",
         }.items()
+    }
+
+
+def problem_answer(why: str) -> dict[str, Any]:
+    """An answer of the document's: a problem, for the reason `why`."""
+    return {
+        "description": why,
+        "content": {"application/problem+json": {"schema": schema_ref("Problem")}},
     }
 
 
@@ -228,10 +232,6 @@ def _examples(*names: str) -> dict[str, Any]:
     return {name: {"summary": EXAMPLES[name][0], "value": EXAMPLES[name][1]} for name in names}
 
 
-def _ref(model: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model}"}
-
-
 def _compute(
     kind: str,
     summary: str,
@@ -249,7 +249,7 @@ def _compute(
                 "description": 'Outputs (and gradients). With `"encoding": "binary"` the '
                 "answer is a binary body instead (application/octet-stream: "
                 f"`{ASKED_FOR}`)",
-                "content": {"application/json": {"schema": _ref(response)}},
+                "content": {"application/json": {"schema": schema_ref(response)}},
                 ASKED_FOR: {
                     "application/octet-stream": {
                         "schema": _BINARY_SCHEMA,
@@ -288,7 +288,10 @@ def _compute(
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {"schema": _ref(request), "examples": _examples(*examples)},
+                "application/json": {
+                    "schema": schema_ref(request),
+                    "examples": _examples(*examples),
+                },
                 "application/octet-stream": {"schema": _BINARY_SCHEMA},
             },
         },
@@ -338,7 +341,7 @@ def operations(max_body_bytes: int) -> dict[str, dict[str, Any]]:
                     "required": True,
                     "content": {
                         "application/json": {
-                            "schema": _ref("PlanRequest"),
+                            "schema": schema_ref("PlanRequest"),
                             "examples": _examples("seed", "seed-expr", "mlp"),
                         }
                     },
@@ -347,7 +350,7 @@ def operations(max_body_bytes: int) -> dict[str, dict[str, Any]]:
                     "200": {
                         "description": "The plan. With `?format=dot`, Graphviz DOT of the "
                         f"program instead (text/vnd.graphviz: `{ASKED_FOR}`)",
-                        "content": {"application/json": {"schema": _ref("PlanResponse")}},
+                        "content": {"application/json": {"schema": schema_ref("PlanResponse")}},
                         ASKED_FOR: {
                             "text/vnd.graphviz": {
                                 "schema": {"type": "string"},
