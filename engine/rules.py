@@ -1,6 +1,7 @@
 """The engine's rules, in one module: the dtype table and type promotion, every op's
 declaration (its shape-and-dtype rule `infer`, its attributes and their binding), and the
-declarations of the graph transforms (`grad`, `jvp`, `scan`), which with the ops make the
+declarations of the graph transforms (`grad`, `jvp`, `scan`, `vmap`, `jacobian`,
+`hessian`), which with the ops make the
 standard catalog (`GET /ops`).
 
 The eager engine, the compiler, the client's tracer and the codec all read the rules from
@@ -37,13 +38,16 @@ __all__ = [
     "DTYPES",
     "FLOATS",
     "GRAD",
+    "HESSIAN",
     "INT64_MAX",
     "INT64_MIN",
     "INTS",
+    "JACOBIAN",
     "JVP",
     "OPS",
     "SCAN_NODE",
     "TRANSFORMS",
+    "VMAP_NODE",
     "Attr",
     "Meta",
     "OpDef",
@@ -154,7 +158,58 @@ SCAN_NODE = Transform(
     },
 )
 
-TRANSFORMS: dict[str, Transform] = {t.name: t for t in (GRAD, JVP, SCAN_NODE)}
+VMAP_NODE = Transform(
+    "vmap",
+    ("mapped...",),
+    1,
+    "The body run once per index of the mapped dim of its arguments, as torch.func.vmap, "
+    "computed for the whole batch at once: `args` are mapped over attrs.in_axes (one int per "
+    "argument, default 0) in body.in order, and every mapped size must agree. The body sees "
+    "one slice of each (the mapped dim removed) and may read any outer value, unmapped. "
+    "`results` declares new ids: a body node id gives its values for every index stacked on a "
+    "new dim 0; {of, reduce} gives a reduction over the mapped dim that never holds the "
+    'stacked values: "sum", "mean", or "clip_sum" (Σᵢ vᵢ · min(1, max_norm / (‖wᵢ‖₂ + 1e-6)), '
+    "‖wᵢ‖₂ the norm of index i's values of every id in norm_of together, default of alone, as "
+    "Opacus clips). Reductions add in index order, so the chunking never changes a result. "
+    "Differentiable; vmaps nest and may hold grad, jvp and scan.",
+    attrs={
+        "in_axes": Attr(
+            "ints", None, doc="per argument, the dim it is mapped over (default 0)", nullable=True
+        ),
+        "chunk_size": Attr(
+            "int",
+            None,
+            doc="indices computed at once; null: the whole batch when it fits the memory "
+            "budget, else the largest chunks that fit",
+            nullable=True,
+        ),
+    },
+    variadic=True,
+    fields={
+        "body": "{in: [name], nodes: [node]}",
+        "results": "{new id: body node id, or {of: body node id, reduce: sum|mean|clip_sum, "
+        "max_norm: number (clip_sum), norm_of: [body node id] (clip_sum)}}",
+    },
+)
+JACOBIAN = Transform(
+    "jacobian",
+    ("output", "input"),
+    2,
+    "The Jacobian of `output` with respect to `input`: shape output.shape + input.shape, "
+    "as torch.func.jacrev/jacfwd; attrs.mode picks reverse or forward mode (auto: forward "
+    "when input has fewer elements than output). Differentiable.",
+    attrs={"mode": Attr("str", "auto", doc="rev, fwd or auto", choices=("rev", "fwd", "auto"))},
+)
+HESSIAN = Transform(
+    "hessian",
+    ("output", "input"),
+    2,
+    "The Hessian of a one-element `output` with respect to `input`: shape input.shape + "
+    "input.shape, forward over reverse as torch.func.hessian. Differentiable.",
+)
+TRANSFORMS: dict[str, Transform] = {
+    t.name: t for t in (GRAD, JVP, SCAN_NODE, VMAP_NODE, JACOBIAN, HESSIAN)
+}
 
 
 @cache  # the registry is fixed once its modules are imported

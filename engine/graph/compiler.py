@@ -10,6 +10,7 @@ backward's steps all come from the op registry.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,16 +45,26 @@ from gradserve.engine.graph.remat import rematerialize
 from gradserve.engine.graph.rolling import roll_loops
 from gradserve.engine.graph.scan import SCAN, Body, emit_scan
 from gradserve.engine.graph.spec import GraphLike, Limits, NodeLike, TensorSpec
-from gradserve.engine.graph.transforms import Derivations, emit_grad, emit_jvp
+from gradserve.engine.graph.transforms import (
+    Derivations,
+    emit_grad,
+    emit_hessian,
+    emit_jacobian,
+    emit_jvp,
+    emit_map,
+)
 from gradserve.engine.rules import (
     FLOATS,
     GRAD,
+    HESSIAN,
     INT64_MAX,
     INT64_MIN,
+    JACOBIAN,
     JVP,
     OPS,
     SCAN_NODE,
     TRANSFORMS,
+    VMAP_NODE,
     Meta,
     OpDef,
     Transform,
@@ -63,11 +74,13 @@ from gradserve.engine.rules import (
 )
 
 _NUMBER = (bool, int, float)
+_BODIED = ("scan", "vmap")  # the nodes with a body and results
+_REDUCTIONS = ("sum", "mean", "clip_sum")
 
 
 class _Errors:
     """Errors collected over one validation pass. Inside a loop body, each message says
-    which scan's body it is in (`within`, outermost first)."""
+    which loop's body it is in (`within`: "scan 'id'" or "vmap 'id'", outermost first)."""
 
     def __init__(self, limit: int) -> None:
         self.items: list[GradserveError] = []
@@ -76,8 +89,7 @@ class _Errors:
 
     def add(self, err: GradserveError) -> None:
         if self.within:
-            scans = " > ".join(quoted(s) for s in self.within)
-            err.message = f"in the body of scan {scans}: {err.message}"
+            err.message = f"in the body of {' > '.join(self.within)}: {err.message}"
         self.items.append(err)
         if len(self.items) >= self.limit:
             raise ValidationErrors(self.items)
@@ -100,7 +112,7 @@ class _Node:
     op: OpDef | Transform
     args: list[int | Lit]  # a value's key, or a number literal
     attrs: dict[str, Any]
-    loop: _LoopGraph | None  # a scan node's body
+    loop: _LoopGraph | _MapGraph | None  # a scan or vmap node's body
     source: tuple[str, Span] | None  # its piece of an `expr`, for errors
     reads: list[int]  # the keys it reads (a loop's closures too)
     writes: list[int]  # the keys it makes (a loop's results too)
@@ -129,6 +141,83 @@ class _LoopGraph:
     @property
     def result_keys(self) -> list[int]:
         return [key for key, _ in self.results]
+
+
+class _Chunking:
+    """How the vmaps whose chunk_size is null are chunked in one compile: the whole batch
+    first; over the memory budget, the largest chunk (at most `cap` indices at once) that
+    fits, found by bisection, each try a compile of its own. Chunks never change a
+    result's bits (engine.graph.transforms.emit_map), only the peak."""
+
+    def __init__(self) -> None:
+        self.cap: int | None = None
+        self.largest = 0  # the largest batch of a vmap that the cap chunks
+        self.used: dict[str, int] = {}  # vmap node id -> indices at once (every vmap)
+        self.fit = 0  # the largest cap known to fit
+        self.over = 0  # the least cap known not to
+        self.best: Program | None = None  # the program of `fit`
+        self.budgeted = False  # a vmap leaves its chunks to the planner
+
+    def chunk(self, node: str, size: int, asked: int | None) -> int:
+        """The chunk a vmap of `size` indices runs in, as its node asks or under the cap."""
+        if asked is None:
+            self.budgeted = True
+            self.largest = max(self.largest, size)
+            chunk = size if self.cap is None else min(self.cap, size)
+        else:
+            chunk = min(asked, size)
+        self.used[node] = chunk
+        return chunk
+
+    def retry(self, program: Program | None) -> bool:
+        """After a compile: its program, or None where it was over the memory budget.
+        Whether to compile again (the next cap is set); if not, `best` is the program to
+        keep, None where nothing fits."""
+        if program is not None:
+            program.vmap_chunks = self.used
+            program.vmap_budgeted = self.budgeted
+            self.best = program
+            if self.cap is None:
+                return False
+            self.fit = self.cap
+        elif self.cap is None:
+            if self.largest <= 1:
+                return False
+            self.over = self.largest
+        else:
+            self.over = self.cap
+        if self.over - self.fit <= 1:
+            return False
+        self.cap = (self.fit + self.over) // 2
+        self.largest = 0
+        self.used = {}
+        return True
+
+
+@dataclass(slots=True, eq=False)
+class _MapResult:
+    """A vmap result: its outer key, the body value it is made of, and its reduction over
+    the mapped dim (None: the values stacked)."""
+
+    key: int
+    of: int
+    reduce: str | None
+    max_norm: float
+    norm_of: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class _MapGraph:
+    """A vmap node's body, resolved in its own scope."""
+
+    ins: list[int]  # keys of the slices' names
+    nodes: list[_Node]  # in run order
+    closures: list[int]  # outer keys the body reads
+    results: list[_MapResult]
+
+    @property
+    def result_keys(self) -> list[int]:
+        return [r.key for r in self.results]
 
 
 class _Scope:
@@ -228,21 +317,46 @@ def _compile(
             lifted.plan_ms = (time.perf_counter() - started) * 1000
             return lifted
 
-    b = Builder()
-    slots: dict[int, int] = {}  # by key
-    for name, tspec in inputs.items():
-        slots[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype)).slot
-    grad_syms = {
-        name: b.value(Meta(tuple(t.shape), t.dtype)) for name, t in (grad_outputs or {}).items()
-    }
-    _emit(b, _run_order(graph, [key for _, key in named_outputs], ordered=False), slots, errors)
-    errors.raise_if_any()
+    order = _run_order(graph, [key for _, key in named_outputs], ordered=False)
+    chunking = _Chunking()
+    while True:
+        b = Builder()
+        slots: dict[int, int] = {}  # by key
+        for name, tspec in inputs.items():
+            slots[scope.names[name]] = b.value(Meta(tuple(tspec.shape), tspec.dtype)).slot
+        grad_syms = {
+            name: b.value(Meta(tuple(t.shape), t.dtype)) for name, t in (grad_outputs or {}).items()
+        }
+        _emit(b, order, slots, errors, chunking)
+        errors.raise_if_any()
 
-    input_slots = {name: slots[scope.names[name]] for name in inputs}
-    outputs = [(name, slots[key]) for name, key in named_outputs]
-    program = _finish(
-        b, inputs, input_slots, outputs, grad_syms, grad_outputs, no_grad, backward, device, limits
-    )
+        input_slots = {name: slots[scope.names[name]] for name in inputs}
+        outputs = [(name, slots[key]) for name, key in named_outputs]
+        try:
+            program = _finish(
+                b,
+                inputs,
+                input_slots,
+                outputs,
+                grad_syms,
+                grad_outputs,
+                no_grad,
+                backward,
+                device,
+                limits,
+            )
+        except MemoryBudgetError as err:
+            if chunking.retry(None):
+                continue
+            if chunking.best is None:
+                if chunking.cap is not None:
+                    err.message += " (with each vmap computing one index at a time)"
+                raise
+            program = chunking.best
+            break
+        if not chunking.retry(program):
+            program = chunking.best or program
+            break
     program.plan_ms = (time.perf_counter() - started) * 1000
     if lifting is not None:
         templates.learn(*lifting, program)  # type: ignore[union-attr]
@@ -336,6 +450,7 @@ def roll_program(program: Program, device: str = "cpu") -> Program | None:
         Limits(),
     )
     rolled.plan_ms = program.plan_ms
+    rolled.vmap_chunks, rolled.vmap_budgeted = program.vmap_chunks, program.vmap_budgeted
     return rolled
 
 
@@ -506,7 +621,9 @@ def _check_sizes(
     errors.raise_if_any()
 
 
-def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors) -> None:
+def _emit(
+    b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors, chunking: _Chunking
+) -> None:
     """Emit each node's step (shape and dtype inferred, promotion made explicit), the
     steps of a `grad` or `jvp` node, or a loop. `slots`: each value's slot, by key. A node
     downstream of a refused one is skipped: its error was already reported."""
@@ -525,12 +642,19 @@ def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors
             b.origin = node.origin
             op = node.op
             try:
-                if node.loop is not None:
-                    _emit_loop(b, node, b.values(args), slots, errors)
+                if type(node.loop) is _LoopGraph:
+                    _emit_loop(b, node, b.values(args), slots, errors, chunking)
+                elif type(node.loop) is _MapGraph:
+                    _emit_map(b, node, node.loop, b.values(args), slots, errors, chunking)
                 elif op is GRAD:
                     slots[node.key] = emit_grad(b, derivations, b.values(args)).slot
                 elif op is JVP:
                     slots[node.key] = emit_jvp(b, b.values(args)).slot
+                elif op is JACOBIAN:
+                    mode = node.attrs["mode"]
+                    slots[node.key] = emit_jacobian(b, derivations, b.values(args), mode).slot
+                elif op is HESSIAN:
+                    slots[node.key] = emit_hessian(b, derivations, b.values(args)).slot
                 else:
                     slots[node.key] = b.emit_args(op, args, node.attrs)  # type: ignore[arg-type]
             except GradserveError as err:
@@ -544,11 +668,16 @@ def _emit(b: Builder, order: list[_Node], slots: dict[int, int], errors: _Errors
 
 
 def _emit_loop(
-    b: Builder, node: _Node, args: list[Any], slots: dict[int, int], errors: _Errors
+    b: Builder,
+    node: _Node,
+    args: list[Any],
+    slots: dict[int, int],
+    errors: _Errors,
+    chunking: _Chunking,
 ) -> None:
     """A scan node: its body emitted once on a Builder of its own, then one loop step."""
     loop = node.loop
-    assert loop is not None
+    assert type(loop) is _LoopGraph
     nc = len(loop.carries)
     inits = [a if type(a) is Sym else b.constant(a, scalar_dtype(a)) for a in args[:nc]]
     xs = args[nc:]
@@ -590,9 +719,9 @@ def _emit_loop(
     for key, c in zip(loop.closures, closures, strict=True):
         inner[key] = bb.value(c.meta).slot
     reported = len(errors.items)
-    errors.within.append(node.origin)
+    errors.within.append(f"scan {quoted(node.origin)}")
     try:
-        _emit(bb, loop.nodes, inner, errors)
+        _emit(bb, loop.nodes, inner, errors, chunking)
         nexts = []
         for (key, loc), carry in zip(loop.nexts, loop.carries, strict=True):
             if key not in inner:
@@ -633,6 +762,83 @@ def _emit_loop(
     outs = emit_scan(b, body, inits, xs, closures)
     for key, which in loop.results:
         slots[key] = (outs[which] if which >= 0 else outs[nc + ys.index(inner[-1 - which])]).slot
+
+
+def _emit_map(
+    b: Builder,
+    node: _Node,
+    graph: _MapGraph,
+    args: list[Any],
+    slots: dict[int, int],
+    errors: _Errors,
+    chunking: _Chunking,
+) -> None:
+    """A vmap node: its body emitted once, for one index (its inputs are slots that no step
+    writes), then batched (engine.graph.transforms.emit_map)."""
+    in_axes = node.attrs["in_axes"]
+    if in_axes is not None and len(in_axes) != len(args):
+        raise AttributeError_(
+            f"attrs.in_axes has {len(in_axes)} entries for {len(args)} arguments",
+            loc=(*node.loc, "attrs", "in_axes"),
+        )
+    asked = node.attrs["chunk_size"]
+    if asked is not None and asked < 1:
+        raise AttributeError_(
+            f"attrs.chunk_size must be >= 1 or null, got {asked}",
+            loc=(*node.loc, "attrs", "chunk_size"),
+        )
+    mapped: list[Sym] = []
+    size = None
+    for j, x in enumerate(args):
+        axis = 0 if in_axes is None else in_axes[j]
+        if type(x) is not Sym or not x.shape:
+            raise ShapeError(
+                f"argument {j} must be a tensor with a dim to map over",
+                loc=(*node.loc, "args", j),
+            )
+        if not -x.ndim <= axis < x.ndim:
+            raise AttributeError_(
+                f"in_axes[{j}] is {axis}, but argument {j} has {x.ndim} dims",
+                loc=(*node.loc, "attrs", "in_axes", j),
+            )
+        axis %= x.ndim
+        if size is None:
+            size = x.shape[axis]
+        elif x.shape[axis] != size:
+            raise ShapeError(
+                f"argument {j} has size {x.shape[axis]} along its mapped dim {axis}, but "
+                f"argument 0 has {size}: every mapped size must agree",
+                loc=(*node.loc, "args", j),
+            )
+        if axis:
+            x = b.call("permute", x, dims=[axis, *(d for d in range(x.ndim) if d != axis)])
+        mapped.append(x)
+    if size == 0:
+        raise ShapeError("the mapped dim has size 0: nothing to map over", loc=(*node.loc, "args"))
+    assert size is not None
+    start = len(b.steps)
+    inner = dict(slots)
+    holders = []
+    for key, x in zip(graph.ins, mapped, strict=True):
+        holder = b.value(Meta(x.shape[1:], x.dtype))
+        inner[key] = holder.slot
+        holders.append(holder.slot)
+    reported = len(errors.items)
+    errors.within.append(f"vmap {quoted(node.origin)}")
+    try:
+        _emit(b, graph.nodes, inner, errors, chunking)
+    finally:
+        errors.within.pop()
+    if len(errors.items) > reported:
+        return
+    b.origin = node.origin
+    results = [
+        (r.reduce, inner[r.of], r.max_norm, [inner[k] for k in r.norm_of]) for r in graph.results
+    ]
+    chunk = chunking.chunk(node.origin, size, asked)
+    outs = emit_map(b, start, dict(zip(holders, mapped, strict=True)), results, size, chunk)
+    for r, out in zip(graph.results, outs, strict=True):
+        slots[r.key] = out.slot
 
 
 def _producer(loop: _LoopGraph, key: int) -> str | None:
@@ -710,7 +916,8 @@ class _Resolver:
         self.errors = errors
         self.keys = 0
         self.expanded = 0  # op nodes after `expr` expansion, over all levels
-        self.loops: dict[int, list[str]] = {}  # a scan node's key -> its result ids
+        # a scan or vmap node's key -> its op and its result ids
+        self.loops: dict[int, tuple[str, list[str]]] = {}
         self.sources: dict[str, tuple[str, Span]] = {}  # an expr's node -> its piece
 
     def new_key(self) -> int:
@@ -741,8 +948,8 @@ class _Resolver:
             key += 1
         self.keys = key
         for _, node in kept:
-            if node.op == "scan" and node.results is not None:
-                self.loops[scope.names[node.id]] = list(node.results)
+            if node.op in _BODIED and node.results is not None:
+                self.loops[scope.names[node.id]] = (node.op, list(node.results))
                 for result in node.results:
                     scope.names[result] = self.new_key()
         self._resolve_aliases(aliases, scope)
@@ -776,10 +983,11 @@ class _Resolver:
                 )
             )
         elif key in self.loops:
-            results = ", ".join(quoted(r) for r in self.loops[key]) or "none"
+            kind, ids = self.loops[key]
+            results = ", ".join(quoted(r) for r in ids) or "none"
             self.errors.add(
                 GraphError(
-                    f"{quoted(name)} is a scan node, not a value: use its results ({results})",
+                    f"{quoted(name)} is a {kind} node, not a value: use its results ({results})",
                     node=origin,
                     op=op,
                     loc=loc,
@@ -814,7 +1022,7 @@ class _Resolver:
                 errors.add(GraphError(text, node=nid, loc=scope.node_loc(index, "id")))
                 continue
             seen.add(nid)
-            if node.op == "scan" and node.results is not None:
+            if node.op in _BODIED and node.results is not None:
                 for result in node.results:
                     clash = self._clash(result, seen, scope)
                     if clash:
@@ -1017,8 +1225,9 @@ class _Resolver:
                 continue
             loop = None
             writes = [own]
-            if op is SCAN_NODE:
-                loop = self._loop(node, scope.node_loc(index), scope)
+            if op is SCAN_NODE or op is VMAP_NODE:
+                resolve = self._loop if op is SCAN_NODE else self._map
+                loop = resolve(node, scope.node_loc(index), scope)
                 ok = ok and loop is not None
                 if loop is not None:
                     reads += loop.closures
@@ -1043,6 +1252,91 @@ class _Resolver:
                 )
         return steps, in_order
 
+    def _map(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _MapGraph | None:
+        """A vmap node's body, resolved in a scope of its own."""
+        errors = self.errors
+        body, results = node.body, node.results
+        if body is None or results is None:
+            errors.add(GraphError("a vmap node needs 'body' and 'results'", node=node.id, loc=loc))
+            return None
+        if body.in_ is None or body.carry is not None or body.next is not None or body.xs:
+            errors.add(
+                GraphError(
+                    "a vmap body has 'in' and 'nodes' ('carry', 'xs' and 'next' are a scan body's)",
+                    node=node.id,
+                    loc=(*loc, "body"),
+                )
+            )
+            return None
+        if scope.depth >= self.limits.max_loop_depth:
+            errors.add(
+                GraphError(
+                    f"bodies are nested more than {self.limits.max_loop_depth} deep",
+                    node=node.id,
+                    loc=(*loc, "body"),
+                )
+            )
+            return None
+        if len(node.args or ()) != len(body.in_):
+            errors.add(
+                ArityError(
+                    f"takes {len(body.in_)} arguments (one per name of body.in), got "
+                    f"{len(node.args or ())}",
+                    node=node.id,
+                    op="vmap",
+                    loc=(*loc, "args"),
+                )
+            )
+            return None
+        if not results:
+            errors.add(
+                GraphError(
+                    "a vmap node must declare at least one result",
+                    node=node.id,
+                    loc=(*loc, "results"),
+                )
+            )
+            return None
+        inner = _Scope(scope, (*loc, "body", "nodes"))
+        reported = len(errors.items)
+        for j, name in enumerate(body.in_):
+            clash = (
+                self._clash(name, set(), inner)
+                if isinstance(name, str) and name
+                else "must be a non-empty string"
+            )
+            if clash:
+                errors.add(
+                    GraphError(
+                        f"in name {quoted(str(name))} {clash}",
+                        node=node.id,
+                        loc=(*loc, "body", "in", j),
+                    )
+                )
+                continue
+            inner.names[name] = self.new_key()
+        if len(errors.items) > reported:
+            return None
+        ins = [inner.names[n] for n in body.in_]
+        errors.within.append(f"vmap {quoted(node.id)}")
+        try:
+            nodes = self.graph(body.nodes, inner)
+        finally:
+            errors.within.pop()
+        out = _map_results(self, node, loc, scope, inner)
+        if len(errors.items) > reported:
+            return None
+        locals_ = {*ins, *(k for n in nodes for k in n.writes)}
+        used = [k for r in out for k in (r.of, *r.norm_of)]
+        closures = [k for n in nodes for k in n.reads if k not in locals_]
+        closures += [k for k in used if k not in locals_]
+        return _MapGraph(
+            ins=ins,
+            nodes=_run_order(nodes, used),
+            closures=list(dict.fromkeys(closures)),
+            results=out,
+        )
+
     def _loop(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
         """A scan node's body, resolved in a scope of its own."""
         errors = self.errors
@@ -1054,6 +1348,16 @@ class _Resolver:
             errors.add(
                 GraphError(
                     f"scans are nested more than {self.limits.max_loop_depth} deep",
+                    node=node.id,
+                    loc=(*loc, "body"),
+                )
+            )
+            return None
+        if body.carry is None or body.next is None or body.in_ is not None:
+            errors.add(
+                GraphError(
+                    "a scan body has 'carry', 'next' and optionally 'xs' and 'nodes' ('in' is "
+                    "a vmap body's)",
                     node=node.id,
                     loc=(*loc, "body"),
                 )
@@ -1095,7 +1399,7 @@ class _Resolver:
             return None
         carries = [inner.names[n] for n in body.carry]
         xs = [inner.names[n] for n in body.xs]
-        errors.within.append(node.id)
+        errors.within.append(f"scan {quoted(node.id)}")
         try:
             nodes = self.graph(body.nodes, inner)
         finally:
@@ -1163,6 +1467,89 @@ class _Resolver:
             closures=list(dict.fromkeys(closures)),
             results=out,
         )
+
+
+def _map_results(
+    resolver: _Resolver, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope, inner: _Scope
+) -> list[_MapResult]:
+    """A vmap node's results, resolved in its body's scope; errors reported."""
+    errors = resolver.errors
+    out: list[_MapResult] = []
+    for result, value in (node.results or {}).items():
+        where = (*loc, "results", result)
+        if isinstance(value, str):
+            of, reduce, max_norm, norm_of = value, None, None, None
+        else:
+            of, reduce, max_norm, norm_of = value.of, value.reduce, value.max_norm, value.norm_of
+            if reduce not in _REDUCTIONS:
+                errors.add(
+                    GraphError(
+                        f"reduce must be one of {', '.join(_REDUCTIONS)}, got {reduce!r}",
+                        node=node.id,
+                        loc=(*where, "reduce"),
+                    )
+                )
+                continue
+            if (reduce == "clip_sum") != (max_norm is not None):
+                errors.add(
+                    GraphError(
+                        "max_norm is required by, and belongs to, reduce 'clip_sum'",
+                        node=node.id,
+                        loc=(*where, "max_norm"),
+                    )
+                )
+                continue
+            if norm_of is not None and reduce != "clip_sum":
+                errors.add(
+                    GraphError(
+                        "norm_of belongs to reduce 'clip_sum'",
+                        node=node.id,
+                        loc=(*where, "norm_of"),
+                    )
+                )
+                continue
+            if max_norm is not None and not (
+                isinstance(max_norm, int | float)
+                and not isinstance(max_norm, bool)
+                and math.isfinite(max_norm)
+                and max_norm > 0
+            ):
+                errors.add(
+                    GraphError(
+                        f"max_norm must be a finite number > 0, got {max_norm!r}",
+                        node=node.id,
+                        loc=(*where, "max_norm"),
+                    )
+                )
+                continue
+        keys = []
+        for j, name in enumerate([of, *(norm_of or ())]):
+            here = (*where, "of") if j == 0 else (*where, "norm_of", j - 1)
+            key = inner.names.get(name) if isinstance(name, str) else None
+            if key is None:
+                visible = [n for n in inner.names if "#" not in n]
+                errors.add(
+                    GraphError(
+                        f"{'results[' + quoted(result) + ']' if j == 0 else 'norm_of'} names "
+                        f"{quoted(str(name))}, which is not a node or an input of the body"
+                        f"{did_you_mean(str(name), visible)}",
+                        node=node.id,
+                        loc=here if not isinstance(value, str) else where,
+                    )
+                )
+                break
+            keys.append(key)
+        else:
+            out.append(
+                _MapResult(
+                    scope.names[result],
+                    keys[0],
+                    reduce,
+                    float(max_norm or 0.0),
+                    keys[1:] if norm_of is not None else keys[:1],
+                )
+            )
+    return out
 
 
 def _link(steps: list[_Node]) -> None:

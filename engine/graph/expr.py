@@ -330,8 +330,8 @@ class _Compiler:
             raise self.fail(
                 f"unknown op {quoted(name)}{hint} (see GET /ops)", call.func, kind=UnknownOpError
             )
-        if name == "scan":
-            raise self.fail("scan takes a body and results: write it as an op node", call.func)
+        if name in ("scan", "vmap"):
+            raise self.fail(f"{name} takes a body and results: write it as an op node", call.func)
         return name
 
     def build(self, piece: ast.AST, done: dict[int, Value]) -> Value:

@@ -95,6 +95,10 @@ class Program:
     # The planned peak before any recomputation (engine.graph.remat); without it, the peak.
     peak_without_recompute: int = 0
     plan_ms: float = 0.0
+    # Per vmap node, the indices it computes at once (its chunk_size, or the planner's);
+    # and whether a vmap leaves its chunks to the planner (they follow the memory budget).
+    vmap_chunks: dict[str, int] = field(default_factory=dict)
+    vmap_budgeted: bool = False
     lifted: bool = False  # another program's, with new float literals (engine.graph.lifting)
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 

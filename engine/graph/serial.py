@@ -437,6 +437,8 @@ class _Writer:
             recompute_cost=_encode(program.recompute_cost),
             peak_without_recompute=_encode(program.peak_without_recompute),
             plan_ms=program.plan_ms,
+            vmap_chunks=program.vmap_chunks,
+            vmap_budgeted=program.vmap_budgeted,
         )
         if body is not None:
             record["body"] = {
@@ -933,6 +935,13 @@ class _Reader:
             slot_metas = _objects(metas).take(meta).tolist()
         self.used.update(flow.rep)
         no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
+        chunks, budgeted = record.get("vmap_chunks", {}), record.get("vmap_budgeted", False)
+        _check(
+            type(chunks) is dict
+            and all(type(k) is str and type(v) is int and v > 0 for k, v in chunks.items())
+            and type(budgeted) is bool,
+            "a program's vmap chunks",
+        )
         nodes, peak, flops, moved, recomputed, unrecomputed = (
             _decode(record[key])
             for key in (
@@ -976,6 +985,8 @@ class _Reader:
             recompute_cost=recomputed,
             peak_without_recompute=unrecomputed,
             plan_ms=plan_ms,
+            vmap_chunks=chunks,
+            vmap_budgeted=budgeted,
             run=None,
         )
         if len(grad_fn):

@@ -29,18 +29,35 @@ class NodeLike(Protocol):
     @property
     def body(self) -> BodyLike | None: ...
     @property
-    def results(self) -> Mapping[str, str] | None: ...
+    def results(self) -> Mapping[str, str | ReductionLike] | None: ...
 
 
 class BodyLike(Protocol):
+    """A `scan` body (carry, xs, next) or a `vmap` body (`in_`, the wire's "in")."""
+
     @property
-    def carry(self) -> Sequence[str]: ...
+    def carry(self) -> Sequence[str] | None: ...
     @property
     def xs(self) -> Sequence[str]: ...
     @property
+    def in_(self) -> Sequence[str] | None: ...
+    @property
     def nodes(self) -> Sequence[NodeLike]: ...
     @property
-    def next(self) -> Mapping[str, str]: ...
+    def next(self) -> Mapping[str, str] | None: ...
+
+
+class ReductionLike(Protocol):
+    """A `vmap` result that reduces a body value over the mapped dim."""
+
+    @property
+    def of(self) -> str: ...
+    @property
+    def reduce(self) -> str: ...
+    @property
+    def max_norm(self) -> float | None: ...
+    @property
+    def norm_of(self) -> Sequence[str] | None: ...
 
 
 class GraphLike(Protocol):
@@ -52,8 +69,9 @@ class GraphLike(Protocol):
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One node: either an op with args and attrs, or an infix `expr` string. A `scan`
-    node also has its `body` and the `results` it declares (new id -> carry or body id)."""
+    """One node: either an op with args and attrs, or an infix `expr` string. A `scan` or
+    `vmap` node also has its `body` and the `results` it declares (new id -> carry or body
+    id, or a vmap's reduction)."""
 
     id: str
     op: str | None = None
@@ -61,18 +79,28 @@ class NodeSpec:
     attrs: Mapping[str, Any] = field(default_factory=dict)
     expr: str | None = None
     body: BodySpec | None = None
-    results: Mapping[str, str] | None = None
+    results: Mapping[str, str | ReductionSpec] | None = None
 
 
 @dataclass(frozen=True)
 class BodySpec:
-    """A `scan` node's loop body: the carries' and the per-step slices' names, its nodes,
-    and each carry's next value."""
+    """A `scan` node's loop body (the carries' and the per-step slices' names, its nodes,
+    and each carry's next value), or a `vmap` node's (the slices' names, `in_`, and its
+    nodes)."""
 
-    carry: Sequence[str]
-    xs: Sequence[str]
-    nodes: Sequence[NodeSpec]
-    next: Mapping[str, str]
+    carry: Sequence[str] | None = None
+    xs: Sequence[str] = ()
+    nodes: Sequence[NodeSpec] = ()
+    next: Mapping[str, str] | None = None
+    in_: Sequence[str] | None = None
+
+
+@dataclass(frozen=True)
+class ReductionSpec:
+    of: str
+    reduce: str
+    max_norm: float | None = None
+    norm_of: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)

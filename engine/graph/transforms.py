@@ -1,4 +1,5 @@
-"""Derivatives and loops as nodes of a graph: `grad`, `jvp` and `scan`.
+"""Derivatives, loops and maps as nodes of a graph: `grad`, `jvp`, `scan`, `vmap`,
+`jacobian` and `hessian`.
 
 They are not ops of the registry (nothing computes them on arrays one call at a time):
 the compiler expands `grad` and `jvp` into steps of the program, with the transformation
@@ -15,6 +16,13 @@ that reverse mode already is (engine/graph/autodiff.py), and a `scan` into one l
   construction: `uᵀ ∂y/∂x` is linear in `u`, so its VJP with respect to `u`, against the
   tangent, is `∂y/∂x · t`. It needs no JVP rule per op (the VJPs are the one place), and
   is itself differentiable.
+- `vmap` emits its body once, for one index, on slots that no step writes, then the body's
+  batched form (engine.graph.batching), in chunks when it asks for them; the one-index
+  steps are dropped. A reduction over the mapped dim adds index after index (a cumsum's
+  last row, the chunk before as its first), so that chunks never change its bits.
+- `jacobian` is a `vmap` of a `grad` (rev: one row per output element, its upstream
+  gradient a row of the identity) or of a `jvp` (fwd: one column per input element), as
+  torch.func's jacrev and jacfwd; `hessian` is the forward-mode Jacobian of the gradient.
 """
 
 from __future__ import annotations
@@ -25,9 +33,14 @@ from typing import Any
 from gradserve.engine.dtypes import FLOATS
 from gradserve.engine.errors import BackwardError, DTypeError, ShapeError
 from gradserve.engine.graph.autodiff import vjp, vjp_all
+from gradserve.engine.graph.batching import batch_steps, drop_replaced
 from gradserve.engine.graph.builder import Builder, Sym, derived
 from gradserve.engine.graph.ir import DERIVED
+from gradserve.engine.ops.registry import Meta
 from gradserve.engine.shapes import fmt, numel
+
+# ‖wᵢ‖₂ + CLIP_EPS divides max_norm in a clipped sum, as Opacus clips.
+CLIP_EPS = 1e-6
 
 
 class Derivations:
@@ -96,6 +109,125 @@ def emit_jvp(b: Builder, args: Sequence[Any]) -> Sym:
         with derived(b, create_graph=True, kind=DERIVED):
             return b.call("zeros", shape=list(output.shape), dtype=output.dtype)
     return pushed
+
+
+def emit_map(
+    b: Builder,
+    start: int,
+    holders: dict[int, Sym],
+    results: Sequence[tuple[str | None, int, float, list[int]]],
+    size: int,
+    chunk: int,
+) -> list[Sym]:
+    """The results of a vmap whose body, for one index, is `b`'s steps from `start` on:
+    `holders` maps each body input's slot to its mapped argument (the mapped dim first);
+    each result is (reduction or None, body slot, max_norm, norm_of body slots)."""
+    parts: list[list[Sym]] = [[] for _ in results]
+    totals: list[Sym | None] = [None] * len(results)
+    body = b.steps[start:]
+    replaced: set[int] = set()
+    for lo in range(0, size, chunk):
+        n = min(chunk, size - lo)
+        batched = {
+            slot: x if n == size else b.call("slice", x, dim=0, start=lo, stop=lo + n, step=1)
+            for slot, x in holders.items()
+        }
+        batched = batch_steps(b, body, batched, n)
+        replaced.update(batched)
+
+        def value(slot: int, n: int = n, batched: dict[int, Sym] = batched) -> Sym:
+            found = batched.get(slot)
+            if found is not None:
+                return found
+            one = b.syms[slot]  # the same for every index
+            return b.call("expand", one, shape=[n, *one.shape])
+
+        for k, (reduce, slot, max_norm, norm_of) in enumerate(results):
+            v = value(slot)
+            if reduce is None:
+                parts[k].append(v)
+                continue
+            if reduce == "clip_sum":
+                v = v * _clip_factors(b, [value(s) for s in norm_of], max_norm, v.ndim)
+            totals[k] = _accumulate(b, totals[k], v)
+    drop_replaced(b, start, replaced)
+    outs = []
+    for k, (reduce, *_) in enumerate(results):
+        if reduce is None:
+            outs.append(parts[k][0] if len(parts[k]) == 1 else b.call("cat", *parts[k], dim=0))
+        else:
+            total = totals[k]
+            assert total is not None
+            outs.append(total / size if reduce == "mean" else total)
+    return outs
+
+
+def _clip_factors(b: Builder, values: list[Sym], max_norm: float, rank: int) -> Sym:
+    """Per index, min(1, max_norm / (‖wᵢ‖₂ + 1e-6)) with ‖wᵢ‖₂ the norm of its values of
+    every one of `values` together; shaped to multiply a batched value of `rank` dims."""
+    squares = [
+        b.call("sum", w * w, dim=list(range(1, w.ndim))) if w.ndim > 1 else w * w for w in values
+    ]
+    total = squares[0]
+    for sq in squares[1:]:
+        total = total + sq
+    factor = b.call("clamp", max_norm / (b.call("sqrt", total) + CLIP_EPS), max=1.0)
+    return b.call("reshape", factor, shape=[factor.shape[0], *([1] * (rank - 1))])
+
+
+def _accumulate(b: Builder, total: Sym | None, values: Sym) -> Sym:
+    """`total` plus each row of `values` in turn (zeros before the first chunk): the last
+    row of a cumsum that starts from it, so that the sum is the same, bit for bit, however
+    the rows are chunked."""
+    if values.dtype not in FLOATS:
+        raise DTypeError(f"a vmap reduction needs floating-point values, got {values.dtype}")
+    one = values.shape[1:]
+    if total is None:
+        total = b.call("zeros", shape=list(one), dtype=values.dtype)
+    rows = b.call("cat", b.call("unsqueeze", total, dim=0), values, dim=0)
+    n = rows.shape[0]
+    last = b.call("slice", b.call("cumsum", rows, dim=0), dim=0, start=n - 1, stop=n, step=1)
+    return b.call("reshape", last, shape=list(one))
+
+
+def emit_jacobian(b: Builder, derivations: Derivations, args: Sequence[Any], mode: str) -> Sym:
+    output, inp = _tensors(args, ("output", "input"))
+    _floating(output, "output")
+    _floating(inp, "input")
+    rows, cols = numel(output.shape), numel(inp.shape)
+    if mode == "auto":
+        mode = "fwd" if cols < rows else "rev"
+    start = len(b.steps)
+    with derived(b, create_graph=True, kind=DERIVED):
+        if mode == "rev":  # row i: the gradient of output element i
+            holder = b.value(Meta(output.shape, output.dtype))
+            one = emit_grad(b, derivations, [output, inp, holder])
+        else:  # column j: the derivative along input element j
+            holder = b.value(Meta(inp.shape, inp.dtype))
+            one = emit_jvp(b, [output, inp, holder])
+        n = numel(holder.shape)
+        body = b.steps[start:]
+        basis = b.call("reshape", b.call("eye", n=n, dtype=holder.dtype), shape=[n, *holder.shape])
+        batched = batch_steps(b, body, {holder.slot: basis}, n)
+        drop_replaced(b, start, set(batched))
+        found = batched.get(one.slot)
+        stacked = found if found is not None else b.call("expand", one, shape=[n, *one.shape])
+        if mode == "rev":
+            return b.call("reshape", stacked, shape=[*output.shape, *inp.shape])
+        flat = b.call("reshape", stacked, shape=[cols, rows])
+        return b.call(
+            "reshape", b.call("transpose", flat, dim0=0, dim1=1), shape=[*output.shape, *inp.shape]
+        )
+
+
+def emit_hessian(b: Builder, derivations: Derivations, args: Sequence[Any]) -> Sym:
+    output, inp = _tensors(args, ("output", "input"))
+    if numel(output.shape) != 1:
+        raise BackwardError(
+            f"the output has shape {fmt(output.shape)}: a Hessian is of a one-element output"
+        )
+    gradient = emit_grad(b, derivations, [output, inp])
+    return emit_jacobian(b, derivations, [gradient, inp], "fwd")
 
 
 def _tensors(args: Sequence[Any], names: Sequence[str]) -> list[Sym]:
