@@ -23,6 +23,7 @@ from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
 from gradserve.service.settings import Settings
+from gradserve.service.store import entry_name
 from gradserve.service.tier import ANOMALY, FAST_LANE, INTERPRETER, OFF, XLA, Tier
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
@@ -159,7 +160,8 @@ class Compute:
         """The request's program: from this process's memory or the host's store, else
         compiled and kept. Past `bounds`, Misplaced (a program compiled for nothing is not
         kept)."""
-        found = self.programs.find(request.program_key, request.device)
+        key = request.program_key
+        found = self.programs.find(key, request.device)
         stats.program = found.source or "compiled"
         program = found.program
         if found.source == "store":
@@ -171,7 +173,22 @@ class Compute:
             ):
                 raise Misplaced(stats)
             program = self.compile(request, stats, keep=bounds is None)
-        stats.program_key = request.program_key
+        if (
+            program.vmap_budgeted
+            and program.planned_peak_bytes > request.budget
+            and not request.budget_shapes_program
+        ):
+            # Its vmaps chunked to fit the budget: a program of its own, kept by the budget.
+            if bounds is not None:
+                raise Misplaced(stats)
+            key = entry_name("p", key, f"vmap-chunks<={request.budget}")[2:]
+            found = self.programs.find(key, request.device)
+            program = found.program or self.compile(request, stats, keep=False, chunked=True)
+            if found.program is None:
+                stats.cache_evictions = self.programs.remember(
+                    key, program, request.device, stats.compile_ms or 0.0
+                )
+        stats.program_key = key
         stats.compute_cost, stats.steps = program.compute_cost, executed_steps(program)
         stats.planned_peak_bytes = program.planned_peak_bytes
         if bounds is not None:
@@ -182,19 +199,26 @@ class Compute:
         return program
 
     def compile(
-        self, request: Request, stats: Stats, keep: bool = True, recompute: bool | None = None
+        self,
+        request: Request,
+        stats: Stats,
+        keep: bool = True,
+        recompute: bool | None = None,
+        chunked: bool = False,
     ) -> Program:
         """Compile the request's program. The budgets are checked on each use, not here;
         only a backward that may recompute is compiled for its memory budget (the planner
-        recomputes what it must to fit it)."""
+        recomputes what it must to fit it), and, `chunked`, a program whose vmaps the
+        planner chunks to fit it."""
         started = time.perf_counter()
         shaped = request.budget_shapes_program if recompute is None else recompute
         inputs, grad_outputs = request.specs()
+        budget = request.budget if shaped or chunked else None
         try:
             program = compile_graph(
                 self.parser.graph_of(request),
                 inputs,
-                limits=self.limits(request.budget if shaped else None, None, recompute=shaped),
+                limits=self.limits(budget, None, recompute=shaped),
                 no_grad=request.no_grad,
                 backward=request.backward,
                 grad_outputs=grad_outputs,

@@ -107,6 +107,8 @@ def encode_result(
         "tier_reason": None if tier == XLA else tier,
         "timings_ms": result.timings_ms,
     }
+    if program.vmap_chunks:
+        content["meta"]["vmap_chunks"] = program.vmap_chunks
     header = dumps(content)
     if encoding != "binary":
         return Reply([header])

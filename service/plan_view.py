@@ -40,27 +40,23 @@ def plan_reply(
         plain = compute.compile(request, stats, keep=False, recompute=False)
         recompute["nodes_without"] = planned_steps(plain)
     compute_budget = compute.settings.compute_budget
-    return Reply(
-        [
-            _dumps(
-                {
-                    "planned_peak_bytes": program.planned_peak_bytes,
-                    "memory_budget_bytes": request.budget,
-                    "compute_cost": program.compute_cost,
-                    "compute_budget": compute_budget,
-                    "admitted": (
-                        program.planned_peak_bytes <= request.budget
-                        and program.compute_cost <= compute_budget
-                    ),
-                    "path": request.path,
-                    "graph_id": request.graph_id,
-                    "nodes": planned_steps(program),
-                    "recompute": recompute,
-                    "minimum_peak_bytes": minimum,
-                }
-            )
-        ]
-    )
+    answer = {
+        "planned_peak_bytes": program.planned_peak_bytes,
+        "memory_budget_bytes": request.budget,
+        "compute_cost": program.compute_cost,
+        "compute_budget": compute_budget,
+        "admitted": (
+            program.planned_peak_bytes <= request.budget and program.compute_cost <= compute_budget
+        ),
+        "path": request.path,
+        "graph_id": request.graph_id,
+        "nodes": planned_steps(program),
+        "recompute": recompute,
+        "minimum_peak_bytes": minimum,
+    }
+    if program.vmap_chunks:
+        answer["vmap_chunks"] = program.vmap_chunks
+    return Reply([_dumps(answer)])
 
 
 def _dumps(plan: dict[str, Any]) -> bytes:

@@ -209,9 +209,50 @@ Arg = Annotated[
 ]
 
 
+class Reduction(Wire):
+    """A vmap result that reduces a body value over the mapped dim, never holding the
+    stacked values."""
+
+    model_config = _rules(
+        {
+            "oneOf": [
+                {
+                    **_given(reduce={"const": "clip_sum"}, max_norm={"type": "number"}),
+                },
+                {
+                    **_given(reduce={"enum": ["sum", "mean"]}),
+                    **_not_given("max_norm", "norm_of"),
+                },
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _clip_fields(self) -> Reduction:
+        if (self.reduce == "clip_sum") != (self.max_norm is not None):
+            raise ValueError("'max_norm' belongs to, and is required by, reduce 'clip_sum'")
+        if self.norm_of is not None and self.reduce != "clip_sum":
+            raise ValueError("'norm_of' belongs to reduce 'clip_sum'")
+        return self
+
+    of: _NonEmpty = Field(description="the body node (or body input) reduced")
+    reduce: Literal["sum", "mean", "clip_sum"]
+    max_norm: float | None = Field(
+        None,
+        gt=0,
+        description="clip_sum only: each index's values scaled by "
+        "min(1, max_norm / (norm + 1e-6)) before they are added",
+    )
+    norm_of: list[_NonEmpty] | None = Field(
+        None,
+        description="clip_sum only: the body ids whose values, all together, make an "
+        "index's norm (default: `of` alone)",
+    )
+
+
 class Node(Wire):
-    """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` node
-    also has `body` and `results`."""
+    """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` or
+    `vmap` node also has `body` and `results`."""
 
     model_config = _rules(
         {
@@ -221,20 +262,33 @@ class Node(Wire):
                     **_given(expr=_STRING),
                     **_not_given("op", "args", "attrs", "body", "results"),
                 },
-                # an op other than scan: no expr, body or results
+                # an op other than scan and vmap: no expr, body or results
                 {
-                    **_given(op={"type": "string", "not": {"const": "scan"}}),
+                    **_given(op={"type": "string", "not": {"enum": ["scan", "vmap"]}}),
                     **_not_given("expr", "body", "results"),
                 },
                 # a scan, with its body and (at least one of) its results
                 {
                     **_given(
                         op={"const": "scan"},
-                        body=schema_ref("Body"),
+                        body={"allOf": [schema_ref("Body"), _given(carry=_ARRAY)]},
                         results={
                             "type": "object",
                             "minProperties": 1,
                             "additionalProperties": _STRING,
+                        },
+                    ),
+                    **_not_given("expr"),
+                },
+                # a vmap, with its body and (at least one of) its results
+                {
+                    **_given(
+                        op={"const": "vmap"},
+                        body={"allOf": [schema_ref("Body"), _given(**{"in": _ARRAY})]},
+                        results={
+                            "type": "object",
+                            "minProperties": 1,
+                            "additionalProperties": {"anyOf": [_STRING, schema_ref("Reduction")]},
                         },
                     ),
                     **_not_given("expr"),
@@ -248,11 +302,12 @@ class Node(Wire):
     args: list[Arg] | None = None
     attrs: dict[str, Any] | None = None
     expr: _NotBlank | None = None
-    body: Body | None = Field(None, description="scan only: the loop body")
-    results: dict[str, _NonEmpty] | None = Field(
+    body: Body | None = Field(None, description="scan and vmap only: the body")
+    results: dict[str, _NonEmpty | Reduction] | None = Field(
         None,
-        description="scan only: new id -> a carry name (its final value) or a body "
-        "node id (its value at every step, stacked on a new dim 0)",
+        description="scan and vmap only: new id -> a carry name (its final value) or a body "
+        "node id (its value at every step or index, stacked on a new dim 0); for a vmap, "
+        "also a reduction over the mapped dim",
     )
 
     @model_validator(mode="after")
@@ -261,21 +316,54 @@ class Node(Wire):
             raise ValueError("a node needs exactly one of 'op' and 'expr'")
         if self.expr is not None and (self.args is not None or self.attrs is not None):
             raise ValueError("an 'expr' node takes no 'args' or 'attrs'")
-        if (self.op == "scan") != (self.body is not None):
-            raise ValueError("'body' belongs to, and is required by, op 'scan'")
-        if (self.op == "scan") != (self.results is not None):
-            raise ValueError("'results' belongs to, and is required by, op 'scan'")
+        bodied = self.op in ("scan", "vmap")
+        if bodied != (self.body is not None):
+            raise ValueError("'body' belongs to, and is required by, ops 'scan' and 'vmap'")
+        if bodied != (self.results is not None):
+            raise ValueError("'results' belongs to, and is required by, ops 'scan' and 'vmap'")
+        if self.op == "scan":
+            if self.body.in_ is not None:  # type: ignore[union-attr]
+                raise ValueError("a scan's body has 'carry' and 'next' ('in' is a vmap's)")
+            if not all(isinstance(v, str) for v in self.results.values()):  # type: ignore[union-attr]
+                raise ValueError("a scan's results are carry names or body node ids")
+        if self.op == "vmap" and self.body.in_ is None:  # type: ignore[union-attr]
+            raise ValueError("a vmap's body names its slices in 'in' (carry and next are a scan's)")
         return self
 
 
 class Body(Wire):
-    """A scan's body: carries and per-step slices by name, nodes in their own scope, and
-    each carry's next value."""
+    """A scan's body (carries and per-step slices by name, nodes in their own scope, and
+    each carry's next value) or a vmap's (its slices by name, `in`, and nodes)."""
 
-    carry: list[_NonEmpty]
+    model_config = ConfigDict(
+        populate_by_name=True,
+        **_rules(
+            {
+                "oneOf": [
+                    {**_given(carry=_ARRAY, next={"type": "object"}), **_not_given("in")},
+                    {**_given(**{"in": _ARRAY}), **_not_given("carry", "next", "xs")},
+                ]
+            }
+        ),
+    )
+
+    carry: list[_NonEmpty] | None = None
     xs: list[_NonEmpty] = []
+    in_: list[_NonEmpty] | None = Field(
+        None, alias="in", description="vmap only: the names of the slices, one per argument"
+    )
     nodes: list[Node] = []
-    next: dict[_NonEmpty, str]
+    next: dict[_NonEmpty, str] | None = None
+
+    @model_validator(mode="after")
+    def _scan_or_vmap(self) -> Body:
+        if (self.in_ is None) == (self.carry is None or self.next is None):
+            raise ValueError(
+                "a body has 'carry' and 'next' (a scan's), or 'in' (a vmap's), not both"
+            )
+        if self.in_ is not None and "xs" in self.model_fields_set:
+            raise ValueError("'xs' belongs to a scan's body; a vmap's names its slices in 'in'")
+        return self
 
 
 Node.model_rebuild()
@@ -454,6 +542,12 @@ class Timings(BaseModel):
     )
 
 
+_VMAP_CHUNKS = (
+    "per vmap node, the indices it computed at once: its chunk_size, or (null there) the "
+    "whole batch, or the largest chunks that fit the memory budget (absent: no vmap)"
+)
+
+
 class Meta(BaseModel):
     device: str = Field(pattern=r"^(cpu|cuda:[0-9]+)$", description="the device that ran it")
     graph_id: str = Field(description="send it as `graph_id` instead of the graph")
@@ -482,6 +576,7 @@ class Meta(BaseModel):
         "program (e.g. an op without a lowering)"
     )
     timings_ms: Timings
+    vmap_chunks: dict[str, int] | None = Field(None, description=_VMAP_CHUNKS)
 
 
 class ForwardResponse(BaseModel):
@@ -537,6 +632,7 @@ class PlanResponse(BaseModel):
         description="over budget even with the most recomputation: the smallest planned "
         "peak it reached (null otherwise)"
     )
+    vmap_chunks: dict[str, int] | None = Field(None, description=_VMAP_CHUNKS)
 
 
 # Every problem type the server answers (service/errors.py), as the document lists them.

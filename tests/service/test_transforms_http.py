@@ -182,7 +182,7 @@ def readme_examples() -> list[dict[str, Any]]:
 
 
 async def test_readme_examples_compute_what_they_say(client: httpx.AsyncClient) -> None:
-    hvp, newton, jacobian, scan, unrolled = readme_examples()
+    hvp, newton, jacobian, scan, unrolled, *_ = readme_examples()
     out = strict_json(await client.post("/forward", json=hvp))["outputs"]
     w, x, v = (torch.tensor(hvp["inputs"][k], requires_grad=k == "w") for k in "wxv")
     (g,) = torch.autograd.grad((torch.exp(w) * x).sum() + (w**3).sum() / 3, w, create_graph=True)
