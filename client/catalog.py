@@ -36,7 +36,7 @@ ALIASES = {
     "swapaxes": "transpose",
     "swapdims": "transpose",
 }
-TRANSFORMS = ("grad", "jvp", "scan")
+TRANSFORMS = ("grad", "jvp", "scan", "vmap", "jacobian", "hessian")
 
 
 class Catalog:

@@ -121,6 +121,7 @@ from gradserve.engine.rules import (
     elementwise_infer,
     fmt,
     literal_meta,
+    numel,
 )
 from gradserve.wire.dtypes import wire_dtype
 
@@ -132,11 +133,16 @@ __all__ = [
     "TraceError",
     "TracedTensor",
     "grad",
+    "hessian",
+    "jacfwd",
+    "jacobian",
+    "jacrev",
     "jvp",
     "scan",
     "spec_of",
     "standard_catalog",
     "trace",
+    "vmap",
 ]
 
 # Past these an inlined expression is cut into nodes (the server's limits are 100 and
@@ -227,7 +233,27 @@ def _transform_rule(output: int) -> Callable[[list[Meta]], Meta]:
     return lambda metas, **attrs: metas[output]
 
 
-_TRANSFORM_RULES = {"grad": _transform_rule(1), "jvp": _transform_rule(0)}
+def _jacobian_rule(metas: list[Meta], mode: str = "auto") -> Meta:
+    """output.shape + input.shape: in reverse mode the input's dtype (rows are gradients),
+    in forward mode the output's (columns are JVPs), as jacrev and jacfwd."""
+    output, inp = metas[0], metas[1]
+    if mode == "auto":
+        mode = "fwd" if numel(inp.shape) < numel(output.shape) else "rev"
+    return Meta((*output.shape, *inp.shape), inp.dtype if mode == "rev" else output.dtype)
+
+
+def _hessian_rule(metas: list[Meta]) -> Meta:
+    return Meta((*metas[1].shape, *metas[1].shape), metas[1].dtype)
+
+
+_TRANSFORM_RULES = {
+    "grad": _transform_rule(1),
+    "jvp": _transform_rule(0),
+    "jacobian": _jacobian_rule,
+    "hessian": _hessian_rule,
+}
+# The transforms whose second argument is differentiated against: a node, not inlined.
+_WRT_TRANSFORMS = ("grad", "jvp", "jacobian", "hessian")
 # An op of another catalog, unknown to this engine, gets its group's broadcasting rule.
 _GROUP_RULES = {
     "elementwise": elementwise_infer(),
@@ -939,8 +965,47 @@ def jvp(y: TracedTensor, x: TracedTensor, t: Any) -> TracedTensor:
     return _apply(op, [_tensor(y, "jvp's y"), _tensor(x, "jvp's x"), _operand(t, "jvp's t")], {})
 
 
+def jacobian(y: Any, x: Any = None, mode: str = "auto", *, argnums: int = 0) -> Any:
+    """∂y/∂x as a `jacobian` node: shape y.shape + x.shape. `mode`: "rev" (jacrev),
+    "fwd" (jacfwd) or "auto" (forward when x has fewer elements than y).
+
+    Also torch.func's spelling: `jacobian(fn, argnums=0)` is a function that calls `fn`
+    and takes the Jacobian of its result with respect to argument `argnums`."""
+    if callable(y) and not isinstance(y, TracedTensor):
+        fn = y
+        return lambda *args: jacobian(fn(*args), args[argnums], mode)
+    if mode not in ("rev", "fwd", "auto"):
+        raise ValueError(f"mode must be 'rev', 'fwd' or 'auto', got {mode!r}")
+    op = _transform("jacobian")
+    args: list[Value] = [_tensor(y, "jacobian's y"), _tensor(x, "jacobian's x")]
+    return _apply(op, args, {"mode": mode} if mode != "auto" else {})
+
+
+def jacrev(fn: Callable[..., Any], argnums: int = 0) -> Callable[..., Any]:
+    """torch.func.jacrev: `jacobian(fn, argnums, mode="rev")`."""
+    return jacobian(fn, mode="rev", argnums=argnums)  # type: ignore[no-any-return]
+
+
+def jacfwd(fn: Callable[..., Any], argnums: int = 0) -> Callable[..., Any]:
+    """torch.func.jacfwd: `jacobian(fn, argnums, mode="fwd")`."""
+    return jacobian(fn, mode="fwd", argnums=argnums)  # type: ignore[no-any-return]
+
+
+def hessian(y: Any, x: Any = None, *, argnums: int = 0) -> Any:
+    """The Hessian of a one-element `y` with respect to `x` as a `hessian` node: shape
+    x.shape + x.shape (forward over reverse). As torch.func spells it, `hessian(fn,
+    argnums=0)` is a function of `fn`'s arguments."""
+    if callable(y) and not isinstance(y, TracedTensor):
+        fn = y
+        return lambda *args: hessian(fn(*args), args[argnums])
+    op = _transform("hessian")
+    return _apply(op, [_tensor(y, "hessian's y"), _tensor(x, "hessian's x")], {})
+
+
 class _ScanRecord:
-    """A scan node in the making: its arguments, its body's placeholders and results."""
+    """A scan node in the making: its arguments, its body's placeholders and results (a
+    vmap node too: no carries, its arguments the sequences, `mapped` its in_axes and
+    chunk_size)."""
 
     def __init__(
         self,
@@ -959,6 +1024,7 @@ class _ScanRecord:
         self.nexts: list[Value] = []
         self.ys: list[Value] = []
         self.results: list[TracedTensor] = []
+        self.mapped: tuple[list[int], int | None] | None = None
         self.id: str | None = None
         self.seq = len(trace.items)
         trace.add(self)
@@ -1087,7 +1153,103 @@ def scan(
     return _pack(finals, many_carries, init), ys_out
 
 
-_HELPERS: dict[str, Callable[..., Any]] = {"grad": grad, "jvp": jvp, "scan": scan}
+def vmap(
+    fn: Callable[..., Any],
+    in_axes: int | Sequence[int] = 0,
+    *,
+    in_dims: int | Sequence[int] | None = None,
+    chunk_size: int | None = None,
+) -> Callable[..., Any]:
+    """torch.func.vmap as a `vmap` node: `vmap(fn, in_axes)(*tensors)` maps `fn` over dim
+    `in_axes` of each tensor (one int for all, or one per tensor; `in_dims` is torch's
+    name for it). `fn` is traced once on one slice of each; what it reads of the outer
+    function is the same for every index. It returns a tensor, a tuple or list of tensors
+    (or numbers), each stacked on a new dim 0. `chunk_size`: indices computed at once
+    (None: as the server's memory budget allows)."""
+    axes_given = in_axes if in_dims is None else in_dims
+
+    def mapped(*args: Any) -> Any:
+        trace = _active()
+        _transform("vmap")
+        seqs = [_tensor(a, "a vmap's argument") for a in args]
+        if not seqs:
+            raise TypeError("vmap needs at least one tensor to map over")
+        _check_visible(trace, seqs, "vmap")
+        axes = (
+            [int(axes_given)] * len(seqs)
+            if isinstance(axes_given, int)
+            else [int(a) for a in axes_given]
+        )
+        if len(axes) != len(seqs):
+            raise TraceError(f"vmap: {len(axes)} in_axes for {len(seqs)} arguments")
+        size = None
+        slices: list[Shape | None] = []
+        for j, (s, axis) in enumerate(zip(seqs, axes, strict=True)):
+            if s._shape is None:
+                slices.append(None)
+                continue
+            if not -len(s._shape) <= axis < len(s._shape):
+                raise TraceError(
+                    f"vmap: in_axes {axis} of argument {j}, which has {len(s._shape)} dims"
+                )
+            axis %= len(s._shape)
+            if size is not None and s._shape[axis] != size:
+                raise TraceError(
+                    f"vmap: argument {j} has {s._shape[axis]} along its mapped dim, "
+                    f"but argument 0 has {size}"
+                )
+            size = s._shape[axis]
+            slices.append((*s._shape[:axis], *s._shape[axis + 1 :]))
+        name = getattr(fn, "__name__", "vmap")
+        record = _ScanRecord(trace, name if name.isidentifier() else "vmap", [], seqs, None)
+        record.mapped = (axes, chunk_size)
+        outer = trace.scope
+        trace.scope = record.body
+        try:
+            for j, (s, shape) in enumerate(zip(seqs, slices, strict=True)):
+                record.xs.append(
+                    TracedTensor(
+                        trace,
+                        "x",
+                        ref=(record, j),
+                        shape=shape,
+                        dtype=s._dtype,
+                        why="its argument's shape is unknown",
+                    )
+                )
+            out = fn(*record.xs)
+            ys_list, many = _flat(out)
+            record.ys = [_operand(v, "a vmap's result") for v in ys_list]
+            _check_visible(trace, record.ys, "vmap's function")
+        finally:
+            trace.scope = outer
+        stacked = []
+        for j, y in enumerate(record.ys):
+            meta = _meta(y)
+            stacked.append(
+                TracedTensor(
+                    trace,
+                    "result",
+                    ref=(record, "y", j),
+                    shape=None if meta is None or size is None else (size, *meta.shape),
+                    dtype=None if meta is None else meta.dtype,
+                    why="a result's shape or the batch size is unknown",
+                )
+            )
+        record.results = stacked
+        return _pack(stacked, many, out)
+
+    return mapped
+
+
+_HELPERS: dict[str, Callable[..., Any]] = {
+    "grad": grad,
+    "jvp": jvp,
+    "scan": scan,
+    "vmap": vmap,
+    "jacobian": jacobian,
+    "hessian": hessian,
+}
 
 
 # ------------------------------------------------------------------ names from variables
@@ -1361,7 +1523,7 @@ class _Builder:
                 if not isinstance(a, TracedTensor):
                     continue
                 uses[id(a)] = uses.get(id(a), 0) + 1
-                if a._scope is not item._scope or (item._op in ("grad", "jvp") and k == 1):
+                if a._scope is not item._scope or (item._op in _WRT_TRANSFORMS and k == 1):
                     force.add(id(a))
                 if a._kind == "input" and not _identifier(a._ref):
                     name_ok = False
@@ -1462,7 +1624,7 @@ class _Builder:
             elif id(item) in self.next_of:  # a carry's next value
                 record, i = self.next_of[id(item)]
                 base = f"{record.carries[i]._id}_next"
-            elif item._op in ("grad", "jvp"):
+            elif item._op in _WRT_TRANSFORMS:
                 wrt = item._args[1]
                 base = f"{item._op}_{wrt._id}" if wrt._id else item._op or "v"
             else:
@@ -1577,6 +1739,16 @@ class _Builder:
                     }
                 )
                 results[result._id] = alias
+        if record.mapped is not None:
+            axes, chunk_size = record.mapped
+            return {
+                "id": record.id,
+                "op": "vmap",
+                "args": [self._ref(v) for v in record.seqs],
+                "body": {"in": [x._id for x in record.xs], "nodes": nodes},
+                "results": results,
+                "attrs": {"in_axes": axes, "chunk_size": chunk_size},
+            }
         node: dict[str, Any] = {
             "id": record.id,
             "op": "scan",

@@ -18,7 +18,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gradserve.client.http import AsyncClient, Client, GradserveHTTPError, Result, Retry
-    from gradserve.client.trace import F, TracedTensor, TraceError, grad, jvp, scan, trace
+    from gradserve.client.trace import (
+        F,
+        TracedTensor,
+        TraceError,
+        grad,
+        hessian,
+        jacfwd,
+        jacobian,
+        jacrev,
+        jvp,
+        scan,
+        trace,
+        vmap,
+    )
 
 # name -> the module that defines it
 _EXPORTS = {
@@ -34,6 +47,11 @@ _EXPORTS = {
     "grad": "gradserve.client.trace",
     "jvp": "gradserve.client.trace",
     "scan": "gradserve.client.trace",
+    "vmap": "gradserve.client.trace",
+    "jacobian": "gradserve.client.trace",
+    "jacrev": "gradserve.client.trace",
+    "jacfwd": "gradserve.client.trace",
+    "hessian": "gradserve.client.trace",
 }
 
 __all__ = [
@@ -46,9 +64,14 @@ __all__ = [
     "TraceError",
     "TracedTensor",
     "grad",
+    "hessian",
+    "jacfwd",
+    "jacobian",
+    "jacrev",
     "jvp",
     "scan",
     "trace",
+    "vmap",
 ]
 
 
