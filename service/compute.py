@@ -18,6 +18,7 @@ from gradserve.engine.errors import GradserveError
 from gradserve.engine.graph import Limits, Program, check_budgets, compile_graph, execute
 from gradserve.engine.graph.lifting import Templates
 from gradserve.engine.graph.scan import executed_steps
+from gradserve.engine.graph.xla import INDEX_ORDERED
 from gradserve.service.encode import Reply, encode_result, output_bytes
 from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
@@ -283,9 +284,11 @@ class Compute:
             raise Misplaced(stats)
         plan_ms = (time.perf_counter() - request.started) * 1000  # parse, find, compile
         reserve(program.planned_peak_bytes + output_bytes(program, request.encoding))
-        lowered, tier = (
-            (None, ANOMALY) if anomaly else self.tier.choose(key, program, request.device, deadline)
-        )
+        interpreted = anomaly or program.index_ordered  # (step by step, or sums in order)
+        if interpreted:
+            lowered, tier = None, ANOMALY if anomaly else INDEX_ORDERED
+        else:
+            lowered, tier = self.tier.choose(key, program, request.device, deadline)
         inputs, grad_outputs = request.inputs, request.grad_outputs
         try:
             result = None
@@ -308,7 +311,7 @@ class Compute:
                     deadline=deadline,
                     detect_anomaly=anomaly,
                 )
-                if self.tier.off is None and not anomaly:
+                if self.tier.off is None and not interpreted:
                     tier = self.tier.interpreted(
                         key, program, (time.perf_counter() - started) * 1000
                     )
@@ -321,7 +324,7 @@ class Compute:
         stats.lowered = self.tier.lowered(key)
         if (
             not self.tier.loads
-            and tier not in (OFF, ANOMALY)
+            and tier not in (OFF, ANOMALY, INDEX_ORDERED)
             and (bounds is None or bounds.fast_lane)
         ):
             tier = FAST_LANE

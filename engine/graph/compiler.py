@@ -157,6 +157,7 @@ class _Chunking:
         self.over = 0  # the least cap known not to
         self.best: Program | None = None  # the program of `fit`
         self.budgeted = False  # a vmap leaves its chunks to the planner
+        self.ordered = False  # a vmap reduces over its batch
 
     def chunk(self, node: str, size: int, asked: int | None) -> int:
         """The chunk a vmap of `size` indices runs in, as its node asks or under the cap."""
@@ -175,7 +176,7 @@ class _Chunking:
         keep, None where nothing fits."""
         if program is not None:
             program.vmap_chunks = self.used
-            program.vmap_budgeted = self.budgeted
+            program.vmap_budgeted, program.index_ordered = self.budgeted, self.ordered
             self.best = program
             if self.cap is None:
                 return False
@@ -451,6 +452,7 @@ def roll_program(program: Program, device: str = "cpu") -> Program | None:
     )
     rolled.plan_ms = program.plan_ms
     rolled.vmap_chunks, rolled.vmap_budgeted = program.vmap_chunks, program.vmap_budgeted
+    rolled.index_ordered = program.index_ordered
     return rolled
 
 
@@ -836,6 +838,7 @@ def _emit_map(
         (r.reduce, inner[r.of], r.max_norm, [inner[k] for k in r.norm_of]) for r in graph.results
     ]
     chunk = chunking.chunk(node.origin, size, asked)
+    chunking.ordered = chunking.ordered or any(r.reduce for r in graph.results)
     outs = emit_map(b, start, dict(zip(holders, mapped, strict=True)), results, size, chunk)
     for r, out in zip(graph.results, outs, strict=True):
         slots[r.key] = out.slot

@@ -99,6 +99,9 @@ class Program:
     # and whether a vmap leaves its chunks to the planner (they follow the memory budget).
     vmap_chunks: dict[str, int] = field(default_factory=dict)
     vmap_budgeted: bool = False
+    # A vmap's reduction adds index after index, whatever the chunks: the XLA tier, whose
+    # sums keep no order, leaves the program to the interpreter.
+    index_ordered: bool = False
     lifted: bool = False  # another program's, with new float literals (engine.graph.lifting)
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 

@@ -439,6 +439,7 @@ class _Writer:
             plan_ms=program.plan_ms,
             vmap_chunks=program.vmap_chunks,
             vmap_budgeted=program.vmap_budgeted,
+            index_ordered=program.index_ordered,
         )
         if body is not None:
             record["body"] = {
@@ -936,10 +937,12 @@ class _Reader:
         self.used.update(flow.rep)
         no_grad, backward, plan_ms = record["no_grad"], record["backward"], record["plan_ms"]
         chunks, budgeted = record.get("vmap_chunks", {}), record.get("vmap_budgeted", False)
+        ordered = record.get("index_ordered", False)
         _check(
             type(chunks) is dict
             and all(type(k) is str and type(v) is int and v > 0 for k, v in chunks.items())
-            and type(budgeted) is bool,
+            and type(budgeted) is bool
+            and type(ordered) is bool,
             "a program's vmap chunks",
         )
         nodes, peak, flops, moved, recomputed, unrecomputed = (
@@ -987,6 +990,7 @@ class _Reader:
             plan_ms=plan_ms,
             vmap_chunks=chunks,
             vmap_budgeted=budgeted,
+            index_ordered=ordered,
             run=None,
         )
         if len(grad_fn):

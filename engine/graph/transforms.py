@@ -18,8 +18,8 @@ that reverse mode already is (engine/graph/autodiff.py), and a `scan` into one l
   is itself differentiable.
 - `vmap` emits its body once, for one index, on slots that no step writes, then the body's
   batched form (engine.graph.batching), in chunks when it asks for them; the one-index
-  steps are dropped. A reduction over the mapped dim adds index after index (a cumsum's
-  last row, the chunk before as its first), so that chunks never change its bits.
+  steps are dropped. A reduction over the mapped dim adds index after index (the chunk
+  before as its first row), so that chunks never change its bits.
 - `jacobian` is a `vmap` of a `grad` (rev: one row per output element, its upstream
   gradient a row of the identity) or of a `jvp` (fwd: one column per input element), as
   torch.func's jacrev and jacfwd; `hessian` is the forward-mode Jacobian of the gradient.
@@ -176,15 +176,19 @@ def _clip_factors(b: Builder, values: list[Sym], max_norm: float, rank: int) -> 
 
 
 def _accumulate(b: Builder, total: Sym | None, values: Sym) -> Sym:
-    """`total` plus each row of `values` in turn (zeros before the first chunk): the last
-    row of a cumsum that starts from it, so that the sum is the same, bit for bit, however
-    the rows are chunked."""
+    """`total` plus each row of `values` in turn (zeros before the first chunk), so that
+    the sum is the same, bit for bit, however the rows are chunked. The rows, after the
+    total, are one contiguous array: NumPy sums its dim 0 row after row when a row has
+    several float32 or float64 elements (its pairwise summation runs along a row); a
+    cumsum, always in order, adds one-element rows (and float16 ones)."""
     if values.dtype not in FLOATS:
         raise DTypeError(f"a vmap reduction needs floating-point values, got {values.dtype}")
     one = values.shape[1:]
     if total is None:
         total = b.call("zeros", shape=list(one), dtype=values.dtype)
     rows = b.call("cat", b.call("unsqueeze", total, dim=0), values, dim=0)
+    if numel(one) > 1 and values.dtype in ("float32", "float64"):
+        return b.call("sum", rows, dim=0)
     n = rows.shape[0]
     last = b.call("slice", b.call("cumsum", rows, dim=0), dim=0, start=n - 1, stop=n, step=1)
     return b.call("reshape", last, shape=list(one))

@@ -88,6 +88,10 @@ CPU_ATTEMPTS: tuple[dict[str, Any], ...] = (
 )
 
 
+# Why a program whose vmap reduces over its batch stays in the interpreter.
+INDEX_ORDERED = "vmap: interpreted, its reductions add index after index (XLA keeps no order)"
+
+
 class NotLowerable(Exception):
     """The program stays on the interpreter; `reason` says why."""
 
@@ -429,6 +433,8 @@ def lower(
     `roll`: what XLA compiles is the program with its unrolled loops rolled
     (compiler.roll_program): one block compiled, not k, and run as XLA's loop; within the
     same budget, else the program as it is."""
+    if program.index_ordered:
+        raise NotLowerable(INDEX_ORDERED)
     try:
         jax = _jax()
     except Exception as exc:

@@ -21,6 +21,7 @@ from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, Tensor
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.ir import Program
 from gradserve.engine.graph.spec import ReductionSpec
+from gradserve.engine.graph.xla import NotLowerable, lower
 from gradserve.engine.ops import OPS
 from tests.support.op_samples import TORCH, Sample
 from tests.support.ops import op_cases
@@ -365,11 +366,24 @@ def test_chunked_runs_are_bit_identical_to_the_whole_batch(chunk_size: int, back
             )
 
 
+def test_a_reduction_keeps_the_program_off_xla() -> None:
+    """XLA's sums keep no order: a program whose vmap reduces stays interpreted (a plain
+    vmap does not, and neither is refused for it)."""
+    arrays = mlp_case()
+    reduced, _ = run([per_sample()], ["S1"], arrays, no_grad=True)
+    assert reduced.index_ordered
+    with pytest.raises(NotLowerable, match="add index after index"):
+        lower(reduced)
+    node = vmap(["X", "Y"], ["x", "y"], MLP_BODY, {"G1": "g1"})
+    stacked, _ = run([node], ["G1"], arrays, no_grad=True)
+    assert not stacked.index_ordered
+
+
 def test_a_budget_chunks_a_vmap_to_the_largest_chunk_that_fits() -> None:
     """A whole-batch plan 10x the budget runs chunked, within it, with the same bits; a
     budget too small for one index is refused before anything runs."""
-    arrays = mlp_case(batch=64)
-    arrays["X"] = RNG.standard_normal((64, 300))
+    arrays = mlp_case(batch=128)
+    arrays["X"] = RNG.standard_normal((128, 300))
     arrays["w1"] = RNG.standard_normal((300, 7)) / 20
     outputs = ["S1", "C1", "M2"]
     whole_program, whole = run([per_sample()], outputs, arrays, no_grad=True)
@@ -378,7 +392,7 @@ def test_a_budget_chunks_a_vmap_to_the_largest_chunk_that_fits() -> None:
         [per_sample()], outputs, arrays, no_grad=True, limits=Limits(memory_budget_bytes=budget)
     )
     chunk = program.vmap_chunks["ps"]
-    assert 1 < chunk < 64 and program.planned_peak_bytes <= budget
+    assert 1 < chunk < 128 and program.planned_peak_bytes <= budget
     for name in outputs:
         np.testing.assert_array_equal(chunked.outputs[name], whole.outputs[name])
     with pytest.raises(MemoryBudgetError):  # one more index does not fit

@@ -629,12 +629,27 @@ def the_rnn_scan_node(shown: Any, block: Block, base: str, client: httpx.Client)
     assert (traced["body"], traced["results"]) == (shown["body"], shown["results"])
 
 
+def the_per_sample_vmap_node(shown: Any, block: Block, base: str, client: httpx.Client) -> None:
+    """The contract's vmap node, posted with the transforms' page's inputs: the per-sample
+    gradients, their sum and their clipped sum, as NumPy computes them."""
+    example = json.loads(block_at("docs/transforms.md", '"C2"').text)
+    outputs = ["G1", "L", "S1", "C1"]
+    answer = client.post(
+        "/forward",
+        json={**example, "graph": {"nodes": [shown], "outputs": outputs}},
+    ).json()
+    want = per_sample_reference(inputs_of(example))
+    for name in outputs:
+        np.testing.assert_allclose(data(answer, name), want[name], rtol=1e-5, atol=1e-6)
+
+
 JSON_CHECKS: dict[tuple[str, str], Callable[[Any, Block, str, httpx.Client], None]] = {
     ("docs/http-api.md", '"grad_fn":"MulBackward"'): the_answer_above,
     ("docs/contract.md", '"outputs": {'): the_answer_above,
     ("docs/http-api.md", "problem:shape-mismatch"): the_shape_mismatch_problem,
     ("docs/contract.md", "problem:shape-mismatch"): the_shape_mismatch_problem,
     ("docs/contract.md", '"op": "scan"'): the_rnn_scan_node,
+    ("docs/contract.md", '"op": "vmap"'): the_per_sample_vmap_node,
     ("docs/client.md", '"relu(X @ W1 + b1)"'): what_the_example_above_prints,
 }
 
@@ -670,6 +685,42 @@ def is_the_jacobian(body: dict[str, Any], answer: dict[str, Any], _: Any) -> Non
     np.testing.assert_allclose(data(answer, "J"), jacobian, rtol=1e-5, atol=1e-6)
 
 
+def per_sample_reference(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The transforms' page's per-sample gradients, by hand in NumPy: each sample's
+    gradients of sum((tanh(x W1) W2 - y)²), their sum, and Opacus's clipped sums."""
+    X, Y, w1, w2 = (inputs[k] for k in ("X", "Y", "w1", "w2"))
+    h = np.tanh(X @ w1)
+    r = 2 * (h @ w2 - Y)
+    g2 = np.einsum("ij,ik->ijk", h, r)
+    g1 = np.einsum("ij,ik->ijk", X, (r @ w2.T) * (1 - h**2))
+    norms = np.sqrt((g1**2).sum((1, 2)) + (g2**2).sum((1, 2)))
+    factor = np.minimum(1.0 / (norms + 1e-6), 1.0)
+    return {
+        "L": ((h @ w2 - Y) ** 2).sum(1),
+        "G1": g1,
+        "S1": g1.sum(0),
+        "C1": np.einsum("i,ijk->jk", factor, g1),
+        "C2": np.einsum("i,ijk->jk", factor, g2),
+    }
+
+
+def is_the_clipped_per_sample_gradient(
+    body: dict[str, Any], answer: dict[str, Any], _: Any
+) -> None:
+    want = per_sample_reference(inputs_of(body))
+    for name in ("L", "S1", "C1", "C2"):
+        np.testing.assert_allclose(data(answer, name), want[name], rtol=1e-5, atol=1e-6)
+
+
+def is_the_jacobian_and_the_hessian(body: dict[str, Any], answer: dict[str, Any], _: Any) -> None:
+    m, x = (inputs_of(body)[k] for k in "Mx")
+    t = np.tanh(m @ x)
+    jacobian = (1 - t**2)[:, None] * m * x.sum() + t[:, None]
+    np.testing.assert_allclose(data(answer, "Jy"), jacobian, rtol=1e-5, atol=1e-6)
+    p = np.exp(x) / np.exp(x).sum()
+    np.testing.assert_allclose(data(answer, "H"), np.diag(p) - np.outer(p, p), atol=1e-6)
+
+
 def is_the_scan_unrolled(body: dict[str, Any], answer: dict[str, Any], client: Any) -> None:
     scan = json.loads(block_at("docs/transforms.md", '"op": "scan"').text)
     looped = client.post("/backward", json=scan).json()
@@ -684,6 +735,8 @@ REQUEST_CHECKS: dict[tuple[str, str], Callable[[dict[str, Any], dict[str, Any], 
     ("docs/transforms.md", '"w_next"'): is_the_newton_step,
     ("docs/transforms.md", '"id": "J"'): is_the_jacobian,
     ("docs/transforms.md", '"x0"'): is_the_scan_unrolled,
+    ("docs/transforms.md", '"C2"'): is_the_clipped_per_sample_gradient,
+    ("docs/transforms.md", '"Jy"'): is_the_jacobian_and_the_hessian,
 }
 
 
