@@ -543,8 +543,9 @@ class Timings(BaseModel):
 
 
 _VMAP_CHUNKS = (
-    "per vmap node, the indices it computed at once: its chunk_size, or (null there) the "
-    "whole batch, or the largest chunks that fit the memory budget (absent: no vmap)"
+    "per vmap, jacobian or hessian node, the indices (rows or columns) it computed at once: "
+    "its chunk_size, or (null there) the whole batch, or the largest chunks that fit the "
+    "memory budget (absent: no such node)"
 )
 
 

@@ -10,6 +10,7 @@ backward's steps all come from the op registry.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -144,10 +145,11 @@ class _LoopGraph:
 
 
 class _Chunking:
-    """How the vmaps whose chunk_size is null are chunked in one compile: the whole batch
-    first; over the memory budget, the largest chunk (at most `cap` indices at once) that
-    fits, found by bisection, each try a compile of its own. Chunks never change a
-    result's bits (engine.graph.transforms.emit_map), only the peak."""
+    """How the vmaps whose chunk_size is null (and the jacobian and hessian nodes, vmaps
+    over a basis) are chunked in one compile: the whole batch first; over the memory
+    budget, the largest chunk (at most `cap` indices at once) that fits, found by
+    bisection, each try a compile of its own. A vmap's chunks never change its results'
+    bits (engine.graph.transforms.emit_map), only the peak."""
 
     def __init__(self) -> None:
         self.cap: int | None = None
@@ -160,7 +162,8 @@ class _Chunking:
         self.ordered = False  # a vmap reduces over its batch
 
     def chunk(self, node: str, size: int, asked: int | None) -> int:
-        """The chunk a vmap of `size` indices runs in, as its node asks or under the cap."""
+        """The chunk a vmap of `size` indices (a Jacobian of `size` rows or columns) runs
+        in, as its node asks or under the cap."""
         if asked is None:
             self.budgeted = True
             self.largest = max(self.largest, size)
@@ -654,9 +657,13 @@ def _emit(
                     slots[node.key] = emit_jvp(b, b.values(args)).slot
                 elif op is JACOBIAN:
                     mode = node.attrs["mode"]
-                    slots[node.key] = emit_jacobian(b, derivations, b.values(args), mode).slot
+                    chunk = functools.partial(chunking.chunk, node.origin, asked=None)
+                    slots[node.key] = emit_jacobian(
+                        b, derivations, b.values(args), mode, chunk
+                    ).slot
                 elif op is HESSIAN:
-                    slots[node.key] = emit_hessian(b, derivations, b.values(args)).slot
+                    chunk = functools.partial(chunking.chunk, node.origin, asked=None)
+                    slots[node.key] = emit_hessian(b, derivations, b.values(args), chunk).slot
                 else:
                     slots[node.key] = b.emit_args(op, args, node.attrs)  # type: ignore[arg-type]
             except GradserveError as err:

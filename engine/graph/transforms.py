@@ -27,7 +27,7 @@ that reverse mode already is (engine/graph/autodiff.py), and a `scan` into one l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gradserve.engine.dtypes import FLOATS
@@ -194,7 +194,14 @@ def _accumulate(b: Builder, total: Sym | None, values: Sym) -> Sym:
     return b.call("reshape", last, shape=list(one))
 
 
-def emit_jacobian(b: Builder, derivations: Derivations, args: Sequence[Any], mode: str) -> Sym:
+def emit_jacobian(
+    b: Builder,
+    derivations: Derivations,
+    args: Sequence[Any],
+    mode: str,
+    chunk_of: Callable[[int], int],
+) -> Sym:
+    """`chunk_of(n)`: how many of the n rows (rev) or columns (fwd) are computed at once."""
     output, inp = _tensors(args, ("output", "input"))
     _floating(output, "output")
     _floating(inp, "input")
@@ -210,12 +217,25 @@ def emit_jacobian(b: Builder, derivations: Derivations, args: Sequence[Any], mod
             holder = b.value(Meta(inp.shape, inp.dtype))
             one = emit_jvp(b, [output, inp, holder])
         n = numel(holder.shape)
+        chunk = chunk_of(n)
         body = b.steps[start:]
-        basis = b.call("reshape", b.call("eye", n=n, dtype=holder.dtype), shape=[n, *holder.shape])
-        batched = batch_steps(b, body, {holder.slot: basis}, n)
-        drop_replaced(b, start, set(batched))
-        found = batched.get(one.slot)
-        stacked = found if found is not None else b.call("expand", one, shape=[n, *one.shape])
+        parts: list[Sym] = []
+        replaced: set[int] = set()
+        for lo in range(0, n, chunk):
+            c = min(chunk, n - lo)
+            basis = b.call("eye", n=c, m=n - lo, dtype=holder.dtype)  # rows lo .. lo + c
+            if lo:
+                zeros = b.call("zeros", shape=[c, lo], dtype=holder.dtype)
+                basis = b.call("cat", zeros, basis, dim=1)
+            basis = b.call("reshape", basis, shape=[c, *holder.shape])
+            batched = batch_steps(b, body, {holder.slot: basis}, c)
+            replaced.update(batched)
+            found = batched.get(one.slot)
+            parts.append(
+                found if found is not None else b.call("expand", one, shape=[c, *one.shape])
+            )
+        drop_replaced(b, start, replaced)
+        stacked = parts[0] if len(parts) == 1 else b.call("cat", *parts, dim=0)
         if mode == "rev":
             return b.call("reshape", stacked, shape=[*output.shape, *inp.shape])
         flat = b.call("reshape", stacked, shape=[cols, rows])
@@ -224,14 +244,16 @@ def emit_jacobian(b: Builder, derivations: Derivations, args: Sequence[Any], mod
         )
 
 
-def emit_hessian(b: Builder, derivations: Derivations, args: Sequence[Any]) -> Sym:
+def emit_hessian(
+    b: Builder, derivations: Derivations, args: Sequence[Any], chunk_of: Callable[[int], int]
+) -> Sym:
     output, inp = _tensors(args, ("output", "input"))
     if numel(output.shape) != 1:
         raise BackwardError(
             f"the output has shape {fmt(output.shape)}: a Hessian is of a one-element output"
         )
     gradient = emit_grad(b, derivations, [output, inp])
-    return emit_jacobian(b, derivations, [gradient, inp], "fwd")
+    return emit_jacobian(b, derivations, [gradient, inp], "fwd", chunk_of)
 
 
 def _tensors(args: Sequence[Any], names: Sequence[str]) -> list[Sym]:

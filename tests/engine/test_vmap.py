@@ -553,6 +553,30 @@ def test_jacobian_of_shaped_values_and_its_gradient() -> None:
     np.testing.assert_allclose(result.gradients["x"], leaf.grad.numpy(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_a_budget_chunks_a_jacobian(mode: str) -> None:
+    """A Jacobian is a vmap over a basis: over the budget, its rows (or columns) are
+    computed in the largest chunks that fit."""
+    x, w = RNG.standard_normal(60), RNG.standard_normal((60, 60)) / 8
+    graph = [
+        NodeSpec("y", expr="tanh(w @ tanh(w @ x))"),
+        NodeSpec("J", op="jacobian", args=["y", "x"], attrs={"mode": mode}),
+        NodeSpec("T", expr="sum(J * J)"),
+    ]
+    whole, a = run(graph, ["T"], {"x": x, "w": w}, no_grad=True)
+    assert whole.vmap_chunks == {"J": 60}
+    budget = whole.planned_peak_bytes * 9 // 10
+    chunked, b = run(
+        graph, ["T"], {"x": x, "w": w}, no_grad=True, limits=Limits(memory_budget_bytes=budget)
+    )
+    assert 1 < chunked.vmap_chunks["J"] < 60 and chunked.planned_peak_bytes <= budget
+    np.testing.assert_allclose(b.outputs["T"], a.outputs["T"], rtol=1e-12)
+    jac = taf.jacobian(
+        lambda x: torch.tanh(torch.tensor(w) @ torch.tanh(torch.tensor(w) @ x)), torch.tensor(x)
+    )
+    np.testing.assert_allclose(b.outputs["T"], (jac**2).sum().item(), rtol=1e-12)
+
+
 def lse(x: Any) -> Any:
     return torch.logsumexp(x, 0)
 
