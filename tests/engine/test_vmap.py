@@ -677,3 +677,47 @@ def test_a_vmap_is_not_a_value_and_not_an_expr() -> None:
 def test_a_hessian_needs_a_one_element_output() -> None:
     (err,) = errors_of([NodeSpec("H", expr="hessian(x * 2, x)")], {"x": np.ones(3)})
     assert "one-element output" in str(err) and err.node == "H"
+
+
+def test_dp_sgd_steps_as_a_scan_of_clipped_per_sample_gradients() -> None:
+    """A vmap inside a scan body (4 steps of DP-SGD's descent), and /backward through the
+    whole loop: against torch.func, step for step."""
+    X, w0 = RNG.standard_normal((5, 3)), RNG.standard_normal(3)
+    per_sample = NodeSpec(
+        "ps",
+        op="vmap",
+        args=["X"],
+        body=BodySpec(
+            in_=["x"],
+            nodes=[NodeSpec("l", expr="sum(tanh(x * w) ** 2)"), NodeSpec("g", expr="grad(l, w)")],
+        ),
+        results={"C": ReductionSpec("g", "clip_sum", 0.5)},
+    )
+    descent = NodeSpec(
+        "sgd",
+        op="scan",
+        args=["w0"],
+        body=BodySpec(
+            carry=["w"], nodes=[per_sample, NodeSpec("w2", expr="w - 0.1 * C")], next={"w": "w2"}
+        ),
+        results={"W": "w"},
+        attrs={"length": 4},
+    )
+    graph = [descent, NodeSpec("T", expr="sum(W * W)")]
+    _, result = run(graph, ["T"], {"X": X, "w0": w0}, requires=["X", "w0"], backward=True)
+
+    def loss(w: Any, x: Any) -> Any:
+        return (torch.tanh(x * w) ** 2).sum()
+
+    leaves = [torch.tensor(a, requires_grad=True) for a in (X, w0)]
+    w = leaves[1]
+    for _ in range(4):
+        g = torch.func.vmap(torch.func.grad(loss), (None, 0))(w, leaves[0])
+        factor = (0.5 / (torch.sqrt((g**2).sum(1)) + 1e-6)).clamp(max=1.0)
+        w = w - 0.1 * (g * factor[:, None]).sum(0)
+    (w * w).sum().backward()
+    np.testing.assert_allclose(result.outputs["T"], (w * w).sum().item(), rtol=1e-12)
+    for name, leaf in zip(("X", "w0"), leaves, strict=True):
+        np.testing.assert_allclose(
+            result.gradients[name], leaf.grad.numpy(), rtol=1e-10, atol=1e-14
+        )
