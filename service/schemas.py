@@ -340,7 +340,12 @@ class Body(Wire):
         **_rules(
             {
                 "oneOf": [
-                    {**_given(carry=_ARRAY, next={"type": "object"}), **_not_given("in")},
+                    {
+                        **_given(
+                            carry=_ARRAY, next={"type": "object", "additionalProperties": _STRING}
+                        ),
+                        **_not_given("in"),
+                    },
                     {**_given(**{"in": _ARRAY}), **_not_given("carry", "next", "xs")},
                 ]
             }

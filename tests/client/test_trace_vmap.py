@@ -13,9 +13,22 @@ import torch.func
 
 import gradserve as gs
 from gradserve.client.trace import F, TraceError, trace
-from tests.client.test_trace import compile_run, specs_of
+from gradserve.engine.graph import TensorSpec, compile_graph, execute
+from gradserve.engine.graph.spec import RunResult
+from gradserve.service.schemas import Graph
 
 RNG = np.random.default_rng(30)
+
+
+def specs_of(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {k: (a.shape, str(a.dtype)) for k, a in arrays.items()}
+
+
+def compile_run(graph: dict[str, Any], arrays: dict[str, np.ndarray]) -> RunResult:
+    """The graph JSON parsed as the server parses it, compiled and run in process."""
+    specs = {k: TensorSpec(a.shape, str(a.dtype)) for k, a in arrays.items()}
+    program = compile_graph(Graph.model_validate(graph), specs, no_grad=True)
+    return execute(program, dict(arrays), verify=True)
 
 
 def mlp_arrays(batch: int = 6) -> dict[str, np.ndarray]:

@@ -602,7 +602,8 @@ def the_shape_mismatch_problem(shown: Any, block: Block, base: str, client: http
 def what_the_example_above_prints(
     shown: Any, block: Block, base: str, client: httpx.Client
 ) -> None:
-    (above,) = [b for b in BLOCKS if b.page == block.page and b.lang == "python"][-1:]
+    python = [b for b in BLOCKS if b.page == block.page and b.lang == "python"]
+    (above,) = [b for b in python if b.line < block.line][-1:]
     printed, _ = run_python(above, base)
     dicts = [v for v in map(literal, printed) if isinstance(v, dict)]
     assert shown in dicts, printed
