@@ -28,14 +28,16 @@ Prints one table:
     - per-sample gradients of a 2-layer MLP (784 -> 128 -> 10, tanh, batch 256, float32),
       `vmap` of `grad`, against `torch.func.vmap(torch.func.grad(loss))`;
     - the same with `clip_sum` over both layers' gradients (no_grad): its planned and
-      measured peak against the plain batch gradient's (a /backward of the mean loss), for
-      the whole batch and under a budget of 1.5x that peak (the planner's chunks; target:
-      <= 1.5x, never B x P);
+      measured peak against the plain batch gradient's (a /backward of the mean loss), and
+      its time: the whole batch at once (chunk_size 256), the planner's default chunks (a
+      vmap that only reduces stacks at most 1 MiB of what it reduces), and under a budget
+      of 1.5x that peak (target: <= 1.5x, never B x P);
     - `jacobian` of a 100 -> 100 -> 100 tanh MLP, rev and fwd, against torch.func.jacrev
       and torch.func.jacfwd;
     - `hessian` of GradBench's lse (n = 100) against torch.func.hessian;
-    - a vmap whose whole-batch plan is 10x the budget: the chunk the planner picks, its
-      planned and measured peak, and the answers bit-identical to the whole batch's.
+    - a vmap whose whole-batch plan is 10x the budget (the clipped sums and a stacked
+      result): the chunk the planner picks, its planned and measured peak, and the answers
+      bit-identical to the whole batch's.
 
 Medians over interleaved rounds; ratios are medians of per-round ratios (these machines
 are shared and noisy). PyTorch runs with one intra-op thread.
@@ -346,24 +348,34 @@ def bench_vmap(rounds: int) -> list[list[str]]:
         for k in (1, 2)
     }
     stacked = 256 * (784 * 128 + 128 * 10) * 4  # B x P float32
-    whole = compile_json(_per_sample_graph(clipped), data, [], backward=False)
-    whole_run = run(whole, data)
-    budget = int(1.5 * plain_peak)
-    spec = GraphModel.model_validate(_per_sample_graph(clipped))
     specs = {k: TensorSpec(a.shape, a.dtype.name) for k, a in data.items()}
-    chunked = compile_graph(spec, specs, no_grad=True, limits=Limits(memory_budget_bytes=budget))
-    chunked_run = run(chunked, data)
-    for name in clipped:
-        np.testing.assert_array_equal(chunked_run.outputs[name], whole_run.outputs[name])
-    for label, prog, result in (
-        ("whole batch", whole, whole_run),
-        (f"budget 1.5x plain: chunks of {chunked.vmap_chunks['ps']}", chunked, chunked_run),
-    ):
-        assert result.peak_bytes == result.planned_peak_bytes == prog.planned_peak_bytes
+
+    def compiled(chunk_size: int | None, budget: int | None = None) -> Any:
+        spec = GraphModel.model_validate(_per_sample_graph(clipped, chunk_size))
+        return compile_graph(spec, specs, no_grad=True, limits=Limits(memory_budget_bytes=budget))
+
+    cases = {
+        "whole batch (chunk_size 256)": compiled(256),
+        "chunk_size null": compiled(None),
+        "chunk_size null, budget 1.5x plain": compiled(None, int(1.5 * plain_peak)),
+    }
+    results = {label: run(program, data) for label, program in cases.items()}
+    whole = results["whole batch (chunk_size 256)"]
+    norms = torch.sqrt((g1**2).sum((1, 2)) + (g2**2).sum((1, 2)))
+    factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
+    np.testing.assert_allclose(
+        whole.outputs["C1"], (g1 * factor[:, None, None]).sum(0).numpy(), rtol=1e-3, atol=1e-5
+    )
+    for label, program in cases.items():
+        result = results[label]
+        for name in clipped:  # (chunks never change a bit)
+            np.testing.assert_array_equal(result.outputs[name], whole.outputs[name])
+        assert result.peak_bytes == result.planned_peak_bytes == program.planned_peak_bytes
         ratio = result.peak_bytes / plain_peak
         rows.append(
             [
-                f"clip_sum peak, {label} (plain grad {_mib(plain_peak)}, BxP {_mib(stacked)})",
+                f"clip_sum peak, {label}: chunks of {program.vmap_chunks['ps']} "
+                f"(plain grad {_mib(plain_peak)}, BxP {_mib(stacked)})",
                 "MiB",
                 _mib(result.peak_bytes),
                 _mib(plain_peak),
@@ -372,10 +384,6 @@ def bench_vmap(rounds: int) -> list[list[str]]:
                 "ok" if ratio <= 1.5 else "peak/plain>1.5",
             ]
         )
-    norms = torch.sqrt((g1**2).sum((1, 2)) + (g2**2).sum((1, 2)))
-    factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
-    c1 = (g1 * factor[:, None, None]).sum(0).numpy()
-    np.testing.assert_allclose(chunked_run.outputs["C1"], c1, rtol=1e-3, atol=1e-5)
 
     def clip_torch() -> Any:
         g1, g2 = per_sample(t["w1"], t["w2"], t["X"], t["Y"])
@@ -383,11 +391,11 @@ def bench_vmap(rounds: int) -> list[list[str]]:
         factor = (1.0 / (norms + 1e-6)).clamp(max=1.0)
         return (g1 * factor[:, None, None]).sum(0), (g2 * factor[:, None, None]).sum(0)
 
-    for label, prog in (("whole", whole), (f"chunks of {chunked.vmap_chunks['ps']}", chunked)):
+    for label, program in cases.items():
         rows.append(
             _timed_row(
-                f"clip_sum both layers, {label}",
-                lambda p=prog: run(p, data),
+                f"clip_sum both layers, {label}: chunks of {program.vmap_chunks['ps']}",
+                lambda p=program: run(p, data),
                 clip_torch,
                 rounds,
                 against="torch",
@@ -461,7 +469,7 @@ def _bench_jacobians(rounds: int, rng: np.random.Generator) -> list[list[str]]:
 
 def _chunked_row(data: Arrays, clipped: dict[str, Any]) -> list[str]:
     """A vmap whose whole-batch plan is 10x the budget: chunked within it, the same bits."""
-    results = {**clipped, "L": {"of": "l", "reduce": "mean"}}
+    results = {**clipped, "G2": "g2", "L": {"of": "l", "reduce": "mean"}}
     spec = GraphModel.model_validate(_per_sample_graph(results))
     specs = {k: TensorSpec(a.shape, a.dtype.name) for k, a in data.items()}
     whole = compile_graph(spec, specs, no_grad=True)

@@ -54,6 +54,7 @@ from gradserve.engine.graph.transforms import (
     emit_jvp,
     emit_map,
 )
+from gradserve.engine.ops.registry import nbytes
 from gradserve.engine.rules import (
     FLOATS,
     GRAD,
@@ -75,6 +76,11 @@ from gradserve.engine.rules import (
 )
 
 _NUMBER = (bool, int, float)
+# A vmap whose results are all reductions never holds its batch's stacked values: its chunks
+# stack at most this many bytes of what they reduce (about a core's L2 cache). Measured on
+# the clipped per-sample gradients of a 784-128-10 MLP (bench_transforms): chunks of 2 run
+# in 0.65x the time of the whole batch at once, whose 99 MiB stack leaves the cache.
+REDUCED_CHUNK_BYTES = 1 << 20
 _BODIED = ("scan", "vmap")  # the nodes with a body and results
 _REDUCTIONS = ("sum", "mean", "clip_sum")
 
@@ -161,13 +167,16 @@ class _Chunking:
         self.budgeted = False  # a vmap leaves its chunks to the planner
         self.ordered = False  # a vmap reduces over its batch
 
-    def chunk(self, node: str, size: int, asked: int | None) -> int:
+    def chunk(self, node: str, size: int, asked: int | None, reduced: int = 0) -> int:
         """The chunk a vmap of `size` indices (a Jacobian of `size` rows or columns) runs
-        in, as its node asks or under the cap."""
+        in, as its node asks or under the cap. `reduced`: where every result of the vmap
+        is a reduction, the bytes one index reduces: its chunks then stack no more than
+        REDUCED_CHUNK_BYTES of them (one index at least), never the whole batch's."""
         if asked is None:
             self.budgeted = True
-            self.largest = max(self.largest, size)
-            chunk = size if self.cap is None else min(self.cap, size)
+            most = min(size, max(1, REDUCED_CHUNK_BYTES // reduced)) if reduced else size
+            self.largest = max(self.largest, most)
+            chunk = most if self.cap is None else min(self.cap, most)
         else:
             chunk = min(asked, size)
         self.used[node] = chunk
@@ -844,7 +853,11 @@ def _emit_map(
     results = [
         (r.reduce, inner[r.of], r.max_norm, [inner[k] for k in r.norm_of]) for r in graph.results
     ]
-    chunk = chunking.chunk(node.origin, size, asked)
+    reduced = 0
+    if all(r.reduce for r in graph.results):
+        values = {inner[k] for r in graph.results for k in (r.of, *r.norm_of)}
+        reduced = sum(nbytes(b.metas[v]) for v in values)
+    chunk = chunking.chunk(node.origin, size, asked, reduced)
     chunking.ordered = chunking.ordered or any(r.reduce for r in graph.results)
     outs = emit_map(b, start, dict(zip(holders, mapped, strict=True)), results, size, chunk)
     for r, out in zip(graph.results, outs, strict=True):

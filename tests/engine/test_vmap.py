@@ -366,6 +366,28 @@ def test_chunked_runs_are_bit_identical_to_the_whole_batch(chunk_size: int, back
             )
 
 
+def test_a_vmap_that_only_reduces_never_holds_the_stack() -> None:
+    """By default, a vmap whose results are all reductions stacks at most 1 MiB of what it
+    reduces per chunk (one index at least), with the whole batch's bits."""
+    arrays = mlp_case(batch=64)
+    arrays["X"] = RNG.standard_normal((64, 2000))
+    arrays["w1"] = RNG.standard_normal((2000, 7)) / 40
+    reduced = {k: MLP_RESULTS[k] for k in ("S1", "C1", "C2")}
+    per_index = (2000 * 7 + 7 * 3) * 8  # g1 and g2, float64: 112 KB
+    node = vmap(["X", "Y"], ["x", "y"], MLP_BODY, reduced, id="ps")
+    program, chunked = run([node], list(reduced), arrays, no_grad=True)
+    assert program.vmap_chunks == {"ps": (1 << 20) // per_index}  # 9 of 64
+    whole = vmap(["X", "Y"], ["x", "y"], MLP_BODY, reduced, chunk_size=64, id="ps")
+    whole_program, result = run([whole], list(reduced), arrays, no_grad=True)
+    assert whole_program.planned_peak_bytes > 2 * 64 * per_index > 2 * program.planned_peak_bytes
+    for name in reduced:
+        np.testing.assert_array_equal(chunked.outputs[name], result.outputs[name])
+    # With one stacked result, the whole batch (it is held anyway).
+    node = vmap(["X", "Y"], ["x", "y"], MLP_BODY, {**reduced, "L": "l"}, id="ps")
+    program, _ = run([node], [*reduced, "L"], arrays, no_grad=True)
+    assert program.vmap_chunks == {"ps": 64}
+
+
 def test_a_reduction_keeps_the_program_off_xla() -> None:
     """XLA's sums keep no order: a program whose vmap reduces stays interpreted (a plain
     vmap does not, and neither is refused for it)."""
