@@ -23,7 +23,7 @@ from typing import Any
 from gradserve.engine.graph.builder import Builder, Sym
 from gradserve.engine.graph.ir import Lit, Step
 from gradserve.engine.ops import OPS
-from gradserve.engine.ops.linalg import _LETTERS, _parse_einsum
+from gradserve.engine.ops.linalg import EINSUM_LETTERS, parse_einsum
 from gradserve.engine.ops.registry import Meta
 
 Value = Any  # a Sym or a number
@@ -208,9 +208,9 @@ def _matmul(b: Builder, c: _Call) -> Sym:
 
 def _einsum(b: Builder, c: _Call) -> Sym:
     shapes = [m.shape for m in c.metas]  # type: ignore[union-attr]
-    subs, result, _ = _parse_einsum(c.step.attrs["equation"], shapes)
+    subs, result, _ = parse_einsum(c.step.attrs["equation"], shapes)
     used = set("".join(subs) + result)
-    letter = next(x for x in _LETTERS if x not in used)
+    letter = next(x for x in EINSUM_LETTERS if x not in used)
     terms = [letter + s if f else s for s, f in zip(subs, c.batched, strict=True)]
     return b.call("einsum", *c.args, equation=f"{','.join(terms)}->{letter}{result}")
 

@@ -131,10 +131,10 @@ def _matmul_vjp_b(F: Any, g: Any, a: Any, b: Any) -> Any:
 
 # ------------------------------------------------------------------ einsum
 
-_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+EINSUM_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, dict[str, int]]:
+def parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, dict[str, int]]:
     """Each operand's subscripts and the output's, one letter per dim ('...' spelt out in
     letters the equation does not use), and each letter's size after broadcasting."""
     eq = equation.replace(" ", "")
@@ -145,12 +145,12 @@ def _parse_einsum(equation: str, shapes: list[Shape]) -> tuple[list[str], str, d
             f"equation {equation!r} has {len(terms)} operand(s) but {len(shapes)} were given"
         )
     for term in [*terms, out]:
-        if not all(c in _LETTERS for c in term.replace("...", "", 1)):
+        if not all(c in EINSUM_LETTERS for c in term.replace("...", "", 1)):
             raise ShapeError(f"invalid equation {equation!r}: use letters, ',', '->' and '...'")
     ell = max(
         (len(s) - len(t) + 3 for t, s in zip(terms, shapes, strict=True) if "..." in t), default=0
     )
-    spare = "".join(c for c in _LETTERS if c not in eq)[:ell]
+    spare = "".join(c for c in EINSUM_LETTERS if c not in eq)[:ell]
     subs: list[str] = []
     sizes: dict[str, int] = {}
     for k, (term, shape) in enumerate(zip(terms, shapes, strict=True)):
@@ -206,7 +206,7 @@ def _einsum_dtype(dtypes: list[str], subs: list[str], out: str, shapes: list[Sha
 
 def _einsum_infer(metas: list[Meta], *, equation: str) -> Meta:
     _tensors_only(*metas)
-    subs, out, sizes = _parse_einsum(equation, [m.shape for m in metas])
+    subs, out, sizes = parse_einsum(equation, [m.shape for m in metas])
     dtype = _einsum_dtype([m.dtype for m in metas], subs, out, [m.shape for m in metas])
     return Meta(tuple(sizes[c] for c in out), dtype)
 
@@ -254,7 +254,7 @@ def _contraction(subs: list[str], out: str, summable: bool) -> Contraction:
 def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
     _tensors_only(*operands)
     shapes = [tuple(o.shape) for o in operands]
-    subs, out, _ = _parse_einsum(equation, shapes)
+    subs, out, _ = parse_einsum(equation, shapes)
     names = [dtype_name(xp, o.dtype) for o in operands]
     result = _einsum_dtype(names, subs, out, shapes)
     dtype = getattr(xp, result)
@@ -273,7 +273,7 @@ def _einsum(xp: Any, *operands: Any, equation: str) -> Any:
 def _einsum_cost(metas: list[Meta], out: Meta, *, equation: str) -> tuple[int, int]:
     """The work of the contraction `_einsum` runs: the first sums, then each einsum call at
     the product of the sizes of its letters (a multiply and an add each)."""
-    subs, result, sizes = _parse_einsum(equation, [m.shape for m in metas])
+    subs, result, sizes = parse_einsum(equation, [m.shape for m in metas])
     plan = _contraction(subs, result, out.dtype != "bool")
     flops = sum(numel(m.shape) for m, axes in zip(metas, plan.presum, strict=True) if axes)
     moved = sum(nbytes(m) for m in metas) + nbytes(out)
@@ -286,7 +286,7 @@ def _einsum_cost(metas: list[Meta], out: Meta, *, equation: str) -> tuple[int, i
 
 
 def _einsum_vjp(F: Any, g: Any, operands: tuple[Any, ...], *, equation: str) -> list[Any]:
-    subs, out, sizes = _parse_einsum(equation, [tuple(o.shape) for o in operands])
+    subs, out, sizes = parse_einsum(equation, [tuple(o.shape) for o in operands])
     dtype = F.dtype_of(g)
     operands = tuple(o if F.dtype_of(o) == dtype else F.cast(o, dtype=dtype) for o in operands)
     grads = []
