@@ -174,7 +174,11 @@ VMAP_NODE = Transform(
     "Differentiable; vmaps nest and may hold grad, jvp and scan.",
     attrs={
         "in_axes": Attr(
-            "ints", None, doc="per argument, the dim it is mapped over (default 0)", nullable=True
+            "int|ints",
+            None,
+            doc="per argument, the dim it is mapped over (one int: for every argument; "
+            "default 0)",
+            nullable=True,
         ),
         "chunk_size": Attr(
             "int",

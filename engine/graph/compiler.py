@@ -794,6 +794,8 @@ def _emit_map(
     """A vmap node: its body emitted once, for one index (its inputs are slots that no step
     writes), then batched (engine.graph.transforms.emit_map)."""
     in_axes = node.attrs["in_axes"]
+    if isinstance(in_axes, int):
+        in_axes = [in_axes] * len(args)
     if in_axes is not None and len(in_axes) != len(args):
         raise AttributeError_(
             f"attrs.in_axes has {len(in_axes)} entries for {len(args)} arguments",

@@ -526,6 +526,10 @@ def test_in_axes_and_unmapped_results() -> None:
     np.testing.assert_allclose(result.outputs["S"], Xm.sum((1, 2))[:, None, None] * Xm)
     np.testing.assert_array_equal(result.outputs["C"], np.stack([np.arange(3.0) * 2] * 4))
     np.testing.assert_array_equal(result.outputs["A"], Xm)
+    same = vmap(["X", "X"], ["a", "b"], [NodeSpec("s", expr="sum(a) * b")], {"S": "s"})
+    same.attrs["in_axes"] = -1  # (one int: every argument's)
+    _, again = run([same], ["S"], {"X": X})
+    np.testing.assert_array_equal(again.outputs["S"], result.outputs["S"])
 
 
 # ------------------------------------------------------------------ jacobian and hessian
