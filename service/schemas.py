@@ -216,9 +216,7 @@ class Reduction(Wire):
     model_config = _rules(
         {
             "oneOf": [
-                {
-                    **_given(reduce={"const": "clip_sum"}, max_norm={"type": "number"}),
-                },
+                _given(reduce={"const": "clip_sum"}, max_norm={"type": "number"}),
                 {
                     **_given(reduce={"enum": ["sum", "mean"]}),
                     **_not_given("max_norm", "norm_of"),
@@ -226,14 +224,6 @@ class Reduction(Wire):
             ]
         }
     )
-
-    @model_validator(mode="after")
-    def _clip_fields(self) -> Reduction:
-        if (self.reduce == "clip_sum") != (self.max_norm is not None):
-            raise ValueError("'max_norm' belongs to, and is required by, reduce 'clip_sum'")
-        if self.norm_of is not None and self.reduce != "clip_sum":
-            raise ValueError("'norm_of' belongs to reduce 'clip_sum'")
-        return self
 
     of: _NonEmpty = Field(description="the body node (or body input) reduced")
     reduce: Literal["sum", "mean", "clip_sum"]
@@ -248,6 +238,14 @@ class Reduction(Wire):
         description="clip_sum only: the body ids whose values, all together, make an "
         "index's norm (default: `of` alone)",
     )
+
+    @model_validator(mode="after")
+    def _clip_fields(self) -> Reduction:
+        if (self.reduce == "clip_sum") != (self.max_norm is not None):
+            raise ValueError("'max_norm' belongs to, and is required by, reduce 'clip_sum'")
+        if self.norm_of is not None and self.reduce != "clip_sum":
+            raise ValueError("'norm_of' belongs to reduce 'clip_sum'")
+        return self
 
 
 class Node(Wire):
