@@ -176,8 +176,7 @@ VMAP_NODE = Transform(
         "in_axes": Attr(
             "int|ints",
             None,
-            doc="per argument, the dim it is mapped over (one int: for every argument; "
-            "default 0)",
+            doc="per argument, the dim it is mapped over (one int: for every argument; default 0)",
             nullable=True,
         ),
         "chunk_size": Attr(

@@ -312,7 +312,7 @@ _JSON_WORDS = {
 
 
 # Tags of the tagged unions in schemas.py; they are not part of the user's document.
-_UNION_TAGS = frozenset({"tensor", "value"})
+_UNION_TAGS = frozenset({"tensor", "value", "scan-body", "vmap-body"})
 
 
 def schema_problem(errors: list[dict[str, Any]]) -> ProblemError:

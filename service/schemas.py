@@ -248,6 +248,13 @@ class Reduction(Wire):
         return self
 
 
+def _body_form(value: Any) -> str:
+    """A vmap's body names its slices in `in`; a scan's has carries."""
+    if isinstance(value, dict):
+        return "vmap-body" if "in" in value else "scan-body"
+    return "vmap-body" if isinstance(value, VmapBody) else "scan-body"
+
+
 class Node(Wire):
     """One graph node: `op` with `args` and `attrs`, or an infix `expr`; a `scan` or
     `vmap` node also has `body` and `results`."""
@@ -269,7 +276,7 @@ class Node(Wire):
                 {
                     **_given(
                         op={"const": "scan"},
-                        body={"allOf": [schema_ref("Body"), _given(carry=_ARRAY)]},
+                        body=schema_ref("Body"),
                         results={
                             "type": "object",
                             "minProperties": 1,
@@ -282,7 +289,7 @@ class Node(Wire):
                 {
                     **_given(
                         op={"const": "vmap"},
-                        body={"allOf": [schema_ref("Body"), _given(**{"in": _ARRAY})]},
+                        body=schema_ref("VmapBody"),
                         results={
                             "type": "object",
                             "minProperties": 1,
@@ -300,7 +307,13 @@ class Node(Wire):
     args: list[Arg] | None = None
     attrs: dict[str, Any] | None = None
     expr: _NotBlank | None = None
-    body: Body | None = Field(None, description="scan and vmap only: the body")
+    body: (
+        Annotated[
+            Annotated[Body, Tag("scan-body")] | Annotated[VmapBody, Tag("vmap-body")],
+            Discriminator(_body_form),
+        ]
+        | None
+    ) = Field(None, description="scan and vmap only: the body")
     results: dict[str, _NonEmpty | Reduction] | None = Field(
         None,
         description="scan and vmap only: new id -> a carry name (its final value) or a body "
@@ -320,53 +333,32 @@ class Node(Wire):
         if bodied != (self.results is not None):
             raise ValueError("'results' belongs to, and is required by, ops 'scan' and 'vmap'")
         if self.op == "scan":
-            if self.body.in_ is not None:  # type: ignore[union-attr]
+            if isinstance(self.body, VmapBody):
                 raise ValueError("a scan's body has 'carry' and 'next' ('in' is a vmap's)")
             if not all(isinstance(v, str) for v in self.results.values()):  # type: ignore[union-attr]
                 raise ValueError("a scan's results are carry names or body node ids")
-        if self.op == "vmap" and self.body.in_ is None:  # type: ignore[union-attr]
+        if self.op == "vmap" and isinstance(self.body, Body):
             raise ValueError("a vmap's body names its slices in 'in' (carry and next are a scan's)")
         return self
 
 
 class Body(Wire):
-    """A scan's body (carries and per-step slices by name, nodes in their own scope, and
-    each carry's next value) or a vmap's (its slices by name, `in`, and nodes)."""
+    """A scan's body: carries and per-step slices by name, nodes in their own scope, and
+    each carry's next value."""
 
-    model_config = ConfigDict(
-        populate_by_name=True,
-        **_rules(
-            {
-                "oneOf": [
-                    {
-                        **_given(
-                            carry=_ARRAY, next={"type": "object", "additionalProperties": _STRING}
-                        ),
-                        **_not_given("in"),
-                    },
-                    {**_given(**{"in": _ARRAY}), **_not_given("carry", "next", "xs")},
-                ]
-            }
-        ),
-    )
-
-    carry: list[_NonEmpty] | None = None
+    carry: list[_NonEmpty]
     xs: list[_NonEmpty] = []
-    in_: list[_NonEmpty] | None = Field(
-        None, alias="in", description="vmap only: the names of the slices, one per argument"
-    )
     nodes: list[Node] = []
-    next: dict[_NonEmpty, str] | None = None
+    next: dict[_NonEmpty, str]
 
-    @model_validator(mode="after")
-    def _scan_or_vmap(self) -> Body:
-        if (self.in_ is None) == (self.carry is None or self.next is None):
-            raise ValueError(
-                "a body has 'carry' and 'next' (a scan's), or 'in' (a vmap's), not both"
-            )
-        if self.in_ is not None and "xs" in self.model_fields_set:
-            raise ValueError("'xs' belongs to a scan's body; a vmap's names its slices in 'in'")
-        return self
+
+class VmapBody(Wire):
+    """A vmap's body: the names of its slices, one per argument, and its nodes."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    in_: list[_NonEmpty] = Field(alias="in", description="the slices' names, in `args` order")
+    nodes: list[Node] = []
 
 
 Node.model_rebuild()

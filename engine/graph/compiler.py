@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from gradserve.engine import collector
 from gradserve.engine.errors import (
@@ -45,7 +45,14 @@ from gradserve.engine.graph.plan import plan
 from gradserve.engine.graph.remat import rematerialize
 from gradserve.engine.graph.rolling import roll_loops
 from gradserve.engine.graph.scan import SCAN, Body, emit_scan
-from gradserve.engine.graph.spec import GraphLike, Limits, NodeLike, TensorSpec
+from gradserve.engine.graph.spec import (
+    BodyLike,
+    GraphLike,
+    Limits,
+    MapBodyLike,
+    NodeLike,
+    TensorSpec,
+)
 from gradserve.engine.graph.transforms import (
     Derivations,
     emit_grad,
@@ -1280,11 +1287,11 @@ class _Resolver:
     def _map(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _MapGraph | None:
         """A vmap node's body, resolved in a scope of its own."""
         errors = self.errors
-        body, results = node.body, node.results
-        if body is None or results is None:
+        results = node.results
+        if node.body is None or results is None:
             errors.add(GraphError("a vmap node needs 'body' and 'results'", node=node.id, loc=loc))
             return None
-        if body.in_ is None or body.carry is not None or body.next is not None or body.xs:
+        if not hasattr(node.body, "in_"):
             errors.add(
                 GraphError(
                     "a vmap body has 'in' and 'nodes' ('carry', 'xs' and 'next' are a scan body's)",
@@ -1293,6 +1300,7 @@ class _Resolver:
                 )
             )
             return None
+        body = cast(MapBodyLike, node.body)
         if scope.depth >= self.limits.max_loop_depth:
             errors.add(
                 GraphError(
@@ -1365,24 +1373,25 @@ class _Resolver:
     def _loop(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _LoopGraph | None:
         """A scan node's body, resolved in a scope of its own."""
         errors = self.errors
-        body, results = node.body, node.results
-        if body is None or results is None:
+        results = node.results
+        if node.body is None or results is None:
             errors.add(GraphError("a scan node needs 'body' and 'results'", node=node.id, loc=loc))
             return None
-        if scope.depth >= self.limits.max_loop_depth:
+        if hasattr(node.body, "in_"):
             errors.add(
                 GraphError(
-                    f"scans are nested more than {self.limits.max_loop_depth} deep",
+                    "a scan body has 'carry', 'next' and optionally 'xs' and 'nodes' ('in' is "
+                    "a vmap body's)",
                     node=node.id,
                     loc=(*loc, "body"),
                 )
             )
             return None
-        if body.carry is None or body.next is None or body.in_ is not None:
+        body = cast(BodyLike, node.body)
+        if scope.depth >= self.limits.max_loop_depth:
             errors.add(
                 GraphError(
-                    "a scan body has 'carry', 'next' and optionally 'xs' and 'nodes' ('in' is "
-                    "a vmap body's)",
+                    f"scans are nested more than {self.limits.max_loop_depth} deep",
                     node=node.id,
                     loc=(*loc, "body"),
                 )

@@ -27,24 +27,31 @@ class NodeLike(Protocol):
     @property
     def expr(self) -> str | None: ...
     @property
-    def body(self) -> BodyLike | None: ...
+    def body(self) -> BodyLike | MapBodyLike | None: ...
     @property
     def results(self) -> Mapping[str, str | ReductionLike] | None: ...
 
 
 class BodyLike(Protocol):
-    """A `scan` body (carry, xs, next) or a `vmap` body (`in_`, the wire's "in")."""
+    """A `scan` node's body."""
 
     @property
-    def carry(self) -> Sequence[str] | None: ...
+    def carry(self) -> Sequence[str]: ...
     @property
     def xs(self) -> Sequence[str]: ...
     @property
-    def in_(self) -> Sequence[str] | None: ...
-    @property
     def nodes(self) -> Sequence[NodeLike]: ...
     @property
-    def next(self) -> Mapping[str, str] | None: ...
+    def next(self) -> Mapping[str, str]: ...
+
+
+class MapBodyLike(Protocol):
+    """A `vmap` node's body: its slices' names (`in_`, the wire's "in") and its nodes."""
+
+    @property
+    def in_(self) -> Sequence[str]: ...
+    @property
+    def nodes(self) -> Sequence[NodeLike]: ...
 
 
 class ReductionLike(Protocol):
@@ -78,21 +85,27 @@ class NodeSpec:
     args: Sequence[str | Literal] = ()
     attrs: Mapping[str, Any] = field(default_factory=dict)
     expr: str | None = None
-    body: BodySpec | None = None
+    body: BodySpec | MapBodySpec | None = None
     results: Mapping[str, str | ReductionSpec] | None = None
 
 
 @dataclass(frozen=True)
 class BodySpec:
-    """A `scan` node's loop body (the carries' and the per-step slices' names, its nodes,
-    and each carry's next value), or a `vmap` node's (the slices' names, `in_`, and its
-    nodes)."""
+    """A `scan` node's loop body: the carries' and the per-step slices' names, its nodes,
+    and each carry's next value."""
 
-    carry: Sequence[str] | None = None
-    xs: Sequence[str] = ()
-    nodes: Sequence[NodeSpec] = ()
-    next: Mapping[str, str] | None = None
-    in_: Sequence[str] | None = None
+    carry: Sequence[str]
+    xs: Sequence[str]
+    nodes: Sequence[NodeSpec]
+    next: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class MapBodySpec:
+    """A `vmap` node's body: the names of its slices (the wire's "in"), and its nodes."""
+
+    in_: Sequence[str]
+    nodes: Sequence[NodeSpec]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,15 @@ import torch.autograd.functional as taf
 import torch.func
 
 from gradserve.engine.errors import MemoryBudgetError, ValidationErrors
-from gradserve.engine.graph import BodySpec, GraphSpec, Limits, NodeSpec, TensorSpec, compile_graph
+from gradserve.engine.graph import (
+    BodySpec,
+    GraphSpec,
+    Limits,
+    MapBodySpec,
+    NodeSpec,
+    TensorSpec,
+    compile_graph,
+)
 from gradserve.engine.graph.executor import execute
 from gradserve.engine.graph.ir import Program
 from gradserve.engine.graph.spec import ReductionSpec
@@ -74,7 +82,7 @@ def vmap(
         id,
         op="vmap",
         args=list(args),
-        body=BodySpec(in_=list(ins), nodes=list(nodes)),
+        body=MapBodySpec(in_=list(ins), nodes=list(nodes)),
         results=dict(results),
         attrs={"in_axes": None if in_axes is None else list(in_axes), "chunk_size": chunk_size},
     )
@@ -713,7 +721,7 @@ def test_dp_sgd_steps_as_a_scan_of_clipped_per_sample_gradients() -> None:
         "ps",
         op="vmap",
         args=["X"],
-        body=BodySpec(
+        body=MapBodySpec(
             in_=["x"],
             nodes=[NodeSpec("l", expr="sum(tanh(x * w) ** 2)"), NodeSpec("g", expr="grad(l, w)")],
         ),
@@ -724,7 +732,10 @@ def test_dp_sgd_steps_as_a_scan_of_clipped_per_sample_gradients() -> None:
         op="scan",
         args=["w0"],
         body=BodySpec(
-            carry=["w"], nodes=[per_sample, NodeSpec("w2", expr="w - 0.1 * C")], next={"w": "w2"}
+            carry=["w"],
+            xs=[],
+            nodes=[per_sample, NodeSpec("w2", expr="w - 0.1 * C")],
+            next={"w": "w2"},
         ),
         results={"W": "w"},
         attrs={"length": 4},
