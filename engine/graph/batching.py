@@ -6,8 +6,8 @@ that depends on a batched one gets a leading dim of `size`. A step that depends 
 batched value is not touched: it runs once, as before (what JAX calls an unbatched value).
 Each op has a rule that says how its batched form is written with the registry's own ops
 (an elementwise op broadcasts, a reduction's dims move up by one, a matmul's operands get
-batch dims); an op with no rule runs once per index and its results are stacked, so every
-op batches, some faster than others. The rules write ordinary steps: the batched program
+batch dims); an op with no rule (index_select with a mapped index, a `scan` step) runs once
+per index and its results are stacked, so every op batches, some faster than others. The rules write ordinary steps: the batched program
 is planned, priced, differentiated and lowered like any other.
 
 The one-index steps stay behind with no reader once their batched forms exist: the caller
@@ -236,6 +236,17 @@ def _cross(b: Builder, c: _Call) -> Sym:
     return b.call("cross", a, v, dim=c.step.attrs["dim"] % rank + 1)
 
 
+def _indexed(b: Builder, c: _Call) -> Sym:
+    """gather and scatter_add: every operand with the batch dim (an index of one index's
+    rank, as they take it), the dim moved up."""
+    if c.rank == 0:
+        return _unrolled(b, c)
+    values = [
+        _full_batch(b, a, m, f, c.size) for a, m, f in zip(c.args, c.metas, c.batched, strict=True)
+    ]
+    return b.emit(c.step.op, values, {"dim": c.step.attrs["dim"] % c.rank + 1})
+
+
 def _as_batches(b: Builder, c: _Call) -> Sym:
     """det and inv, which take batches of matrices as they are."""
     return b.emit(c.step.op, c.args, c.step.attrs)
@@ -306,6 +317,8 @@ _RULES: dict[str, Callable[[Builder, _Call], Sym]] = {
     "einsum": _einsum,
     "solve": _solve,
     "cross": _cross,
+    "gather": _indexed,
+    "scatter_add": _indexed,
     "det": _as_batches,
     "inv": _as_batches,
 }
