@@ -7,8 +7,9 @@ batched value is not touched: it runs once, as before (what JAX calls an unbatch
 Each op has a rule that says how its batched form is written with the registry's own ops
 (an elementwise op broadcasts, a reduction's dims move up by one, a matmul's operands get
 batch dims); an op with no rule (index_select with a mapped index, a `scan` step) runs once
-per index and its results are stacked, so every op batches, some faster than others. The rules write ordinary steps: the batched program
-is planned, priced, differentiated and lowered like any other.
+per index and its results are stacked, so every op batches, some faster than others. The
+rules write ordinary steps: the batched program is planned, priced, differentiated and
+lowered like any other.
 
 The one-index steps stay behind with no reader once their batched forms exist: the caller
 removes them (`drop_replaced`).
