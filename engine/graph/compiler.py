@@ -1284,6 +1284,38 @@ class _Resolver:
                 )
         return steps, in_order
 
+    def _body_scope(
+        self,
+        node: NodeLike,
+        loc: tuple[str | int, ...],
+        scope: _Scope,
+        fields: dict[str, Sequence[str]],
+    ) -> _Scope | None:
+        """A scan or vmap body's scope with the names its `fields` declare (a scan's carry
+        and xs, a vmap's in), each checked against the names it would shadow; None with
+        the errors reported."""
+        errors = self.errors
+        inner = _Scope(scope, (*loc, "body", "nodes"))
+        reported = len(errors.items)
+        for field_name, names in fields.items():
+            for j, name in enumerate(names):
+                clash = (
+                    self._clash(name, set(), inner)
+                    if isinstance(name, str) and name
+                    else "must be a non-empty string"
+                )
+                if clash:
+                    errors.add(
+                        GraphError(
+                            f"{field_name} name {quoted(str(name))} {clash}",
+                            node=node.id,
+                            loc=(*loc, "body", field_name, j),
+                        )
+                    )
+                    continue
+                inner.names[name] = self.new_key()
+        return inner if len(errors.items) == reported else None
+
     def _map(self, node: NodeLike, loc: tuple[str | int, ...], scope: _Scope) -> _MapGraph | None:
         """A vmap node's body, resolved in a scope of its own."""
         errors = self.errors
@@ -1330,26 +1362,10 @@ class _Resolver:
                 )
             )
             return None
-        inner = _Scope(scope, (*loc, "body", "nodes"))
-        reported = len(errors.items)
-        for j, name in enumerate(body.in_):
-            clash = (
-                self._clash(name, set(), inner)
-                if isinstance(name, str) and name
-                else "must be a non-empty string"
-            )
-            if clash:
-                errors.add(
-                    GraphError(
-                        f"in name {quoted(str(name))} {clash}",
-                        node=node.id,
-                        loc=(*loc, "body", "in", j),
-                    )
-                )
-                continue
-            inner.names[name] = self.new_key()
-        if len(errors.items) > reported:
+        inner = self._body_scope(node, loc, scope, {"in": body.in_})
+        if inner is None:
             return None
+        reported = len(errors.items)
         ins = [inner.names[n] for n in body.in_]
         errors.within.append(f"vmap {quoted(node.id)}")
         try:
@@ -1410,27 +1426,10 @@ class _Resolver:
                 )
             )
             return None
-        inner = _Scope(scope, (*loc, "body", "nodes"))
-        reported = len(errors.items)
-        for field_name, names in (("carry", body.carry), ("xs", body.xs)):
-            for j, name in enumerate(names):
-                clash = (
-                    self._clash(name, set(), inner)
-                    if isinstance(name, str) and name
-                    else "must be a non-empty string"
-                )
-                if clash:
-                    errors.add(
-                        GraphError(
-                            f"{field_name} name {quoted(str(name))} {clash}",
-                            node=node.id,
-                            loc=(*loc, "body", field_name, j),
-                        )
-                    )
-                    continue
-                inner.names[name] = self.new_key()
-        if len(errors.items) > reported:
+        inner = self._body_scope(node, loc, scope, {"carry": body.carry, "xs": body.xs})
+        if inner is None:
             return None
+        reported = len(errors.items)
         carries = [inner.names[n] for n in body.carry]
         xs = [inner.names[n] for n in body.xs]
         errors.within.append(f"scan {quoted(node.id)}")
