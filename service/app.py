@@ -24,7 +24,7 @@ from gradserve.service.front import Front
 from gradserve.service.metrics import Metrics
 from gradserve.service.middleware import PROBE_PATHS, Gateway
 from gradserve.service.protocol import POLICY_STATE, ConnectionPolicy
-from gradserve.service.routes import catalog, explorer, health, operation_id
+from gradserve.service.routes import catalog, explorer, health, operation_id, tensors
 from gradserve.service.routes.compute import ROUTES as COMPUTE_ROUTES
 from gradserve.service.routes.compute import ComputeDoor, operations, problem_answer
 from gradserve.service.schemas import (
@@ -39,6 +39,7 @@ from gradserve.service.schemas import (
     PlanRequest,
     PlanResponse,
     Problem,
+    TensorUpload,
     WireJsonSchema,
     with_body_limit,
 )
@@ -128,6 +129,7 @@ def create_app(settings: Settings | None = None, clock: Clock = SYSTEM_CLOCK) ->
     _add_routes(app, catalog.router)
     _add_routes(app, health.router)
     _add_routes(app, explorer.router)
+    _add_routes(app, tensors.router)
     # Every HTTP request goes through the Gateway first (request id, key, body limit,
     # metrics, access log), and a compute POST then straight to its endpoint: FastAPI's
     # own stack serves the rest (service/routes/compute.py says why).
@@ -165,6 +167,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 (ForwardRequest, "validation"),
                 (BackwardRequest, "validation"),
                 (PlanRequest, "validation"),
+                (TensorUpload, "validation"),
                 (ForwardResponse, "serialization"),
                 (BackwardResponse, "serialization"),
                 (PlanResponse, "serialization"),

@@ -78,7 +78,7 @@ def serve_forever(flags: dict[str, Any]) -> int:
         return 2
     # Several front processes sum their figures through files there (service/metrics.py),
     # and share one program store (service/store.py).
-    with metrics_directory(settings.workers), store_directory(settings):
+    with metrics_directory(settings.workers), store_directory(settings), tensor_directory(settings):
         uvicorn.run(
             "gradserve.service.app:app_from_env",
             factory=True,
@@ -133,6 +133,18 @@ def store_directory(settings: Settings) -> Iterator[str | None]:
         yield settings.program_store_dir
         return
     with _server_directory("programs", "GRADSERVE_PROGRAM_STORE_DIR") as path:
+        yield path
+
+
+@contextlib.contextmanager
+def tensor_directory(settings: Settings) -> Iterator[str | None]:
+    """GRADSERVE_TENSOR_STORE_DIR for several front processes, as `store_directory` does
+    for the program store: one directory of this server's own, so that a tensor uploaded
+    through one front process is found through any."""
+    if settings.workers <= 1 or settings.tensor_store_dir is not None:
+        yield settings.tensor_store_dir
+        return
+    with _server_directory("tensors", "GRADSERVE_TENSOR_STORE_DIR") as path:
         yield path
 
 

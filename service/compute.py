@@ -13,18 +13,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gradserve.engine.backends import get_backend
-from gradserve.engine.errors import GradserveError
-from gradserve.engine.graph import Limits, Program, check_budgets, compile_graph, execute
+from gradserve.engine.errors import GradserveError, quoted
+from gradserve.engine.graph import (
+    Limits,
+    Program,
+    RunResult,
+    check_budgets,
+    compile_graph,
+    execute,
+)
 from gradserve.engine.graph.lifting import Templates
 from gradserve.engine.graph.scan import executed_steps
 from gradserve.engine.graph.xla import INDEX_ORDERED
-from gradserve.service.encode import Reply, encode_result, output_bytes
+from gradserve.service.encode import Reply, encode_result, output_bytes, value_bytes
+from gradserve.service.errors import ProblemError
 from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
+from gradserve.service.schemas import Keep
 from gradserve.service.settings import Settings
 from gradserve.service.store import entry_name
+from gradserve.service.tensors import Held, TensorStore
 from gradserve.service.tier import ANOMALY, FAST_LANE, INTERPRETER, OFF, XLA, Tier
 
 Reserve = Callable[[int], None]  # reserves a program's bytes in flight, or raises 503
@@ -70,6 +82,7 @@ class Stats:
     # "compile"; predicted ms; measured ms).
     loads: list[str] = field(default_factory=list)
     predictions: list[tuple[str, float, float]] = field(default_factory=list)
+    tensor_evictions: int = 0  # held tensors that process evicted since it last reported
 
 
 class Misplaced(Exception):
@@ -119,7 +132,14 @@ class Compute:
         self.programs = Programs(settings)
         # Graphs that differ only in float literals: a quarter of the program cache's bytes.
         self.templates = Templates(max_bytes=settings.program_cache_bytes // 4)
-        self.parser = Parser(settings, self.programs)
+        # The host's tensors held by id (None where no directory is set: a bare Compute).
+        self.tensors = (
+            None
+            if settings.tensor_store_dir is None
+            else TensorStore(settings.tensor_store_dir, settings.tensor_quota_bytes)
+        )
+        self._tensor_evictions = 0  # of `tensors`, at the last report
+        self.parser = Parser(settings, self.programs, self.tensors)
         self.tier = Tier(settings, role, self.programs.store)
 
     def serve(
@@ -148,13 +168,16 @@ class Compute:
         del body
         request = self.parser.parse(envelope, stats.kind, tenant)
         del envelope
-        stats.path = "no_grad" if request.no_grad else "grad"
-        stats.graph_id = request.graph_id
-        stats.graph_evictions = request.graphs_evicted
-        if kind in (PLAN, PLAN_DOT):
-            return plan_reply(self, request, stats, dot=kind == PLAN_DOT, bounds=bounds)
-        program = self.program(request, stats, bounds)
-        return self.run(request, program, deadline, reserve, stats, bounds)
+        try:
+            stats.path = "no_grad" if request.no_grad else "grad"
+            stats.graph_id = request.graph_id
+            stats.graph_evictions = request.graphs_evicted
+            if kind in (PLAN, PLAN_DOT):
+                return plan_reply(self, request, stats, dot=kind == PLAN_DOT, bounds=bounds)
+            program = self.program(request, stats, bounds)
+            return self.run(request, program, deadline, reserve, stats, bounds)
+        finally:
+            request.pins.release()  # (its arrays stay valid: the mappings outlive the locks)
 
     # ------------------------------------------------------------------ the program
     def program(self, request: Request, stats: Stats, bounds: Bounds | None = None) -> Program:
@@ -284,6 +307,10 @@ class Compute:
             raise Misplaced(stats)
         plan_ms = (time.perf_counter() - request.started) * 1000  # parse, find, compile
         reserve(program.planned_peak_bytes + output_bytes(program, request.encoding))
+        if request.keep is not None:  # (room for what it keeps, before it runs)
+            self._tensors(request).reserve(
+                request.tenant, kept_bytes(program, request.keep), request.pins
+            )
         interpreted = anomaly or program.index_ordered  # (step by step, or sums in order)
         if interpreted:
             lowered, tier = None, ANOMALY if anomaly else INDEX_ORDERED
@@ -338,12 +365,72 @@ class Compute:
             graph_id=request.graph_id,
             source=stats.program or "compiled",
             tier=tier,
+            kept=None if request.keep is None else self.keep_values(request, result),
         )
 
+    def _tensors(self, request: Request) -> TensorStore:
+        if self.tensors is None:
+            raise ProblemError(
+                "tensor-store-unavailable", "this process holds no tensors (no tensor store)"
+            )
+        return self.tensors
+
+    def keep_values(self, request: Request, result: RunResult) -> dict[tuple[str, str], Held]:
+        """The values a request keeps, held in the store: by ("outputs" or "gradients",
+        name)."""
+        assert request.keep is not None
+        store = self._tensors(request)
+        backend = get_backend(request.device)
+        kept = {}
+        for section, names, values in (
+            ("outputs", request.keep.outputs, result.outputs),
+            ("gradients", request.keep.gradients, result.gradients or {}),
+        ):
+            for name in names:
+                array = np.asarray(backend.to_host(values[name]))
+                kept[section, name] = store.put(request.tenant, array, request.pins)[0]
+        return kept
+
     def report(self, stats: Stats) -> None:
-        """What this process's store and tier did since it last reported, into `stats`."""
+        """What this process's stores and tier did since it last reported, into `stats`."""
         stats.store_evictions, stats.store_damaged = self.programs.changes()
         stats.loads, stats.predictions = self.tier.ended()
+        if self.role == "worker":  # (the front process's, at the scrape: tensor_usage)
+            stats.tensor_evictions = self.tensor_evictions()
+
+    def tensor_evictions(self) -> int:
+        """Held tensors this process evicted since it last said."""
+        if self.tensors is None:
+            return 0
+        evictions = self.tensors.evictions
+        new, self._tensor_evictions = evictions - self._tensor_evictions, evictions
+        return new
+
+
+def kept_bytes(program: Program, keep: Keep) -> int:
+    """The bytes of the values `keep` names (422 naming one the program does not make:
+    an output it does not have, a gradient of an input that needs none)."""
+    metas = program.metas
+    total = 0
+    for section, names, slots in (
+        ("outputs", keep.outputs, dict(program.outputs)),
+        ("gradients", keep.gradients, dict(program.gradients)),
+    ):
+        for at, name in enumerate(names):
+            slot = slots.get(name)
+            if slot is None:
+                what = (
+                    "an output of the graph"
+                    if section == "outputs"
+                    else "an input whose gradient the request computes (one that requires grad)"
+                )
+                raise ProblemError(
+                    "invalid-request",
+                    f"keep.{section} names {quoted(name)}, which is not {what}",
+                    errors=[{"loc": ["keep", section, at], "msg": f"not {what}"}],
+                )
+            total += value_bytes(metas[slot])
+    return total
 
 
 # The contract's seed example: warms a process's imports, first calls and memos.

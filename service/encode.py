@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ from gradserve.engine.backends import get_backend
 from gradserve.engine.graph import Program, RunResult
 from gradserve.engine.graph.ir import RECOMPUTE
 from gradserve.service import codec
+from gradserve.service.tensors import Held
 from gradserve.service.tier import INTERPRETER, XLA
 from gradserve.wire.binary import padded
 from gradserve.wire.numbers import dumps
@@ -74,15 +75,22 @@ def encode_result(
     graph_id: str,
     source: str,
     tier: str,
+    kept: Mapping[tuple[str, str], Held] | None = None,
 ) -> Reply:
     """The response: JSON, or with the binary encoding a JSON header whose tensors say
     `binary_data_size`, followed by their bytes in the order they appear in it. `tier`:
-    "xla", or why the interpreter ran it (service/tier.py)."""
+    "xla", or why the interpreter ran it (service/tier.py); `kept`: the values held on the
+    server instead, by ("outputs" or "gradients", name), answered by id."""
     to_host = get_backend(device).to_host
     tail: list[memoryview] = []
     slots = dict(program.outputs)
+    kept = kept or {}
     outputs = {}
     for name, value in result.outputs.items():
+        held = kept.get(("outputs", name))
+        if held is not None:
+            outputs[name] = held.ref()
+            continue
         entry = codec.encode_tensor(np.asarray(to_host(value)), encoding, tail)
         entry["requires_grad"] = program.requires_grad[slots[name]]
         entry["grad_fn"] = program.grad_fn[slots[name]]
@@ -90,7 +98,9 @@ def encode_result(
     content: dict[str, Any] = {"outputs": outputs}
     if result.gradients is not None:
         content["gradients"] = {
-            name: codec.encode_tensor(np.asarray(to_host(g)), encoding, tail)
+            name: kept[("gradients", name)].ref()
+            if ("gradients", name) in kept
+            else codec.encode_tensor(np.asarray(to_host(g)), encoding, tail)
             for name, g in result.gradients.items()
         }
     content["meta"] = {

@@ -84,6 +84,9 @@ SERVICE_PROBLEMS: dict[str, tuple[int, str]] = {
     "body-too-large": (413, "Request body too large"),
     "unsupported-media-type": (415, "Unsupported media type"),
     "graph-unknown": (409, "Graph unknown"),
+    "tensor-unknown": (409, "Tensor unknown"),
+    "tensor-quota": (422, "Tensor quota exceeded"),
+    "tensor-store-unavailable": (507, "Tensor store unavailable"),
     "invalid-request": (422, "Invalid request"),
     "overloaded": (503, "Server busy"),
     "not-ready": (503, "Not ready"),
@@ -112,7 +115,15 @@ _STATUS_SLUGS = {
     status: slug
     for slug, (status, _) in SERVICE_PROBLEMS.items()
     if slug
-    not in ("malformed-json", "malformed-body", "invalid-request", "not-ready", "graph-unknown")
+    not in (
+        "malformed-json",
+        "malformed-body",
+        "invalid-request",
+        "not-ready",
+        "graph-unknown",
+        "tensor-unknown",
+        "tensor-quota",
+    )
 }
 
 
@@ -312,7 +323,7 @@ _JSON_WORDS = {
 
 
 # Tags of the tagged unions in schemas.py; they are not part of the user's document.
-_UNION_TAGS = frozenset({"tensor", "value", "scan-body", "vmap-body"})
+_UNION_TAGS = frozenset({"tensor", "tensor-ref", "tensor-spec", "value", "scan-body", "vmap-body"})
 
 
 def schema_problem(errors: list[dict[str, Any]]) -> ProblemError:

@@ -132,6 +132,12 @@ class Front:
         if settings.program_store_dir is None and settings.program_store_bytes:
             self._own_store, self._held = own_directory("programs")
             settings = settings.model_copy(update={"program_store_dir": self._own_store})
+        # The tensors held by id, likewise (service/tensors.py).
+        self._own_tensors: str | None = None
+        self._tensors_held = -1
+        if settings.tensor_store_dir is None:
+            self._own_tensors, self._tensors_held = own_directory("tensors")
+            settings = settings.model_copy(update={"tensor_store_dir": self._own_tensors})
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
@@ -164,6 +170,10 @@ class Front:
         store = self.compute.programs.store
         if store is not None:
             metrics.track(metrics.store_bytes, store.total_bytes)
+        tensors = self.compute.tensors
+        if tensors is not None:
+            tensors.sweep()  # (what writers that died left half-written)
+            metrics.tensor_usage = lambda: (tensors.usage(), self.compute.tensor_evictions())
 
     async def start(self) -> None:
         """Warm up this process and start the compute workers, warm, side by side (and the
@@ -178,9 +188,10 @@ class Front:
         self.pool.close()
         self.spares.clear()
         self._writer.shutdown(wait=True)
-        if self._own_store is not None:
-            os.close(self._held)
-            shutil.rmtree(self._own_store, ignore_errors=True)
+        for own, held in ((self._own_store, self._held), (self._own_tensors, self._tensors_held)):
+            if own is not None:
+                os.close(held)
+                shutil.rmtree(own, ignore_errors=True)
 
     async def housekeeping(self) -> None:
         """Retire idle workers and replace lost ones, now and then, and give back what the

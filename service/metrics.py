@@ -306,6 +306,38 @@ class Metrics:
             "and compiled again",
             registry=r,
         )
+        # Tensors held by id (service/tensors.py), per API key (its tenant id's first 12
+        # hex digits, "anonymous" with keys off: as many labels as the server has keys). One
+        # store for the host: the largest figure any process saw.
+        self.tensors_held = Gauge(
+            "gradserve_tensors_held",
+            "tensors held by id, per API key",
+            ["key"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.tensor_bytes = Gauge(
+            "gradserve_tensor_bytes",
+            "bytes of tensor data held by id, per API key (each key's quota bounds it)",
+            ["key"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.tensor_evictions = Counter(
+            "gradserve_tensor_evictions",
+            "held tensors evicted, least recently used first, to fit a key's quota: a later "
+            "request naming one gets 409 tensor-unknown",
+            registry=r,
+        )
+        self.tensor_unknown = Counter(
+            "gradserve_tensor_unknown",
+            "requests answered 409 tensor-unknown (an id evicted, deleted, never held, or "
+            "another key's)",
+            registry=r,
+        )
+        # What refreshes the tensor gauges at a scrape: (per key: tensors, bytes), and the
+        # evictions the front process made since it last said (None: no tensor store).
+        self.tensor_usage: Callable[[], tuple[dict[str, tuple[int, int]], int]] | None = None
         self.queue_length = Gauge(
             "gradserve_queue_length",
             "requests waiting for a compute slot",
@@ -412,6 +444,8 @@ class Metrics:
             self.store_evictions.inc(stats.store_evictions)
         if stats.store_damaged:
             self.store_damaged.inc(stats.store_damaged)
+        if stats.tensor_evictions:
+            self.tensor_evictions.inc(stats.tensor_evictions)
 
     def lowered(
         self, key: str, refused: str | None, compile_ms: float, predicted_ms: float
@@ -445,6 +479,20 @@ class Metrics:
         process's scrape to sum."""
         for gauge, read in self._published:
             gauge.set(read())
+        self._tensors()
+
+    def _tensors(self) -> None:
+        """The tensor gauges, read from the store (every key's directory listed: a few
+        microseconds a tensor), and the front process's own evictions."""
+        if self.tensor_usage is None:
+            return
+        usage, evictions = self.tensor_usage()
+        if evictions:
+            self.tensor_evictions.inc(evictions)
+        for key, (count, nbytes) in usage.items():
+            label = key[:12]
+            self.tensors_held.labels(label).set(count)
+            self.tensor_bytes.labels(label).set(nbytes)
 
     async def publish_forever(self, interval: float = PUBLISH_INTERVAL_S) -> None:
         """Publish now and then, for the life of the app (multiprocess mode only)."""
@@ -466,6 +514,7 @@ class Metrics:
 
     def render(self) -> bytes:
         if self._scrape_registry is None:
+            self._tensors()
             return generate_latest(self.registry)
         self.publish()
         self.sweep()

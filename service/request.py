@@ -15,8 +15,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -40,12 +40,15 @@ from gradserve.service.schemas import (
     BackwardRequest,
     ForwardRequest,
     Graph,
+    Keep,
     PlanRequest,
     TensorIn,
+    TensorRefIn,
     TensorSpecIn,
     Wire,
 )
 from gradserve.service.settings import Settings
+from gradserve.service.tensors import Pins, TensorStore, tensor_unknown
 from gradserve.wire.binary import REQUEST_SECTIONS, FramingError, split, tensor_bytes
 from gradserve.wire.graph_id import canonical_graph, id_of_canonical
 
@@ -147,6 +150,10 @@ class Request:
     grad_output_specs: Mapping[str, TensorSpec] | None = None
     path: str = ""  # /plan's `path`
     detect_anomaly: bool = False  # the first step to make NaN or inf from finite inputs: 422
+    tenant: str | None = None  # the API key's id (None with keys off): whose tensors
+    keep: Keep | None = None  # the values to keep on the server
+    # The held tensors it reads, locked against eviction until it ends (`release`).
+    pins: Pins = field(default_factory=Pins)
 
     @property
     def budget_shapes_program(self) -> bool:
@@ -165,9 +172,12 @@ class Parser:
     """Envelopes into Requests, for one process (its settings, and its programs' keys,
     aliases, graphs and grants)."""
 
-    def __init__(self, settings: Settings, programs: Programs) -> None:
+    def __init__(
+        self, settings: Settings, programs: Programs, tensors: TensorStore | None = None
+    ) -> None:
         self.settings = settings
         self.programs = programs
+        self.tensors = tensors  # (None: this process holds no tensors: every id is unknown)
         self._devices: dict[str | None, str] = {}  # request's device -> canonical name
 
     def device(self, spec: str | None) -> str:
@@ -183,7 +193,16 @@ class Parser:
         return name
 
     def parse(self, envelope: Envelope, kind: str, tenant: str | None) -> Request:
-        """The request an envelope holds (see the module's docstring)."""
+        """The request an envelope holds (see the module's docstring). The held tensors it
+        names are pinned until the caller releases `request.pins` (here, if it fails)."""
+        pins = Pins()
+        try:
+            return self._parse(envelope, kind, tenant, pins)
+        except BaseException:
+            pins.release()
+            raise
+
+    def _parse(self, envelope: Envelope, kind: str, tenant: str | None, pins: Pins) -> Request:
         started = time.perf_counter()
         with collector.paused():  # (the parse makes acyclic objects by the 100,000)
             data, req, graph_id, graph, evicted = self._validated(envelope, MODELS[kind], tenant)
@@ -196,19 +215,23 @@ class Parser:
                 binary = tensor_bytes(data, envelope.tail, REQUEST_SECTIONS)
             except FramingError as err:
                 raise framing_problem(err) from None
+            held = _Held(self.tensors, tenant, pins, isinstance(req, PlanRequest))
             if isinstance(req, PlanRequest):
-                specs = _specs_of("inputs", req.inputs, errors, binary)
+                specs = _specs_of("inputs", req.inputs, errors, binary, held)
                 grad_specs = (
                     None
                     if req.grad_outputs is None
-                    else _specs_of("grad_outputs", req.grad_outputs, errors, binary)
+                    else _specs_of("grad_outputs", req.grad_outputs, errors, binary, held)
                 )
             else:
-                inputs = _decode_all("inputs", req.inputs, errors, binary)
+                inputs = _decode_all("inputs", req.inputs, errors, binary, held)
                 if isinstance(req, BackwardRequest) and req.grad_outputs is not None:
-                    grad_outputs = _decode_all("grad_outputs", req.grad_outputs, errors, binary)
+                    grad_outputs = _decode_all(
+                        "grad_outputs", req.grad_outputs, errors, binary, held
+                    )
         if errors:
             raise ValidationErrors(errors)
+        held.resolve()  # (409 listing every id unknown here, once the data is valid)
         path: str = ""
         if isinstance(req, PlanRequest):
             no_grad, backward, path = req.path == "no_grad", req.path == "backward", req.path
@@ -246,6 +269,9 @@ class Parser:
             grad_output_specs=grad_specs,
             detect_anomaly=getattr(req, "detect_anomaly", False),
             path=path,
+            tenant=tenant,
+            keep=getattr(req, "keep", None),
+            pins=pins,
         )
 
     def _validated(
@@ -416,14 +442,67 @@ def framing_problem(err: FramingError) -> ProblemError:
     )
 
 
+class _Held:
+    """A request's tensors named by id: each noted where the request names it, then
+    resolved at once (`resolve`), from this host's tensor store, for the request's API
+    key. A /plan reads their headers alone (`specs_only`); the others map their data,
+    pinned for the request."""
+
+    def __init__(
+        self, store: TensorStore | None, tenant: str | None, pins: Pins, specs_only: bool
+    ) -> None:
+        self.store, self.tenant, self.pins, self.specs_only = store, tenant, pins, specs_only
+        # Each use: (where, name) and the id, and what to fill in once it is resolved.
+        self.wanted: list[
+            tuple[tuple[str, str], str, Callable[[np.ndarray | TensorSpec], None]]
+        ] = []
+
+    def want(self, loc: tuple[str, str], tensor: str, fill: Callable[[Any], None]) -> None:
+        self.wanted.append((loc, tensor, fill))
+
+    def resolve(self) -> None:
+        if not self.wanted:
+            return
+        if self.specs_only:
+            found: dict[str, Any] = {}
+            for _, tensor, _ in self.wanted:
+                described = None if self.store is None else self.store.describe(self.tenant, tensor)
+                if described is not None:
+                    found[tensor] = described
+        else:
+            found = (
+                {}
+                if self.store is None
+                else self.store.open(
+                    self.tenant,
+                    [((*loc, "tensor_id"), t) for loc, t, _ in self.wanted],
+                    self.pins,
+                )
+            )
+        missing = [((*loc, "tensor_id"), t) for loc, t, _ in self.wanted if t not in found]
+        if missing:
+            raise tensor_unknown(missing)
+        for _, tensor, fill in self.wanted:
+            fill(found[tensor])
+
+
 def _decode_all(
     where: str,
     tensors: Mapping[str, Any],
     errors: list[GradserveError],
     binary: Mapping[tuple[str, str], memoryview],
+    held: _Held,
 ) -> Decoded:
     out: Decoded = {}
     for name, value in tensors.items():
+        if isinstance(value, TensorRefIn):
+            out[name] = (_PENDING, value.requires_grad)  # (its place kept: order is the key's)
+
+            def fill(array: np.ndarray, name: str = name, rg: bool = value.requires_grad) -> None:
+                out[name] = (array, rg)
+
+            held.want((where, name), value.tensor_id, fill)
+            continue
         try:
             if isinstance(value, TensorIn):
                 array = codec.decode_tensor(
@@ -456,12 +535,20 @@ def _specs_of(
     tensors: Mapping[str, Any],
     errors: list[GradserveError],
     binary: Mapping[tuple[str, str], memoryview],
+    held: _Held,
 ) -> dict[str, TensorSpec]:
     """A /plan request's tensors as specs: given as specs, or decoded from their data (in
-    the JSON, or a binary body's tail)."""
-    specs = {}
+    the JSON, or a binary body's tail), or read from a held tensor's header."""
+    specs: dict[str, TensorSpec] = {}
     for name, value in tensors.items():
-        if isinstance(value, TensorSpecIn):
+        if isinstance(value, TensorRefIn):
+            specs[name] = _PENDING_SPEC
+
+            def fill(h: Any, name: str = name, rg: bool = value.requires_grad) -> None:
+                specs[name] = TensorSpec(h.shape, h.dtype, rg)
+
+            held.want((where, name), value.tensor_id, fill)
+        elif isinstance(value, TensorSpecIn):
             try:
                 codec.check_shape((where, name), value.shape, np.dtype(value.dtype).itemsize)
             except TensorDataError as err:
@@ -469,8 +556,14 @@ def _specs_of(
                 continue
             specs[name] = TensorSpec(tuple(value.shape), value.dtype, value.requires_grad)
         else:
-            specs.update(_specs(_decode_all(where, {name: value}, errors, binary)))
+            specs.update(_specs(_decode_all(where, {name: value}, errors, binary, held)))
     return specs
+
+
+# What a held tensor's place holds until it is resolved (a request that fails first never
+# reads it).
+_PENDING = np.empty(0)
+_PENDING_SPEC = TensorSpec((0,), "float32", False)
 
 
 def _specs(decoded: Decoded) -> dict[str, TensorSpec]:

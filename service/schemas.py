@@ -164,9 +164,10 @@ _ARRAY = {"type": "array"}
 _DATA = _given(data={"type": ["number", "boolean", "string", "array"]})  # any but null
 
 
-class TensorIn(Wire):
+class TensorUpload(Wire):
     """A tensor as an object: `data` (JSON), `b64` (raw little-endian bytes), or
-    `binary_data_size` (that many raw bytes of a binary body's tail)."""
+    `binary_data_size` (that many raw bytes of a binary body's tail). As `POST /tensors`
+    takes it."""
 
     model_config = _rules(
         {"oneOf": [_DATA, _given(b64=_STRING), _given(binary_data_size={"type": "integer"})]},
@@ -183,25 +184,63 @@ class TensorIn(Wire):
     )
     dtype: DType | None = None
     shape: _Shape | None = None
-    requires_grad: bool = False
 
     @model_validator(mode="after")
-    def _one_source(self) -> TensorIn:
+    def _one_source(self) -> TensorUpload:
         if sum(v is not None for v in (self.data, self.b64, self.binary_data_size)) != 1:
             raise ValueError("a tensor needs exactly one of 'data', 'b64' and 'binary_data_size'")
         return self
 
 
+class TensorIn(TensorUpload):
+    """A request's tensor as an object: its data, as an upload gives it, and whether it
+    requires grad."""
+
+    requires_grad: bool = False
+
+
+TensorId = Annotated[
+    str,
+    Field(
+        pattern=r"^[0-9a-f]{32}$",
+        description="a held tensor's id (32 hex digits): the answer to POST /tensors, or a "
+        "value a request kept",
+    ),
+]
+
+
+class TensorRefIn(Wire):
+    """A tensor this server holds, by its id, instead of its data (409 tensor-unknown if
+    it holds none under that id for the caller's API key)."""
+
+    tensor_id: TensorId
+    requires_grad: bool = False
+
+
 def _tensor_form(value: Any) -> str:
+    if isinstance(value, TensorRefIn) or (isinstance(value, dict) and "tensor_id" in value):
+        return "tensor-ref"
     return "tensor" if isinstance(value, dict | TensorIn) else "value"
 
 
-# A tensor is an object, or bare data (a number or a nested list). The tag is picked by
-# the JSON type, so a misspelt field of an object is reported as such, not as bad data.
+# A tensor is an object (its data, or a held tensor's id), or bare data (a number or a
+# nested list). The tag is picked by the JSON type (and an object's `tensor_id`), so a
+# misspelt field of an object is reported as such, not as bad data.
 Tensor = Annotated[
-    Annotated[TensorIn, Tag("tensor")] | Annotated[TensorData, Tag("value")],
+    Annotated[TensorIn, Tag("tensor")]
+    | Annotated[TensorRefIn, Tag("tensor-ref")]
+    | Annotated[TensorData, Tag("value")],
     Discriminator(_tensor_form),
 ]
+
+
+class Keep(Wire):
+    """Values to keep on the server: each is answered as its id, shape and dtype, no data,
+    and later requests name it by that id."""
+
+    outputs: list[str] = Field([], description="output ids whose values to keep")
+    gradients: list[str] = Field([], description="/backward: input names whose gradients to keep")
+
 
 Arg = Annotated[
     str | bool | int | float,
@@ -405,6 +444,12 @@ class _ComputeRequest(Wire):
     inputs: dict[str, Tensor] = {}
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     encoding: Encoding = "json"
+    keep: Keep | None = Field(
+        None,
+        description="outputs (and, in /backward, gradients) to keep on the server, answered "
+        "as {tensor_id, shape, dtype}; their bytes count against the API key's tensor quota "
+        "before the request runs (422 tensor-quota)",
+    )
     recompute: Recompute = "auto"
     memory_budget_bytes: MemoryBudget = None
     detect_anomaly: bool = Field(
@@ -425,7 +470,28 @@ class ForwardRequest(_ComputeRequest):
     """One of `graph` or `graph_id` (both: the id must be the graph's), the inputs, and how
     to run and answer."""
 
+    model_config = _rules(
+        _GRAPH_OR_ID,
+        {  # "keep.gradients belongs to /backward"
+            "not": {
+                "required": ["keep"],
+                "properties": {
+                    "keep": {
+                        "required": ["gradients"],
+                        "properties": {"gradients": {"minItems": 1}},
+                    }
+                },
+            }
+        },
+    )
+
     no_grad: bool = False
+
+    @model_validator(mode="after")
+    def _no_gradients(self) -> ForwardRequest:
+        if self.keep is not None and self.keep.gradients:
+            raise ValueError("keep.gradients belongs to /backward: /forward has no gradients")
+        return self
 
 
 class BackwardRequest(_ComputeRequest):
@@ -449,15 +515,18 @@ _SOURCES = frozenset({"data", "b64", "binary_data_size"})
 
 
 def _plan_tensor_form(value: Any) -> str:
-    if isinstance(value, TensorSpecIn) or (isinstance(value, dict) and not _SOURCES & value.keys()):
-        return "spec"
+    if isinstance(value, TensorSpecIn) or (
+        isinstance(value, dict) and not (_SOURCES | {"tensor_id"}) & value.keys()
+    ):
+        return "tensor-spec"
     return _tensor_form(value)
 
 
 # A tensor for /plan: a spec (shape and dtype, no data), or any tensor /forward takes.
 PlanTensor = Annotated[
-    Annotated[TensorSpecIn, Tag("spec")]
+    Annotated[TensorSpecIn, Tag("tensor-spec")]
     | Annotated[TensorIn, Tag("tensor")]
+    | Annotated[TensorRefIn, Tag("tensor-ref")]
     | Annotated[TensorData, Tag("value")],
     Discriminator(_plan_tensor_form),
 ]
@@ -515,6 +584,34 @@ class TensorOut(BaseModel):
 class OutputTensor(TensorOut):
     requires_grad: bool
     grad_fn: str | None
+
+
+class KeptTensor(BaseModel):
+    """A value the request kept (`keep`): held on the server under its id, without data."""
+
+    tensor_id: str = Field(description='name it as an input: {"tensor_id": ...}')
+    shape: list[int]
+    dtype: DType
+
+
+class HeldTensor(KeptTensor):
+    """A tensor the server holds for the caller's API key."""
+
+    bytes: int = Field(description="its data's bytes (what counts against the quota)")
+
+
+class HeldTensors(BaseModel):
+    """The tensors held for the caller's API key, most recently used first, and its quota."""
+
+    tensors: list[HeldTensor]
+    quota_bytes: int = Field(description="the tensor data a key may hold (tensor_quota_bytes)")
+    used_bytes: int = Field(description="the tensor data it holds now")
+
+
+class HeldTensorData(TensorOut):
+    """A held tensor's value (GET /tensors/{tensor_id})."""
+
+    tensor_id: str
 
 
 class Recomputation(BaseModel):
@@ -576,12 +673,12 @@ class Meta(BaseModel):
 
 
 class ForwardResponse(BaseModel):
-    outputs: dict[str, OutputTensor]
+    outputs: dict[str, OutputTensor | KeptTensor]
     meta: Meta
 
 
 class BackwardResponse(ForwardResponse):
-    gradients: dict[str, TensorOut]
+    gradients: dict[str, TensorOut | KeptTensor]
 
 
 class PlannedStep(BaseModel):

@@ -244,6 +244,27 @@ class Settings(BaseSettings):
             "MB); in `/dev/shm` it is RAM, counted in a container's memory; `0`: no store"
         ),
     )
+    # Tensors held by id (service/tensors.py): None: a directory of this server's own in
+    # shared memory, removed when it stops (nothing survives a restart); a directory named
+    # here (a volume, beside the program store's) keeps them across restarts.
+    tensor_store_dir: str | None = Field(
+        None,
+        description=(
+            "where tensors held by id live (`POST /tensors`, `keep`), for every process of "
+            "the host: unset, a directory of the server's own in `/dev/shm`, removed at exit, "
+            "so no tensor survives a restart; name a directory (e.g. on the program store's "
+            "volume) to keep them across restarts"
+        ),
+    )
+    tensor_quota_bytes: int = Field(
+        1 * GiB,
+        ge=0,
+        description=(
+            "tensor data held per API key (one quota with keys off), least recently used "
+            "out; a tensor or a `keep` larger than this is refused (422 `tensor-quota`); "
+            "in `/dev/shm` it is RAM; `0`: no tensors held"
+        ),
+    )
     # The native tier (service/tier.py): a program is lowered to XLA through JAX, by the
     # host's lowering process, when its predicted saving pays for the compile, and runs there
     # from then on. "auto": where jax is importable; "off": never.

@@ -46,7 +46,7 @@ class ComputeEndpoint:
             header_length = header_length_of(_header(headers, _BINARY_HEADER))
         except FramingError as err:
             raise framing_problem(err) from None
-        _check_content_type(_header(headers, b"content-type"), binary=header_length is not None)
+        check_content_type(_header(headers, b"content-type"), binary=header_length is not None)
         front: Front = scope["app"].state.front
         kind = _kind(self.kind, scope.get("query_string", b""))
         state = scope.get("state", {})
@@ -130,6 +130,8 @@ class ComputeDoor:
             await route.app(scope, receive, send)
         except (ProblemError, GradserveError) as exc:
             # (Raised before the answer starts: after it, only the socket can fail.)
+            if isinstance(exc, ProblemError) and exc.slug == "tensor-unknown":
+                scope["app"].state.metrics.tensor_unknown.inc()
             response = error_response(exc, scope.get("state", {}).get("request_id"))
             await response(scope, receive, send)
 
@@ -163,7 +165,7 @@ def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     return int(value) if value is not None and value.isdigit() else None
 
 
-def _check_content_type(value: str | None, binary: bool = False) -> None:
+def check_content_type(value: str | None, binary: bool = False) -> None:
     """JSON types; and for a binary body (Inference-Header-Content-Length), also
     application/octet-stream, as Triton takes it."""
     if value is None:

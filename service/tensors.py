@@ -1,0 +1,414 @@
+"""Tensors held by id: uploaded (`POST /tensors`) or kept from a result (`keep`), named by
+later requests, and shared by every process of the host.
+
+One directory per API key (its tenant id; `anonymous` with keys off) under the store's
+root, one immutable file per tensor, named by its content-addressed id
+(wire/tensor_id.py): a header (magic, dtype, shape) padded to 64 bytes, then the raw
+little-endian bytes. A process reads a tensor by mapping its file (no copy: the array is a
+read-only view on the page cache, or on RAM in /dev/shm). A file is written under a
+temporary name and renamed into place, so a process killed while writing leaves nothing
+visible under an id (its temporary file is swept later).
+
+Bounded per key: at most `quota_bytes` of tensor data, least recently used out (a use
+touches the file's mtime). A process counts a key's bytes by listing its directory, under
+the key's lock file (`flock`), so that two processes making room at once cannot both pass
+the quota. A request holds a shared `flock` on each tensor it reads from the moment it
+resolves it to its end; eviction takes only files it can lock exclusively at once, so a
+tensor a running request uses is never evicted (and a reader that finds its file unlinked
+between opening and locking it treats it as gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from gradserve.service.errors import ProblemError
+from gradserve.wire.binary import array_of, raw_bytes
+from gradserve.wire.dtypes import DTYPES, dtype_name
+from gradserve.wire.tensor_id import is_tensor_id, tensor_id
+
+log = logging.getLogger("gradserve.tensors")
+
+MAGIC = b"GSTENSR1"
+_LENGTH = struct.Struct("<I")
+ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
+ANONYMOUS = "anonymous"  # the directory of requests without an API key (keys off)
+_LOCK = ".lock"
+_TEMP = ".tmp-"
+_temp_names = itertools.count()
+
+
+@dataclass(frozen=True)
+class Held:
+    """A tensor the store holds: its id, shape, dtype and data bytes."""
+
+    tensor_id: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+    def ref(self) -> dict[str, Any]:
+        """What a response says of a kept value: its id, shape and dtype, no data."""
+        return {"tensor_id": self.tensor_id, "shape": list(self.shape), "dtype": self.dtype}
+
+    def listed(self) -> dict[str, Any]:
+        """What an upload answers, and `GET /tensors` lists: the ref and its bytes."""
+        return {**self.ref(), "bytes": self.nbytes}
+
+
+@dataclass
+class Pins:
+    """The tensors one request reads: each file held open under a shared lock until the
+    request ends (`release`), so that no eviction takes it meanwhile. The arrays are views
+    on their files' mappings, which outlive the locks (and an unlinked file)."""
+
+    descriptors: list[int] = field(default_factory=list)
+    ids: set[str] = field(default_factory=set)
+
+    def release(self) -> None:
+        for fd in self.descriptors:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.descriptors.clear()
+
+
+def tensor_unknown(missing: Sequence[tuple[tuple[str | int, ...], str]]) -> ProblemError:
+    """409 naming every id this server does not hold for the caller: `missing` is each
+    id with where the request names it."""
+    ids = list(dict.fromkeys(tensor for _, tensor in missing))
+    return ProblemError(
+        "tensor-unknown",
+        f"this server does not hold tensor{'s' if len(ids) > 1 else ''} "
+        f"{', '.join(ids)} (a server holds the tensors uploaded to it or kept by a request, "
+        "for the API key that did so, until its quota evicts them, least recently used "
+        "first, or it restarts without a persistent tensor store): upload them again "
+        "(POST /tensors) and retry",
+        errors=[{"loc": list(loc), "msg": f"unknown here: {tensor}"} for loc, tensor in missing],
+        tensor_ids=ids,
+    )
+
+
+def quota_problem(need: int, quota: int, what: str, used: int | None = None) -> ProblemError:
+    """422: `what` needs `need` bytes, past the key's quota (or past what eviction could
+    free, `used` being what stays held by requests in flight)."""
+    if used is None:
+        why = f"{what} needs {need} bytes, over this server's tensor quota of {quota} bytes"
+    else:
+        why = (
+            f"{what} needs {need} bytes; the tensor quota is {quota} bytes and {used} of "
+            "them are held by tensors that requests in flight use"
+        )
+    return ProblemError(
+        "tensor-quota",
+        f"{why} per API key (the tensor_quota_bytes setting): keep fewer or smaller values, "
+        "or delete tensors you no longer need (DELETE /tensors/{id})",
+        quota_bytes=quota,
+        needed_bytes=need,
+    )
+
+
+def store_unavailable(exc: OSError) -> ProblemError:
+    return ProblemError(
+        "tensor-store-unavailable",
+        f"the tensor store cannot be written ({os.strerror(exc.errno or 0) or exc}): "
+        "requests that send their data still run",
+    )
+
+
+class TensorStore:
+    """The tensors of one root directory (see the module's docstring). Safe to use from
+    several threads and processes at once."""
+
+    def __init__(self, root: str | os.PathLike[str], quota_bytes: int) -> None:
+        self.root = Path(root)
+        self.quota_bytes = quota_bytes
+        self.evictions = 0  # tensors this process evicted to stay within a quota
+        self._sizes: dict[str, int] = {}  # id -> data bytes (ids are content: never stale)
+        self._lock = threading.Lock()  # (flock is per open file: threads need their own)
+
+    # ------------------------------------------------------------------ reading
+    def open(
+        self,
+        tenant: str | None,
+        wanted: Iterable[tuple[tuple[str | int, ...], str]],
+        pins: Pins,
+    ) -> dict[str, np.ndarray]:
+        """The arrays of the ids `wanted` names (each with where the request names it),
+        pinned in `pins` until the request ends; 409 tensor-unknown listing every id
+        this key cannot read."""
+        scope = self._scope(tenant)
+        found: dict[str, np.ndarray] = {}
+        missing = []
+        for loc, tensor in wanted:
+            if tensor in found:
+                continue
+            array = self._open(scope / tensor, pins) if is_tensor_id(tensor) else None
+            if array is None:
+                missing.append((loc, tensor))
+            else:
+                found[tensor] = array
+                pins.ids.add(tensor)
+        if missing:
+            raise tensor_unknown(missing)
+        return found
+
+    def _open(self, path: Path, pins: Pins) -> np.ndarray | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink == 0:  # evicted between the open and the lock
+                raise FileNotFoundError(path)
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # (most recently used; a read-only store keeps its order)
+            # Mapped through a descriptor of its own: the mapping keeps that one, and the
+            # lock (which belongs to `fd`'s open file) ends with the request, not with the
+            # last array on the mapping.
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            held, offset = _header(memoryview(mapped), path.name)
+            if len(mapped) < offset + held.nbytes:
+                raise ValueError("a truncated tensor file")
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+        pins.descriptors.append(fd)
+        return array_of(memoryview(mapped)[offset : offset + held.nbytes], held.dtype, held.shape)
+
+    def describe(self, tenant: str | None, tensor: str) -> Held | None:
+        """What the store holds under `tensor` for `tenant` (None: nothing), read from its
+        header alone."""
+        return _described(self._scope(tenant) / tensor) if is_tensor_id(tensor) else None
+
+    def held(self, tenant: str | None) -> list[Held]:
+        """Every tensor held for `tenant`, most recently used first."""
+        entries = sorted(self._entries(self._scope(tenant)), key=lambda e: -e[1])
+        out = []
+        for tensor, _, _ in entries:
+            described = self.describe(tenant, tensor)
+            if described is not None:
+                out.append(described)
+        return out
+
+    def used_bytes(self, tenant: str | None) -> int:
+        return sum(size for _, _, size in self._entries(self._scope(tenant)))
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Per key directory: (tensors, data bytes) held (the metrics' gauges)."""
+        out = {}
+        with contextlib.suppress(OSError):
+            for scope in os.scandir(self.root):
+                if scope.is_dir():
+                    entries = self._entries(Path(scope.path))
+                    out[scope.name] = (len(entries), sum(size for _, _, size in entries))
+        return out
+
+    # ------------------------------------------------------------------ writing
+    def put(
+        self, tenant: str | None, array: np.ndarray, pins: Pins | None = None
+    ) -> tuple[Held, bool]:
+        """Hold `array` for `tenant`: its entry and whether it is new (the same content
+        held already is only touched). Room is made by evicting the key's least recently
+        used tensors that no request holds; 422 when it cannot be, and 507 when the store
+        cannot be written."""
+        dtype = dtype_name(array)
+        data = raw_bytes(array, dtype)
+        held = Held(tensor_id(dtype, array.shape, data), tuple(array.shape), dtype, data.nbytes)
+        if held.nbytes > self.quota_bytes:
+            raise quota_problem(held.nbytes, self.quota_bytes, "the tensor")
+        scope = self._scope(tenant)
+        path = scope / held.tensor_id
+        try:
+            with self._scope_lock(scope):
+                try:
+                    os.utime(path)
+                    return held, False
+                except FileNotFoundError:
+                    pass
+                self._make_room(scope, held.nbytes, "the tensor", pins)
+                self._write(path, held, data)
+        except OSError as exc:
+            raise store_unavailable(exc) from None
+        self._sizes[held.tensor_id] = held.nbytes
+        return held, True
+
+    def reserve(self, tenant: str | None, nbytes: int, pins: Pins) -> None:
+        """Room for `nbytes` of values a request will keep, made before it runs (422 past
+        the quota; a store that cannot be listed is left to the writes to report)."""
+        if nbytes > self.quota_bytes:
+            raise quota_problem(nbytes, self.quota_bytes, "keep")
+        if not nbytes:
+            return
+        scope = self._scope(tenant)
+        try:
+            with self._scope_lock(scope):
+                self._make_room(scope, nbytes, "keep", pins)
+        except OSError as exc:
+            raise store_unavailable(exc) from None
+
+    def delete(self, tenant: str | None, tensor: str) -> bool:
+        """Drop `tensor` for `tenant` (a request using it keeps its mapping); False if
+        it holds none."""
+        if not is_tensor_id(tensor):
+            return False
+        try:
+            os.unlink(self._scope(tenant) / tensor)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise store_unavailable(exc) from None
+        return True
+
+    def sweep(self) -> None:
+        """Temporary files of writers that died (a live writer's name carries its pid)."""
+        with contextlib.suppress(OSError):
+            for scope in os.scandir(self.root):
+                if not scope.is_dir():
+                    continue
+                for entry in os.scandir(scope.path):
+                    if entry.name.startswith(_TEMP) and not _alive(entry.name):
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.path)
+
+    # ------------------------------------------------------------------ inside
+    def _scope(self, tenant: str | None) -> Path:
+        return self.root / (tenant or ANONYMOUS)  # (tenant ids are hex: safe as a name)
+
+    @contextlib.contextmanager
+    def _scope_lock(self, scope: Path) -> Iterator[None]:
+        with self._lock:
+            scope.mkdir(parents=True, exist_ok=True)
+            fd = os.open(scope / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
+
+    def _entries(self, scope: Path) -> list[tuple[str, float, int]]:
+        """(id, mtime, data bytes) of each tensor in a key's directory."""
+        out = []
+        try:
+            listing = list(os.scandir(scope))
+        except OSError:
+            return out
+        for entry in listing:
+            if not is_tensor_id(entry.name):
+                continue
+            try:
+                mtime = entry.stat().st_mtime
+            except OSError:
+                continue
+            size = self._sizes.get(entry.name)
+            if size is None:
+                described = _described(Path(entry.path))
+                if described is None:
+                    continue
+                size = self._sizes[entry.name] = described.nbytes
+            out.append((entry.name, mtime, size))
+        return out
+
+    def _make_room(self, scope: Path, nbytes: int, what: str, pins: Pins | None) -> None:
+        """Evict the key's least recently used tensors until `nbytes` more fit its quota,
+        passing over those a request holds (its own included). Under the key's lock."""
+        entries = self._entries(scope)
+        used = sum(size for _, _, size in entries)
+        if used + nbytes <= self.quota_bytes:
+            return
+        own = set() if pins is None else pins.ids
+        for tensor, _, size in sorted(entries, key=lambda e: e[1]):
+            if tensor not in own and _evict(scope / tensor):
+                self.evictions += 1
+                used -= size
+                if used + nbytes <= self.quota_bytes:
+                    return
+        raise quota_problem(nbytes, self.quota_bytes, what, used)
+
+    def _write(self, path: Path, held: Held, data: memoryview) -> None:
+        head = orjson.dumps({"dtype": held.dtype, "shape": held.shape})
+        prefix = MAGIC + _LENGTH.pack(len(head)) + head
+        prefix += b"\0" * (-len(prefix) % ALIGN)
+        temp = path.with_name(f"{_TEMP}{os.getpid()}-{next(_temp_names)}")
+        try:
+            with open(temp, "wb") as f:
+                f.write(prefix)
+                f.write(data)
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+
+
+def _header(view: memoryview, tensor: str) -> tuple[Held, int]:
+    """A file's entry and where its data starts; ValueError for a file that is not one."""
+    start = len(MAGIC) + _LENGTH.size
+    if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < start:
+        raise ValueError("not a tensor file")
+    (length,) = _LENGTH.unpack(view[len(MAGIC) : start])
+    try:
+        head = orjson.loads(bytes(view[start : start + length]))
+        dtype, shape = head["dtype"], tuple(int(n) for n in head["shape"])
+    except (KeyError, TypeError) as exc:  # (orjson's own error is a ValueError)
+        raise ValueError("not a tensor file") from exc
+    if dtype not in DTYPES:
+        raise ValueError("not a tensor file")
+    offset = start + length + (-(start + length) % ALIGN)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return Held(tensor, shape, dtype, nbytes), offset
+
+
+def _described(path: Path) -> Held | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)  # (a header of 64 dims of 19 digits is ~1.3 KB)
+        return _header(memoryview(head), path.name)[0]
+    except (OSError, ValueError):
+        return None
+
+
+def _evict(path: Path) -> bool:
+    """Unlink a tensor's file if no request holds it (a shared lock), else leave it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOENT):
+            log.warning("could not evict tensor %s: %s", path.name, exc)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _alive(temp_name: str) -> bool:
+    """Whether the writer a temporary file names (`.tmp-<pid>-<n>`) still runs."""
+    try:
+        pid = int(temp_name[len(_TEMP) :].split("-")[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
