@@ -73,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
+import functools
 import math
 import random
 import threading
@@ -89,6 +90,7 @@ import pybase64
 import pydantic_core
 
 from gradserve.client.catalog import Catalog
+from gradserve.client.tensors import Held, Parameter, TensorRef, affinity_of, ref_of
 from gradserve.client.trace import Functional, TraceError, spec_of
 from gradserve.client.trace import trace as trace_graph
 from gradserve.wire.binary import (
@@ -104,11 +106,13 @@ from gradserve.wire.binary import (
 from gradserve.wire.dtypes import DTYPES, LITTLE_ENDIAN, wire_dtype
 from gradserve.wire.graph_id import GRAPH_HEADER, canonical_graph, id_of_canonical
 from gradserve.wire.numbers import json_data
+from gradserve.wire.tensor_id import TENSOR_HEADER
 
 ArrayLike = Any  # a NumPy array, a Python number, or nested lists of numbers
 
 _ENCODINGS = ("json", "base64", "binary")
 GRAPH_UNKNOWN = "urn:gradserve:problem:graph-unknown"
+TENSOR_UNKNOWN = "urn:gradserve:problem:tensor-unknown"
 
 # Tensors of 64 elements or more go as raw bytes: the server decodes those in ~1.6 us
 # at any size, while JSON costs it ~85 ns an element (10 us at 64 float32, 90 us at
@@ -314,6 +318,10 @@ class Result:
     meta: dict[str, Any]
     requires_grad: dict[str, bool] = field(default_factory=dict)
     grad_fn: dict[str, str | None] = field(default_factory=dict)
+    # The outputs and gradients the request kept on the server (`keep=`, or a Parameter's
+    # new value), by name: their ids, without data (they are not in `outputs`/`gradients`).
+    kept: dict[str, TensorRef] = field(default_factory=dict)
+    kept_gradients: dict[str, TensorRef] = field(default_factory=dict)
 
 
 @dataclass
@@ -338,6 +346,9 @@ class _Call:
     binary: bool  # some tensor is given by binary_data_size: the body is binary
     tail: list[memoryview]  # those tensors' bytes, in the order `fields` lists them
     tail_bytes: int
+    refs: dict[str, TensorRef] = field(default_factory=dict)  # the held tensors it names, by id
+    params: dict[str, Parameter] = field(default_factory=dict)  # its Parameters, by input name
+    keeps: bool = False  # it keeps values on the server
 
 
 @dataclass(eq=False)
@@ -403,6 +414,7 @@ class _Base:
         retries: int | Retry,
         binary_threshold: int | None,
         reuse_graphs: bool,
+        tensor_affinity: str | None = None,
     ) -> None:
         if encoding not in _ENCODINGS:
             raise ValueError(f"encoding must be one of {', '.join(_ENCODINGS)}, not {encoding!r}")
@@ -419,16 +431,21 @@ class _Base:
         self.retry = retries if isinstance(retries, Retry) else Retry(attempts=retries + 1)
         self.reuse_graphs = reuse_graphs
         self.graph_ids = _GraphIds(GRAPH_IDS)
+        # The routing header of every request that names or keeps held tensors.
+        self.tensor_headers = {TENSOR_HEADER: affinity_of(api_key, tensor_affinity)}
         self.catalog: Catalog | None = None  # GET /ops, once fetched: what tracing reads
         self._traces: OrderedDict[Any, dict[str, Any]] = OrderedDict()
         self._traces_lock = threading.Lock()
 
     def _traced(
-        self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike], catalog: Catalog
+        self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike | Held], catalog: Catalog
     ) -> dict[str, Any]:
-        """`fn`'s graph for the specs of `inputs`, traced once per (fn, specs)."""
+        """`fn`'s graph for the specs of `inputs`, traced once per (fn, specs). An output
+        it returns under a Parameter's name is that Parameter's next value (`next_name`)."""
         specs = {name: spec_of(value) for name, value in inputs.items()}
         key = (fn, tuple(specs.items()))
+        params = [n for n, v in inputs.items() if isinstance(v, Parameter)]
+        traced = _renaming(fn, params) if params else fn
         try:
             with self._traces_lock:
                 graph = self._traces.get(key)
@@ -436,8 +453,8 @@ class _Base:
                     self._traces.move_to_end(key)
                     return graph
         except TypeError:  # an unhashable callable: traced each time
-            return trace_graph(fn, catalog, **specs)
-        graph = trace_graph(fn, catalog, **specs)
+            return trace_graph(traced, catalog, **specs)
+        graph = trace_graph(traced, catalog, **specs)
         with self._traces_lock:
             self._traces[key] = graph
             while len(self._traces) > GRAPH_IDS:
@@ -448,26 +465,36 @@ class _Base:
         self,
         path: str,
         graph: Mapping[str, Any],
-        inputs: Mapping[str, ArrayLike],
+        inputs: Mapping[str, ArrayLike | Held],
         *,
         requires_grad: Collection[str] | None,
         device: str | None,
         no_grad: bool = False,
-        grad_outputs: Mapping[str, ArrayLike] | None = None,
+        grad_outputs: Mapping[str, ArrayLike | Held] | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
         detect_anomaly: bool = False,
+        keep: Keep | None = None,
     ) -> _Call:
-        arrays = {name: np.asarray(v) for name, v in inputs.items()}
+        values = {n: _held_or_array(v) for n, v in inputs.items()}
         if requires_grad is None:  # backward: every floating input; forward: none
             requires_grad = [
-                n for n, a in arrays.items() if path == "/backward" and a.dtype.kind == "f"
+                n for n, v in values.items() if path == "/backward" and _is_floating(v)
             ]
+        refs: dict[str, TensorRef] = {}
         tail: list[memoryview] = []
         fields: dict[str, Any] = {
-            "inputs": {n: self._tensor(a, n in requires_grad, tail) for n, a in arrays.items()},
+            "inputs": {
+                n: self._value(v, n in requires_grad, tail, refs) for n, v in values.items()
+            },
             "encoding": self.encoding,
         }
+        # A Parameter whose next value is an output of the graph takes it, kept.
+        params = {n: v for n, v in inputs.items() if isinstance(v, Parameter)}
+        outputs = set(graph.get("outputs", ()))
+        kept = _keep_fields(keep, [next_name(n) for n in params if next_name(n) in outputs])
+        if kept:
+            fields["keep"] = kept
         if device is not None:
             fields["device"] = device
         if no_grad:
@@ -480,13 +507,36 @@ class _Base:
             fields["detect_anomaly"] = True
         if grad_outputs is not None:  # after the inputs: their bytes follow the inputs'
             fields["grad_outputs"] = {
-                n: self._tensor(np.asarray(v), False, tail) for n, v in grad_outputs.items()
+                n: self._value(_held_or_array(v), False, tail, refs)
+                for n, v in grad_outputs.items()
             }
         key = canonical_graph(graph)
         binary = any("binary_data_size" in t for t in _tensors(fields))
         return _Call(
-            path, key, self.graph_ids.route(key), fields, binary, tail, sum(v.nbytes for v in tail)
+            path,
+            key,
+            self.graph_ids.route(key),
+            fields,
+            binary,
+            tail,
+            sum(v.nbytes for v in tail),
+            refs,
+            params,
+            bool(kept),
         )
+
+    def _value(
+        self,
+        value: np.ndarray | TensorRef,
+        requires_grad: bool,
+        tail: list[memoryview],
+        refs: dict[str, TensorRef],
+    ) -> dict[str, Any]:
+        """A request's tensor: a held one by id (noted in `refs`), else its data."""
+        if isinstance(value, TensorRef):
+            refs[value.tensor_id] = value
+            return value.wire(requires_grad)
+        return self._tensor(value, requires_grad, tail)
 
     def _tensor(
         self, array: np.ndarray, requires_grad: bool, tail: list[memoryview]
@@ -521,18 +571,41 @@ class _Base:
             {"graph_id": graph_id} if graph_id is not None else {"graph": orjson.Fragment(call.key)}
         )
         header = orjson.dumps({**ref, **call.fields}, option=orjson.OPT_SERIALIZE_NUMPY)
-        if not call.binary:
-            return header, {"Content-Type": "application/json", GRAPH_HEADER: call.route}
-        size = len(header) + call.tail_bytes
-        # A small body is joined (its one copy; h11 writes a lone bytes as it is): one
-        # write. A larger one goes as its parts, each copied as it is written.
-        parts: list[bytes | memoryview] = [header, *call.tail]
-        return (b"".join(parts) if size < JOIN_BELOW else parts), {
-            "Content-Type": "application/octet-stream",
-            BINARY_HEADER: str(len(header)),
-            "Content-Length": str(size),
-            GRAPH_HEADER: call.route,
-        }
+        return _framed(header, call.binary, call.tail, call.tail_bytes, {GRAPH_HEADER: call.route})
+
+    def _accept(self) -> dict[str, str]:
+        """GET /tensors/{id}'s headers: the tensor as a binary body."""
+        return {"Accept": "application/octet-stream", **self.tensor_headers}
+
+    def _headers(self, call: _Call, headers: dict[str, str]) -> dict[str, str]:
+        """A compute request's headers, with the tensors' routing header if it names or
+        keeps held tensors."""
+        return {**headers, **self.tensor_headers} if call.refs or call.keeps else headers
+
+    def _upload(self, array: np.ndarray) -> tuple[bytes | list[bytes | memoryview], dict[str, str]]:
+        """POST /tensors' body for `array`: as a request's tensor would travel."""
+        tail: list[memoryview] = []
+        entry = self._tensor(array, False, tail)
+        header = orjson.dumps(entry, option=orjson.OPT_SERIALIZE_NUMPY)
+        binary = "binary_data_size" in entry
+        return _framed(header, binary, tail, sum(v.nbytes for v in tail), self.tensor_headers)
+
+    @staticmethod
+    def _missing(call: _Call, response: httpx.Response) -> list[TensorRef] | None:
+        """For a 409 tensor-unknown, the refs to upload again before the one retry (None:
+        not that, or an id the client has no data for: the error stands)."""
+        if response.status_code != 409 or not call.refs:
+            return None
+        try:
+            problem = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(problem, dict) or problem.get("type") != TENSOR_UNKNOWN:
+            return None
+        missing = [call.refs.get(t) for t in problem.get("tensor_ids", [])]
+        if not missing or any(ref is None or ref.value is None for ref in missing):
+            return None
+        return [ref for ref in missing if ref is not None]
 
     def _retry_by_graph(self, call: _Call, graph_id: str | None, response: httpx.Response) -> bool:
         """Whether `response` is a 409 graph-unknown to a request sent by id (noted): the
@@ -555,6 +628,10 @@ class _Base:
         served = result.meta.get("graph_id")
         if self.reuse_graphs and isinstance(served, str):
             self.graph_ids.put(call.key, served, call.route, sent_by_id=graph_id is not None)
+        for name, param in call.params.items():
+            new = result.kept.pop(next_name(name), None)
+            if new is not None:
+                param.ref = result.kept[name] = new
         return result
 
     @staticmethod
@@ -564,21 +641,24 @@ class _Base:
         content = response.content
         if length is None:
             header = _loads(content)
-            outputs = {n: decode(t) for n, t in header["outputs"].items()}
+            outputs = {n: decode(t) for n, t in header["outputs"].items() if _has_data(t)}
             gradients = header.get("gradients")
             if gradients is not None:
-                gradients = {n: decode(t) for n, t in gradients.items()}
+                gradients = {n: decode(t) for n, t in gradients.items() if _has_data(t)}
         else:
             header, arrays = decode_binary(content, int(length))
             outputs, gradients = arrays.get("outputs", {}), arrays.get("gradients")
         if kind is BackwardResult and gradients is None:
             gradients = {}  # (a 200 of /backward always has them)
+        sent = {n: t for n, t in header["outputs"].items() if _has_data(t)}
         return kind(
             outputs=outputs,
             gradients=gradients,
             meta=header["meta"],
-            requires_grad={n: t["requires_grad"] for n, t in header["outputs"].items()},
-            grad_fn={n: t["grad_fn"] for n, t in header["outputs"].items()},
+            requires_grad={n: t["requires_grad"] for n, t in sent.items()},
+            grad_fn={n: t["grad_fn"] for n, t in sent.items()},
+            kept=_kept(header.get("outputs")),
+            kept_gradients=_kept(header.get("gradients")),
         )
 
     @staticmethod
@@ -614,9 +694,16 @@ class Client(_Base):
         transport: httpx.BaseTransport | None = None,
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
+        tensor_affinity: str | None = None,
     ) -> None:
         super().__init__(
-            api_key, base64_threshold, encoding, retries, binary_threshold, reuse_graphs
+            api_key,
+            base64_threshold,
+            encoding,
+            retries,
+            binary_threshold,
+            reuse_graphs,
+            tensor_affinity,
         )
         self._http = httpx.Client(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
@@ -625,13 +712,14 @@ class Client(_Base):
     def forward(
         self,
         graph: Mapping[str, Any] | Callable[..., Any],
-        inputs: Mapping[str, ArrayLike],
+        inputs: Mapping[str, ArrayLike | Held],
         *,
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         detect_anomaly: bool = False,
+        keep: Keep | None = None,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
@@ -645,6 +733,7 @@ class Client(_Base):
                 no_grad=no_grad,
                 memory_budget_bytes=memory_budget_bytes,
                 detect_anomaly=detect_anomaly,
+                keep=keep,
             ),
             Result,
         )
@@ -652,19 +741,22 @@ class Client(_Base):
     def backward(
         self,
         graph: Mapping[str, Any] | Callable[..., Any],
-        inputs: Mapping[str, ArrayLike],
+        inputs: Mapping[str, ArrayLike | Held],
         *,
-        grad_outputs: Mapping[str, ArrayLike] | None = None,
+        grad_outputs: Mapping[str, ArrayLike | Held] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
         detect_anomaly: bool = False,
+        keep: Keep | None = None,
     ) -> BackwardResult:
         """`memory_budget_bytes`: a budget below the server's for this request; `recompute`:
         "never" refuses a request over its budget (422) rather than recompute to fit it;
         `detect_anomaly`: the first step to make NaN or inf from finite inputs is a 422
-        `non-finite` naming its node, phase and op."""
+        `non-finite` naming its node, phase and op; `keep`: output names (or `{"outputs":
+        [...], "gradients": [...]}`) whose values stay on the server, in `result.kept`
+        and `result.kept_gradients` as `TensorRef`s instead of arrays."""
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, self._catalog())
         return self._send(
@@ -678,6 +770,7 @@ class Client(_Base):
                 memory_budget_bytes=memory_budget_bytes,
                 recompute=recompute,
                 detect_anomaly=detect_anomaly,
+                keep=keep,
             ),
             BackwardResult,
         )
@@ -706,36 +799,82 @@ class Client(_Base):
     def devices(self) -> dict[str, Any]:
         return self._json(self._get("/devices"))  # type: ignore[no-any-return]
 
+    # ------------------------------------------------------------------ held tensors
+    def put(self, array: ArrayLike) -> TensorRef:
+        """Hold `array` on the server (`POST /tensors`): its ref, to pass as an input by id.
+        The same content gives the same id, and uploading it again changes nothing."""
+        value = _wire_array(array)
+        response = self._request("POST", "/tensors", *self._upload(value), self._attempts())
+        return TensorRef.of(self._json(response), value)
+
+    def parameter(self, array: ArrayLike) -> Parameter:
+        """A `Parameter` held on the server, starting at `array`."""
+        return Parameter(self.put(array))
+
+    def get(self, ref: Held) -> np.ndarray:
+        """A held tensor's value (a read-only view on the response)."""
+        path = f"/tensors/{ref_of(ref).tensor_id}"
+        return _held_value(self._request("GET", path, None, self._accept(), self._attempts()))
+
+    def delete(self, ref: Held) -> bool:
+        """Drop a held tensor: False if the server held none under its id."""
+        path = f"/tensors/{ref_of(ref).tensor_id}"
+        response = self._request("DELETE", path, None, self.tensor_headers, self._attempts())
+        return _deleted(response)
+
+    def tensors(self) -> dict[str, Any]:
+        """`GET /tensors`: the tensors held for this client's API key, and its quota."""
+        return self._json(  # type: ignore[no-any-return]
+            self._request("GET", "/tensors", None, self.tensor_headers, self._attempts())
+        )
+
+    # ------------------------------------------------------------------ inside
+    def _attempts(self) -> _Attempts:
+        return _Attempts(self.retry, self._http.timeout)
+
     def _send(self, call: _Call, kind: type[_R]) -> _R:
-        attempts = _Attempts(self.retry, self._http.timeout)
+        attempts = self._attempts()
         graph_id = self._graph_id(call)
-        response = self._post(call.path, *self._encode(call, graph_id), attempts)
+        response = self._compute(call, graph_id, attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
-            response = self._post(call.path, *self._encode(call, None), attempts)
+            response = self._compute(call, graph_id, attempts)
+        missing = self._missing(call, response)
+        if missing is not None:  # evicted, or a restart: upload them again, and retry once
+            for ref in missing:
+                assert ref.value is not None
+                self.put(ref.value)
+            response = self._compute(call, graph_id, attempts)
         return self._finish(call, graph_id, response, kind)
 
-    def _get(self, path: str) -> httpx.Response:
-        return self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
+    def _compute(self, call: _Call, graph_id: str | None, attempts: _Attempts) -> httpx.Response:
+        body, headers = self._encode(call, graph_id)
+        return self._request("POST", call.path, body, self._headers(call, headers), attempts)
 
-    def _post(
+    def _get(self, path: str) -> httpx.Response:
+        return self._request("GET", path, None, {}, self._attempts())
+
+    def _request(
         self,
+        method: str,
         path: str,
         body: bytes | list[bytes | memoryview] | None,
         headers: dict[str, str],
         attempts: _Attempts,
     ) -> httpx.Response:
-        """The request's response, with its retries (a GET when `body` is None)."""
+        """The request's response, with its retries."""
         attempts.begin()
         while True:
             try:
                 timeout = attempts.attempt_timeout()
-                if body is None:
-                    response = self._http.get(path, timeout=timeout)
-                else:  # (a list: each part is written as it lies; h11 takes any buffer)
-                    response = self._http.post(
-                        path, content=cast(Iterable[bytes], body), headers=headers, timeout=timeout
-                    )
+                # (a list: each part is written as it lies; h11 takes any buffer)
+                response = self._http.request(
+                    method,
+                    path,
+                    content=None if body is None else cast(Iterable[bytes], body),
+                    headers=headers,
+                    timeout=timeout,
+                )
             except httpx.TransportError as exc:
                 delay = attempts.after_error(exc)
                 if delay is None:
@@ -771,9 +910,16 @@ class AsyncClient(_Base):
         transport: httpx.AsyncBaseTransport | None = None,
         binary_threshold: int | None = _UNSET,
         reuse_graphs: bool = True,
+        tensor_affinity: str | None = None,
     ) -> None:
         super().__init__(
-            api_key, base64_threshold, encoding, retries, binary_threshold, reuse_graphs
+            api_key,
+            base64_threshold,
+            encoding,
+            retries,
+            binary_threshold,
+            reuse_graphs,
+            tensor_affinity,
         )
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
@@ -782,13 +928,14 @@ class AsyncClient(_Base):
     async def forward(
         self,
         graph: Mapping[str, Any] | Callable[..., Any],
-        inputs: Mapping[str, ArrayLike],
+        inputs: Mapping[str, ArrayLike | Held],
         *,
         no_grad: bool = False,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         detect_anomaly: bool = False,
+        keep: Keep | None = None,
     ) -> Result:
         if not isinstance(graph, Mapping):
             graph = self._traced(graph, inputs, await self._catalog())
@@ -802,6 +949,7 @@ class AsyncClient(_Base):
                 no_grad=no_grad,
                 memory_budget_bytes=memory_budget_bytes,
                 detect_anomaly=detect_anomaly,
+                keep=keep,
             ),
             Result,
         )
@@ -809,14 +957,15 @@ class AsyncClient(_Base):
     async def backward(
         self,
         graph: Mapping[str, Any] | Callable[..., Any],
-        inputs: Mapping[str, ArrayLike],
+        inputs: Mapping[str, ArrayLike | Held],
         *,
-        grad_outputs: Mapping[str, ArrayLike] | None = None,
+        grad_outputs: Mapping[str, ArrayLike | Held] | None = None,
         requires_grad: Collection[str] | None = None,
         device: str | None = None,
         memory_budget_bytes: int | None = None,
         recompute: str = "auto",
         detect_anomaly: bool = False,
+        keep: Keep | None = None,
     ) -> BackwardResult:
         """As Client.backward."""
         if not isinstance(graph, Mapping):
@@ -832,6 +981,7 @@ class AsyncClient(_Base):
                 memory_budget_bytes=memory_budget_bytes,
                 recompute=recompute,
                 detect_anomaly=detect_anomaly,
+                keep=keep,
             ),
             BackwardResult,
         )
@@ -870,37 +1020,83 @@ class AsyncClient(_Base):
     async def devices(self) -> dict[str, Any]:
         return self._json(await self._get("/devices"))  # type: ignore[no-any-return]
 
+    # ------------------------------------------------------------------ held tensors
+    async def put(self, array: ArrayLike) -> TensorRef:
+        """As Client.put."""
+        value = _wire_array(array)
+        response = await self._request("POST", "/tensors", *self._upload(value), self._attempts())
+        return TensorRef.of(self._json(response), value)
+
+    async def parameter(self, array: ArrayLike) -> Parameter:
+        """As Client.parameter."""
+        return Parameter(await self.put(array))
+
+    async def get(self, ref: Held) -> np.ndarray:
+        """As Client.get."""
+        path = f"/tensors/{ref_of(ref).tensor_id}"
+        return _held_value(await self._request("GET", path, None, self._accept(), self._attempts()))
+
+    async def delete(self, ref: Held) -> bool:
+        """As Client.delete."""
+        path = f"/tensors/{ref_of(ref).tensor_id}"
+        return _deleted(
+            await self._request("DELETE", path, None, self.tensor_headers, self._attempts())
+        )
+
+    async def tensors(self) -> dict[str, Any]:
+        """As Client.tensors."""
+        return self._json(  # type: ignore[no-any-return]
+            await self._request("GET", "/tensors", None, self.tensor_headers, self._attempts())
+        )
+
+    # ------------------------------------------------------------------ inside
+    def _attempts(self) -> _Attempts:
+        return _Attempts(self.retry, self._http.timeout)
+
     async def _send(self, call: _Call, kind: type[_R]) -> _R:
-        attempts = _Attempts(self.retry, self._http.timeout)
+        attempts = self._attempts()
         graph_id = self._graph_id(call)
-        response = await self._post(call.path, *self._encode(call, graph_id), attempts)
+        response = await self._compute(call, graph_id, attempts)
         if self._retry_by_graph(call, graph_id, response):
             graph_id = None
-            response = await self._post(call.path, *self._encode(call, None), attempts)
+            response = await self._compute(call, graph_id, attempts)
+        missing = self._missing(call, response)
+        if missing is not None:  # evicted, or a restart: upload them again, and retry once
+            for ref in missing:
+                assert ref.value is not None
+                await self.put(ref.value)
+            response = await self._compute(call, graph_id, attempts)
         return self._finish(call, graph_id, response, kind)
 
-    async def _get(self, path: str) -> httpx.Response:
-        return await self._post(path, None, {}, _Attempts(self.retry, self._http.timeout))
+    async def _compute(
+        self, call: _Call, graph_id: str | None, attempts: _Attempts
+    ) -> httpx.Response:
+        body, headers = self._encode(call, graph_id)
+        return await self._request("POST", call.path, body, self._headers(call, headers), attempts)
 
-    async def _post(
+    async def _get(self, path: str) -> httpx.Response:
+        return await self._request("GET", path, None, {}, self._attempts())
+
+    async def _request(
         self,
+        method: str,
         path: str,
         body: bytes | list[bytes | memoryview] | None,
         headers: dict[str, str],
         attempts: _Attempts,
     ) -> httpx.Response:
-        """The request's response, with its retries (a GET when `body` is None)."""
+        """The request's response, with its retries."""
         attempts.begin()
         while True:
             try:
                 timeout = attempts.attempt_timeout()
-                if body is None:
-                    response = await self._http.get(path, timeout=timeout)
-                else:  # (the parts anew each attempt: an async iterator is used up)
-                    content = body if isinstance(body, bytes) else _parts(body)
-                    response = await self._http.post(
-                        path, content=content, headers=headers, timeout=timeout
-                    )
+                # (the parts anew each attempt: an async iterator is used up)
+                content = (
+                    None if body is None else body if isinstance(body, bytes) else _parts(body)
+                )
+                response = await self._http.request(
+                    method, path, content=content, headers=headers, timeout=timeout
+                )
             except httpx.TransportError as exc:
                 delay = attempts.after_error(exc)
                 if delay is None:
@@ -976,11 +1172,129 @@ def decode_binary(
             continue
         arrays[where] = {}
         for name, tensor in tensors.items():
+            if not _has_data(tensor):
+                continue  # (kept on the server)
             raw = found.get((where, name))
             arrays[where][name] = (
                 decode(tensor) if raw is None else _view(raw, tensor, f"{where}[{name!r}]")
             )
     return header, arrays
+
+
+def next_name(parameter: str) -> str:
+    """The output that is a Parameter's next value: `W'` for `W` (an output cannot take an
+    input's name; a traced function returns it under the Parameter's own)."""
+    return parameter + "'"
+
+
+def _renaming(fn: Callable[..., Any], params: list[str]) -> Callable[..., Any]:
+    """`fn`, with the outputs it returns under a Parameter's name renamed to `next_name`."""
+
+    @functools.wraps(fn)  # (its signature: the tracer passes inputs by name)
+    def renamed(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if isinstance(out, Mapping):
+            return {next_name(k) if k in params else k: v for k, v in out.items()}
+        return out
+
+    return renamed
+
+
+def _wire_array(array: ArrayLike) -> np.ndarray:
+    """An array as it travels: a dtype of the wire's (float32 for other floats, as
+    requests send them)."""
+    value = np.asarray(array)
+    return value if value.dtype.name in DTYPES else value.astype(wire_dtype(value.dtype))
+
+
+def _held_value(response: httpx.Response) -> np.ndarray:
+    """GET /tensors/{id}'s answer: a binary body's tensor (a view on it), or JSON's."""
+    _raise_for_problem(response)
+    length = response.headers.get(BINARY_HEADER)
+    if length is None:
+        return decode(_loads(response.content))
+    head, tail = split(response.content, int(length))
+    entry = orjson.loads(head)
+    return _view(tail, entry, f"tensor {entry.get('tensor_id')}")
+
+
+def _deleted(response: httpx.Response) -> bool:
+    if response.status_code == 409:
+        try:
+            problem = orjson.loads(response.content)
+        except orjson.JSONDecodeError:
+            problem = None
+        if isinstance(problem, dict) and problem.get("type") == TENSOR_UNKNOWN:
+            return False
+    _raise_for_problem(response)
+    return True
+
+
+def _has_data(tensor: Mapping[str, Any]) -> bool:
+    """Whether a response's tensor has its value (else it was kept: only its id)."""
+    return "tensor_id" not in tensor
+
+
+def _kept(tensors: Mapping[str, Any] | None) -> dict[str, TensorRef]:
+    return {n: TensorRef.of(t) for n, t in (tensors or {}).items() if not _has_data(t)}
+
+
+# What `keep=` takes: output names, or {"outputs": [...], "gradients": [...]}.
+Keep = Collection[str] | Mapping[str, Collection[str]]
+
+
+def _keep_fields(keep: Keep | None, params: list[str]) -> dict[str, list[str]]:
+    """The request's `keep`: what the caller asked, and the outputs that are its
+    Parameters' new values."""
+    if isinstance(keep, str):
+        raise TypeError("keep takes a list of output names (or {'outputs', 'gradients'})")
+    if isinstance(keep, Mapping):
+        unknown = set(keep) - {"outputs", "gradients"}
+        if unknown:
+            raise TypeError(f"keep takes 'outputs' and 'gradients', not {sorted(unknown)}")
+        outputs, gradients = list(keep.get("outputs", ())), list(keep.get("gradients", ()))
+    else:
+        outputs, gradients = list(keep or ()), []
+    outputs += [n for n in params if n not in outputs]
+    fields = {}
+    if outputs:
+        fields["outputs"] = outputs
+    if gradients:
+        fields["gradients"] = gradients
+    return fields
+
+
+def _held_or_array(value: Any) -> np.ndarray | TensorRef:
+    return ref_of(value) if isinstance(value, TensorRef | Parameter) else np.asarray(value)
+
+
+def _is_floating(value: np.ndarray | TensorRef) -> bool:
+    if isinstance(value, TensorRef):
+        return value.dtype.startswith("float")
+    return value.dtype.kind == "f"
+
+
+def _framed(
+    header: bytes,
+    binary: bool,
+    tail: list[memoryview],
+    tail_bytes: int,
+    headers: Mapping[str, str],
+) -> tuple[bytes | list[bytes | memoryview], dict[str, str]]:
+    """A body (bytes, or a binary body's parts) and its headers: JSON, or a binary body
+    (the JSON header, then the tensors' bytes)."""
+    if not binary:
+        return header, {"Content-Type": "application/json", **headers}
+    size = len(header) + tail_bytes
+    # A small body is joined (its one copy; h11 writes a lone bytes as it is): one
+    # write. A larger one goes as its parts, each copied as it is written.
+    parts: list[bytes | memoryview] = [header, *tail]
+    return (b"".join(parts) if size < JOIN_BELOW else parts), {
+        "Content-Type": "application/octet-stream",
+        BINARY_HEADER: str(len(header)),
+        "Content-Length": str(size),
+        **headers,
+    }
 
 
 def _view(raw: memoryview, tensor: Mapping[str, Any], what: str) -> np.ndarray:

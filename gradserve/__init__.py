@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gradserve.client.http import AsyncClient, Client, GradserveHTTPError, Result, Retry
+    from gradserve.client.tensors import Parameter, TensorRef
     from gradserve.client.trace import (
         F,
         TracedTensor,
@@ -40,6 +41,8 @@ _EXPORTS = {
     "GradserveHTTPError": "gradserve.client.http",
     "Result": "gradserve.client.http",
     "Retry": "gradserve.client.http",
+    "TensorRef": "gradserve.client.tensors",
+    "Parameter": "gradserve.client.tensors",
     "trace": "gradserve.client.trace",
     "F": "gradserve.client.trace",
     "TracedTensor": "gradserve.client.trace",
@@ -59,8 +62,10 @@ __all__ = [
     "Client",
     "F",
     "GradserveHTTPError",
+    "Parameter",
     "Result",
     "Retry",
+    "TensorRef",
     "TraceError",
     "TracedTensor",
     "grad",

@@ -10,10 +10,15 @@ temporary name and renamed into place, so a process killed while writing leaves 
 visible under an id (its temporary file is swept later).
 
 Bounded per key: at most `quota_bytes` of tensor data, least recently used out (a use
-touches the file's mtime). A process counts a key's bytes by listing its directory, under
-the key's lock file (`flock`), so that two processes making room at once cannot both pass
-the quota. A request holds a shared `flock` on each tensor it reads from the moment it
-resolves it to its end; eviction takes only files it can lock exclusively at once, so a
+touches the file's mtime). A key's books (its bytes and tensors) are kept in its lock
+file, read and written under its `flock`, so that two processes making room at once
+cannot both pass the quota, and a write costs no listing of the directory: that happens
+only when room must be made (the books are then made exact, and a tenth of the quota more
+is freed, so that a training loop keeping new parameters every step lists it once per
+tenth of the quota it writes).
+
+A request holds a shared `flock` on each tensor it reads from the moment it resolves it
+to its end; eviction takes only files it can lock exclusively at once, so a
 tensor a running request uses is never evicted (and a reader that finds its file unlinked
 between opening and locking it treats it as gone).
 """
@@ -46,11 +51,26 @@ log = logging.getLogger("gradserve.tensors")
 
 MAGIC = b"GSTENSR1"
 _LENGTH = struct.Struct("<I")
+_BOOKS = struct.Struct("<QQ")  # a key's lock file: its data bytes and tensors held
 ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
 ANONYMOUS = "anonymous"  # the directory of requests without an API key (keys off)
 _LOCK = ".lock"
 _TEMP = ".tmp-"
 _temp_names = itertools.count()
+
+
+@dataclass
+class _Books:
+    """A key's totals, kept in its lock file: every writer adds what it wrote, and an
+    eviction or a delete takes it off."""
+
+    used: int  # data bytes held
+    count: int  # tensors held
+    changed: bool = False
+
+    def add(self, nbytes: int, count: int) -> None:
+        self.used, self.count = max(self.used + nbytes, 0), max(self.count + count, 0)
+        self.changed = True
 
 
 @dataclass(frozen=True)
@@ -208,16 +228,18 @@ class TensorStore:
         return out
 
     def used_bytes(self, tenant: str | None) -> int:
+        """The tensor data held for `tenant`."""
         return sum(size for _, _, size in self._entries(self._scope(tenant)))
 
     def usage(self) -> dict[str, tuple[int, int]]:
-        """Per key directory: (tensors, data bytes) held (the metrics' gauges)."""
+        """Per key directory: (tensors, data bytes) held, as its books say (the metrics'
+        gauges: no tensor is listed)."""
         out = {}
         with contextlib.suppress(OSError):
             for scope in os.scandir(self.root):
                 if scope.is_dir():
-                    entries = self._entries(Path(scope.path))
-                    out[scope.name] = (len(entries), sum(size for _, _, size in entries))
+                    with contextlib.suppress(OSError), self._books(Path(scope.path)) as books:
+                        out[scope.name] = (books.count, books.used)
         return out
 
     # ------------------------------------------------------------------ writing
@@ -236,14 +258,15 @@ class TensorStore:
         scope = self._scope(tenant)
         path = scope / held.tensor_id
         try:
-            with self._scope_lock(scope):
+            with self._books(scope) as books:
                 try:
                     os.utime(path)
                     return held, False
                 except FileNotFoundError:
                     pass
-                self._make_room(scope, held.nbytes, "the tensor", pins)
+                self._make_room(scope, books, held.nbytes, "the tensor", pins)
                 self._write(path, held, data)
+                books.add(held.nbytes, 1)
         except OSError as exc:
             raise store_unavailable(exc) from None
         self._sizes[held.tensor_id] = held.nbytes
@@ -258,8 +281,8 @@ class TensorStore:
             return
         scope = self._scope(tenant)
         try:
-            with self._scope_lock(scope):
-                self._make_room(scope, nbytes, "keep", pins)
+            with self._books(scope) as books:
+                self._make_room(scope, books, nbytes, "keep", pins)
         except OSError as exc:
             raise store_unavailable(exc) from None
 
@@ -268,8 +291,14 @@ class TensorStore:
         it holds none."""
         if not is_tensor_id(tensor):
             return False
+        scope = self._scope(tenant)
+        held = _described(scope / tensor)
+        if held is None:
+            return False
         try:
-            os.unlink(self._scope(tenant) / tensor)
+            with self._books(scope) as books:
+                os.unlink(scope / tensor)
+                books.add(-held.nbytes, -1)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -292,15 +321,30 @@ class TensorStore:
         return self.root / (tenant or ANONYMOUS)  # (tenant ids are hex: safe as a name)
 
     @contextlib.contextmanager
-    def _scope_lock(self, scope: Path) -> Iterator[None]:
+    def _books(self, scope: Path) -> Iterator[_Books]:
+        """A key's books (its data bytes and tensors), under its lock: read from the lock
+        file, or counted from its directory where that holds none (a new key, a writer
+        that died between its rename and its books), and written back if changed."""
         with self._lock:
             scope.mkdir(parents=True, exist_ok=True)
             fd = os.open(scope / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
+                raw = os.pread(fd, _BOOKS.size, 0)
+                if len(raw) == _BOOKS.size:
+                    books = _Books(*_BOOKS.unpack(raw))
+                else:
+                    books = self._count(scope)
+                    books.changed = True
+                yield books
+                if books.changed:
+                    os.pwrite(fd, _BOOKS.pack(books.used, books.count), 0)
             finally:
                 os.close(fd)
+
+    def _count(self, scope: Path) -> _Books:
+        entries = self._entries(scope)
+        return _Books(sum(size for _, _, size in entries), len(entries))
 
     def _entries(self, scope: Path) -> list[tuple[str, float, int]]:
         """(id, mtime, data bytes) of each tensor in a key's directory."""
@@ -325,21 +369,31 @@ class TensorStore:
             out.append((entry.name, mtime, size))
         return out
 
-    def _make_room(self, scope: Path, nbytes: int, what: str, pins: Pins | None) -> None:
-        """Evict the key's least recently used tensors until `nbytes` more fit its quota,
-        passing over those a request holds (its own included). Under the key's lock."""
-        entries = self._entries(scope)
-        used = sum(size for _, _, size in entries)
-        if used + nbytes <= self.quota_bytes:
+    def _make_room(
+        self, scope: Path, books: _Books, nbytes: int, what: str, pins: Pins | None
+    ) -> None:
+        """Evict the key's least recently used tensors until `nbytes` more fit its quota
+        (and a tenth of it more, where that many can go: the directory is listed once per
+        tenth of the quota written, not on every write), passing over those a request
+        holds (its own included). Under the key's lock."""
+        if books.used + nbytes <= self.quota_bytes:
             return
+        entries = self._entries(scope)  # (the books made exact: a list is needed anyway)
+        books.used, books.count, books.changed = (
+            sum(size for _, _, size in entries),
+            len(entries),
+            True,
+        )
+        target = self.quota_bytes - nbytes
         own = set() if pins is None else pins.ids
         for tensor, _, size in sorted(entries, key=lambda e: e[1]):
+            if books.used <= target - self.quota_bytes // 10:
+                break
             if tensor not in own and _evict(scope / tensor):
                 self.evictions += 1
-                used -= size
-                if used + nbytes <= self.quota_bytes:
-                    return
-        raise quota_problem(nbytes, self.quota_bytes, what, used)
+                books.add(-size, -1)
+        if books.used > target:
+            raise quota_problem(nbytes, self.quota_bytes, what, books.used)
 
     def _write(self, path: Path, held: Held, data: memoryview) -> None:
         head = orjson.dumps({"dtype": held.dtype, "shape": held.shape})
