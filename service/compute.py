@@ -380,16 +380,17 @@ class Compute:
         name)."""
         assert request.keep is not None
         store = self._tensors(request)
-        backend = get_backend(request.device)
-        kept = {}
-        for section, names, values in (
-            ("outputs", request.keep.outputs, result.outputs),
-            ("gradients", request.keep.gradients, result.gradients or {}),
-        ):
-            for name in names:
-                array = np.asarray(backend.to_host(values[name]))
-                kept[section, name] = store.put(request.tenant, array, request.pins)[0]
-        return kept
+        to_host = get_backend(request.device).to_host
+        named = [
+            ((section, name), np.asarray(to_host(values[name])))
+            for section, names, values in (
+                ("outputs", request.keep.outputs, result.outputs),
+                ("gradients", request.keep.gradients, result.gradients or {}),
+            )
+            for name in names
+        ]
+        held = store.put_many(request.tenant, [a for _, a in named], request.pins)
+        return {where: h for (where, _), (h, _) in zip(named, held, strict=True)}
 
     def report(self, stats: Stats) -> None:
         """What this process's stores and tier did since it last reported, into `stats`."""

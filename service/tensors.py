@@ -3,11 +3,12 @@ later requests, and shared by every process of the host.
 
 One directory per API key (its tenant id; `anonymous` with keys off) under the store's
 root, one immutable file per tensor, named by its content-addressed id
-(wire/tensor_id.py): a header (magic, dtype, shape) padded to 64 bytes, then the raw
-little-endian bytes. A process reads a tensor by mapping its file (no copy: the array is a
-read-only view on the page cache, or on RAM in /dev/shm). A file is written under a
-temporary name and renamed into place, so a process killed while writing leaves nothing
-visible under an id (its temporary file is swept later).
+(wire/tensor_id.py): a header (magic, dtype, dims; binary, read with two `struct`
+unpacks) padded to 64 bytes, then the raw little-endian bytes. A process reads a tensor
+by mapping its file (no copy: the array is a read-only view on the page cache, or on RAM
+in /dev/shm). A file is written under a temporary name and renamed into place, so a
+process killed while writing leaves nothing visible under an id (its temporary file is
+swept later).
 
 Bounded per key: at most `quota_bytes` of tensor data, least recently used out (a use
 touches the file's mtime). A key's books (its bytes and tensors) are kept in its lock
@@ -30,6 +31,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import math
 import mmap
 import os
 import struct
@@ -40,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from gradserve.service.errors import ProblemError
 from gradserve.wire.binary import array_of, raw_bytes
@@ -49,10 +50,14 @@ from gradserve.wire.tensor_id import is_tensor_id, tensor_id
 
 log = logging.getLogger("gradserve.tensors")
 
-MAGIC = b"GSTENSR1"
-_LENGTH = struct.Struct("<I")
+MAGIC = b"GSTENSR2"
+# After the magic: the dtype (its index in DTYPES) and the number of dims, then each dim.
+_KIND = struct.Struct("<BB6x")
+_DIM = struct.Struct("<q")
+_DTYPES = tuple(DTYPES)
 _BOOKS = struct.Struct("<QQ")  # a key's lock file: its data bytes and tensors held
 ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
+JOIN_BELOW = 64 << 10  # a smaller tensor is written with its header in one write
 ANONYMOUS = "anonymous"  # the directory of requests without an API key (keys off)
 _LOCK = ".lock"
 _TEMP = ".tmp-"
@@ -103,6 +108,7 @@ class Pins:
     def release(self) -> None:
         for fd in self.descriptors:
             with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)  # (the mapping's duplicate shares the lock)
                 os.close(fd)
         self.descriptors.clear()
 
@@ -156,6 +162,8 @@ class TensorStore:
 
     def __init__(self, root: str | os.PathLike[str], quota_bytes: int) -> None:
         self.root = Path(root)
+        self._root = os.fspath(root)
+        self._made: set[str] = set()  # key directories this process has seen exist
         self.quota_bytes = quota_bytes
         self.evictions = 0  # tensors this process evicted to stay within a quota
         self._sizes: dict[str, int] = {}  # id -> data bytes (ids are content: never stale)
@@ -177,7 +185,11 @@ class TensorStore:
         for loc, tensor in wanted:
             if tensor in found:
                 continue
-            array = self._open(scope / tensor, pins) if is_tensor_id(tensor) else None
+            array = (
+                self._open(os.path.join(scope, tensor), tensor, pins)
+                if is_tensor_id(tensor)
+                else None
+            )
             if array is None:
                 missing.append((loc, tensor))
             else:
@@ -187,7 +199,7 @@ class TensorStore:
             raise tensor_unknown(missing)
         return found
 
-    def _open(self, path: Path, pins: Pins) -> np.ndarray | None:
+    def _open(self, path: str, tensor: str, pins: Pins) -> np.ndarray | None:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -198,12 +210,11 @@ class TensorStore:
                 raise FileNotFoundError(path)
             with contextlib.suppress(OSError):
                 os.utime(fd)  # (most recently used; a read-only store keeps its order)
-            # Mapped through a descriptor of its own: the mapping keeps that one, and the
-            # lock (which belongs to `fd`'s open file) ends with the request, not with the
-            # last array on the mapping.
-            with open(path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            held, offset = _header(memoryview(mapped), path.name)
+            # The mapping holds a duplicate of `fd`, of the same open file: the lock, which
+            # belongs to that, would last as long as the mapping. It ends with the request
+            # instead: `release` unlocks before it closes.
+            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            held, offset = _header(mapped, tensor)
             if len(mapped) < offset + held.nbytes:
                 raise ValueError("a truncated tensor file")
         except (OSError, ValueError):
@@ -238,7 +249,7 @@ class TensorStore:
         with contextlib.suppress(OSError):
             for scope in os.scandir(self.root):
                 if scope.is_dir():
-                    with contextlib.suppress(OSError), self._books(Path(scope.path)) as books:
+                    with contextlib.suppress(OSError), self._books(scope.path) as books:
                         out[scope.name] = (books.count, books.used)
         return out
 
@@ -250,27 +261,51 @@ class TensorStore:
         held already is only touched). Room is made by evicting the key's least recently
         used tensors that no request holds; 422 when it cannot be, and 507 when the store
         cannot be written."""
-        dtype = dtype_name(array)
-        data = raw_bytes(array, dtype)
-        held = Held(tensor_id(dtype, array.shape, data), tuple(array.shape), dtype, data.nbytes)
-        if held.nbytes > self.quota_bytes:
-            raise quota_problem(held.nbytes, self.quota_bytes, "the tensor")
+        return self.put_many(tenant, [array], pins)[0]
+
+    def put_many(
+        self, tenant: str | None, arrays: Sequence[np.ndarray], pins: Pins | None = None
+    ) -> list[tuple[Held, bool]]:
+        """`put` for several arrays, under one lock of the key's books (what a request
+        keeps)."""
+        prepared = []
+        for array in arrays:
+            dtype = dtype_name(array)
+            data = raw_bytes(array, dtype)
+            held = Held(tensor_id(dtype, array.shape, data), tuple(array.shape), dtype, data.nbytes)
+            if held.nbytes > self.quota_bytes:
+                raise quota_problem(held.nbytes, self.quota_bytes, "the tensor")
+            prepared.append((held, data))
         scope = self._scope(tenant)
-        path = scope / held.tensor_id
+        out = []
         try:
             with self._books(scope) as books:
-                try:
-                    os.utime(path)
-                    return held, False
-                except FileNotFoundError:
-                    pass
-                self._make_room(scope, books, held.nbytes, "the tensor", pins)
-                self._write(path, held, data)
-                books.add(held.nbytes, 1)
+                for held, data in prepared:
+                    out.append((held, self._hold(scope, books, held, data, pins)))
         except OSError as exc:
             raise store_unavailable(exc) from None
+        return out
+
+    def _hold(
+        self, scope: str, books: _Books, held: Held, data: memoryview, pins: Pins | None
+    ) -> bool:
+        """One tensor into a key's directory, under its books' lock: whether it is new."""
+        path = os.path.join(scope, held.tensor_id)
+        try:
+            os.utime(path)
+            new = False
+        except FileNotFoundError:
+            new = True
+        # (a damaged file under its id, never served, is written again: counted)
+        if not new and _described(path) == held:
+            return False
+        if new:
+            self._make_room(scope, books, held.nbytes, "the tensor", pins)
+        self._write(path, held, data)
+        if new:
+            books.add(held.nbytes, 1)
         self._sizes[held.tensor_id] = held.nbytes
-        return held, True
+        return True
 
     def reserve(self, tenant: str | None, nbytes: int, pins: Pins) -> None:
         """Room for `nbytes` of values a request will keep, made before it runs (422 past
@@ -292,12 +327,12 @@ class TensorStore:
         if not is_tensor_id(tensor):
             return False
         scope = self._scope(tenant)
-        held = _described(scope / tensor)
+        held = _described(os.path.join(scope, tensor))
         if held is None:
             return False
         try:
             with self._books(scope) as books:
-                os.unlink(scope / tensor)
+                os.unlink(os.path.join(scope, tensor))
                 books.add(-held.nbytes, -1)
         except FileNotFoundError:
             return False
@@ -317,17 +352,24 @@ class TensorStore:
                             os.unlink(entry.path)
 
     # ------------------------------------------------------------------ inside
-    def _scope(self, tenant: str | None) -> Path:
-        return self.root / (tenant or ANONYMOUS)  # (tenant ids are hex: safe as a name)
+    def _scope(self, tenant: str | None) -> str:
+        return os.path.join(self._root, tenant or ANONYMOUS)  # (tenant ids are hex: safe as a name)
 
     @contextlib.contextmanager
-    def _books(self, scope: Path) -> Iterator[_Books]:
+    def _books(self, scope: str) -> Iterator[_Books]:
         """A key's books (its data bytes and tensors), under its lock: read from the lock
         file, or counted from its directory where that holds none (a new key, a writer
         that died between its rename and its books), and written back if changed."""
         with self._lock:
-            scope.mkdir(parents=True, exist_ok=True)
-            fd = os.open(scope / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+            lock = os.path.join(scope, _LOCK)
+            try:
+                if scope not in self._made:
+                    raise FileNotFoundError(scope)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:  # (a new key, or its directory removed meanwhile)
+                os.makedirs(scope, exist_ok=True)
+                self._made.add(scope)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 raw = os.pread(fd, _BOOKS.size, 0)
@@ -342,11 +384,11 @@ class TensorStore:
             finally:
                 os.close(fd)
 
-    def _count(self, scope: Path) -> _Books:
+    def _count(self, scope: str) -> _Books:
         entries = self._entries(scope)
         return _Books(sum(size for _, _, size in entries), len(entries))
 
-    def _entries(self, scope: Path) -> list[tuple[str, float, int]]:
+    def _entries(self, scope: str) -> list[tuple[str, float, int]]:
         """(id, mtime, data bytes) of each tensor in a key's directory."""
         out = []
         try:
@@ -362,7 +404,7 @@ class TensorStore:
                 continue
             size = self._sizes.get(entry.name)
             if size is None:
-                described = _described(Path(entry.path))
+                described = _described(entry.path)
                 if described is None:
                     continue
                 size = self._sizes[entry.name] = described.nbytes
@@ -370,7 +412,7 @@ class TensorStore:
         return out
 
     def _make_room(
-        self, scope: Path, books: _Books, nbytes: int, what: str, pins: Pins | None
+        self, scope: str, books: _Books, nbytes: int, what: str, pins: Pins | None
     ) -> None:
         """Evict the key's least recently used tensors until `nbytes` more fit its quota
         (and a tenth of it more, where that many can go: the directory is listed once per
@@ -389,21 +431,31 @@ class TensorStore:
         for tensor, _, size in sorted(entries, key=lambda e: e[1]):
             if books.used <= target - self.quota_bytes // 10:
                 break
-            if tensor not in own and _evict(scope / tensor):
+            if tensor not in own and _evict(os.path.join(scope, tensor)):
                 self.evictions += 1
                 books.add(-size, -1)
         if books.used > target:
             raise quota_problem(nbytes, self.quota_bytes, what, books.used)
 
-    def _write(self, path: Path, held: Held, data: memoryview) -> None:
-        head = orjson.dumps({"dtype": held.dtype, "shape": held.shape})
-        prefix = MAGIC + _LENGTH.pack(len(head)) + head
+    def _write(self, path: str, held: Held, data: memoryview) -> None:
+        prefix = b"".join(
+            [
+                MAGIC,
+                _KIND.pack(_DTYPES.index(held.dtype), len(held.shape)),
+                *(_DIM.pack(n) for n in held.shape),
+            ]
+        )
         prefix += b"\0" * (-len(prefix) % ALIGN)
-        temp = path.with_name(f"{_TEMP}{os.getpid()}-{next(_temp_names)}")
+        if data.nbytes < JOIN_BELOW:  # (one write)
+            prefix, data = prefix + data, memoryview(b"")
+        temp = os.path.join(os.path.dirname(path), f"{_TEMP}{os.getpid()}-{next(_temp_names)}")
         try:
-            with open(temp, "wb") as f:
-                f.write(prefix)
-                f.write(data)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, prefix)
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
             os.replace(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -411,34 +463,43 @@ class TensorStore:
             raise
 
 
-def _header(view: memoryview, tensor: str) -> tuple[Held, int]:
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _header(view: bytes | mmap.mmap, tensor: str) -> tuple[Held, int]:
     """A file's entry and where its data starts; ValueError for a file that is not one."""
-    start = len(MAGIC) + _LENGTH.size
-    if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < start:
+    start = len(MAGIC) + _KIND.size
+    if len(view) < start or view[: len(MAGIC)] != MAGIC:
         raise ValueError("not a tensor file")
-    (length,) = _LENGTH.unpack(view[len(MAGIC) : start])
-    try:
-        head = orjson.loads(bytes(view[start : start + length]))
-        dtype, shape = head["dtype"], tuple(int(n) for n in head["shape"])
-    except (KeyError, TypeError) as exc:  # (orjson's own error is a ValueError)
-        raise ValueError("not a tensor file") from exc
-    if dtype not in DTYPES:
+    kind, ndim = _KIND.unpack_from(view, len(MAGIC))
+    end = start + ndim * _DIM.size
+    if kind >= len(_DTYPES) or len(view) < end:
         raise ValueError("not a tensor file")
-    offset = start + length + (-(start + length) % ALIGN)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    return Held(tensor, shape, dtype, nbytes), offset
+    shape = struct.unpack_from(f"<{ndim}q", view, start)
+    dtype = _DTYPES[kind]
+    return Held(tensor, shape, dtype, math.prod(shape) * _ITEMSIZE[dtype]), end + (-end % ALIGN)
 
 
-def _described(path: Path) -> Held | None:
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in DTYPES}
+
+
+def _described(path: str) -> Held | None:
+    """A file's entry, from its header, if the file holds all of its bytes (else None:
+    a damaged file is never described, as it is never opened)."""
     try:
         with open(path, "rb") as f:
             head = f.read(4096)  # (a header of 64 dims of 19 digits is ~1.3 KB)
-        return _header(memoryview(head), path.name)[0]
+            size = os.fstat(f.fileno()).st_size
+        held, offset = _header(head, os.path.basename(path))
     except (OSError, ValueError):
         return None
+    return held if size >= offset + held.nbytes else None
 
 
-def _evict(path: Path) -> bool:
+def _evict(path: str) -> bool:
     """Unlink a tensor's file if no request holds it (a shared lock), else leave it."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -450,7 +511,7 @@ def _evict(path: Path) -> bool:
         return True
     except OSError as exc:
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOENT):
-            log.warning("could not evict tensor %s: %s", path.name, exc)
+            log.warning("could not evict tensor %s: %s", os.path.basename(path), exc)
         return False
     finally:
         os.close(fd)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from gradserve.engine.errors import TensorDataError
+from gradserve.engine.errors import TensorDataError, quoted
 from gradserve.service import codec
 from gradserve.service.errors import ProblemError, pydantic_errors, schema_problem
 from gradserve.service.middleware import TENANT
@@ -140,10 +140,10 @@ def _decoded(body: bytes, header_length: int | None) -> np.ndarray:
             shape=upload.shape,
         )
     except TensorDataError as err:
-        # (the codec says `body "body": ...` of a request's tensor: here, the body itself)
+        # (the codec says `body 'body': ...` of a request's tensor: here, the body itself)
         raise ProblemError(
             "invalid-request",
-            str(err).replace('body "body": ', "the tensor: "),
+            str(err).replace(f"body {quoted('body')}: ", "the tensor: "),
             errors=[{"loc": [err.loc[-1]], "msg": str(err).split(": ", 1)[-1]}],
         ) from None
     return array
