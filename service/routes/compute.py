@@ -195,10 +195,13 @@ def problem_responses(max_body_bytes: int) -> dict[str, dict[str, Any]]:
             401: "An API key is required",
             413: f"The body is larger than the limit ({max_body_bytes} bytes)",
             409: "graph_id names a graph this server does not hold (graph-unknown): send the "
-            "graph itself",
+            "graph itself; or a tensor_id names a tensor it does not hold for this key "
+            "(tensor-unknown): upload it again",
             415: "The body is not JSON (or, with Inference-Header-Content-Length, octet-stream)",
-            422: "Invalid request, graph, tensor data, or memory plan over budget",
+            422: "Invalid request, graph, tensor data, memory plan over budget, or a keep over "
+            "the tensor quota",
             503: "The server is at its concurrency or in-flight memory limit (see Retry-After)",
+            507: "The tensor store cannot be written, for a keep (tensor-store-unavailable)",
             504: "The request ran past its time limit",
         }.items()
     }
