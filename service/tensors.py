@@ -226,7 +226,9 @@ class TensorStore:
     def describe(self, tenant: str | None, tensor: str) -> Held | None:
         """What the store holds under `tensor` for `tenant` (None: nothing), read from its
         header alone."""
-        return _described(self._scope(tenant) / tensor) if is_tensor_id(tensor) else None
+        if not is_tensor_id(tensor):
+            return None
+        return _described(os.path.join(self._scope(tenant), tensor))
 
     def held(self, tenant: str | None) -> list[Held]:
         """Every tensor held for `tenant`, most recently used first."""
@@ -390,7 +392,7 @@ class TensorStore:
 
     def _entries(self, scope: str) -> list[tuple[str, float, int]]:
         """(id, mtime, data bytes) of each tensor in a key's directory."""
-        out = []
+        out: list[tuple[str, float, int]] = []
         try:
             listing = list(os.scandir(scope))
         except OSError:

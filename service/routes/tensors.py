@@ -144,7 +144,7 @@ def _decoded(body: bytes, header_length: int | None) -> np.ndarray:
         raise ProblemError(
             "invalid-request",
             str(err).replace(f"body {quoted('body')}: ", "the tensor: "),
-            errors=[{"loc": [err.loc[-1]], "msg": str(err).split(": ", 1)[-1]}],
+            errors=[{"loc": list(err.loc or ())[-1:], "msg": str(err).split(": ", 1)[-1]}],
         ) from None
     return array
 
