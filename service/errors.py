@@ -355,6 +355,19 @@ def _service_problem_response(exc: ProblemError, request_id: str | None) -> Resp
     )
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route takes on the request's path (Starlette's 405 names only
+    the first route that matched the path: `/tensors` is two, GET and POST)."""
+    from starlette.routing import Match
+
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        for method in getattr(route, "methods", None) or ():
+            if route.matches({**request.scope, "method": method})[0] == Match.FULL:
+                methods.add(method)
+    return ", ".join(sorted(methods))
+
+
 def install_handlers(app: FastAPI) -> None:
     from fastapi.exceptions import RequestValidationError
 
@@ -370,15 +383,17 @@ def install_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else title
         if exc.status_code == 404:
             detail = f"no route for {request.method} {request.url.path}"
-        elif exc.status_code == 405:
+        headers = exc.headers
+        if exc.status_code == 405:
             detail = f"method {request.method} is not allowed on {request.url.path}"
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
         return problem_response(
             exc.status_code,
             slug,
             title,
             detail,
             request_id=request_id_of(request),
-            headers=exc.headers,
+            headers=headers,
         )
 
     async def on_validation(request: Request, exc: Exception) -> Response:

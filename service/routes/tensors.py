@@ -39,6 +39,7 @@ _OCTETS = "application/octet-stream"
 _UNKNOWN = problem_answer(
     "This server holds no tensor of that id for the caller's API key (tensor-unknown)"
 )
+_BAD_ID = problem_answer("The id is not 32 hex digits (invalid-request, at path.tensor_id)")
 # A path's id, checked as a request's `tensor_id` is: another form is a 422 naming it.
 PathId = Annotated[
     str, Path(pattern=r"^[0-9a-f]{32}$", description="the tensor's id: 32 hex digits")
@@ -188,6 +189,7 @@ async def held(request: Request) -> Response:
             }
         },
         409: _UNKNOWN,
+        422: _BAD_ID,
     },
 )
 async def value(request: Request, tensor_id: PathId) -> Response:
@@ -223,7 +225,7 @@ async def value(request: Request, tensor_id: PathId) -> Response:
     summary="Drop a held tensor (a request using it now keeps its copy)",
     status_code=204,
     response_class=Response,
-    responses={409: _UNKNOWN},
+    responses={409: _UNKNOWN, 422: _BAD_ID},
 )
 async def drop(request: Request, tensor_id: PathId) -> Response:
     store, tenant = _store(request), _tenant(request)
