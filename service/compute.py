@@ -33,7 +33,7 @@ from gradserve.service.errors import ProblemError
 from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
 from gradserve.service.request import Envelope, Parser, Request, open_envelope
-from gradserve.service.schemas import Keep
+from gradserve.service.schemas import KeepOutputs
 from gradserve.service.settings import Settings
 from gradserve.service.store import entry_name
 from gradserve.service.tensors import Held, TensorStore
@@ -385,7 +385,7 @@ class Compute:
             ((section, name), np.asarray(to_host(values[name])))
             for section, names, values in (
                 ("outputs", request.keep.outputs, result.outputs),
-                ("gradients", request.keep.gradients, result.gradients or {}),
+                ("gradients", getattr(request.keep, "gradients", []), result.gradients or {}),
             )
             for name in names
         ]
@@ -408,14 +408,14 @@ class Compute:
         return new
 
 
-def kept_bytes(program: Program, keep: Keep) -> int:
+def kept_bytes(program: Program, keep: KeepOutputs) -> int:
     """The bytes of the values `keep` names (422 naming one the program does not make:
     an output it does not have, a gradient of an input that needs none)."""
     metas = program.metas
     total = 0
     for section, names, slots in (
         ("outputs", keep.outputs, dict(program.outputs)),
-        ("gradients", keep.gradients, dict(program.gradients)),
+        ("gradients", getattr(keep, "gradients", []), dict(program.gradients)),
     ):
         for at, name in enumerate(names):
             slot = slots.get(name)

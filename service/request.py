@@ -40,7 +40,7 @@ from gradserve.service.schemas import (
     BackwardRequest,
     ForwardRequest,
     Graph,
-    Keep,
+    KeepOutputs,
     PlanRequest,
     TensorIn,
     TensorRefIn,
@@ -151,7 +151,7 @@ class Request:
     path: str = ""  # /plan's `path`
     detect_anomaly: bool = False  # the first step to make NaN or inf from finite inputs: 422
     tenant: str | None = None  # the API key's id (None with keys off): whose tensors
-    keep: Keep | None = None  # the values to keep on the server
+    keep: KeepOutputs | None = None  # the values to keep on the server (a Keep: gradients too)
     # The held tensors it reads, locked against eviction until it ends (`release`).
     pins: Pins = field(default_factory=Pins)
 

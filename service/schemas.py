@@ -234,12 +234,17 @@ Tensor = Annotated[
 ]
 
 
-class Keep(Wire):
-    """Values to keep on the server: each is answered as its id, shape and dtype, no data,
-    and later requests name it by that id."""
+class KeepOutputs(Wire):
+    """Outputs to keep on the server (/forward): each is answered as its id, shape and
+    dtype, no data, and later requests name it by that id."""
 
     outputs: list[str] = Field([], description="output ids whose values to keep")
-    gradients: list[str] = Field([], description="/backward: input names whose gradients to keep")
+
+
+class Keep(KeepOutputs):
+    """Outputs and gradients to keep on the server (/backward), answered as /forward's."""
+
+    gradients: list[str] = Field([], description="input names whose gradients to keep")
 
 
 Arg = Annotated[
@@ -444,12 +449,6 @@ class _ComputeRequest(Wire):
     inputs: dict[str, Tensor] = {}
     device: str | None = Field(None, description="cpu, cuda, cuda:N or auto")
     encoding: Encoding = "json"
-    keep: Keep | None = Field(
-        None,
-        description="outputs (and, in /backward, gradients) to keep on the server, answered "
-        "as {tensor_id, shape, dtype}; their bytes count against the API key's tensor quota "
-        "before the request runs (422 tensor-quota)",
-    )
     recompute: Recompute = "auto"
     memory_budget_bytes: MemoryBudget = None
     detect_anomaly: bool = Field(
@@ -470,34 +469,25 @@ class ForwardRequest(_ComputeRequest):
     """One of `graph` or `graph_id` (both: the id must be the graph's), the inputs, and how
     to run and answer."""
 
-    model_config = _rules(
-        _GRAPH_OR_ID,
-        {  # "keep.gradients belongs to /backward"
-            "not": {
-                "required": ["keep"],
-                "properties": {
-                    "keep": {
-                        "required": ["gradients"],
-                        "properties": {"gradients": {"minItems": 1}},
-                    }
-                },
-            }
-        },
-    )
-
     no_grad: bool = False
-
-    @model_validator(mode="after")
-    def _no_gradients(self) -> ForwardRequest:
-        if self.keep is not None and self.keep.gradients:
-            raise ValueError("keep.gradients belongs to /backward: /forward has no gradients")
-        return self
+    keep: KeepOutputs | None = Field(  # (no gradients to keep: keep.gradients is refused)
+        None,
+        description="outputs to keep on the server, answered as {tensor_id, shape, dtype}; "
+        "their bytes count against the API key's tensor quota before the request runs "
+        "(422 tensor-quota)",
+    )
 
 
 class BackwardRequest(_ComputeRequest):
     """What /forward takes (but `no_grad`), and the upstream gradients."""
 
     grad_outputs: dict[str, Tensor] | None = None
+    keep: Keep | None = Field(
+        None,
+        description="outputs and gradients to keep on the server, answered "
+        "as {tensor_id, shape, dtype}; their bytes count against the API key's tensor quota "
+        "before the request runs (422 tensor-quota)",
+    )
 
 
 PlanPath = Literal["no_grad", "forward", "backward"]

@@ -71,11 +71,9 @@ class _Books:
 
     used: int  # data bytes held
     count: int  # tensors held
-    changed: bool = False
 
     def add(self, nbytes: int, count: int) -> None:
         self.used, self.count = max(self.used + nbytes, 0), max(self.count + count, 0)
-        self.changed = True
 
 
 @dataclass(frozen=True)
@@ -275,15 +273,18 @@ class TensorStore:
             dtype = dtype_name(array)
             data = raw_bytes(array, dtype)
             held = Held(tensor_id(dtype, array.shape, data), tuple(array.shape), dtype, data.nbytes)
-            if held.nbytes > self.quota_bytes:
+            if held.nbytes > self.quota_bytes or not self.quota_bytes:
                 raise quota_problem(held.nbytes, self.quota_bytes, "the tensor")
             prepared.append((held, data))
         scope = self._scope(tenant)
         out = []
+        # Each value it holds is safe from the room its next ones make (and the request's).
+        kept = Pins(ids=set() if pins is None else set(pins.ids))
         try:
             with self._books(scope) as books:
                 for held, data in prepared:
-                    out.append((held, self._hold(scope, books, held, data, pins)))
+                    out.append((held, self._hold(scope, books, held, data, kept)))
+                    kept.ids.add(held.tensor_id)
         except OSError as exc:
             raise store_unavailable(exc) from None
         return out
@@ -329,13 +330,13 @@ class TensorStore:
         if not is_tensor_id(tensor):
             return False
         scope = self._scope(tenant)
-        held = _described(os.path.join(scope, tensor))
-        if held is None:
-            return False
+        path = os.path.join(scope, tensor)
+        held = _described(path)  # (None: damaged, never counted nor served: removed)
         try:
             with self._books(scope) as books:
-                os.unlink(os.path.join(scope, tensor))
-                books.add(-held.nbytes, -1)
+                os.unlink(path)
+                if held is not None:
+                    books.add(-held.nbytes, -1)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -360,8 +361,10 @@ class TensorStore:
     @contextlib.contextmanager
     def _books(self, scope: str) -> Iterator[_Books]:
         """A key's books (its data bytes and tensors), under its lock: read from the lock
-        file, or counted from its directory where that holds none (a new key, a writer
-        that died between its rename and its books), and written back if changed."""
+        file, or counted from its directory where that holds none (a new key), and written
+        back, also when the work failed half way. The file is emptied while they are out:
+        a writer that dies between its rename and its books leaves none, and the next
+        reader counts the directory again."""
         with self._lock:
             lock = os.path.join(scope, _LOCK)
             try:
@@ -375,13 +378,13 @@ class TensorStore:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 raw = os.pread(fd, _BOOKS.size, 0)
-                if len(raw) == _BOOKS.size:
-                    books = _Books(*_BOOKS.unpack(raw))
-                else:
-                    books = self._count(scope)
-                    books.changed = True
-                yield books
-                if books.changed:
+                books = (
+                    _Books(*_BOOKS.unpack(raw)) if len(raw) == _BOOKS.size else self._count(scope)
+                )
+                os.ftruncate(fd, 0)
+                try:
+                    yield books
+                finally:
                     os.pwrite(fd, _BOOKS.pack(books.used, books.count), 0)
             finally:
                 os.close(fd)
@@ -423,21 +426,30 @@ class TensorStore:
         if books.used + nbytes <= self.quota_bytes:
             return
         entries = self._entries(scope)  # (the books made exact: a list is needed anyway)
-        books.used, books.count, books.changed = (
-            sum(size for _, _, size in entries),
-            len(entries),
-            True,
-        )
+        books.used, books.count = sum(size for _, _, size in entries), len(entries)
         target = self.quota_bytes - nbytes
         own = set() if pins is None else pins.ids
-        for tensor, _, size in sorted(entries, key=lambda e: e[1]):
-            if books.used <= target - self.quota_bytes // 10:
-                break
-            if tensor not in own and _evict(os.path.join(scope, tensor)):
-                self.evictions += 1
-                books.add(-size, -1)
-        if books.used > target:
-            raise quota_problem(nbytes, self.quota_bytes, what, books.used)
+        victims: list[tuple[int, str, int]] = []  # (its descriptor, locked; path; bytes)
+        freed = 0
+        try:
+            for tensor, _, size in sorted(entries, key=lambda e: e[1]):
+                if books.used - freed <= target - self.quota_bytes // 10:
+                    break
+                path = os.path.join(scope, tensor)
+                fd = None if tensor in own else _lock_unused(path)
+                if fd is not None:
+                    victims.append((fd, path, size))
+                    freed += size
+            if books.used - freed > target:  # (nothing evicted for a refusal)
+                raise quota_problem(nbytes, self.quota_bytes, what, books.used - freed)
+            for _, path, size in victims:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    self.evictions += 1
+                    books.add(-size, -1)
+        finally:
+            for fd, _, _ in victims:
+                os.close(fd)
 
     def _write(self, path: str, held: Held, data: memoryview) -> None:
         prefix = b"".join(
@@ -481,6 +493,8 @@ def _header(view: bytes | mmap.mmap, tensor: str) -> tuple[Held, int]:
     if kind >= len(_DTYPES) or len(view) < end:
         raise ValueError("not a tensor file")
     shape = struct.unpack_from(f"<{ndim}q", view, start)
+    if any(n < 0 for n in shape):  # (a damaged header: no tensor has that shape)
+        raise ValueError("not a tensor file")
     dtype = _DTYPES[kind]
     return Held(tensor, shape, dtype, math.prod(shape) * _ITEMSIZE[dtype]), end + (-end % ALIGN)
 
@@ -501,22 +515,21 @@ def _described(path: str) -> Held | None:
     return held if size >= offset + held.nbytes else None
 
 
-def _evict(path: str) -> bool:
-    """Unlink a tensor's file if no request holds it (a shared lock), else leave it."""
+def _lock_unused(path: str) -> int | None:
+    """A descriptor of a tensor's file holding its exclusive lock, if no request holds it
+    (a shared lock), else None: while held, no request can start to use it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
-        return True
     except OSError as exc:
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOENT):
-            log.warning("could not evict tensor %s: %s", os.path.basename(path), exc)
-        return False
-    finally:
         os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            log.warning("could not evict tensor %s: %s", os.path.basename(path), exc)
+        return None
+    return fd
 
 
 def _alive(temp_name: str) -> bool:

@@ -143,8 +143,10 @@ def _decoded(body: bytes, header_length: int | None) -> np.ndarray:
     except TensorDataError as err:
         # (the codec says `body 'body': ...` of a request's tensor: here, the body itself)
         raise ProblemError(
-            "invalid-request",
+            "tensor-data",
             str(err).replace(f"body {quoted('body')}: ", "the tensor: "),
+            status=422,
+            title="Invalid tensor data",
             errors=[{"loc": list(err.loc or ())[-1:], "msg": str(err).split(": ", 1)[-1]}],
         ) from None
     return array
