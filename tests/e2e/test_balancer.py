@@ -416,6 +416,42 @@ def test_repeats_of_a_graph_land_on_one_replica(cluster: Cluster) -> None:
     assert len(homes) == 1, placed
 
 
+def test_held_tensors_and_their_requests_meet_on_one_replica(cluster: Cluster) -> None:
+    """Each replica holds its own tensors: a client's uploads and every request that names
+    or keeps them (X-Gradserve-Tensors) land on one replica, its affinity's, and
+    affinities spread over the replicas. A chain of kept results, which only the replica
+    that kept them has (a 409 naming one is raised, not retried), runs whole."""
+    graph = {
+        "nodes": [{"id": "w_next", "expr": "w * 2.0"}, {"id": "s", "expr": "sum(w)"}],
+        "outputs": ["s", "w_next"],
+    }
+    homes: dict[str, int] = dict.fromkeys(REPLICAS, 0)
+    for job in range(9):
+        with Client(cluster.url, timeout=30.0, tensor_affinity=f"job-{job}") as gs:
+
+            def chain(gs: Client = gs) -> None:
+                ref = gs.put(np.ones(4))
+                for step in range(5):
+                    r = gs.forward(graph, {"w": ref}, keep=["w_next"])
+                    assert float(r.outputs["s"]) == 4.0 * 2**step
+                    ref = r.kept["w_next"]
+                np.testing.assert_array_equal(gs.get(ref), np.full(4, 32.0))
+
+            def answered(service: str) -> int:  # (every route the chain calls, any status)
+                return sum(
+                    int(cluster.metric(service, "gradserve_requests_total", route=route))
+                    for route in ("/forward", "/tensors", "/tensors/{tensor_id}")
+                )
+
+            before = {s: answered(s) for s in REPLICAS}
+            chain()
+            served = {s: answered(s) - before[s] for s in REPLICAS}
+            assert sorted(served.values()) == [0, 0, 7], (job, served)
+            homes[max(served, key=lambda s: served[s])] += 1
+    print(f"\nhomes of 9 tensor affinities: {homes}")
+    assert sum(n > 0 for n in homes.values()) >= 2, homes
+
+
 def test_different_graphs_spread_over_all_replicas(cluster: Cluster) -> None:
     """30 graphs, each sent 3 times: each graph's repeats on one replica, and every
     replica the home of several graphs (the placement is fixed by the graphs' ids and
