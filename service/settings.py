@@ -257,12 +257,13 @@ class Settings(BaseSettings):
         ),
     )
     tensor_quota_bytes: int = Field(
-        1 * GiB,
+        256 * MiB,
         ge=0,
         description=(
             "tensor data held per API key (one quota with keys off), least recently used "
             "out; a tensor or a `keep` larger than this is refused (422 `tensor-quota`); "
-            "in `/dev/shm` it is RAM; `0`: no tensors held"
+            "in `/dev/shm` it is RAM, counted in a container's memory and its `shm_size` "
+            "(a full store answers 507); `0`: no tensors held"
         ),
     )
     # The native tier (service/tier.py): a program is lowered to XLA through JAX, by the
