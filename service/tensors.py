@@ -55,6 +55,8 @@ MAGIC = b"GSTENSR2"
 _KIND = struct.Struct("<BB6x")
 _DIM = struct.Struct("<q")
 _DTYPES = tuple(DTYPES)
+# A tensor is read whole: its pages mapped at once (one call) rather than fault by fault.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _BOOKS = struct.Struct("<QQ")  # a key's lock file: its data bytes and tensors held
 ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
 JOIN_BELOW = 64 << 10  # a smaller tensor is written with its header in one write
@@ -211,7 +213,7 @@ class TensorStore:
             # The mapping holds a duplicate of `fd`, of the same open file: the lock, which
             # belongs to that, would last as long as the mapping. It ends with the request
             # instead: `release` unlocks before it closes.
-            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            mapped = mmap.mmap(fd, 0, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
             held, offset = _header(mapped, tensor)
             if len(mapped) < offset + held.nbytes:
                 raise ValueError("a truncated tensor file")
