@@ -36,7 +36,9 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,10 +62,14 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _BOOKS = struct.Struct("<QQ")  # a key's lock file: its data bytes and tensors held
 ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
 JOIN_BELOW = 64 << 10  # a smaller tensor is written with its header in one write
+PARALLEL_BYTES = 1 << 20  # a request's keeps of this many bytes or more are written at once
 ANONYMOUS = "anonymous"  # the directory of requests without an API key (keys off)
 _LOCK = ".lock"
 _TEMP = ".tmp-"
 _temp_names = itertools.count()
+
+
+_Write = tuple[str, "Held", memoryview, bool]  # a file to write: path, entry, data, new
 
 
 @dataclass
@@ -168,6 +174,7 @@ class TensorStore:
         self.evictions = 0  # tensors this process evicted to stay within a quota
         self._sizes: dict[str, int] = {}  # id -> data bytes (ids are content: never stale)
         self._lock = threading.Lock()  # (flock is per open file: threads need their own)
+        self._writers: ThreadPoolExecutor | None = None  # (large keeps, written at once)
 
     # ------------------------------------------------------------------ reading
     def open(
@@ -209,7 +216,7 @@ class TensorStore:
             if os.fstat(fd).st_nlink == 0:  # evicted between the open and the lock
                 raise FileNotFoundError(path)
             with contextlib.suppress(OSError):
-                os.utime(fd)  # (most recently used; a read-only store keeps its order)
+                _touch(fd)  # (most recently used; a read-only store keeps its order)
             # The mapping holds a duplicate of `fd`, of the same open file: the lock, which
             # belongs to that, would last as long as the mapping. It ends with the request
             # instead: `release` unlocks before it closes.
@@ -281,36 +288,61 @@ class TensorStore:
         scope = self._scope(tenant)
         out = []
         # Each value it holds is safe from the room its next ones make (and the request's).
-        kept = Pins(ids=set() if pins is None else set(pins.ids))
+        own = set() if pins is None else set(pins.ids)
+        kept = Pins(ids=set(own))
         try:
             with self._books(scope) as books:
+                writes = []
                 for held, data in prepared:
-                    out.append((held, self._hold(scope, books, held, data, kept)))
+                    if held.tensor_id in kept.ids - own:  # (the same value twice: once)
+                        out.append((held, False))
+                        continue
+                    path = os.path.join(scope, held.tensor_id)
+                    new = _needs_writing(path, held)
+                    if new is not None:
+                        if new:
+                            self._make_room(scope, books, held.nbytes, "the tensor", kept)
+                        writes.append((path, held, data, new))
+                    out.append((held, new is not None))
                     kept.ids.add(held.tensor_id)
+                written, failure = self._write_many(writes)
+                for _, held, _, new in written:
+                    self._sizes[held.tensor_id] = held.nbytes
+                    if new:
+                        books.add(held.nbytes, 1)
+                if failure is not None:
+                    raise failure
         except OSError as exc:
             raise store_unavailable(exc) from None
         return out
 
-    def _hold(
-        self, scope: str, books: _Books, held: Held, data: memoryview, pins: Pins | None
-    ) -> bool:
-        """One tensor into a key's directory, under its books' lock: whether it is new."""
-        path = os.path.join(scope, held.tensor_id)
-        try:
-            os.utime(path)
-            new = False
-        except FileNotFoundError:
-            new = True
-        # (a damaged file under its id, never served, is written again: counted)
-        if not new and _described(path) == held:
-            return False
-        if new:
-            self._make_room(scope, books, held.nbytes, "the tensor", pins)
-        self._write(path, held, data)
-        if new:
-            books.add(held.nbytes, 1)
-        self._sizes[held.tensor_id] = held.nbytes
-        return True
+    def _write_many(self, writes: list[_Write]) -> tuple[list[_Write], OSError | None]:
+        """Write each file: those written, and the first failure. Large ones at once, in
+        threads: a write to tmpfs is a copy at memory speed, one core each, the GIL
+        released."""
+        if len(writes) > 1 and sum(w[2].nbytes for w in writes) >= PARALLEL_BYTES:
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(
+                    min(4, os.cpu_count() or 1), thread_name_prefix="gradserve-tensors"
+                )
+            futures = [self._writers.submit(self._write, p, h, d) for p, h, d, _ in writes]
+            failed = [f.exception() for f in futures]
+        else:
+            failed = []
+            for path, held, data, _ in writes:
+                try:
+                    self._write(path, held, data)
+                    failed.append(None)
+                except OSError as exc:
+                    failed.append(exc)
+        written = [w for w, exc in zip(writes, failed, strict=True) if exc is None]
+        errors: list[OSError] = []
+        for error in failed:
+            if error is not None and not isinstance(error, OSError):
+                raise error  # (a bug, not the store: as it is)
+            if error is not None:
+                errors.append(error)
+        return written, errors[0] if errors else None
 
     def reserve(self, tenant: str | None, nbytes: int, pins: Pins) -> None:
         """Room for `nbytes` of values a request will keep, made before it runs (422 past
@@ -472,11 +504,29 @@ class TensorStore:
                 _write_all(fd, data)
             finally:
                 os.close(fd)
+            _touch(temp)
             os.replace(temp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
             raise
+
+
+def _touch(file: str | int) -> None:
+    """Its mtime to now, to the nanosecond: the kernel's own "now" moves in ticks of a few
+    milliseconds, and uses within one tick would leave least recently used undecided."""
+    now = time.time_ns()
+    os.utime(file, ns=(now, now))
+
+
+def _needs_writing(path: str, held: Held) -> bool | None:
+    """None: held already, whole (a use: touched); else whether the file is new (False: a
+    damaged one under its id, never served, to be written again)."""
+    try:
+        _touch(path)
+    except FileNotFoundError:
+        return True
+    return None if _described(path) == held else False
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -192,7 +192,7 @@ async def test_every_dtype_round_trips_bit_exact_through_every_upload_and_answer
             id_of_array(a, a.dtype.name) for a in kinds.values()
         }
         assert held["used_bytes"] == sum(a.nbytes for a in kinds.values())
-        assert held["quota_bytes"] == 1 << 30
+        assert held["quota_bytes"] == 256 << 20
         # NaNs that are not NumPy's travel as bits through b64 and binary bodies.
         payloads = np.array([0x7FC00001, 0xFFC00000, 0x7F800001], np.uint32).view(np.float32)
         r = await c.post("/tensors", json=as_b64(payloads))
