@@ -650,13 +650,12 @@ class _Base:
             outputs, gradients = arrays.get("outputs", {}), arrays.get("gradients")
         if kind is BackwardResult and gradients is None:
             gradients = {}  # (a 200 of /backward always has them)
-        sent = {n: t for n, t in header["outputs"].items() if _has_data(t)}
         return kind(
             outputs=outputs,
             gradients=gradients,
             meta=header["meta"],
-            requires_grad={n: t["requires_grad"] for n, t in sent.items()},
-            grad_fn={n: t["grad_fn"] for n, t in sent.items()},
+            requires_grad={n: t["requires_grad"] for n, t in header["outputs"].items()},
+            grad_fn={n: t["grad_fn"] for n, t in header["outputs"].items()},
             kept=_kept(header.get("outputs")),
             kept_gradients=_kept(header.get("gradients")),
         )

@@ -80,7 +80,8 @@ def encode_result(
     """The response: JSON, or with the binary encoding a JSON header whose tensors say
     `binary_data_size`, followed by their bytes in the order they appear in it. `tier`:
     "xla", or why the interpreter ran it (service/tier.py); `kept`: the values held on the
-    server instead, by ("outputs" or "gradients", name), answered by id."""
+    server instead, by ("outputs" or "gradients", name): their `tensor_id` in place of
+    their data (an output keeps its `requires_grad` and `grad_fn`)."""
     to_host = get_backend(device).to_host
     tail: list[memoryview] = []
     slots = dict(program.outputs)
@@ -88,10 +89,11 @@ def encode_result(
     outputs = {}
     for name, value in result.outputs.items():
         held = kept.get(("outputs", name))
-        if held is not None:
-            outputs[name] = held.ref()
-            continue
-        entry = codec.encode_tensor(np.asarray(to_host(value)), encoding, tail)
+        entry = (
+            held.ref()
+            if held is not None
+            else codec.encode_tensor(np.asarray(to_host(value)), encoding, tail)
+        )
         entry["requires_grad"] = program.requires_grad[slots[name]]
         entry["grad_fn"] = program.grad_fn[slots[name]]
         outputs[name] = entry

@@ -569,6 +569,11 @@ class TensorOut(BaseModel):
     binary_data_size: int | None = Field(
         None, description="with encoding binary: the tensor's bytes in the body's tail, in order"
     )
+    tensor_id: str | None = Field(
+        None,
+        description="a value the request kept (`keep`): its id on the server, in place of its "
+        'data; name it as an input: {"tensor_id": ...}',
+    )
 
 
 class OutputTensor(TensorOut):
@@ -576,17 +581,12 @@ class OutputTensor(TensorOut):
     grad_fn: str | None
 
 
-class KeptTensor(BaseModel):
-    """A value the request kept (`keep`): held on the server under its id, without data."""
-
-    tensor_id: str = Field(description='name it as an input: {"tensor_id": ...}')
-    shape: list[int]
-    dtype: DType
-
-
-class HeldTensor(KeptTensor):
+class HeldTensor(BaseModel):
     """A tensor the server holds for the caller's API key."""
 
+    tensor_id: str
+    shape: list[int]
+    dtype: DType
     bytes: int = Field(description="its data's bytes (what counts against the quota)")
 
 
@@ -663,12 +663,12 @@ class Meta(BaseModel):
 
 
 class ForwardResponse(BaseModel):
-    outputs: dict[str, OutputTensor | KeptTensor]
+    outputs: dict[str, OutputTensor]
     meta: Meta
 
 
 class BackwardResponse(ForwardResponse):
-    gradients: dict[str, TensorOut | KeptTensor]
+    gradients: dict[str, TensorOut]
 
 
 class PlannedStep(BaseModel):

@@ -89,7 +89,7 @@ def _tenant(request: Request) -> str | None:
         }
     },
 )
-async def upload(request: Request) -> Response:
+async def put_tensor(request: Request) -> Response:
     headers = request.headers
     try:
         header_length = header_length_of(headers.get(BINARY_HEADER))
@@ -157,7 +157,7 @@ def _decoded(body: bytes, header_length: int | None) -> np.ndarray:
     summary="The tensors held for the caller's API key, and its quota",
     response_model=HeldTensors,
 )
-async def held(request: Request) -> Response:
+async def list_tensors(request: Request) -> Response:
     store, tenant = _store(request), _tenant(request)
 
     def listing() -> dict[str, Any]:
@@ -194,7 +194,7 @@ async def held(request: Request) -> Response:
         422: _BAD_ID,
     },
 )
-async def value(request: Request, tensor_id: PathId) -> Response:
+async def get_tensor(request: Request, tensor_id: PathId) -> Response:
     store, tenant = _store(request), _tenant(request)
     binary = _OCTETS in request.headers.get("accept", "")
 
@@ -229,7 +229,7 @@ async def value(request: Request, tensor_id: PathId) -> Response:
     response_class=Response,
     responses={409: _UNKNOWN, 422: _BAD_ID},
 )
-async def drop(request: Request, tensor_id: PathId) -> Response:
+async def delete_tensor(request: Request, tensor_id: PathId) -> Response:
     store, tenant = _store(request), _tenant(request)
     if not await anyio.to_thread.run_sync(lambda: store.delete(tenant, tensor_id)):
         request.app.state.metrics.tensor_unknown.inc()

@@ -26,7 +26,20 @@ def test_openapi_document_has_not_drifted() -> None:
 def test_operation_ids_are_stable() -> None:
     spec = create_app(Settings()).openapi()
     ids = {op["operationId"] for path in spec["paths"].values() for op in path.values()}
-    assert ids == {"forward", "backward", "plan", "ops", "devices", "healthz", "readyz", "metrics"}
+    assert ids == {
+        "forward",
+        "backward",
+        "plan",
+        "ops",
+        "devices",
+        "healthz",
+        "readyz",
+        "metrics",
+        "put_tensor",
+        "list_tensors",
+        "get_tensor",
+        "delete_tensor",
+    }
 
 
 def test_openapi_command_writes_the_document(tmp_path: Path) -> None:

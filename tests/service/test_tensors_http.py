@@ -272,11 +272,18 @@ async def test_kept_outputs_and_gradients_are_what_inline_data_computes() -> Non
         }
         for (section, name), value in kept.items():
             entry = got[section][name]
-            # Answered by id, shape and dtype alone: its id is its content's.
+            # Answered by id, shape and dtype, no data (an output with its requires_grad and
+            # grad_fn, as any output): its id is its content's.
+            autograd = (
+                {k: want[section][name][k] for k in ("requires_grad", "grad_fn")}
+                if section == "outputs"
+                else {}
+            )
             assert entry == {
                 "tensor_id": id_of_array(value, "float64"),
                 "shape": list(value.shape),
                 "dtype": "float64",
+                **autograd,
             }
             same_bits(await value_of(c, entry["tensor_id"]), value)
         assert got["outputs"]["loss"] == want["outputs"]["loss"]  # (not kept: its data)
