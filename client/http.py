@@ -594,13 +594,8 @@ class _Base:
     def _missing(call: _Call, response: httpx.Response) -> list[TensorRef] | None:
         """For a 409 tensor-unknown, the refs to upload again before the one retry (None:
         not that, or an id the client has no data for: the error stands)."""
-        if response.status_code != 409 or not call.refs:
-            return None
-        try:
-            problem = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(problem, dict) or problem.get("type") != TENSOR_UNKNOWN:
+        problem = _problem_of(response, TENSOR_UNKNOWN) if call.refs else None
+        if problem is None:
             return None
         missing = [call.refs.get(t) for t in problem.get("tensor_ids", [])]
         if not missing or any(ref is None or ref.value is None for ref in missing):
@@ -610,13 +605,7 @@ class _Base:
     def _retry_by_graph(self, call: _Call, graph_id: str | None, response: httpx.Response) -> bool:
         """Whether `response` is a 409 graph-unknown to a request sent by id (noted): the
         request is to be sent again with the graph."""
-        if graph_id is None or response.status_code != 409:
-            return False
-        try:
-            problem = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            return False
-        if not isinstance(problem, dict) or problem.get("type") != GRAPH_UNKNOWN:
+        if graph_id is None or _problem_of(response, GRAPH_UNKNOWN) is None:
             return False
         self.graph_ids.missed(call.key)
         return True
@@ -1218,15 +1207,22 @@ def _held_value(response: httpx.Response) -> np.ndarray:
 
 
 def _deleted(response: httpx.Response) -> bool:
-    if response.status_code == 409:
-        try:
-            problem = orjson.loads(response.content)
-        except orjson.JSONDecodeError:
-            problem = None
-        if isinstance(problem, dict) and problem.get("type") == TENSOR_UNKNOWN:
-            return False
+    if _problem_of(response, TENSOR_UNKNOWN) is not None:
+        return False
     _raise_for_problem(response)
     return True
+
+
+def _problem_of(response: httpx.Response, kind: str) -> dict[str, Any] | None:
+    """A 409's problem when it is of type `kind` (graph-unknown, tensor-unknown), else
+    None."""
+    if response.status_code != 409:
+        return None
+    try:
+        problem = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        return None
+    return problem if isinstance(problem, dict) and problem.get("type") == kind else None
 
 
 def _has_data(tensor: Mapping[str, Any]) -> bool:
