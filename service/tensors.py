@@ -63,6 +63,7 @@ _BOOKS = struct.Struct("<QQ")  # a key's lock file: its data bytes and tensors h
 ALIGN = 64  # a tensor's bytes start at a multiple of this in its file
 JOIN_BELOW = 64 << 10  # a smaller tensor is written with its header in one write
 PARALLEL_BYTES = 1 << 20  # a request's keeps of this many bytes or more are written at once
+SIZES_KNOWN = 1 << 16  # ids whose sizes a process remembers (a listing reads the others')
 ANONYMOUS = "anonymous"  # the directory of requests without an API key (keys off)
 _LOCK = ".lock"
 _TEMP = ".tmp-"
@@ -115,6 +116,7 @@ class Pins:
         for fd in self.descriptors:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)  # (the mapping's duplicate shares the lock)
+            with contextlib.suppress(OSError):
                 os.close(fd)
         self.descriptors.clear()
 
@@ -172,7 +174,9 @@ class TensorStore:
         self._made: set[str] = set()  # key directories this process has seen exist
         self.quota_bytes = quota_bytes
         self.evictions = 0  # tensors this process evicted to stay within a quota
-        self._sizes: dict[str, int] = {}  # id -> data bytes (ids are content: never stale)
+        # id -> data bytes, as listing learnt them (ids are content: never stale); bounded,
+        # since a training loop writes new ids for as long as it runs
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()  # (flock is per open file: threads need their own)
         self._writers: ThreadPoolExecutor | None = None  # (large keeps, written at once)
 
@@ -307,7 +311,7 @@ class TensorStore:
                     kept.ids.add(held.tensor_id)
                 written, failure = self._write_many(writes)
                 for _, held, _, new in written:
-                    self._sizes[held.tensor_id] = held.nbytes
+                    self._learn_size(held.tensor_id, held.nbytes)
                     if new:
                         books.add(held.nbytes, 1)
                 if failure is not None:
@@ -446,9 +450,15 @@ class TensorStore:
                 described = _described(entry.path)
                 if described is None:
                     continue
-                size = self._sizes[entry.name] = described.nbytes
+                size = described.nbytes
+                self._learn_size(entry.name, size)
             out.append((entry.name, mtime, size))
         return out
+
+    def _learn_size(self, tensor: str, nbytes: int) -> None:
+        if len(self._sizes) >= SIZES_KNOWN:
+            self._sizes.clear()  # (relearnt from headers at the next listing)
+        self._sizes[tensor] = nbytes
 
     def _make_room(
         self, scope: str, books: _Books, nbytes: int, what: str, pins: Pins | None
