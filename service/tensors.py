@@ -262,7 +262,8 @@ class TensorStore:
         with contextlib.suppress(OSError):
             for scope in os.scandir(self.root):
                 if scope.is_dir():
-                    with contextlib.suppress(OSError), self._books(scope.path) as books:
+                    with contextlib.suppress(OSError):
+                        books = self._read_books(scope.path)
                         out[scope.name] = (books.count, books.used)
         return out
 
@@ -292,15 +293,16 @@ class TensorStore:
         scope = self._scope(tenant)
         out = []
         # Each value it holds is safe from the room its next ones make (and the request's).
-        own = set() if pins is None else set(pins.ids)
-        kept = Pins(ids=set(own))
+        kept = Pins(ids=set() if pins is None else set(pins.ids))
+        done: set[str] = set()  # (the same value twice in one keep is held once)
         try:
             with self._books(scope) as books:
                 writes = []
                 for held, data in prepared:
-                    if held.tensor_id in kept.ids - own:  # (the same value twice: once)
+                    if held.tensor_id in done:
                         out.append((held, False))
                         continue
+                    done.add(held.tensor_id)
                     path = os.path.join(scope, held.tensor_id)
                     new = _needs_writing(path, held)
                     if new is not None:
@@ -426,6 +428,18 @@ class TensorStore:
                     os.pwrite(fd, _BOOKS.pack(books.used, books.count), 0)
             finally:
                 os.close(fd)
+
+    def _read_books(self, scope: str) -> _Books:
+        """A key's books as they stand, for a reader (the metrics): under a shared lock,
+        so never mid-write, and nothing written back (counted, where the file holds
+        none)."""
+        fd = os.open(os.path.join(scope, _LOCK), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            raw = os.pread(fd, _BOOKS.size, 0)
+        finally:
+            os.close(fd)
+        return _Books(*_BOOKS.unpack(raw)) if len(raw) == _BOOKS.size else self._count(scope)
 
     def _count(self, scope: str) -> _Books:
         entries = self._entries(scope)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Path, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from gradserve.engine.errors import TensorDataError, quoted
+from gradserve.engine.errors import TensorDataError
 from gradserve.service import codec
 from gradserve.service.errors import ProblemError, pydantic_errors, schema_problem
 from gradserve.service.middleware import TENANT
@@ -141,14 +141,9 @@ def _decoded(body: bytes, header_length: int | None) -> np.ndarray:
             shape=upload.shape,
         )
     except TensorDataError as err:
-        # (the codec says `body 'body': ...` of a request's tensor: here, the body itself)
-        raise ProblemError(
-            "tensor-data",
-            str(err).replace(f"body {quoted('body')}: ", "the tensor: "),
-            status=422,
-            title="Invalid tensor data",
-            errors=[{"loc": list(err.loc or ())[-1:], "msg": str(err).split(": ", 1)[-1]}],
-        ) from None
+        # (the codec names a request's tensor, `inputs 'x': ...`: here the body is the tensor)
+        detail = err.message.split(": ", 1)[-1]
+        raise TensorDataError(f"the tensor: {detail}", loc=list(err.loc or ())[-1:]) from None
     return array
 
 
