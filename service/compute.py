@@ -10,7 +10,7 @@ process for the rest (service/worker.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,14 +25,17 @@ from gradserve.engine.graph import (
     compile_graph,
     execute,
 )
+from gradserve.engine.graph.compiler import lifting_shape
 from gradserve.engine.graph.lifting import Templates
 from gradserve.engine.graph.scan import executed_steps
 from gradserve.engine.graph.xla import INDEX_ORDERED
+from gradserve.service.codec import JSONError
 from gradserve.service.encode import Reply, encode_result, output_bytes, value_bytes
 from gradserve.service.errors import ProblemError
+from gradserve.service.literals import Resolve, find_sites
 from gradserve.service.plan_view import plan_reply
 from gradserve.service.programs import Programs, count_nodes
-from gradserve.service.request import Envelope, Parser, Request, open_envelope
+from gradserve.service.request import Envelope, Parser, Request, open_envelope, parse_graph
 from gradserve.service.schemas import KeepOutputs
 from gradserve.service.settings import Settings
 from gradserve.service.store import entry_name
@@ -190,6 +193,8 @@ class Compute:
         program = found.program
         if found.source == "store":
             stats.load_ms = found.load_ms
+        if program is None and request.lifted is not None:
+            program = self.lift(request, stats, keep=bounds is None)
         if program is None:
             if (
                 bounds is not None
@@ -237,12 +242,12 @@ class Compute:
         started = time.perf_counter()
         shaped = request.budget_shapes_program if recompute is None else recompute
         inputs, grad_outputs = request.specs()
-        budget = request.budget if shaped or chunked else None
+        limits = self.limits(request.budget if shaped or chunked else None, None, shaped)
         try:
             program = compile_graph(
                 self.parser.graph_of(request),
                 inputs,
-                limits=self.limits(budget, None, recompute=shaped),
+                limits=limits,
                 no_grad=request.no_grad,
                 backward=request.backward,
                 grad_outputs=grad_outputs,
@@ -255,9 +260,49 @@ class Compute:
         stats.compile_ms = (time.perf_counter() - started) * 1000
         if program.lifted:
             stats.program = "lifted"
+            text = request.text
+            if text is not None and not chunked and not self.parser.sites.known(text.sites_key):
+                # The second graph of its shape: where its literals are written, found once.
+                sites = find_sites(text.graph, text.found, self._resolver(request, limits))
+                self.parser.sites.learn(text.sites_key, text.found.text_key, sites)
         if keep:
             self.keep(request, program, stats)
         return program
+
+    def lift(self, request: Request, stats: Stats, keep: bool) -> Program | None:
+        """The program of a graph whose literals were read off its bytes (request.lifted),
+        from its shape's template; None if the template is gone (it is then compiled)."""
+        assert request.lifted is not None
+        started = time.perf_counter()
+        program = self.templates.instantiate(*request.lifted)
+        if program is None:
+            return None
+        stats.compile_ms = program.plan_ms = (time.perf_counter() - started) * 1000
+        stats.program = "lifted"
+        if keep:
+            self.keep(request, program, stats)
+        return program
+
+    def _resolver(self, request: Request, limits: Limits) -> Resolve:
+        """A graph's bytes to the lifting shape and literals it has in `request`'s place
+        (None if it is not a valid graph there)."""
+        inputs, grad_outputs = request.specs()
+
+        def resolve(graph: bytes) -> tuple[Hashable, list[float]] | None:
+            try:
+                return lifting_shape(
+                    parse_graph(graph),
+                    inputs,
+                    limits=limits,
+                    no_grad=request.no_grad,
+                    backward=request.backward,
+                    grad_outputs=grad_outputs,
+                    device=request.device,
+                )
+            except (GradserveError, ProblemError, JSONError):
+                return None
+
+        return resolve
 
     def keep(self, request: Request, program: Program, stats: Stats) -> None:
         """A program just compiled, kept in this process (and the store, in time)."""

@@ -114,17 +114,15 @@ class Programs:
     def program_key(
         self,
         graph_id: str,
-        inputs: Hashable,
-        grad_outputs: Hashable,
+        specs: bytes,
         no_grad: bool,
         backward: bool,
         device: str,
         budget: int | None = None,
     ) -> str:
-        """The program's key, from `_spec_key` tuples of the inputs and upstream
-        gradients; `budget`: the memory budget it was planned for, where that shapes it (a
-        backward that may recompute)."""
-        specs = orjson.dumps([_specs_json(inputs), _specs_json(grad_outputs)])
+        """The program's key, from the inputs' and upstream gradients' `spec_json`;
+        `budget`: the memory budget it was planned for, where that shapes it (a backward
+        that may recompute)."""
         return entry_name(
             "p",
             self.namespace(device),
@@ -147,11 +145,12 @@ class Programs:
         return graph_id
 
     def remember_graph(
-        self, graph_id: str, graph: GraphLike, canonical: bytes, raw_key: str | None
+        self, graph_id: str, graph: GraphLike | None, canonical: bytes, raw_key: str | None
     ) -> int:
-        """A graph just validated: held by id (and by its raw key), here and in the store.
+        """A graph just validated: held by id (and by its raw key), here and in the store
+        (`graph` None: held as its canonical JSON, validated when it is first needed).
         Returns how many graphs the process's cache evicted for it."""
-        evicted = self.graphs.put(graph_id, graph)
+        evicted = self.graphs.put(graph_id, canonical if graph is None else graph)
         if evicted >= 0 and self.store is not None and not self._stored(f"g-{graph_id}"):
             self.store.put(f"g-{graph_id}", canonical)  # (now: the next request may need it)
         if raw_key is not None and self._aliases.get(raw_key) is None:
@@ -164,7 +163,10 @@ class Programs:
         """The graph with this id, held here or in the store (`parse` makes the store's
         canonical JSON a GraphLike), or None."""
         graph = self.graphs.get(graph_id)
-        if graph is None and self.store is not None and is_graph_id(graph_id):
+        if isinstance(graph, bytes):  # (held as its canonical JSON)
+            graph = parse(graph)
+            self.graphs.replace(graph_id, graph)
+        elif graph is None and self.store is not None and is_graph_id(graph_id):
             found = self.store.get(f"g-{graph_id}")
             if found is not None:
                 graph = parse(bytes(found[0]))
@@ -365,10 +367,10 @@ class GraphCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._items: OrderedDict[str, tuple[GraphLike, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[GraphLike | bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, graph_id: str) -> GraphLike | None:
+    def get(self, graph_id: str) -> GraphLike | bytes | None:
         with self._lock:
             item = self._items.get(graph_id)
             if item is None:
@@ -376,23 +378,34 @@ class GraphCache:
             self._items.move_to_end(graph_id)
             return item[0]
 
-    def put(self, graph_id: str, graph: GraphLike) -> int:
-        """Hold `graph` (unless it alone is over the bound); returns how many were evicted
-        to make room, or -1 when it was held already."""
-        evicted = 0
+    def put(self, graph_id: str, graph: GraphLike | bytes) -> int:
+        """Hold `graph` (or its canonical JSON; unless it alone is over the bound); returns
+        how many were evicted to make room, or -1 when it was held already."""
         with self._lock:
             if graph_id in self._items:
                 self._items.move_to_end(graph_id)
                 return -1
-            size = graph_bytes(graph)
-            if size > self.max_bytes:
-                return 0
-            self._items[graph_id] = (graph, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, gone) = self._items.popitem(last=False)
-                self.bytes -= gone
-                evicted += 1
+            return self._hold(graph_id, graph)
+
+    def replace(self, graph_id: str, graph: GraphLike) -> None:
+        """A graph held as its canonical JSON, now parsed."""
+        with self._lock:
+            item = self._items.pop(graph_id, None)
+            if item is not None:
+                self.bytes -= item[1]
+            self._hold(graph_id, graph)
+
+    def _hold(self, graph_id: str, graph: GraphLike | bytes) -> int:
+        size = len(graph) if isinstance(graph, bytes) else graph_bytes(graph)
+        if size > self.max_bytes:
+            return 0
+        self._items[graph_id] = (graph, size)
+        self.bytes += size
+        evicted = 0
+        while self.bytes > self.max_bytes:
+            _, (_, gone) = self._items.popitem(last=False)
+            self.bytes -= gone
+            evicted += 1
         return evicted
 
     def __len__(self) -> int:
@@ -437,11 +450,16 @@ def _grant_name(tenant: str, graph_id: str) -> str:
     return entry_name("t", tenant, graph_id)
 
 
+def spec_json(inputs: Hashable, grad_outputs: Hashable) -> bytes:
+    """`_spec_key` tuples of the inputs and upstream gradients as a program key holds them."""
+    return orjson.dumps([_specs_json(inputs), _specs_json(grad_outputs)])
+
+
 def _specs_json(specs: Any) -> Any:
     """`_spec_key` tuples (name, shape, numpy dtype, requires_grad) as JSON values."""
     if specs is None:
         return None
-    return [[name, list(shape), str(dtype), rg] for name, shape, dtype, rg in specs]
+    return [[name, list(shape), dtype.name, rg] for name, shape, dtype, rg in specs]
 
 
 def _array_library(device: str) -> str:

@@ -35,7 +35,8 @@ from gradserve.engine.errors import (
 from gradserve.engine.graph import GraphLike, TensorSpec
 from gradserve.service import codec
 from gradserve.service.errors import ProblemError, pydantic_errors, schema_problem
-from gradserve.service.programs import Programs
+from gradserve.service.literals import Split, TextSites, split_numbers
+from gradserve.service.programs import Programs, spec_json
 from gradserve.service.schemas import (
     BackwardRequest,
     ForwardRequest,
@@ -126,6 +127,17 @@ def open_envelope(
 
 
 @dataclass(frozen=True)
+class GraphText:
+    """A graph sent in the body: its bytes, split into text and numbers, and the key its
+    literals' places go by (its text's, with the input specs and flags the program key
+    holds)."""
+
+    graph: bytes
+    found: Split
+    sites_key: str
+
+
+@dataclass(frozen=True)
 class Request:
     """A parsed, validated request: its graph (by id; the validated model when this
     process parsed it), how to run and answer it, its decoded tensors, its memory budget,
@@ -154,6 +166,11 @@ class Request:
     keep: KeepOutputs | None = None  # the values to keep on the server (a Keep: gradients too)
     # The held tensors it reads, locked against eviction until it ends (`release`).
     pins: Pins = field(default_factory=Pins)
+    # Its graph's bytes as sent, split (None: sent by id, or seen before by its bytes)...
+    text: GraphText | None = None
+    # ... and where their numbers gave its lifted literals: its lifting shape and literals'
+    # values (service/literals.py; its graph then was not validated: its text was).
+    lifted: tuple[Hashable, list[float]] | None = None
 
     @property
     def budget_shapes_program(self) -> bool:
@@ -178,6 +195,7 @@ class Parser:
         self.settings = settings
         self.programs = programs
         self.tensors = tensors  # (None: this process holds no tensors: every id is unknown)
+        self.sites = TextSites()  # where the literals of graphs' texts are written
         self._devices: dict[str | None, str] = {}  # request's device -> canonical name
 
     def device(self, spec: str | None) -> str:
@@ -204,8 +222,10 @@ class Parser:
 
     def _parse(self, envelope: Envelope, kind: str, tenant: str | None, pins: Pins) -> Request:
         started = time.perf_counter()
+        model = MODELS[kind]
         with collector.paused():  # (the parse makes acyclic objects by the 100,000)
-            data, req, graph_id, graph, evicted = self._validated(envelope, MODELS[kind], tenant)
+            v = self._validated(envelope, model, tenant)
+            data, req, graph_id, graph, evicted = v.data, v.req, v.graph_id, v.graph, v.evicted
             errors: list[GradserveError] = []
             specs: dict[str, TensorSpec] | None = None
             grad_specs: dict[str, TensorSpec] | None = None
@@ -230,6 +250,8 @@ class Parser:
                         "grad_outputs", req.grad_outputs, errors, binary, held
                     )
         if errors:
+            if v.unchecked is not None:  # (the graph's errors come first, as they would)
+                _validate(v.unchecked, model)
             raise ValidationErrors(errors)
         held.resolve()  # (409 listing every id unknown here, once the data is valid)
         path: str = ""
@@ -241,15 +263,31 @@ class Parser:
         device = self.device(req.device)
         budget = self._budget(req.memory_budget_bytes, no_grad)
         recompute = req.recompute == "auto"
-        key = self.programs.program_key(
-            graph_id,
-            _spec_key(inputs) if specs is None else _spec_tuple(specs),
-            _spec_key(grad_outputs) if specs is None else _spec_tuple(grad_specs),
+        spec_keys = (
+            spec_json(
+                _spec_key(inputs) if specs is None else _spec_tuple(specs),
+                _spec_key(grad_outputs) if specs is None else _spec_tuple(grad_specs),
+            ),
             no_grad,
             backward,
             device,
-            budget=budget if backward and recompute else None,
         )
+        shaping = budget if backward and recompute else None
+        key = self.programs.program_key(graph_id, *spec_keys, budget=shaping)
+        text = lifted = None
+        if v.found is not None:
+            assert v.graph_bytes is not None
+            sites_key = self.programs.program_key(v.found.text_key, *spec_keys, budget=shaping)
+            text = GraphText(v.graph_bytes, v.found, sites_key)
+            if v.unchecked is not None and specs is None:
+                lifted = self.sites.literals(sites_key, v.found.numbers)
+        if v.unchecked is not None:
+            if lifted is None:  # (its literals are not where they were: validated now)
+                graph, evicted = self._remember(v, model, tenant)
+            else:
+                assert v.canonical is not None
+                evicted = self.programs.remember_graph(graph_id, None, v.canonical, v.raw_key)
+                self.programs.grant(tenant, graph_id)
         return Request(
             kind=kind,
             graph_id=graph_id,
@@ -272,13 +310,16 @@ class Parser:
             tenant=tenant,
             keep=getattr(req, "keep", None),
             pins=pins,
+            text=text,
+            lifted=lifted,
         )
 
-    def _validated(
-        self, envelope: Envelope, model: type[Body], tenant: str | None
-    ) -> tuple[Any, Body, str, Graph | None, int]:
+    def _validated(self, envelope: Envelope, model: type[Body], tenant: str | None) -> _Validated:
         """The document's data, validated as `model`, its graph's id, the graph (when
-        parsed here), and how many graphs this process's cache evicted to hold it."""
+        parsed here), and how many graphs this process's cache evicted to hold it. A graph
+        whose text (all but its numbers) was seen with its literals' places found is left
+        `unchecked`: only its other members are validated, and the graph is, by `_remember`,
+        unless its numbers turn out to be a lifted program's literals."""
         graph_bytes, raw_key = envelope.graph_bytes, envelope.raw_key
         if graph_bytes is not None and raw_key is not None:
             graph_id = self.programs.alias(raw_key)
@@ -288,11 +329,29 @@ class Parser:
                 req = _validate(_with_id(rest, graph_id), model)
                 _check_id(req, graph_id)
                 self.programs.grant(tenant, graph_id)
-                return rest, req, graph_id, None, 0
+                return _Validated(rest, req, graph_id)
         data = _parse_members(envelope.members)
         if data is None:  # (not a JSON object, or a member that is not JSON: it says how)
             data = parse_json(envelope.document)
         self._check_sizes(data)
+        graph_data = data.get("graph") if isinstance(data, dict) else None
+        found = text = None
+        if graph_bytes is not None and isinstance(graph_data, dict):
+            text = bytes(graph_bytes)
+            found = split_numbers(text)
+            if self.sites.seen(found.text_key):
+                canonical = canonical_graph(graph_data)
+                graph_id = id_of_canonical(canonical)
+                rest = {k: v for k, v in data.items() if k != "graph"}
+                try:
+                    req = _validate(_with_id(rest, graph_id), model)
+                    _check_id(req, graph_id)
+                except ProblemError:
+                    _validate(data, model)  # (what is wrong, the graph's errors with the rest)
+                    raise
+                return _Validated(
+                    rest, req, graph_id, None, 0, found, text, data, canonical, raw_key
+                )
         req = _validate(data, model)
         graph = req.graph
         if graph is None:  # sent by id
@@ -300,13 +359,22 @@ class Parser:
             assert graph_id is not None  # (the models' rule: a graph or its id)
             if not self.programs.granted(tenant, graph_id):
                 raise graph_unknown(graph_id)
-            return data, req, graph_id, None, 0
+            return _Validated(data, req, graph_id)
         canonical = canonical_graph(data["graph"])
         graph_id = id_of_canonical(canonical)
         _check_id(req, graph_id)
         evicted = self.programs.remember_graph(graph_id, graph, canonical, raw_key)
         self.programs.grant(tenant, graph_id)
-        return data, req, graph_id, graph, evicted
+        return _Validated(data, req, graph_id, graph, evicted, found, text)
+
+    def _remember(self, v: _Validated, model: type[Body], tenant: str | None) -> tuple[Graph, int]:
+        """An unchecked graph validated (as the whole document would have been), and held."""
+        assert v.unchecked is not None and v.canonical is not None
+        graph = _validate(v.unchecked, model).graph
+        assert graph is not None
+        evicted = self.programs.remember_graph(v.graph_id, graph, v.canonical, v.raw_key)
+        self.programs.grant(tenant, v.graph_id)
+        return graph, evicted
 
     def _check_sizes(self, data: Any) -> None:
         """The request's counts, before its models are built: a body of a million tiny
@@ -352,10 +420,26 @@ class Parser:
         or in the store); 409 when nobody holds it."""
         if request.graph is not None:
             return request.graph
-        graph = self.programs.graph(request.graph_id, _parse_graph)
+        graph = self.programs.graph(request.graph_id, parse_graph)
         if graph is None:
             raise graph_unknown(request.graph_id)
         return graph
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """What `Parser._validated` found (see there)."""
+
+    data: Any
+    req: Body
+    graph_id: str
+    graph: Graph | None = None
+    evicted: int = 0
+    found: Split | None = None  # its graph's bytes, split (a graph sent in the body)
+    graph_bytes: bytes | None = None
+    unchecked: Any = None  # the whole document, where its graph was not validated
+    canonical: bytes | None = None
+    raw_key: str | None = None
 
 
 def parse_json(document: bytes | memoryview) -> Any:
@@ -381,8 +465,8 @@ def _validate(data: Any, model: type[W]) -> W:
         raise schema_problem(pydantic_errors(exc)) from None
 
 
-def _parse_graph(canonical: bytes) -> Graph:
-    """A graph held by id (its canonical JSON, validated when it was first sent)."""
+def parse_graph(canonical: bytes) -> Graph:
+    """A graph from its JSON alone (held by id: its canonical JSON), validated."""
     return _validate(codec.loads(canonical), Graph)
 
 

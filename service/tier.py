@@ -145,7 +145,9 @@ def predict(program: Program, compile_scale: float = 1.0) -> Prediction:
     cost = program.compute_cost
     compiled = compiled_steps(program)
     if compiled >= ROLL_LOOKED_AT_STEPS:
-        compiled = int(compiled * rolled_fraction(program))
+        if program.rolled_fraction is None:
+            program.rolled_fraction = rolled_fraction(program)
+        compiled = int(compiled * program.rolled_fraction)
     return Prediction(
         interpreted_ms=executed * INTERPRETER_STEP_MS + cost / INTERPRETER_UNITS_MS,
         xla_ms=XLA_CALL_MS

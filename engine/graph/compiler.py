@@ -307,32 +307,15 @@ def _compile(
 ) -> Program:
     started = time.perf_counter()
     limits = limits or Limits()
-    errors = _Errors(limits.max_errors)
-    _check_sizes(spec, inputs, limits, errors)
-
-    resolver = _Resolver(limits, errors)
-    scope = _Scope(None, ("graph", "nodes"))
-    for name, tspec in inputs.items():
-        scope.names[name] = resolver.new_key()
-        if tspec.requires_grad and tspec.dtype not in FLOATS:
-            errors.add(
-                GradserveError(
-                    f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
-                    'can require gradients; give it a floating dtype ("dtype": "float32" '
-                    'or "float64")',
-                    loc=("inputs", name, "requires_grad"),
-                )
-            )
-    graph = resolver.graph(spec.nodes, scope, ordered=False)
-    named_outputs = _outputs(spec.outputs, scope, resolver, errors)
-    errors.raise_if_any()
+    graph, named_outputs, scope, errors = _resolve(spec, inputs, limits)
     lifting = (
         None
         if templates is None
         else _shape(graph, named_outputs, inputs, grad_outputs, no_grad, backward, device, limits)
     )
     if lifting is not None:
-        lifted = templates.instantiate(*lifting)  # type: ignore[union-attr]
+        shape, literals = lifting
+        lifted = templates.instantiate(shape, [float(g.lit.value) for g in literals])  # type: ignore[union-attr]
         if lifted is not None:
             lifted.plan_ms = (time.perf_counter() - started) * 1000
             return lifted
@@ -381,6 +364,54 @@ def _compile(
     if lifting is not None:
         templates.learn(*lifting, program)  # type: ignore[union-attr]
     return program
+
+
+def lifting_shape(
+    spec: GraphLike,
+    inputs: Mapping[str, TensorSpec],
+    *,
+    limits: Limits | None = None,
+    no_grad: bool = False,
+    backward: bool = False,
+    grad_outputs: Mapping[str, TensorSpec] | None = None,
+    device: str = "cpu",
+) -> tuple[tuple[Any, ...], list[float]] | None:
+    """What `compile_graph` keys its templates by (engine.graph.lifting), without compiling:
+    the graph's shape and its float literals' values in order; None for a graph with loops.
+    Raises ValidationErrors as compile_graph does."""
+    with collector.paused():
+        limits = limits or Limits()
+        graph, named_outputs, _, _ = _resolve(spec, inputs, limits)
+        lifting = _shape(
+            graph, named_outputs, inputs, grad_outputs, no_grad, backward, device, limits
+        )
+    return None if lifting is None else (lifting[0], [float(g.lit.value) for g in lifting[1]])
+
+
+def _resolve(
+    spec: GraphLike, inputs: Mapping[str, TensorSpec], limits: Limits
+) -> tuple[list[_Node], list[tuple[str, int]], _Scope, _Errors]:
+    """The graph's nodes resolved (names to keys, exprs parsed) and its named outputs, with
+    the scope and errors the compile goes on with; raises what makes it invalid."""
+    errors = _Errors(limits.max_errors)
+    _check_sizes(spec, inputs, limits, errors)
+    resolver = _Resolver(limits, errors)
+    scope = _Scope(None, ("graph", "nodes"))
+    for name, tspec in inputs.items():
+        scope.names[name] = resolver.new_key()
+        if tspec.requires_grad and tspec.dtype not in FLOATS:
+            errors.add(
+                GradserveError(
+                    f"input {quoted(name)} has dtype {tspec.dtype}: only floating point tensors "
+                    'can require gradients; give it a floating dtype ("dtype": "float32" '
+                    'or "float64")',
+                    loc=("inputs", name, "requires_grad"),
+                )
+            )
+    graph = resolver.graph(spec.nodes, scope, ordered=False)
+    named_outputs = _outputs(spec.outputs, scope, resolver, errors)
+    errors.raise_if_any()
+    return graph, named_outputs, scope, errors
 
 
 def _finish(

@@ -103,6 +103,12 @@ class Program:
     # sums keep no order, leaves the program to the interpreter.
     index_ordered: bool = False
     lifted: bool = False  # another program's, with new float literals (engine.graph.lifting)
+    # Counted when first asked (engine.graph.scan's executed_steps and compiled_steps, and
+    # compiler.rolled_fraction): a lifted program shares its template's counts (the same
+    # steps; only how much of it rolls may differ with its literals, a prediction's figure).
+    executed_count: int | None = None
+    compiled_count: int | None = None
+    rolled_fraction: float | None = None
     run: Any = None  # the steps bound to a backend's kernels (engine.graph.executor.Bound)
 
     @property

@@ -72,17 +72,17 @@ class Template:
             self.keys[self.group[k]] = literal_key(literal.lit.value)
         self.literals = None
 
-    def instantiate(self, literals: Sequence[GraphLiteral]) -> Program | None:
-        """The program of a graph of this shape with these literals, or None where a fixed
-        one differs (or two of one group do). (Its `plan_ms` is the compiler's to set.)"""
+    def instantiate(self, literals: Sequence[float]) -> Program | None:
+        """The program of a graph of this shape with these literals' values, or None where
+        a fixed one differs (or two of one group do). (Its `plan_ms` is the compiler's to
+        set.)"""
         if self.literals is not None:
             self._find_sites(self.literals)
         if len(literals) != len(self.group):
             return None
         keys: list[Hashable] = [None] * len(self.sites)
         values: list[float | None] = [None] * len(self.sites)  # per group: a new value
-        for k, literal in enumerate(literals):
-            value = literal.lit.value
+        for k, value in enumerate(literals):
             key = literal_key(value)
             g = self.group[k]
             if keys[g] is None:
@@ -177,8 +177,9 @@ class Templates:
         self._held: OrderedDict[Hashable, Template] = OrderedDict()
         self._lock = threading.Lock()
 
-    def instantiate(self, shape: Hashable, literals: Sequence[GraphLiteral]) -> Program | None:
-        """The program of a graph of `shape` with `literals`, from its template, or None."""
+    def instantiate(self, shape: Hashable, literals: Sequence[float]) -> Program | None:
+        """The program of a graph of `shape` with its float literals' values `literals`
+        (in the graph's order), from its template, or None."""
         with self._lock:
             template = self._held.get(shape)
             if template is None:

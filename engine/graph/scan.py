@@ -39,7 +39,6 @@ engine.graph.executor).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,15 +200,11 @@ SCAN = OpDef(
 OUTER, MADE = -1, -2
 
 
-_executed: weakref.WeakKeyDictionary[Program, int] = weakref.WeakKeyDictionary()
-
-
 def executed_steps(program: Program) -> int:
     """The steps a run executes: a loop's body's as many times as it iterates (what the
     interpreter's overhead a step multiplies; the fast lane's bound). Counted once a
     program."""
-    count = _executed.get(program)
-    if count is None:
+    if program.executed_count is None:
         count = 0
         for step in program.steps:
             body = step.attrs.get("body") if step.op is SCAN else None
@@ -217,19 +212,21 @@ def executed_steps(program: Program) -> int:
                 count += executed_steps(body.program) * max(body.length, 1)
             else:
                 count += 1
-        _executed[program] = count
-    return count
+        program.executed_count = count
+    return program.executed_count
 
 
 def compiled_steps(program: Program) -> int:
-    """The steps XLA compiles: a loop's body once."""
-    count = 0
-    for step in program.steps:
-        body = step.attrs.get("body") if step.op is SCAN else None
-        count += 1 + (
-            compiled_steps(body.program) if body is not None and body.program is not None else 0
-        )
-    return count
+    """The steps XLA compiles: a loop's body once. Counted once a program."""
+    if program.compiled_count is None:
+        count = 0
+        for step in program.steps:
+            body = step.attrs.get("body") if step.op is SCAN else None
+            count += 1 + (
+                compiled_steps(body.program) if body is not None and body.program is not None else 0
+            )
+        program.compiled_count = count
+    return program.compiled_count
 
 
 def carry_sources(body: Body, program: Program) -> tuple[list[int], list[int]]:
