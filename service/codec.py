@@ -130,6 +130,15 @@ def loads_tensors(raw: bytes | memoryview) -> Any:
         return loads(bytes(raw))  # (which says what is wrong)
     if all(len(f.get("data", b"")) < NUMBERS_MIN_BYTES for f in fields.values()):
         return loads(bytes(raw))
+    return tensors_of_fields(fields)
+
+
+TensorFields = dict[str, dict[str, msgspec.Raw]]  # a tensors member split: name -> field -> raw
+
+
+def tensors_of_fields(fields: TensorFields) -> Any:
+    """A tensors member already split into its tensors' fields, parsed as `loads_tensors`
+    parses the member."""
     return {
         name: {
             key: (_data(value) if key == "data" else loads(bytes(value)))
@@ -173,16 +182,41 @@ def _numbers(text: bytes) -> Numbers | None:
         values = doc.as_buffer(of_type="d" if kind == "f" else "i")  # (every number, flat)
     except (ValueError, TypeError, RuntimeError):  # not a number of that kind, or too large
         return None
-    # Every number is one of the buffer's: the array is that rectangular `shape` if its
-    # text holds no bracket but its first (one dim), or if what is left of it without its
-    # numbers is the nesting of `shape` exactly (`[[,],[,]]` for 2 x 2).
+    # Every number is one of the buffer's, and the buffer holds as many as `shape` (an
+    # empty row of a column, `[[1],[],[2]]`, has the nesting of 3 x 1). The array is that
+    # rectangular `shape` if its text holds no bracket but its first (one dim), or if what
+    # is left of it without its numbers is the nesting of `shape` exactly (`[[,],[,]]` for
+    # 2 x 2); or, where its rows are few for its text (a matrix), if each row has its
+    # length in `shape` and the text holds as many brackets as `shape` has arrays.
+    if memoryview(values).nbytes // 8 != math.prod(shape):
+        return None
     if len(shape) == 1:
         if text.find(b"[", 1) != -1:
+            return None
+    elif math.prod(shape[:-1]) * BYTES_A_ROW <= len(text):
+        if not _rectangular(doc, shape):
+            return None
+        if text.count(b"[") != sum(math.prod(shape[:d]) for d in range(len(shape))):
             return None
     elif text.translate(None, _NUMBER_CHARS) != _nesting(shape):
         return None
     array = np.frombuffer(values, np.float64 if kind == "f" else np.int64)
     return Numbers(array.reshape(shape), kind)
+
+
+BYTES_A_ROW = 64  # a row looked at costs what a translate of this many bytes does
+
+
+def _rectangular(doc: Any, shape: list[int]) -> bool:
+    """Whether every array of `doc` down to its last dim has its length in `shape` (each
+    array at depth d < ndim - 1 holding arrays only)."""
+    level = [doc]
+    for d, n in enumerate(shape):
+        if any(type(a) is not simdjson.Array or len(a) != n for a in level):
+            return False
+        if d < len(shape) - 1:
+            level = [row for a in level for row in a]
+    return True
 
 
 def _nesting(shape: list[int]) -> bytes:

@@ -65,6 +65,22 @@ MODELS: dict[str, type[Body]] = {
 # Splits a JSON object into its members, each left as raw bytes (validated as JSON, not
 # parsed into objects): what finds a graph by its bytes without parsing it.
 _MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# A large document is split in one pass down to its tensors' fields (a second scan of its
+# tensors' megabytes would cost as much as the first): the requests' members, the tensors'
+# split (codec.TensorFields). A member of another name, or a tensor that is not an object
+# (bare data), fails it: the document is then split as any other.
+TENSOR_MEMBERS = frozenset({"inputs", "grad_outputs"})
+SPLIT_DEEP_BYTES = 256 << 10
+_DEEP = msgspec.json.Decoder(
+    msgspec.defstruct(
+        "Document",
+        [
+            (name, codec.TensorFields if name in TENSOR_MEMBERS else msgspec.Raw, msgspec.UNSET)
+            for name in sorted({n for model in MODELS.values() for n in model.model_fields})
+        ],
+        forbid_unknown_fields=True,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +90,10 @@ class Envelope:
     graph's bytes as sent (None: no graph in the body)."""
 
     document: bytes | memoryview  # (a view where the body lies in shared memory)
-    members: Mapping[str, memoryview] | None
+    members: Mapping[str, memoryview] | None  # (tensors members: in `tensors`, if split)
     tail: memoryview | None
     raw_key: str | None
+    tensors: Mapping[str, codec.TensorFields] | None = None  # a large document's, split
 
     @property
     def graph_bytes(self) -> memoryview | None:
@@ -112,18 +129,40 @@ def open_envelope(
         except FramingError as err:
             raise framing_problem(err) from None
         document = bytes(head)
-    try:
-        members: dict[str, memoryview] | None = {
-            k: memoryview(v) for k, v in _MEMBERS.decode(document).items()
-        }
-    except (msgspec.DecodeError, ValueError, RecursionError):  # (RecursionError: too deep)
-        members = None
+    members, tensors = _split(document)
     graph = None if members is None else members.get("graph")
     if graph is None or graph == b"null":
         raw_key = None
     elif raw_key is None:
         raw_key = programs.raw_key(graph)
-    return Envelope(document, members, tail, raw_key)
+    return Envelope(document, members, tail, raw_key, tensors)
+
+
+def _split(
+    document: bytes | memoryview,
+) -> tuple[dict[str, memoryview] | None, dict[str, codec.TensorFields] | None]:
+    """A document's members, and (a large one's) its tensors members split (None, None:
+    not a JSON object, which the parse then says)."""
+    try:
+        if len(document) >= SPLIT_DEEP_BYTES:
+            try:
+                deep = _DEEP.decode(document)
+            except msgspec.ValidationError:
+                pass
+            else:
+                members, tensors = {}, {}
+                for name in deep.__struct_fields__:
+                    value = getattr(deep, name)
+                    if value is msgspec.UNSET:
+                        continue
+                    if name in TENSOR_MEMBERS:
+                        tensors[name] = value
+                    else:
+                        members[name] = memoryview(value)
+                return members, tensors
+        return {k: memoryview(v) for k, v in _MEMBERS.decode(document).items()}, None
+    except (msgspec.DecodeError, ValueError, RecursionError):  # (RecursionError: too deep)
+        return None, None
 
 
 @dataclass(frozen=True)
@@ -323,14 +362,14 @@ class Parser:
         graph_bytes, raw_key = envelope.graph_bytes, envelope.raw_key
         if graph_bytes is not None and raw_key is not None:
             graph_id = self.programs.alias(raw_key)
-            rest = None if graph_id is None else _parse_members(envelope.members, skip="graph")
+            rest = None if graph_id is None else _parse_members(envelope, skip="graph")
             if rest is not None and graph_id is not None:  # a graph seen before, by its bytes
                 self._check_sizes(rest)
                 req = _validate(_with_id(rest, graph_id), model)
                 _check_id(req, graph_id)
                 self.programs.grant(tenant, graph_id)
                 return _Validated(rest, req, graph_id)
-        data = _parse_members(envelope.members)
+        data = _parse_members(envelope)
         if data is None:  # (not a JSON object, or a member that is not JSON: it says how)
             data = parse_json(envelope.document)
         self._check_sizes(data)
@@ -470,24 +509,21 @@ def parse_graph(canonical: bytes) -> Graph:
     return _validate(codec.loads(canonical), Graph)
 
 
-# The members that hold tensors: their large arrays of numbers are read as arrays.
-TENSOR_MEMBERS = frozenset({"inputs", "grad_outputs"})
-
-
-def _parse_members(
-    members: Mapping[str, memoryview] | None, skip: str | None = None
-) -> dict[str, Any] | None:
+def _parse_members(envelope: Envelope, skip: str | None = None) -> dict[str, Any] | None:
     """Every member but `skip` parsed as the full parse would (the tensors' members by
     `codec.loads_tensors`), or None where that parse would refuse one (it then runs, and
     says what is wrong)."""
-    if members is None:
+    if envelope.members is None:
         return None
     try:
-        return {
+        parsed = {
             k: codec.loads_tensors(v) if k in TENSOR_MEMBERS else codec.loads(bytes(v))
-            for k, v in members.items()
+            for k, v in envelope.members.items()
             if k != skip
         }
+        for k, fields in (envelope.tensors or {}).items():
+            parsed[k] = codec.tensors_of_fields(fields)
+        return parsed
     except codec.JSONError:
         return None
 

@@ -222,6 +222,9 @@ BIG = 2000  # numbers: well past codec.NUMBERS_MIN_BYTES
         {"x": {"data": [_numbers(50, k) for k in range(40)] + [[_numbers(50)]]}},  # deeper
         {"x": {"data": [*_numbers(BIG), [1.5]]}},  # a list among numbers
         {"x": {"data": [[] for _ in range(BIG)]}},  # empty rows
+        {"x": {"data": [[v] for v in _numbers(BIG)], "dtype": "float64"}},  # a column
+        {"x": {"data": [[v] for v in _numbers(BIG)] + [[]]}},  # a column, a row empty
+        {"x": {"data": [_numbers(51), _numbers(49)] + [_numbers(50, k) for k in range(40)]}},
         {"x": {"data": [[True, False] * 50 for _ in range(30)], "dtype": "bool"}},
         {"x": {"data": [1e308, -1e308, 5e-324, -0.0, 0.0, 2.2250738585072014e-308] * 400}},
         {"x": {"data": _numbers(BIG), "dtype": "float64"}, "y": {"data": [1.0, 2.0]}},
@@ -283,3 +286,50 @@ def test_large_arrays_are_read_as_arrays_not_python_numbers() -> None:
     assert isinstance(tensors["x"]["data"], codec.Numbers)
     assert tensors["x"]["data"].kind == "f"
     assert tensors["y"]["data"] == [1.0, 2.0]  # (small: the general parse)
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"graph_id": "0" * 32, "inputs": {"x": {"data": _numbers(20 * BIG)}}, "no_grad": True},
+        {"graph_id": "0" * 32, "inputs": {"x": _numbers(20 * BIG)}},  # bare data
+        {"graph_id": "0" * 32, "inputs": {"x": {"data": _numbers(20 * BIG)}}, "other": 1},
+        {
+            "graph": {"nodes": [{"id": "y", "expr": "x * 2.0"}], "outputs": ["y"]},
+            "inputs": {"x": {"data": np.reshape(_numbers(20 * BIG), (200, 200)).tolist()}},
+            "grad_outputs": {"y": {"data": _numbers(20 * BIG), "shape": [200, 200]}},
+        },
+        {"inputs": {"x": {"data": [*_numbers(20 * BIG), "a"]}}, "inputs2": None},
+    ],
+    ids=["members", "bare-data", "unknown-member", "both-tensors", "bad-data"],
+)
+def test_a_large_document_split_in_one_pass_parses_as_split_member_by_member(
+    document: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """request._split splits a document of SPLIT_DEEP_BYTES or more down to its tensors'
+    fields in one pass (or, where it cannot, member by member): the members it parses
+    to are the same either way."""
+    from gradserve.service import request
+    from gradserve.service.programs import Programs
+    from gradserve.service.settings import Settings
+
+    raw = json.dumps(document).encode()
+    programs = Programs(Settings(program_store_bytes=0))
+    parsed = []
+    for deep_from in (0, math.inf):
+        monkeypatch.setattr(request, "SPLIT_DEEP_BYTES", deep_from)
+        envelope = request.open_envelope(raw, None, programs)
+        members = request._parse_members(envelope)
+        assert members is not None
+        parsed.append({k: _plain(v) for k, v in members.items()})
+    assert parsed[0] == parsed[1]
+    assert parsed[0].keys() == document.keys()
+
+
+def _plain(value: object) -> object:
+    """A parsed member with its Numbers as lists (to compare)."""
+    if isinstance(value, codec.Numbers):
+        return (value.kind, value.array.tolist())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
