@@ -333,3 +333,39 @@ def _plain(value: object) -> object:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def test_both_rectangularity_checks_read_arrays_as_numpy_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """codec._numbers checks that an array is rectangular on its parsed rows where they are
+    few for its text, else on its text without its numbers: on arrays made ragged, deeper
+    or not numbers at random, both accept what NumPy reads as a numeric array, as it
+    reads it, and nothing else."""
+    rng = np.random.default_rng(5)
+    edits = [b"[", b"]", b",", b"", b"1", b"1.5", b"[2]", b" ", b"null", b'"["', b"[]"]
+    texts = [b"[[0],[],[2]]", b"[[1,[2]],[3,4]]", b"[[[1,2],[3,4]],[[5,6,7],[8]]]"]
+    for _ in range(2000):
+        shape = tuple(rng.integers(1, 5, rng.integers(1, 5)))
+        text = bytearray(json.dumps(np.arange(math.prod(shape)).reshape(shape).tolist()).encode())
+        for _ in range(rng.integers(0, 3)):
+            at = int(rng.integers(len(text)))
+            text[at : at + 1] = edits[rng.integers(len(edits))]
+        texts.append(bytes(text))
+    for text in texts:
+        read = []
+        for bytes_a_row in (0, 1 << 62):  # rows always few / always many
+            monkeypatch.setattr(codec, "BYTES_A_ROW", bytes_a_row)
+            read.append(codec._numbers(text))
+        try:
+            want = np.array(json.loads(text))
+        except (ValueError, TypeError):
+            want = None
+        numeric = want is not None and want.size > 0 and want.dtype.kind in "if"
+        for got in read:
+            if got is None:
+                continue
+            assert numeric, text
+            assert want is not None and got.array.shape == want.shape, text
+            assert np.array_equal(got.array, want), text
+        assert (read[0] is None) == (read[1] is None), text
