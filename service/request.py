@@ -292,7 +292,12 @@ class Parser:
             if v.unchecked is not None:  # (the graph's errors come first, as they would)
                 _validate(v.unchecked, model)
             raise ValidationErrors(errors)
-        held.resolve()  # (409 listing every id unknown here, once the data is valid)
+        try:
+            held.resolve()  # (409 listing every id unknown here, once the data is valid)
+        except ProblemError:
+            if v.unchecked is not None:  # (likewise)
+                _validate(v.unchecked, model)
+            raise
         path: str = ""
         if isinstance(req, PlanRequest):
             no_grad, backward, path = req.path == "no_grad", req.path == "backward", req.path

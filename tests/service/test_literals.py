@@ -229,6 +229,7 @@ async def test_bad_input_with_a_known_text_is_refused_as_a_fresh_server_refuses_
         {"inputs": {"w": {"data": [[1.0, 2.0]], "dtype": "float64", "requires_grad": "yes"}}},
         {"inputs": {"w": {"data": [[1.0, "a"]], "dtype": "float64"}}},
         {"graph_id": "0" * 32},
+        {"inputs": {"w": {"tensor_id": "0" * 32}}},  # held by nobody: 409
         {"no_grad": 3},
     ]
     answers: list[list[tuple[int, Any]]] = []
