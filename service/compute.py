@@ -10,7 +10,7 @@ process for the rest (service/worker.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +21,7 @@ from gradserve.engine.graph import (
     Limits,
     Program,
     RunResult,
+    TensorSpec,
     check_budgets,
     compile_graph,
     execute,
@@ -263,7 +264,8 @@ class Compute:
             text = request.text
             if text is not None and not chunked and not self.parser.sites.known(text.sites_key):
                 # The second graph of its shape: where its literals are written, found once.
-                sites = find_sites(text.graph, text.found, self._resolver(request, limits))
+                resolve = self._resolver(request, inputs, grad_outputs, limits)
+                sites = find_sites(text.graph, text.found, resolve)
                 self.parser.sites.learn(text.sites_key, text.found.text_key, sites)
         if keep:
             self.keep(request, program, stats)
@@ -283,10 +285,15 @@ class Compute:
             self.keep(request, program, stats)
         return program
 
-    def _resolver(self, request: Request, limits: Limits) -> Resolve:
+    def _resolver(
+        self,
+        request: Request,
+        inputs: Mapping[str, TensorSpec],
+        grad_outputs: Mapping[str, TensorSpec] | None,
+        limits: Limits,
+    ) -> Resolve:
         """A graph's bytes to the lifting shape and literals it has in `request`'s place
-        (None if it is not a valid graph there)."""
-        inputs, grad_outputs = request.specs()
+        (its specs, `limits`; None if it is not a valid graph there)."""
 
         def resolve(graph: bytes) -> tuple[Hashable, list[float]] | None:
             try:

@@ -20,6 +20,7 @@ whole way (parsed, validated, resolved and compiled), as any graph does.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -103,7 +104,11 @@ class Sites:
     values: tuple[float, ...]
     number_of: tuple[int | None, ...]
     numbers: tuple[bytes, ...]
-    lifted: frozenset[int]  # the numbers that give a literal
+
+    @functools.cached_property
+    def lifted(self) -> frozenset[int]:
+        """The numbers that give a literal."""
+        return frozenset(i for i in self.number_of if i is not None)
 
     def literals(self, numbers: Sequence[bytes]) -> list[float] | None:
         """The literals' values of a graph of this text with `numbers`, or None where it
@@ -156,7 +161,7 @@ def find_sites(graph: bytes, found: Split, resolve: Resolve) -> Sites | None:
         sentinels[i] = sentinel
     if not sentinels:
         return None
-    lifting_moved = resolve(_rewrite(graph, found, sentinels))
+    lifting_moved = resolve(_rewrite(graph, sentinels))
     if lifting_moved is None or lifting_moved[0] != shape or len(lifting_moved[1]) != len(values):
         return None
     by_sentinel = {literal_key(s): i for i, s in sentinels.items()}
@@ -169,13 +174,12 @@ def find_sites(graph: bytes, found: Split, resolve: Resolve) -> Sites | None:
             number_of.append(None)
         else:  # (a literal computed from numbers: not one of them as written)
             return None
-    lifted = frozenset(i for i in number_of if i is not None)
-    if not lifted:
+    if all(i is None for i in number_of):
         return None
-    return Sites(shape, tuple(values), tuple(number_of), tuple(numbers), lifted)
+    return Sites(shape, tuple(values), tuple(number_of), tuple(numbers))
 
 
-def _rewrite(graph: bytes, found: Split, sentinels: dict[int, float]) -> bytes:
+def _rewrite(graph: bytes, sentinels: dict[int, float]) -> bytes:
     """`graph` with the numbers of `sentinels` written as their sentinels."""
     out: list[bytes] = []
     at = 0

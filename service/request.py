@@ -394,7 +394,14 @@ class Parser:
                     _validate(data, model)  # (what is wrong, the graph's errors with the rest)
                     raise
                 return _Validated(
-                    rest, req, graph_id, None, 0, found, text, data, canonical, raw_key
+                    rest,
+                    req,
+                    graph_id,
+                    found=found,
+                    graph_bytes=text,
+                    unchecked=data,
+                    canonical=canonical,
+                    raw_key=raw_key,
                 )
         req = _validate(data, model)
         graph = req.graph
@@ -409,7 +416,7 @@ class Parser:
         _check_id(req, graph_id)
         evicted = self.programs.remember_graph(graph_id, graph, canonical, raw_key)
         self.programs.grant(tenant, graph_id)
-        return _Validated(data, req, graph_id, graph, evicted, found, text)
+        return _Validated(data, req, graph_id, graph, evicted, found=found, graph_bytes=text)
 
     def _remember(self, v: _Validated, model: type[Body], tenant: str | None) -> tuple[Graph, int]:
         """An unchecked graph validated (as the whole document would have been), and held."""
