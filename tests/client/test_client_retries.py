@@ -40,6 +40,7 @@ from gradserve.client.http import (
     GradserveHTTPError,
     Retry,
 )
+from gradserve.client.transport import Http11Transport
 from tests.support.server import ROOT, Server, free_port, stop_server
 
 pytestmark = pytest.mark.integration
@@ -166,7 +167,7 @@ class _Tapping:
 class Tap(_Tapping, httpx.BaseTransport):
     def __init__(self, script: list[Scripted] | None = None) -> None:
         super().__init__(script)
-        self.inner = httpx.HTTPTransport()
+        self.inner = Http11Transport()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         body = request.read()
