@@ -13,7 +13,8 @@ httpx's, so the client's retries read them as they read httpcore's.
 It speaks what the service and a balancer in front of it answer: `Content-Length` bodies,
 chunked ones, and bodies that end with the connection; keep-alive connections, one per
 thread at a time, pooled per host (a connection the server has closed while idle is
-dropped before it is reused). `https://` URLs go to httpx's own transport (`Client`).
+dropped before it is reused). `Client` sends `https://`, and what the environment's
+proxies take, through httpx's own transport.
 """
 
 from __future__ import annotations

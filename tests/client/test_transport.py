@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from gradserve import Client
 from gradserve.client.transport import IOV_MAX, Http11Transport
 
 Handler = Callable[[socket.socket, "Script"], None]
@@ -332,3 +333,49 @@ def test_only_plain_http_is_spoken() -> None:
         pytest.raises(httpx.UnsupportedProtocol, match="'https'"),
     ):
         client.get("https://127.0.0.1:1/")
+
+
+# ------------------------------------------------------------------ the client on it
+LISTING = ok(
+    b'{"tensors": [], "quota_bytes": 0, "used_bytes": 0}', b"Content-Type: application/json\r\n"
+)
+
+
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("http_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+def test_the_client_sends_its_headers_straight_to_the_server(
+    scripts: Scripts, no_proxies: pytest.MonkeyPatch
+) -> None:
+    server = scripts(answering(LISTING))
+    with Client(server.url + "/prefix", api_key="k-1", retries=0) as gs:
+        assert gs.tensors()["tensors"] == []
+        assert gs.tensors()["quota_bytes"] == 0
+    assert server.accepted == 1
+    head = server.requests[0][0].lower()
+    assert head.startswith(b"get /prefix/tensors http/1.1\r\n")
+    assert b"\r\nhost: 127.0.0.1:%d\r\n" % server.port in head
+    assert b"\r\nx-api-key: k-1\r\n" in head
+    assert b"\r\nx-gradserve-tensors: " in head  # (the affinity header, once)
+    assert head.count(b"\r\naccept:") == 1
+
+
+@pytest.mark.parametrize("variable", ["HTTP_PROXY", "http_proxy", "ALL_PROXY"])
+def test_a_proxy_of_the_environment_is_used_unless_no_proxy_says_not(
+    scripts: Scripts, no_proxies: pytest.MonkeyPatch, variable: str
+) -> None:
+    proxy, server = scripts(answering(LISTING)), scripts(answering(LISTING))
+    no_proxies.setenv(variable, proxy.url)
+    with Client(server.url, retries=0) as gs:
+        gs.tensors()
+    assert [len(proxy.requests), len(server.requests)] == [1, 0]
+    assert proxy.requests[0][0].startswith(b"GET %s/tensors HTTP/1.1" % server.url.encode())
+    no_proxies.setenv("NO_PROXY", "127.0.0.1")
+    with Client(server.url, retries=0) as gs:
+        gs.tensors()
+    assert [len(proxy.requests), len(server.requests)] == [1, 1]
