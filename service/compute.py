@@ -87,6 +87,9 @@ class Stats:
     loads: list[str] = field(default_factory=list)
     predictions: list[tuple[str, float, float]] = field(default_factory=list)
     tensor_evictions: int = 0  # held tensors that process evicted since it last reported
+    # The key of its graph's text (all but its numbers: service/literals.py) when its
+    # program was lifted: graphs of that text come with new literals, and share a program.
+    text_key: str | None = None
 
 
 class Misplaced(Exception):
@@ -219,6 +222,8 @@ class Compute:
                     key, program, request.device, stats.compile_ms or 0.0
                 )
         stats.program_key = key
+        if stats.program == "lifted" and request.text is not None:
+            stats.text_key = request.text.found.text_key
         stats.compute_cost, stats.steps = program.compute_cost, executed_steps(program)
         stats.planned_peak_bytes = program.planned_peak_bytes
         if bounds is not None:

@@ -18,6 +18,7 @@ which the admission queue and the worker pool share.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -36,11 +37,13 @@ from gradserve.service.compute import Compute, Misplaced, Stats, warm_up
 from gradserve.service.encode import Reply
 from gradserve.service.errors import ProblemError
 from gradserve.service.ledger import Ledger, overloaded
+from gradserve.service.literals import split_numbers
 from gradserve.service.lowering import Lowerer
 from gradserve.service.metrics import Metrics
 from gradserve.service.placement import (
     IDLE_MAX_BODY_BYTES,
     KNOWN_MAX_DOCUMENT_BYTES,
+    NEW_MAX_NODES,
     Facts,
     Lane,
     Placement,
@@ -326,11 +329,20 @@ class Front:
         )
         graph_id, nodes = envelope.graph_id, None
         graph = envelope.graph_bytes
+        text_key, text_here = None, False
         if graph is not None and envelope.raw_key is not None:
             graph_id = self.compute.programs.alias(envelope.raw_key)
             if graph_id is None or self.placement.known(graph_id) is None:
                 nodes = bytes(graph).count(b'"id"')  # (a body's too: a bound, enough here)
-        return envelope, Facts(body_bytes, len(document), graph_id, nodes, idle)
+                if nodes > NEW_MAX_NODES and self.placement.lifted_texts():
+                    # Maybe a graph seen before but for its literals: read for its text
+                    # (kept for the parse, should it run here).
+                    split = split_numbers(bytes(graph))
+                    envelope = dataclasses.replace(envelope, split=split)
+                    text_key = split.text_key
+                    text_here = self.compute.parser.sites.seen(text_key)
+        facts = Facts(body_bytes, len(document), graph_id, nodes, idle, text_key, text_here)
+        return envelope, facts
 
     def _fast(
         self,

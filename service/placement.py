@@ -18,6 +18,13 @@ here up to larger bounds (the idle lane: some 10 ms of work), unless it has been
 to XLA, which the front process does not load (its tier keeps the books of the runs, and
 asks for the lowering: service/tier.py).
 
+A new graph whose text (all but its numbers: service/literals.py) a computation reported
+as lifted, a graph that differs from one seen before only in float literals, is placed by
+that program's figures: into the fast lane when the front process has found where that
+text's literals are written itself (a new literal then costs no compile), and into the
+idle lane, which may compile it (twice: the second graph of a text finds its places),
+when the server is idle; anything else goes to a worker, which lifts it.
+
 The decision is a guess that the process which runs the request checks: the fast lane
 runs a program only within its bounds (service/compute.py `Bounds`), and a request whose
 program turns out past them goes to a worker after all.
@@ -54,7 +61,17 @@ IDLE_LANE = Bounds(
     nodes=NEW_MAX_NODES, cost=2_000_000_000, steps=10_000, peak_bytes=32 << 20, fast_lane=False
 )
 IDLE_MAX_BODY_BYTES = SHM_MIN_BYTES
-REMEMBERED = 8192  # graphs (by id) whose figures the front remembers
+# A graph whose text lifts may be compiled in the idle lane up to this many nodes (~10 ms:
+# the 24-step cell, 266 nodes, compiles in ~6), once or twice per text and process.
+LIFTED_MAX_NODES = 1024
+LIFTED_LANE = Bounds(
+    nodes=LIFTED_MAX_NODES,
+    cost=IDLE_LANE.cost,
+    steps=IDLE_LANE.steps,
+    peak_bytes=IDLE_LANE.peak_bytes,
+    fast_lane=False,
+)
+REMEMBERED = 8192  # graphs (by id), and texts, whose figures the front remembers
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,8 @@ class Facts:
     graph_id: str | None  # sent, or the id of the graph's bytes seen before
     nodes: int | None  # nodes its graph's bytes show (a graph sent in the body)
     idle: bool = False  # no compute slot is busy
+    text_key: str | None = None  # its graph's text's, where a graph of that text lifted
+    text_here: bool = False  # the front process has found where that text's literals are
 
 
 @dataclass(frozen=True)
@@ -96,10 +115,20 @@ class Placement:
 
     def __init__(self) -> None:
         self._known = Lru(REMEMBERED)  # graph id -> Known
+        self._texts = Lru(REMEMBERED)  # text key -> Known: of a lifted graph of that text
 
     def known(self, graph_id: str) -> Known | None:
         """What the last computation of a graph reported, if the front remembers it."""
         return self._known.get(graph_id)  # type: ignore[no-any-return]
+
+    def lifted_texts(self) -> bool:
+        """Whether a graph of some text was reported lifted (new graphs are worth reading
+        for their text)."""
+        return len(self._texts) > 0
+
+    def text(self, text_key: str) -> Known | None:
+        """What the last lifted computation of a graph of this text reported."""
+        return self._texts.get(text_key)  # type: ignore[no-any-return]
 
     def place(self, facts: Facts) -> Lane:
         known = None if facts.graph_id is None else self.known(facts.graph_id)
@@ -119,6 +148,9 @@ class Placement:
             ):
                 return Lane(True, affinity=key, bounds=IDLE_LANE)
             return Lane(False, affinity=key)
+        text = None if facts.text_key is None else self.text(facts.text_key)
+        if text is not None:
+            return self._place_text(facts, text)
         if facts.document_bytes > NEW_MAX_DOCUMENT_BYTES:
             return WORKER
         if facts.nodes is not None:  # a graph in the body, new or unreported
@@ -128,6 +160,25 @@ class Placement:
         # Sent by an id whose program nobody has reported on: it may be costly. Neither
         # a graph nor an id (or not JSON at all): the parse says what is wrong, at once.
         return WORKER if facts.graph_id is not None else Lane(fast=True)
+
+    @staticmethod
+    def _place_text(facts: Facts, text: Known) -> Lane:
+        """A new graph of a text that lifts, by the figures of that text's program."""
+        if (
+            facts.text_here
+            and facts.document_bytes <= KNOWN_MAX_DOCUMENT_BYTES
+            and facts.body_bytes <= KNOWN_MAX_BODY_BYTES
+            and FAST_LANE.admits(text.cost, text.steps, text.peak_bytes)
+        ):
+            return Lane(True)  # lifted here (compiled only if its literals are not new ones)
+        if (
+            facts.idle
+            and not text.lowered
+            and facts.body_bytes < IDLE_MAX_BODY_BYTES
+            and IDLE_LANE.admits(text.cost, text.steps, text.peak_bytes)
+        ):
+            return Lane(True, bounds=LIFTED_LANE)
+        return WORKER
 
     def learn(self, stats: Stats) -> None:
         """What a computation reported (a run, or a fast-lane request found misplaced). A
@@ -144,13 +195,13 @@ class Placement:
         lowered = stats.lowered or (
             before is not None and before.lowered and before.program_key == stats.program_key
         )
-        self._known.put(
-            stats.graph_id,
-            Known(
-                stats.program_key,
-                stats.compute_cost,
-                stats.steps,
-                stats.planned_peak_bytes or 0,
-                lowered,
-            ),
+        known = Known(
+            stats.program_key,
+            stats.compute_cost,
+            stats.steps,
+            stats.planned_peak_bytes or 0,
+            lowered,
         )
+        self._known.put(stats.graph_id, known)
+        if stats.text_key is not None:
+            self._texts.put(stats.text_key, known)

@@ -94,6 +94,7 @@ class Envelope:
     tail: memoryview | None
     raw_key: str | None
     tensors: Mapping[str, codec.TensorFields] | None = None  # a large document's, split
+    split: Split | None = None  # the graph's bytes split into text and numbers, if read
 
     @property
     def graph_bytes(self) -> memoryview | None:
@@ -382,7 +383,7 @@ class Parser:
         found = text = None
         if graph_bytes is not None and isinstance(graph_data, dict):
             text = bytes(graph_bytes)
-            found = split_numbers(text)
+            found = split_numbers(text) if envelope.split is None else envelope.split
             if self.sites.seen(found.text_key):
                 canonical = canonical_graph(graph_data)
                 graph_id = id_of_canonical(canonical)

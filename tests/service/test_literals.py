@@ -7,6 +7,7 @@ fresh server does."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from gradserve.service.compute import Compute, Stats
 from gradserve.service.literals import split_numbers
+from gradserve.service.placement import NEW_MAX_NODES
 from gradserve.service.settings import Settings
 from gradserve.wire.graph_id import graph_key
 from tests.support.in_process import serving
@@ -23,14 +25,17 @@ RNG = np.random.default_rng(11)
 STEPS = 3
 
 
-def _cell(one: str = "1.25", rate: str = "0.5", power: str = "2", name: str = "loss") -> dict:
+def _cell(
+    one: str = "1.25", rate: str = "0.5", power: str = "2", name: str = "loss", steps: int = STEPS
+) -> dict:
     """A recurrent cell as define-by-run records it, its literals written as given: `one`
-    in every step's expr and as a JSON number, `rate` in the loss, `power` an exponent."""
+    in every step's expr and as a JSON number, `rate` in the loss, `power` an exponent
+    (`steps` past STEPS read the inputs x0... again, in turn)."""
     nodes: list[dict[str, Any]] = []
     h = "h0"
-    for t in range(STEPS):
+    for t in range(steps):
         nodes += [
-            {"id": f"a{t}", "expr": f"x{t} @ w + {h} @ u + b"},
+            {"id": f"a{t}", "expr": f"x{t % STEPS} @ w + {h} @ u + b"},
             {"id": f"p{t}", "op": "add", "args": [f"a{t}", json.loads(one)]},
             {
                 "id": f"h{t + 1}",
@@ -265,4 +270,29 @@ async def test_over_http_a_new_literal_is_read_off_the_bytes() -> None:
     assert 'gradserve_compiles_total{role="front"} 1.0' in metrics
     assert 'gradserve_program_lookups_total{role="front",source="lifted"} 3.0' in metrics
     for answer, body in zip(answers[2:], bodies[2:], strict=True):
+        _same(answer, _own(body))
+
+
+@pytest.mark.anyio
+async def test_over_http_a_new_literal_of_a_large_graph_is_lifted_in_the_front() -> None:
+    """A graph past the fast lane's new graphs (64 nodes) goes to a worker, until one of its
+    text is lifted there: the idle front then compiles that text (twice: the second finds
+    where its literals are), and lifts every new literal after, in the fast lane."""
+    cell = functools.partial(_cell, steps=30)  # 91 nodes
+    assert len(cell()["nodes"]) > NEW_MAX_NODES
+    bodies = [_body(cell(f"1.{k}5")) for k in range(1, 8)]
+    async with serving(compute_workers=1) as (c, _):
+        answers = [(await c.post("/backward", content=body)).json() for body in bodies]
+        metrics = (await c.get("/metrics")).text
+    programs = [a["meta"]["program"] for a in answers]
+    assert programs == ["compiled", "lifted", "compiled", "lifted", "lifted", "lifted", "lifted"]
+    # (a compile that finds its shape's template is a lifted lookup, not a compile)
+    for role, compiled, lifted in (("worker", 1, 1), ("front", 1, 4)):
+        assert f'gradserve_compiles_total{{role="{role}"}} {compiled}.0' in metrics
+        assert (
+            f'gradserve_program_lookups_total{{role="{role}",source="lifted"}} {lifted}.0'
+            in metrics
+        )
+    assert all(a["meta"]["tier_reason"].startswith("fast lane") for a in answers[4:])
+    for answer, body in zip(answers, bodies, strict=True):
         _same(answer, _own(body))

@@ -1,11 +1,13 @@
 """Where a request computes (service/placement.py): the fast lane for the cheapest, the idle
 lane when no compute slot is busy (a known program of some milliseconds runs in the front
 process: a hop to a worker would only add its ~1 ms), and a worker otherwise, or when the
-native tier may yet lower the program (its runs count in the workers)."""
+native tier may yet lower the program (its runs count in the workers). A new graph whose
+text lifted (a graph seen before but for its float literals) is placed by that program."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,9 @@ from gradserve.service.placement import (
     IDLE_LANE,
     IDLE_MAX_BODY_BYTES,
     KNOWN_MAX_DOCUMENT_BYTES,
+    LIFTED_LANE,
+    NEW_MAX_NODES,
+    WORKER,
     Facts,
     Placement,
 )
@@ -70,6 +75,46 @@ def test_an_idle_server_runs_a_known_program_of_milliseconds_in_the_front(
 
 def test_a_program_lowered_to_xla_runs_in_a_worker() -> None:
     assert not _known(FAST_LANE.cost + 1, 10, lowered=True).place(_facts(200_000, True)).fast
+
+
+TEXT = "t" * 32
+
+
+def _lifted_text(cost: int, steps: int, lowered: bool = False) -> Placement:
+    """A placement told that a graph of TEXT was lifted (by a worker, say)."""
+    placement = Placement()
+    stats = Stats(graph_id=GRAPH, program_key="k", compute_cost=cost, steps=steps)
+    stats.planned_peak_bytes, stats.lowered, stats.text_key = 1 << 20, lowered, TEXT
+    placement.learn(stats)
+    return placement
+
+
+def _new_of_text(idle: bool, here: bool, document: int = 20_000) -> Facts:
+    return Facts(document, document, None, NEW_MAX_NODES + 200, idle, TEXT, here)
+
+
+def test_a_new_graph_of_a_lifted_text_is_placed_by_that_program() -> None:
+    cheap = _lifted_text(FAST_LANE.cost, FAST_LANE.steps)
+    assert cheap.lifted_texts() and not Placement().lifted_texts()
+    # The front found where that text's literals are: lifted in the fast lane, busy or not.
+    for idle in (False, True):
+        lane = cheap.place(_new_of_text(idle, here=True))
+        assert lane.fast and lane.bounds is FAST_LANE
+    # Not yet: compiled in the front only when the server is idle (once or twice a text).
+    lane = cheap.place(_new_of_text(idle=True, here=False))
+    assert lane.fast and lane.bounds is LIFTED_LANE and LIFTED_LANE.nodes > NEW_MAX_NODES
+    assert cheap.place(_new_of_text(idle=False, here=False)) is WORKER
+    # Too large a document for the fast lane, too costly, lowered: a worker.
+    assert cheap.place(_new_of_text(False, True, KNOWN_MAX_DOCUMENT_BYTES + 1)) is WORKER
+    costly = _lifted_text(IDLE_LANE.cost + 1, 10)
+    assert costly.place(_new_of_text(idle=True, here=True)) is WORKER
+    lowered = _lifted_text(10, 10, lowered=True)
+    assert lowered.place(_new_of_text(idle=True, here=False)) is WORKER
+    # Another text: by its nodes, as any new graph.
+    other = Facts(20_000, 20_000, None, NEW_MAX_NODES + 200, True, "u" * 32, False)
+    assert cheap.place(other) is WORKER
+    small = dataclasses.replace(other, nodes=NEW_MAX_NODES, body_bytes=9_000, document_bytes=9_000)
+    assert cheap.place(small).fast
 
 
 # ---------------------------------------------------------------- over HTTP, in process
