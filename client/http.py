@@ -1,7 +1,8 @@
 """A Python client for gradserve, on httpx: NumPy arrays in, NumPy arrays out. Plain
-`http://` goes through the client's own HTTP/1.1 transport (client/transport.py: a request
+`http://` goes through the client's own HTTP/1.1 transports (client/transport.py: a request
 in one write; with requests built here, some 0.7 ms a request less than httpx's client on
-loopback), `https://` and proxied URLs through httpx's; `transport=` takes any other.
+loopback, sync or async), `https://` and proxied URLs through httpx's; `transport=` takes
+any other.
 
     >>> from gradserve.client.http import Client
     >>> graph = {"nodes": [{"id": "z", "expr": "(x + y) * (x - y)"}], "outputs": ["z"]}
@@ -97,7 +98,7 @@ from gradserve.client.catalog import Catalog
 from gradserve.client.tensors import Held, Parameter, TensorRef, affinity_of, ref_of
 from gradserve.client.trace import Functional, TraceError, spec_of
 from gradserve.client.trace import trace as trace_graph
-from gradserve.client.transport import Http11Transport
+from gradserve.client.transport import AsyncHttp11Transport, Http11Transport
 from gradserve.wire.binary import (
     BINARY_HEADER,
     RESPONSE_SECTIONS,
@@ -443,6 +444,39 @@ class _Base:
         self._traces: OrderedDict[Any, dict[str, Any]] = OrderedDict()
         self._traces_lock = threading.Lock()
 
+    def _go_direct(self, http: httpx.Client | httpx.AsyncClient) -> None:
+        """Requests to be built here from now on, as `http` would build them (its base URL,
+        headers and timeouts), for its transport straight (client/transport.py)."""
+        self._base_url = http.base_url  # (ends with "/", as httpx makes it)
+        self._default_headers = {k.lower(): v for k, v in http.headers.items()}
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _direct_request(
+        self,
+        method: str,
+        path: str,
+        content: Any,
+        headers: dict[str, str],
+        timeout: httpx.Timeout,
+    ) -> httpx.Request:
+        """The request httpx's client would send (its URL merging, cookies and hooks cost
+        some 0.25 ms a request, as much as the transport itself)."""
+        url = self._urls.get(path)
+        if url is None:
+            if len(self._urls) >= KNOWN_URLS:
+                self._urls.clear()
+            base = self._base_url
+            url = self._urls[path] = base.copy_with(
+                raw_path=base.raw_path + path.lstrip("/").encode()
+            )
+        return httpx.Request(
+            method,
+            url,
+            content=content,
+            headers={**self._default_headers, **{k.lower(): v for k, v in headers.items()}},
+            extensions={"timeout": timeout.as_dict()},
+        )
+
     def _traced(
         self, fn: Callable[..., Any], inputs: Mapping[str, ArrayLike | Held], catalog: Catalog
     ) -> dict[str, Any]:
@@ -700,18 +734,16 @@ class Client(_Base):
             tensor_affinity,
         )
         # Plain http that no proxy of the environment takes goes through the client's own
-        # transport, and straight to it: requests built here (httpx's URL merging, cookies
-        # and hooks cost some 0.25 ms a request, as much as the transport itself). https,
-        # or a proxy: httpx's transport, which reads the environment's proxies.
-        url = httpx.URL(base_url)
-        if transport is None and url.scheme == "http" and not _proxied(url):
+        # transport, and straight to it (`_direct_request`); https, or a proxy: httpx's
+        # transport, which reads the environment's proxies.
+        if transport is None and _plain(base_url):
             transport = Http11Transport()
         self._http = httpx.Client(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
         )
         self._direct = transport if isinstance(transport, Http11Transport) else None
-        self._default_headers = {k.lower(): v for k, v in self._http.headers.items()}
-        self._urls: dict[str, httpx.URL] = {}
+        if self._direct is not None:
+            self._go_direct(self._http)
 
     def forward(
         self,
@@ -896,21 +928,7 @@ class Client(_Base):
             return self._http.request(
                 method, path, content=content, headers=headers, timeout=timeout
             )
-        url = self._urls.get(path)
-        if url is None:
-            if len(self._urls) >= KNOWN_URLS:
-                self._urls.clear()
-            base = self._http.base_url  # (ends with "/", as httpx makes it)
-            url = self._urls[path] = base.copy_with(
-                raw_path=base.raw_path + path.lstrip("/").encode()
-            )
-        request = httpx.Request(
-            method,
-            url,
-            content=content,
-            headers={**self._default_headers, **{k.lower(): v for k, v in headers.items()}},
-            extensions={"timeout": timeout.as_dict()},
-        )
+        request = self._direct_request(method, path, content, headers, timeout)
         response = self._direct.handle_request(request)
         response.request = request
         response.read()
@@ -952,9 +970,14 @@ class AsyncClient(_Base):
             reuse_graphs,
             tensor_affinity,
         )
+        if transport is None and _plain(base_url):  # (as Client's)
+            transport = AsyncHttp11Transport()
         self._http = httpx.AsyncClient(
             base_url=base_url, timeout=timeout, headers=self.headers, transport=transport
         )
+        self._direct = transport if isinstance(transport, AsyncHttp11Transport) else None
+        if self._direct is not None:
+            self._go_direct(self._http)
 
     async def forward(
         self,
@@ -1120,13 +1143,8 @@ class AsyncClient(_Base):
         attempts.begin()
         while True:
             try:
-                timeout = attempts.attempt_timeout()
-                # (the parts anew each attempt: an async iterator is used up)
-                content = (
-                    None if body is None else body if isinstance(body, bytes) else _parts(body)
-                )
-                response = await self._http.request(
-                    method, path, content=content, headers=headers, timeout=timeout
+                response = await self._exchange(
+                    method, path, body, headers, attempts.attempt_timeout()
                 )
             except httpx.TransportError as exc:
                 delay = attempts.after_error(exc)
@@ -1137,6 +1155,27 @@ class AsyncClient(_Base):
                 if delay is None:
                     return response
             await attempts.clock.asleep(delay)
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: bytes | list[bytes | memoryview] | None,
+        headers: dict[str, str],
+        timeout: httpx.Timeout,
+    ) -> httpx.Response:
+        """One attempt's response."""
+        if self._direct is None:
+            # (the parts anew each attempt: an async iterator is used up)
+            content = None if body is None else body if isinstance(body, bytes) else _parts(body)
+            return await self._http.request(
+                method, path, content=content, headers=headers, timeout=timeout
+            )
+        request = self._direct_request(method, path, body, headers, timeout)
+        response = await self._direct.handle_async_request(request)
+        response.request = request
+        await response.aread()
+        return response
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -1312,11 +1351,14 @@ def _is_floating(value: np.ndarray | TensorRef) -> bool:
     return value.dtype.kind == "f"
 
 
-def _proxied(url: httpx.URL) -> bool:
-    """Whether the environment's proxy settings (HTTP_PROXY, ALL_PROXY, NO_PROXY, as
-    httpx reads them) send requests to `url` through a proxy."""
+def _plain(base_url: str) -> bool:
+    """Whether `base_url` is plain http that the environment's proxy settings
+    (HTTP_PROXY, ALL_PROXY, NO_PROXY, as httpx reads them) send through no proxy."""
+    url = httpx.URL(base_url)
+    if url.scheme != "http":
+        return False
     proxies = urllib.request.getproxies()
-    return bool({"http", "all"} & proxies.keys() and not urllib.request.proxy_bypass(url.host))
+    return not ({"http", "all"} & proxies.keys()) or bool(urllib.request.proxy_bypass(url.host))
 
 
 def _framed(

@@ -5,17 +5,19 @@ them). The client's own tests run through it against the real service."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 
-from gradserve import Client
-from gradserve.client.transport import IOV_MAX, Http11Transport
+from gradserve import AsyncClient, Client
+from gradserve.client.transport import IOV_MAX, AsyncHttp11Transport, Http11Transport
 
 Handler = Callable[[socket.socket, "Script"], None]
 
@@ -133,16 +135,58 @@ def scripts() -> Iterator[Scripts]:
         script.close()
 
 
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(transport=Http11Transport(), timeout=5) as c:
-        yield c
+class AsyncAsSync:
+    """An httpx.AsyncClient on AsyncHttp11Transport, called as the sync client is (each call
+    run on an event loop of its own), so that every test below holds for both."""
+
+    def __init__(self, timeout: float) -> None:
+        self.runner = asyncio.Runner()
+        self.client = httpx.AsyncClient(transport=AsyncHttp11Transport(), timeout=timeout)
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        content = kwargs.get("content")
+        if content is not None and not isinstance(content, bytes):
+            kwargs["content"] = _async_parts(list(content))
+        return self.runner.run(self.client.request(method, url, **kwargs))
+
+    def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("POST", url, **kwargs)
+
+    def head(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("HEAD", url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> httpx.Response:
+        return self.request("DELETE", url, **kwargs)
+
+    def close(self) -> None:
+        self.runner.run(self.client.aclose())
+        self.runner.close()
+
+
+async def _async_parts(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+def make_client(kind: str, timeout: float = 5.0) -> Any:
+    """A client on the sync or the async transport."""
+    if kind == "sync":
+        return httpx.Client(transport=Http11Transport(), timeout=timeout)
+    return AsyncAsSync(timeout)
+
+
+@pytest.fixture(params=["sync", "async"])
+def client(request: pytest.FixtureRequest) -> Iterator[Any]:
+    c = make_client(request.param)
+    yield c
+    c.close()
 
 
 # ------------------------------------------------------------------ responses
-def test_a_response_by_length_and_its_connection_kept(
-    scripts: Scripts, client: httpx.Client
-) -> None:
+def test_a_response_by_length_and_its_connection_kept(scripts: Scripts, client: Any) -> None:
     script = scripts(answering(ok(b"first"), ok(b"second", b"X-Thing: a b\r\n")))
     first = client.post(script.url + "/a?q=1", content=b"abc")
     second = client.get(script.url + "/b")
@@ -155,9 +199,7 @@ def test_a_response_by_length_and_its_connection_kept(
     assert head_b.startswith(b"GET /b HTTP/1.1\r\n") and body_b == b""
 
 
-def test_a_chunked_response_with_extensions_and_trailers(
-    scripts: Scripts, client: httpx.Client
-) -> None:
+def test_a_chunked_response_with_extensions_and_trailers(scripts: Scripts, client: Any) -> None:
     chunked = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"5;name=value\r\nhello\r\n1\r\n,\r\n6\r\n world\r\n0\r\nX-Trailer: t\r\n\r\n"
@@ -168,7 +210,7 @@ def test_a_chunked_response_with_extensions_and_trailers(
     assert script.accepted == 1
 
 
-def test_a_body_that_ends_with_the_connection(scripts: Scripts, client: httpx.Client) -> None:
+def test_a_body_that_ends_with_the_connection(scripts: Scripts, client: Any) -> None:
     script = scripts(answering(b"HTTP/1.1 200 OK\r\n\r\nall of it", then_close=True))
     assert client.get(script.url).content == b"all of it"
     assert client.get(script.url).content == b"all of it"
@@ -180,7 +222,7 @@ def test_a_body_that_ends_with_the_connection(scripts: Scripts, client: httpx.Cl
     [ok(b"x", b"Connection: close\r\n"), b"HTTP/1.0 200 OK\r\nContent-Length: 1\r\n\r\nx"],
 )
 def test_connection_close_and_http_1_0_are_not_reused(
-    scripts: Scripts, client: httpx.Client, answer: bytes
+    scripts: Scripts, client: Any, answer: bytes
 ) -> None:
     script = scripts(answering(answer))
     assert [client.get(script.url).content for _ in range(3)] == [b"x"] * 3
@@ -188,7 +230,7 @@ def test_connection_close_and_http_1_0_are_not_reused(
 
 
 def test_no_body_for_head_204_and_304_and_an_interim_100_skipped(
-    scripts: Scripts, client: httpx.Client
+    scripts: Scripts, client: Any
 ) -> None:
     script = scripts(
         answering(
@@ -206,9 +248,7 @@ def test_no_body_for_head_204_and_304_and_an_interim_100_skipped(
     assert script.accepted == 1  # each read exactly to its end
 
 
-def test_an_idle_connection_the_server_closed_is_not_reused(
-    scripts: Scripts, client: httpx.Client
-) -> None:
+def test_an_idle_connection_the_server_closed_is_not_reused(scripts: Scripts, client: Any) -> None:
     closed = threading.Event()
 
     def once(conn: socket.socket, script: Script) -> None:
@@ -224,9 +264,7 @@ def test_an_idle_connection_the_server_closed_is_not_reused(
 
 
 # ------------------------------------------------------------------ requests
-def test_a_body_of_many_parts_and_a_large_one_arrives_whole(
-    scripts: Scripts, client: httpx.Client
-) -> None:
+def test_a_body_of_many_parts_and_a_large_one_arrives_whole(scripts: Scripts, client: Any) -> None:
     script = scripts(answering(ok()))
     parts = [bytes([i % 251]) * (i % 7 + 1) for i in range(IOV_MAX * 2 + 5)]
     big = bytes(range(256)) * 40_000  # 10 MB: sendmsg writes it in pieces
@@ -237,7 +275,7 @@ def test_a_body_of_many_parts_and_a_large_one_arrives_whole(
     assert [body for _, body in script.requests] == [joined, big]
 
 
-def test_a_body_of_unknown_length_goes_chunked(scripts: Scripts, client: httpx.Client) -> None:
+def test_a_body_of_unknown_length_goes_chunked(scripts: Scripts, client: Any) -> None:
     script = scripts(answering(ok()))
     client.post(script.url, content=iter([b"ab", b"", b"cde"]))
     head, body = script.requests[0]
@@ -245,7 +283,7 @@ def test_a_body_of_unknown_length_goes_chunked(scripts: Scripts, client: httpx.C
 
 
 def test_an_answer_before_the_body_is_all_sent_is_the_response(
-    scripts: Scripts, client: httpx.Client
+    scripts: Scripts, client: Any
 ) -> None:
     def refuse(conn: socket.socket, script: Script) -> None:
         while b"\r\n\r\n" not in conn.recv(65536):
@@ -259,27 +297,49 @@ def test_an_answer_before_the_body_is_all_sent_is_the_response(
     assert (response.status_code, response.content) == (413, b"big")
 
 
-def test_threads_share_the_transport_each_on_a_connection_of_its_own(
-    scripts: Scripts, client: httpx.Client
-) -> None:
-    def echo(conn: socket.socket, script: Script) -> None:
-        buffer = bytearray()
-        while read_request(conn, script, buffer):
-            conn.sendall(ok(script.requests[-1][1]))
+def echo(conn: socket.socket, script: Script) -> None:
+    """Answers each request with its own body."""
+    buffer = bytearray()
+    while read_request(conn, script, buffer):
+        conn.sendall(ok(script.requests[-1][1]))
 
+
+EXPECTED = [[b"%d-%d" % (i, j) for j in range(20)] for i in range(8)]
+
+
+def test_threads_share_the_transport_each_on_a_connection_of_its_own(scripts: Scripts) -> None:
+    script = scripts(echo)
+    with make_client("sync") as client:
+
+        def calls(i: int) -> list[bytes]:
+            return [client.post(script.url, content=b"%d-%d" % (i, j)).content for j in range(20)]
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(calls, range(8)))
+    assert answers == EXPECTED
+    assert script.accepted <= 8
+
+
+def test_tasks_share_the_async_transport_each_on_a_connection_of_its_own(scripts: Scripts) -> None:
     script = scripts(echo)
 
-    def calls(i: int) -> list[bytes]:
-        return [client.post(script.url, content=b"%d-%d" % (i, j)).content for j in range(20)]
+    async def main() -> list[list[bytes]]:
+        async with httpx.AsyncClient(transport=AsyncHttp11Transport()) as client:
 
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(calls, range(8)))
-    assert answers == [[b"%d-%d" % (i, j) for j in range(20)] for i in range(8)]
+            async def calls(i: int) -> list[bytes]:
+                return [
+                    (await client.post(script.url, content=b"%d-%d" % (i, j))).content
+                    for j in range(20)
+                ]
+
+            return list(await asyncio.gather(*(calls(i) for i in range(8))))
+
+    assert asyncio.run(main()) == EXPECTED
     assert script.accepted <= 8
 
 
 # ------------------------------------------------------------------ failures, as httpx's
-def test_nothing_listening_is_a_connect_error(client: httpx.Client) -> None:
+def test_nothing_listening_is_a_connect_error(client: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: refused
@@ -300,7 +360,7 @@ def test_nothing_listening_is_a_connect_error(client: httpx.Client) -> None:
     ],
 )
 def test_a_broken_response_is_a_remote_protocol_error(
-    scripts: Scripts, client: httpx.Client, answer: bytes, message: str
+    scripts: Scripts, client: Any, answer: bytes, message: str
 ) -> None:
     def broken(conn: socket.socket, script: Script) -> None:
         read_request(conn, script, bytearray())
@@ -311,7 +371,8 @@ def test_a_broken_response_is_a_remote_protocol_error(
         client.get(script.url)
 
 
-def test_a_slow_answer_is_a_read_timeout(scripts: Scripts) -> None:
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_slow_answer_is_a_read_timeout(scripts: Scripts, kind: str) -> None:
     gate = threading.Event()
 
     def slow(conn: socket.socket, script: Script) -> None:
@@ -319,20 +380,19 @@ def test_a_slow_answer_is_a_read_timeout(scripts: Scripts) -> None:
         gate.wait(5)
 
     script = scripts(slow)
-    with (
-        httpx.Client(transport=Http11Transport(), timeout=0.2) as client,
-        pytest.raises(httpx.ReadTimeout),
-    ):
+    client = make_client(kind, timeout=0.2)
+    with pytest.raises(httpx.ReadTimeout):
         client.get(script.url)
     gate.set()
+    client.close()
 
 
-def test_only_plain_http_is_spoken() -> None:
-    with (
-        httpx.Client(transport=Http11Transport()) as client,
-        pytest.raises(httpx.UnsupportedProtocol, match="'https'"),
-    ):
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_only_plain_http_is_spoken(kind: str) -> None:
+    client = make_client(kind)
+    with pytest.raises(httpx.UnsupportedProtocol, match="'https'"):
         client.get("https://127.0.0.1:1/")
+    client.close()
 
 
 # ------------------------------------------------------------------ the client on it
@@ -349,13 +409,28 @@ def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+def _listings(kind: str, url: str, **options: Any) -> list[dict[str, Any]]:
+    """GET /tensors twice with a Client, or an AsyncClient."""
+    if kind == "sync":
+        with Client(url, retries=0, **options) as gs:
+            return [gs.tensors(), gs.tensors()]
+
+    async def twice() -> list[dict[str, Any]]:
+        async with AsyncClient(url, retries=0, **options) as gs:
+            return [await gs.tensors(), await gs.tensors()]
+
+    return asyncio.run(twice())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_the_client_sends_its_headers_straight_to_the_server(
-    scripts: Scripts, no_proxies: pytest.MonkeyPatch
+    scripts: Scripts, no_proxies: pytest.MonkeyPatch, kind: str
 ) -> None:
     server = scripts(answering(LISTING))
-    with Client(server.url + "/prefix", api_key="k-1", retries=0) as gs:
-        assert gs.tensors()["tensors"] == []
-        assert gs.tensors()["quota_bytes"] == 0
+    assert [t["quota_bytes"] for t in _listings(kind, server.url + "/prefix", api_key="k-1")] == [
+        0,
+        0,
+    ]
     assert server.accepted == 1
     head = server.requests[0][0].lower()
     assert head.startswith(b"get /prefix/tensors http/1.1\r\n")
@@ -365,17 +440,23 @@ def test_the_client_sends_its_headers_straight_to_the_server(
     assert head.count(b"\r\naccept:") == 1
 
 
-@pytest.mark.parametrize("variable", ["HTTP_PROXY", "http_proxy", "ALL_PROXY"])
+@pytest.mark.parametrize(
+    ("variable", "kind"),
+    [
+        ("HTTP_PROXY", "sync"),
+        ("http_proxy", "sync"),
+        ("ALL_PROXY", "sync"),
+        ("HTTP_PROXY", "async"),
+    ],
+)
 def test_a_proxy_of_the_environment_is_used_unless_no_proxy_says_not(
-    scripts: Scripts, no_proxies: pytest.MonkeyPatch, variable: str
+    scripts: Scripts, no_proxies: pytest.MonkeyPatch, variable: str, kind: str
 ) -> None:
     proxy, server = scripts(answering(LISTING)), scripts(answering(LISTING))
     no_proxies.setenv(variable, proxy.url)
-    with Client(server.url, retries=0) as gs:
-        gs.tensors()
-    assert [len(proxy.requests), len(server.requests)] == [1, 0]
+    _listings(kind, server.url)
+    assert [len(proxy.requests), len(server.requests)] == [2, 0]
     assert proxy.requests[0][0].startswith(b"GET %s/tensors HTTP/1.1" % server.url.encode())
     no_proxies.setenv("NO_PROXY", "127.0.0.1")
-    with Client(server.url, retries=0) as gs:
-        gs.tensors()
-    assert [len(proxy.requests), len(server.requests)] == [1, 1]
+    _listings(kind, server.url)
+    assert [len(proxy.requests), len(server.requests)] == [2, 2]
