@@ -27,6 +27,7 @@ import socket
 import threading
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -162,6 +163,36 @@ def _short_body(received: int, expected: int) -> httpx.RemoteProtocolError:
     )
 
 
+class _Pooled(Protocol):
+    def usable(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Pooled)
+
+
+def _unread(sock: Any) -> bool:
+    """Whether an idle connection's socket has nothing to read: a server that closed it
+    has sent its end (or something unasked, which spoils it as much)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+def _usable(idle: list[_C]) -> _C | None:
+    """The most recently idle connection the server has not closed, if any (those it has
+    closed are dropped)."""
+    while idle:
+        connection = idle.pop()
+        if connection.usable():
+            return connection
+        connection.close()
+    return None
+
+
 # ------------------------------------------------------------------ sync
 class Http11Transport(httpx.BaseTransport):
     """HTTP/1.1 over plain TCP with keep-alive connections; see the module's docstring."""
@@ -199,13 +230,8 @@ class Http11Transport(httpx.BaseTransport):
 
     def _take(self, address: Address, timeout: float | None) -> _Connection:
         with self._lock:
-            idle = self._idle.get(address, [])
-            while idle:
-                connection = idle.pop()
-                if connection.usable():
-                    return connection
-                connection.close()
-        return _Connection.open(address, timeout)
+            connection = _usable(self._idle.get(address, []))
+        return connection or _Connection.open(address, timeout)
 
     def _give_back(self, address: Address, connection: _Connection) -> None:
         with self._lock:
@@ -233,12 +259,8 @@ class _Connection:
         return cls(sock)
 
     def usable(self) -> bool:
-        """False when the server has closed this idle connection (or sent on it unasked)."""
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
+        """False when the server has closed this idle connection."""
+        return _unread(self.sock)
 
     def close(self) -> None:
         self.sock.close()
@@ -393,13 +415,8 @@ class AsyncHttp11Transport(httpx.AsyncBaseTransport):
                 connection.close()
 
     async def _take(self, address: Address, timeout: float | None) -> _AsyncConnection:
-        idle = self._idle.get(address, [])
-        while idle:
-            connection = idle.pop()
-            if connection.usable():
-                return connection
-            connection.close()
-        return await _AsyncConnection.open(address, timeout)
+        connection = _usable(self._idle.get(address, []))
+        return connection or await _AsyncConnection.open(address, timeout)
 
 
 class _AsyncConnection:
@@ -421,8 +438,12 @@ class _AsyncConnection:
         return cls(reader, writer)
 
     def usable(self) -> bool:
-        """False when the server has closed this idle connection."""
-        return not (self.reader.at_eof() or self.writer.is_closing())
+        """False when the server has closed this idle connection: seen by the loop, or
+        waiting in the socket for the loop to see it."""
+        if self.reader.at_eof() or self.writer.is_closing():
+            return False
+        sock = self.writer.get_extra_info("socket")
+        return sock is None or _unread(sock)
 
     def close(self) -> None:
         self.writer.close()
