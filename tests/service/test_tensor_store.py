@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 
 from gradserve.service.errors import ProblemError
-from gradserve.service.tensors import ALIGN, ANONYMOUS, MAGIC, Held, Pins, TensorStore
+from gradserve.service.tensors import (
+    ALIGN,
+    ANONYMOUS,
+    MAGIC,
+    READ_BELOW,
+    Held,
+    Pins,
+    TensorStore,
+)
 from gradserve.wire.tensor_id import id_of_array, tensor_id
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,7 +129,7 @@ def test_every_dtype_round_trips_bit_exact_under_its_content_id(tmp_path: Path, 
     pins = Pins()
     got = store.open(None, [(("inputs", "x"), held.tensor_id)], pins)[held.tensor_id]
     same_bits(got, array)
-    assert not got.flags.writeable  # (a view on the file's read-only mapping)
+    assert not got.flags.writeable  # (a view on the file's bytes, read or mapped read-only)
     assert pins.ids == {held.tensor_id} and len(pins.descriptors) == 1
     pins.release()
     same_bits(got, array)  # (the mapping outlives the pin)
@@ -132,6 +140,23 @@ def test_every_dtype_round_trips_bit_exact_under_its_content_id(tmp_path: Path, 
     data = path_of(store, held.tensor_id).read_bytes()
     assert data.startswith(MAGIC) and len(data) % ALIGN == array.nbytes % ALIGN
     assert data[len(data) - array.nbytes :] == array.tobytes()
+
+
+@pytest.mark.parametrize("elements", [1, READ_BELOW // F64 - 16, READ_BELOW // F64, 1 << 16])
+def test_small_files_are_read_and_large_ones_mapped_alike(tmp_path: Path, elements: int) -> None:
+    """Either side of READ_BELOW (a file of its header and data): the same bits, read-only,
+    pinned the same way; a file cut short is never served, read or mapped."""
+    array = floats(elements, 3)
+    store = store_at(tmp_path, quota=1 << 24)
+    held = store.put(None, array)[0]
+    pins = Pins()
+    got = store.open(None, [((), held.tensor_id)], pins)[held.tensor_id]
+    same_bits(got, array)
+    assert not got.flags.writeable and len(pins.descriptors) == 1
+    pins.release()
+    path = store.root / ANONYMOUS / held.tensor_id
+    os.truncate(path, path.stat().st_size - 1)
+    assert_unknown(store, held.tensor_id)
 
 
 def test_the_same_content_is_one_tensor_and_a_put_again_only_touches_it(tmp_path: Path) -> None:
