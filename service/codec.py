@@ -138,10 +138,27 @@ TensorFields = dict[str, dict[str, msgspec.Raw]]  # a tensors member split: name
 
 def tensors_of_fields(fields: TensorFields) -> Any:
     """A tensors member already split into its tensors' fields, parsed as `loads_tensors`
-    parses the member."""
+    parses the member: each large `data` on its own (`_data`), every other field in one
+    parse (a parse each costs more than the fields' bytes: the 24-step cell's 56)."""
+    large = {
+        (name, key)
+        for name, f in fields.items()
+        for key, value in f.items()
+        if key == "data" and len(value) >= NUMBERS_MIN_BYTES
+    }
+    small = [
+        bytes(value)
+        for name, f in fields.items()
+        for key, value in f.items()
+        if (name, key) not in large
+    ]
+    try:
+        parsed = iter(loads(b"[%s]" % b",".join(small)))
+    except JSONError:  # (each parsed on its own, to say where it is wrong as `loads` does)
+        parsed = iter([loads(text) for text in small])
     return {
         name: {
-            key: (_data(value) if key == "data" else loads(bytes(value)))
+            key: (_data(value) if (name, key) in large else next(parsed))
             for key, value in f.items()
         }
         for name, f in fields.items()

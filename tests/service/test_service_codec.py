@@ -6,6 +6,7 @@ import base64
 import json
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -369,3 +370,30 @@ def test_both_rectangularity_checks_read_arrays_as_numpy_does(
             assert want is not None and got.array.shape == want.shape, text
             assert np.array_equal(got.array, want), text
         assert (read[0] is None) == (read[1] is None), text
+
+
+def test_the_small_fields_beside_large_data_parse_as_each_on_its_own() -> None:
+    """tensors_of_fields parses every field but a large `data` in one go: the same values,
+    in the same places, as a parse of each; a field that is not strict JSON is refused
+    with the message its own parse gives."""
+    member = {
+        f"t{k}": {"data": [[k * 0.5, -1.0]], "dtype": "float32", "requires_grad": k % 2 == 0}
+        for k in range(30)
+    } | {"big": {"data": _numbers(BIG), "requires_grad": True}}
+    fields = codec._TENSOR_FIELDS.decode(json.dumps(member).encode())
+    parsed = codec.tensors_of_fields(fields)
+    for name, f in fields.items():
+        for key, value in f.items():
+            got = parsed[name][key]
+            if name == "big" and key == "data":
+                assert got.kind == "f" and got.array.tolist() == member["big"]["data"]
+            else:
+                own = codec.loads(bytes(value))
+                assert got == own == member[name][key] and type(got) is type(own)
+    assert list(parsed) == list(fields) and all(list(parsed[n]) == list(fields[n]) for n in fields)
+    bad = {"x": {"data": msgspec.Raw(b"[1.0, 2.0]"), "requires_grad": msgspec.Raw(b"NaN")}}
+    with pytest.raises(codec.JSONError) as caught:
+        codec.tensors_of_fields(bad)
+    with pytest.raises(codec.JSONError) as alone:
+        codec.loads(b"NaN")
+    assert str(caught.value) == str(alone.value)
