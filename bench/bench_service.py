@@ -23,6 +23,12 @@
    (front and workers, sampled every 3 ms, and each process's VmHWM) during a 256 MiB
    binary request.
 
+5. The Python client: the seed example's round trip (POST /backward, JSON, sequential)
+   through `gradserve.Client` and `AsyncClient` on their own HTTP/1.1 transports
+   (client/transport.py), through both on httpx's transports (what they used before), and
+   through a plain `httpx.Client` posting the same body, against the floor of a raw
+   keep-alive socket (bench.harness.RawClient), in the same rounds.
+
 Loopback only; every run is bounded in count and time. Each figure is the median over
 `--rounds` rounds. Each round measures the floor and then the seed example back to back,
 and the ratio is the median of the rounds' ratios: on a shared machine the load drifts
@@ -31,7 +37,7 @@ uvicorn serves both with the same HTTP parser and event loop (httptools and uvlo
 installed, else h11 and asyncio); the header says which.
 
     python3 -m bench.bench_service [--rounds 3] [--requests 2000] [--cell-requests 200]
-                                  [--parts seed,tensor,cell,wire] [--smoke]
+                                  [--parts seed,tensor,cell,wire,client] [--smoke]
 """
 
 from __future__ import annotations
@@ -87,6 +93,94 @@ def paired(
         return tuple(statistics.median(col) for col in zip(*rows, strict=True))
 
     return med(floors), med(seeds), ratio
+
+
+def client_rounds(port: int, rounds: int, requests: int) -> dict[str, tuple[float, float]]:
+    """Per way of sending the seed: (median over rounds of its p50 ms, median of the
+    rounds' p50 ratios against the raw socket's)."""
+    import asyncio
+
+    import httpx
+
+    from gradserve import AsyncClient, Client
+
+    base = f"http://127.0.0.1:{port}"
+    seed = orjson.loads(SEED)
+    graph, inputs = seed["graph"], {k: v["data"] for k, v in seed["inputs"].items()}
+    wrt = [k for k, v in seed["inputs"].items() if v.get("requires_grad")]
+    headers = [("Content-Type", "application/json")]
+
+    def timed(call: Any) -> float:
+        for _ in range(20):
+            call()
+        times = []
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
+
+    def timed_async(gs: AsyncClient) -> float:
+        async def run() -> float:
+            async with gs:
+                for _ in range(20):
+                    await gs.backward(graph, inputs, requires_grad=wrt)
+                times = []
+                for _ in range(requests):
+                    t0 = time.perf_counter()
+                    await gs.backward(graph, inputs, requires_grad=wrt)
+                    times.append((time.perf_counter() - t0) * 1000)
+                return statistics.median(times)
+
+        return asyncio.run(run())
+
+    samples: dict[str, list[float]] = {k: [] for k in CLIENT_WAYS}
+    for _ in range(rounds):
+        with RawClient(port) as raw:
+            samples["raw"].append(timed(lambda: raw.post("/backward", [SEED], headers)))
+        with Client(base) as gs:
+            samples["client"].append(timed(lambda: gs.backward(graph, inputs, requires_grad=wrt)))
+        samples["async"].append(timed_async(AsyncClient(base)))
+        with Client(base, transport=httpx.HTTPTransport()) as gs:
+            samples["client-httpx"].append(
+                timed(lambda: gs.backward(graph, inputs, requires_grad=wrt))
+            )
+        samples["async-httpx"].append(
+            timed_async(AsyncClient(base, transport=httpx.AsyncHTTPTransport()))
+        )
+        with httpx.Client(base_url=base) as hx:
+            samples["httpx"].append(
+                timed(lambda: hx.post("/backward", content=SEED, headers=dict(headers)))
+            )
+    return {
+        k: (
+            statistics.median(v),
+            statistics.median(a / r for a, r in zip(v, samples["raw"], strict=True)),
+        )
+        for k, v in samples.items()
+    }
+
+
+CLIENT_WAYS = {
+    "raw": "a raw keep-alive socket (the floor)",
+    "client": "gradserve.Client (its own transport)",
+    "async": "gradserve.AsyncClient (its own transport)",
+    "client-httpx": "gradserve.Client on httpx's transport",
+    "async-httpx": "gradserve.AsyncClient on httpx's transport",
+    "httpx": "httpx.Client, the same body",
+}
+
+
+def print_clients(clients: dict[str, tuple[float, float]], rounds: int, requests: int) -> None:
+    print(
+        f"\nthe seed example's round trip by client (POST /backward, sequential); median of "
+        f"{rounds} rounds of {requests} requests; loopback"
+    )
+    print(f"{'client':<42} | {'p50 ms':>7} | {'vs raw socket':>13}")
+    print("-" * 68)
+    for key, label in CLIENT_WAYS.items():
+        p50, ratio = clients[key]
+        print(f"{label:<42} | {p50:7.3f} | {ratio:12.2f}x")
 
 
 def big_tensor(base: str, rounds: int) -> dict[str, float]:
@@ -717,13 +811,15 @@ def main(argv: list[str] | None = None) -> None:
         help="requests per measurement of the recurrent cell",
     )
     parser.add_argument(
-        "--parts", default="seed,tensor,cell,wire", help="comma-separated: seed, tensor, cell, wire"
+        "--parts",
+        default="seed,tensor,cell,wire,client",
+        help="comma-separated: seed, tensor, cell, wire, client",
     )
     args = parser.parse_args(argv)
     if args.smoke:  # every part, one round of a few requests
         args.rounds, args.requests, args.cell_requests = 1, 50, 5
     parts = set(args.parts.split(","))
-    unknown = parts - {"seed", "tensor", "cell", "wire"}
+    unknown = parts - {"seed", "tensor", "cell", "wire", "client"}
     if unknown:
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
 
@@ -761,9 +857,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     tensor: dict[str, float] = {}
     cell: dict[str, tuple[float, ...]] = {}
+    clients: dict[str, tuple[float, float]] = {}
     # 16 slots: at concurrency 16 the default 8 would answer some requests 503 (by design).
     gs_env = {"GRADSERVE_MAX_CONCURRENCY": "16"}
-    if parts & {"seed", "tensor", "cell"}:
+    if parts & {"seed", "tensor", "cell", "client"}:
         with serving(gs_argv, port=gs_port, env=gs_env, ready="/") as gs_server:
             base = gs_server.base
             if "seed" in parts:
@@ -780,6 +877,8 @@ def main(argv: list[str] | None = None) -> None:
                     warm, _, torch_body = cell_bodies()
                     check_cell(base, torch_base, warm, torch_body)
                     cell = cell_rounds(args.rounds, gs_port, torch_port, args.cell_requests)
+            if "client" in parts:
+                clients = client_rounds(gs_port, args.rounds, min(args.requests, 1000))
     wired = wire(args.rounds) if "wire" in parts else None
 
     if rows:
@@ -798,6 +897,8 @@ def main(argv: list[str] | None = None) -> None:
         print_cell(cell, args.rounds, args.cell_requests)
     if wired:
         print_wire(wired, args.rounds)
+    if clients:
+        print_clients(clients, args.rounds, min(args.requests, 1000))
 
 
 def print_cell(cell: dict[str, tuple[float, ...]], rounds: int, requests: int) -> None:
