@@ -42,6 +42,7 @@ installed, else h11 and asyncio); the header says which.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
 import sys
@@ -52,6 +53,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 import pybase64
@@ -67,6 +69,7 @@ from bench.harness import (
     stack,
 )
 from bench.workloads import CELL_STEPS, SEED, TORCH_APP, cell_bodies, unrolled
+from gradserve import AsyncClient, Client
 from tests.support.server import free_port, serving
 
 FLOOR_APP = """
@@ -98,12 +101,6 @@ def paired(
 def client_rounds(port: int, rounds: int, requests: int) -> dict[str, tuple[float, float]]:
     """Per way of sending the seed: (median over rounds of its p50 ms, median of the
     rounds' p50 ratios against the raw socket's)."""
-    import asyncio
-
-    import httpx
-
-    from gradserve import AsyncClient, Client
-
     base = f"http://127.0.0.1:{port}"
     seed = orjson.loads(SEED)
     graph, inputs = seed["graph"], {k: v["data"] for k, v in seed["inputs"].items()}

@@ -25,7 +25,7 @@ import contextlib
 import select
 import socket
 import threading
-from collections.abc import AsyncIterable, Iterable
+from collections.abc import AsyncIterable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -163,6 +163,28 @@ def _short_body(received: int, expected: int) -> httpx.RemoteProtocolError:
     )
 
 
+@contextlib.contextmanager
+def _raising_as(
+    timeout: type[httpx.TimeoutException], error: type[httpx.TransportError], what: str
+) -> Iterator[None]:
+    """A socket's failures inside, as httpx's: a timeout as `timeout` (`what` timed out),
+    any other as `error`."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise timeout(str(exc) or f"{what} timed out") from exc
+    except OSError as exc:
+        raise error(str(exc)) from exc
+
+
+def _reading() -> contextlib.AbstractContextManager[None]:
+    return _raising_as(httpx.ReadTimeout, httpx.ReadError, "the response")
+
+
+def _connecting() -> contextlib.AbstractContextManager[None]:
+    return _raising_as(httpx.ConnectTimeout, httpx.ConnectError, "the connection")
+
+
 class _Pooled(Protocol):
     def usable(self) -> bool: ...
 
@@ -249,12 +271,8 @@ class _Connection:
 
     @classmethod
     def open(cls, address: Address, timeout: float | None) -> _Connection:
-        try:
+        with _connecting():
             sock = socket.create_connection(address, timeout=timeout)
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout(str(exc) or "the connection timed out") from exc
-        except OSError as exc:
-            raise httpx.ConnectError(str(exc)) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
 
@@ -312,12 +330,8 @@ class _Connection:
         return head, self._until_closed(), False
 
     def _recv(self) -> bytes:
-        try:
+        with _reading():
             return self.sock.recv(READ_BYTES)
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout(str(exc) or "the response timed out") from exc
-        except OSError as exc:
-            raise httpx.ReadError(str(exc)) from exc
 
     def _head(self) -> _Head:
         while (end := self.buffer.find(b"\r\n\r\n")) < 0:
@@ -342,12 +356,8 @@ class _Connection:
         view[:at] = self.buffer
         self.buffer.clear()
         while at < size:
-            try:
+            with _reading():
                 n = self.sock.recv_into(view[at:])
-            except TimeoutError as exc:
-                raise httpx.ReadTimeout(str(exc) or "the response timed out") from exc
-            except OSError as exc:
-                raise httpx.ReadError(str(exc)) from exc
             if not n:
                 raise _short_body(at, size)
             at += n
@@ -425,13 +435,9 @@ class _AsyncConnection:
 
     @classmethod
     async def open(cls, address: Address, timeout: float | None) -> _AsyncConnection:
-        try:
+        with _connecting():
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(*address, limit=HEAD_BYTES)
-        except TimeoutError as exc:
-            raise httpx.ConnectTimeout(str(exc) or "the connection timed out") from exc
-        except OSError as exc:
-            raise httpx.ConnectError(str(exc)) from exc
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -487,14 +493,11 @@ class _AsyncConnection:
 
     async def _response(self, method: str, timeouts: Timeouts) -> tuple[_Head, bytes, bool]:
         try:
-            async with asyncio.timeout(timeouts.get("read")):
-                return await self._read(method)
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout(str(exc) or "the response timed out") from exc
+            with _reading():
+                async with asyncio.timeout(timeouts.get("read")):
+                    return await self._read(method)
         except asyncio.LimitOverrunError:
             raise httpx.RemoteProtocolError("a response head past 1 MiB") from None
-        except OSError as exc:
-            raise httpx.ReadError(str(exc)) from exc
 
     async def _read(self, method: str) -> tuple[_Head, bytes, bool]:
         head = await self._head()

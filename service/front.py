@@ -333,11 +333,12 @@ class Front:
         if graph is not None and envelope.raw_key is not None:
             graph_id = self.compute.programs.alias(envelope.raw_key)
             if graph_id is None or self.placement.known(graph_id) is None:
-                nodes = bytes(graph).count(b'"id"')  # (a body's too: a bound, enough here)
+                text = bytes(graph)
+                nodes = text.count(b'"id"')  # (a body's too: a bound, enough here)
                 if nodes > NEW_MAX_NODES and self.placement.lifted_texts():
                     # Maybe a graph seen before but for its literals: read for its text
                     # (kept for the parse, should it run here).
-                    split = split_numbers(bytes(graph))
+                    split = split_numbers(text)
                     envelope = dataclasses.replace(envelope, split=split)
                     text_key = split.text_key
                     text_here = self.compute.parser.sites.seen(text_key)
